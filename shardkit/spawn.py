@@ -5,10 +5,16 @@ environment (RANK, WORLD_SIZE, LOCAL_RANK, ...), a process group initialized thr
 rendezvous in a private directory (no port races), and its return value or traceback is sent back
 to the parent. A rank that fails makes the parent stop the others after a short grace period, since
 they are probably blocked in a collective waiting for it.
+
+Ranks run on the CPU (gloo, GPUs hidden from them) or one per GPU (nccl); :func:`plan_ranks` picks
+that and refuses more ranks than visible GPUs, since nccl cannot put two ranks on one GPU. Ranks
+never outlive this process: each dies with its parent (Linux parent-death signal, plus a watchdog
+thread), and SIGTERM/SIGINT to the parent are passed on to every rank's process group.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -16,13 +22,25 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
-from shardkit.errors import DistributedError
+from shardkit.errors import DistributedError, UsageError
+
+Device = Literal["auto", "cpu", "gpu"]
+DEVICES: tuple[Device, ...] = ("auto", "cpu", "gpu")
+
+# CPU ranks beyond this many per core get a warning: each rank is a whole process with its own
+# model copy and engine, so 64 ranks on 2 cores mostly measure the scheduler and fill the memory.
+RANKS_PER_CORE_WARNING = 2
+
+# What a CPU rank gets so that nothing in it touches a GPU, even on a GPU machine: torch sees no
+# CUDA device, and DeepSpeed's accelerator is forced to its CPU one (it would pick cuda otherwise).
+CPU_RANK_ENV: dict[str, str] = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
 
 # After the first rank fails, how long the others get to finish (or fail themselves, which gives a
 # better message) before they are killed.
@@ -50,18 +68,149 @@ class RankResult:
         return self.exitcode == 0 and self.error is None
 
 
-def default_backend() -> str:
-    """nccl when this process can see CUDA GPUs, gloo otherwise."""
+@dataclass(frozen=True)
+class RankPlan:
+    """How many ranks to start and where they run."""
+
+    nproc: int
+    device: Literal["cpu", "gpu"]
+    """cpu: gloo ranks with every GPU hidden; gpu: one nccl rank per visible GPU."""
+    warnings: tuple[str, ...] = ()
+    """Things to tell the user before starting (a rank count far beyond the cores)."""
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "gpu" else "gloo"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment every rank gets on top of the parent's."""
+        return dict(CPU_RANK_ENV) if self.device == "cpu" else {}
+
+
+def visible_gpus() -> int:
+    """CUDA GPUs this process can see (CUDA_VISIBLE_DEVICES applied); 0 without CUDA."""
     try:
         import torch
 
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # pragma: no cover - torch import problems surface elsewhere
-        return "gloo"
+        return 0
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a Slurm or container limit)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_nproc(device: Device = "auto", gpus: int | None = None) -> int:
+    """One rank per visible GPU; 2 CPU ranks (gloo) with --device cpu or when no GPU is visible."""
+    gpus = visible_gpus() if gpus is None else gpus
+    if device == "cpu" or gpus == 0:
+        return 2
+    return gpus
+
+
+def plan_ranks(
+    nproc: int | None,
+    device: Device = "auto",
+    *,
+    gpus: int | None = None,
+    cores: int | None = None,
+) -> RankPlan:
+    """Decide the rank count and device for a run; UsageError when the machine cannot hold it.
+
+    ``auto`` means one nccl rank per visible GPU, or CPU ranks when there is none. More ranks than
+    visible GPUs are refused rather than left to fail inside nccl (rank 1 asks for ``cuda:1``:
+    "invalid device ordinal"); ``cpu`` runs any number of gloo ranks with the GPUs hidden.
+    ``gpus`` and ``cores`` default to what this machine has (tests pass them in).
+    """
+    if device not in DEVICES:
+        raise UsageError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
+    if nproc is not None and nproc < 1:
+        raise UsageError(f"--nproc {nproc}: must be at least 1")
+    gpus = visible_gpus() if gpus is None else gpus
+    if device == "gpu" and gpus == 0:
+        raise UsageError(
+            "--device gpu: no CUDA GPU is visible to this process "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}); "
+            "run with --device cpu (gloo ranks) or on a machine with GPUs"
+        )
+    on_gpu = device == "gpu" or (device == "auto" and gpus > 0)
+    n = nproc if nproc is not None else default_nproc("gpu" if on_gpu else "cpu", gpus)
+    if on_gpu:
+        if n > gpus:
+            raise UsageError(
+                f"--nproc {n} asks for {n} ranks but {gpus} GPU(s) are visible, and nccl needs one GPU per rank; "
+                f"pass --nproc {gpus} (or fewer), or --device cpu to run {n} CPU ranks with gloo"
+            )
+        return RankPlan(n, "gpu")
+    cores = usable_cores() if cores is None else cores
+    warnings: list[str] = []
+    if n > RANKS_PER_CORE_WARNING * cores:
+        warnings.append(
+            f"--nproc {n} starts {n} CPU ranks on {cores} core(s): each rank is a whole process with its own "
+            f"model and engine, so this is slow and memory-hungry; use --nproc {max(1, min(2, cores))} unless you "
+            "are testing scale"
+        )
+    return RankPlan(n, "cpu", tuple(warnings))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """End this rank (and its process group) when the process that spawned it dies, however it died.
+
+    The rank is its own session leader (os.setsid), so a SIGKILL of the parent, or a SIGTERM it had
+    no time to pass on, would otherwise leave it running and holding memory (and GPUs) forever.
+    """
+    try:  # Linux: the kernel sends SIGKILL the moment the parent exits, even from SIGKILL
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        # Fallback where prctl is missing, and the part that also stops what the rank started
+        # (a JIT build, DataLoader workers) when the parent vanishes: kill the whole group.
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        try:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="shardkit-parent-watchdog", daemon=True).start()
+
+
+def _resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:
+    if callable(target):
+        return target
+    module, _, qualname = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _by_name(target: Callable[..., Any]) -> Callable[..., Any] | str:
+    """``module:qualname`` for an importable target, so the rank imports it only after its
+    environment is set (a module that imports deepspeed picks its accelerator at import)."""
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", "")
+    if module and module != "__main__" and "<" not in qualname:
+        return f"{module}:{qualname}"
+    return target
 
 
 def _rank_main(
-    target: Callable[..., Any],
+    target: Callable[..., Any] | str,
     rank: int,
     world_size: int,
     init_file: str,
@@ -69,10 +218,13 @@ def _rank_main(
     backend: str,
     env: dict[str, str],
     args: tuple[Any, ...],
+    parent_pid: int | None = None,
 ) -> None:
     # Own process group, so a kill at the timeout also reaches what the rank started (a JIT build
     # of a DeepSpeed op, DataLoader workers) instead of leaving it running.
     os.setsid()
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     os.environ.update(env)
     os.environ.update(
         {
@@ -99,7 +251,7 @@ def _rank_main(
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
-            result["value"] = target(*args)
+            result["value"] = _resolve(target)(*args)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -108,6 +260,9 @@ def _rank_main(
         result["error_type"] = type(exc).__name__
         result["error_message"] = str(exc)
         code = 1
+        # Also into the rank's own output (its log file when the target redirected it), so the log
+        # of a failed rank ends with the reason, not with the last thing the engine printed.
+        print(f"shardkit: rank {rank} failed:\n{result['error']}", file=sys.stderr, flush=True)
     try:
         payload = pickle.dumps(result)
     except Exception as exc:  # the return value did not pickle
@@ -126,19 +281,30 @@ def run_ranks(
     args: Sequence[Any] = (),
     timeout: float = 300.0,
     backend: str | None = None,
+    device: Literal["cpu", "gpu"] | None = None,
     env: dict[str, str] | None = None,
     workdir: str | Path | None = None,
     raise_on_error: bool = True,
 ) -> list[RankResult]:
     """Run ``target(*args)`` on ``world_size`` spawned ranks and return each rank's result.
 
-    ``target`` must be importable (a module-level function). Raises DistributedError naming the
-    ranks that failed or did not finish within ``timeout`` seconds, unless ``raise_on_error`` is
-    False, in which case the results (with errors filled in) are returned.
+    ``target`` must be importable (a module-level function). ``device`` "cpu" runs gloo ranks that
+    cannot see a GPU, "gpu" one nccl rank per GPU; ``backend`` "gloo"/"nccl" is the same choice by
+    its backend's name; with neither, GPUs are used when there are enough of them, and more ranks
+    than GPUs is a UsageError (see :func:`plan_ranks`). Raises DistributedError naming the ranks
+    that failed or did not finish within ``timeout`` seconds, unless ``raise_on_error`` is False,
+    in which case the results (with errors filled in) are returned.
     """
     if world_size < 1:
         raise DistributedError(f"world size must be at least 1, got {world_size}")
-    backend = backend or default_backend()
+    if backend not in (None, "gloo", "nccl"):
+        raise UsageError(f"backend {backend!r}: shardkit ranks use gloo (CPU) or nccl (one GPU per rank)")
+    if device is None and backend is not None:
+        device = "cpu" if backend == "gloo" else "gpu"
+    elif device is not None and backend is not None and backend != ("gloo" if device == "cpu" else "nccl"):
+        raise UsageError(f"backend {backend!r} does not fit device {device!r}: cpu ranks use gloo, gpu ranks nccl")
+    plan = plan_ranks(world_size, device or "auto")
+    backend = plan.backend
     ctx = mp.get_context("spawn")
     own_dir = workdir is None
     base = Path(tempfile.mkdtemp(prefix="shardkit-ranks-")) if own_dir else Path(workdir)  # type: ignore[arg-type]
@@ -147,13 +313,15 @@ def run_ranks(
     # A reused workdir must not hand back an earlier run's results or rendezvous (the latter hangs).
     for stale in [init_file, *base.glob("rank*.pkl"), *base.glob(".rank*.tmp")]:
         stale.unlink(missing_ok=True)
-    child_env = dict(env or {})
-    procs = []
+    child_env = {**plan.env, **(env or {})}
+    procs: list[Any] = []
+    forwarding = _ForwardSignals(procs)
     try:
+        forwarding.install()
         for rank in range(world_size):
             p = ctx.Process(
                 target=_rank_main,
-                args=(target, rank, world_size, str(init_file), str(base), backend, child_env, tuple(args)),
+                args=(_by_name(target), rank, world_size, str(init_file), str(base), backend, child_env, tuple(args), os.getpid()),
                 name=f"shardkit-rank{rank}",
             )
             p.start()
@@ -195,11 +363,50 @@ def run_ranks(
             raise DistributedError(_failure_message(results, timed_out, timeout))
         return results
     finally:
+        forwarding.restore()
         for p in procs:
-            if p.is_alive():  # pragma: no cover - belt and braces
+            if p.is_alive():  # an exception (KeyboardInterrupt) left them running
                 _signal_group(p.pid, signal.SIGKILL)
+                p.join(5)
         if own_dir:
             shutil.rmtree(base, ignore_errors=True)
+
+
+@dataclass
+class _ForwardSignals:
+    """While ranks run, SIGTERM/SIGINT to this process go to every rank's process group first.
+
+    The ranks are session leaders (os.setsid), so neither Ctrl-C in a terminal nor `kill` of this
+    process reaches them by itself; then this process reacts as it would have without us.
+    """
+
+    procs: list[Any]
+    previous: dict[int, Any] = field(default_factory=dict)
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set there; the ranks still die with this process
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN:
+                continue  # this process ignores it (nohup): so do the ranks
+            self.previous[sig] = previous
+            signal.signal(sig, self._forward)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        for p in self.procs:
+            _signal_group(p.pid, signal.Signals(signum))
+        previous = self.previous.get(signum, signal.SIG_DFL)
+        self.restore()
+        if callable(previous):
+            previous(signum, frame)  # Python's SIGINT handler raises KeyboardInterrupt
+        elif previous is signal.SIG_DFL:
+            os.kill(os.getpid(), signum)  # die of the signal, as without the handler
 
 
 def _signal_group(pid: int | None, sig: signal.Signals) -> None:

@@ -35,3 +35,32 @@ def leaves_a_child(pid_file: str) -> None:
     with open(pid_file, "w") as fh:
         fh.write(str(child.pid))
     time.sleep(3600)
+
+
+def sees_devices() -> dict[str, object]:
+    """What a rank can see of the GPUs and which accelerator DeepSpeed would pick."""
+    return {
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR"),
+        "cuda_devices": torch.cuda.device_count(),
+        "backend": dist.get_backend(),
+    }
+
+
+def writes_pid_then_sleeps(pid_dir: str) -> None:
+    """Record this rank's pid (and a child's), then block like a rank waiting in a collective."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    with open(os.path.join(pid_dir, f"rank{dist.get_rank()}.pid"), "w") as fh:
+        fh.write(f"{os.getpid()} {child.pid}")
+    time.sleep(3600)
+
+
+def logs_then_raises(log_dir: str) -> None:
+    from shardkit.spawn import redirect_output
+
+    redirect_output(os.path.join(log_dir, f"rank{dist.get_rank()}.log"))
+    print("engine chatter", flush=True)
+    raise ValueError("Type fp16 is not supported on your device.")

@@ -53,3 +53,128 @@ def test_the_timeout_also_kills_what_a_rank_started(tmp_path):
         time.sleep(0.1)
     os.kill(child, 9)
     raise AssertionError(f"rank's child process {child} survived the timeout")
+
+
+# ---------------------------------------------------------------- ranks sized to the machine
+
+
+def test_more_ranks_than_visible_gpus_is_refused_naming_both_numbers_and_the_fix():
+    from shardkit.errors import UsageError
+    from shardkit.spawn import plan_ranks
+
+    with pytest.raises(UsageError, match=r"--nproc 2 asks for 2 ranks but 1 GPU\(s\) are visible.*--nproc 1 \(or fewer\), or --device cpu"):
+        plan_ranks(2, "auto", gpus=1, cores=16)
+    with pytest.raises(UsageError, match=r"--nproc 3 asks for 3 ranks but 2 GPU"):
+        plan_ranks(3, "gpu", gpus=2, cores=16)
+    with pytest.raises(UsageError, match=r"--device gpu: no CUDA GPU is visible.*--device cpu"):
+        plan_ranks(None, "gpu", gpus=0, cores=16)
+    with pytest.raises(UsageError, match=r"--device 'tpu': choose one of auto, cpu, gpu"):
+        plan_ranks(None, "tpu", gpus=0, cores=16)  # type: ignore[arg-type]
+
+
+def test_default_is_one_rank_per_gpu_else_two_cpu_ranks_and_cpu_is_always_allowed():
+    from shardkit.spawn import plan_ranks
+
+    assert (plan_ranks(None, "auto", gpus=8, cores=16).nproc, plan_ranks(None, "auto", gpus=8, cores=16).backend) == (8, "nccl")
+    assert plan_ranks(None, "auto", gpus=0, cores=2).device == "cpu" and plan_ranks(None, "auto", gpus=0, cores=2).nproc == 2
+    cpu = plan_ranks(4, "cpu", gpus=1, cores=2)  # more ranks than GPUs, but on the CPU: fine
+    assert (cpu.nproc, cpu.backend, cpu.warnings) == (4, "gloo", ())
+    assert cpu.env == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    assert plan_ranks(1, "auto", gpus=1, cores=2).env == {}
+
+
+def test_a_rank_count_far_beyond_the_cores_gets_a_warning():
+    from shardkit.spawn import plan_ranks
+
+    (warning,) = plan_ranks(64, "cpu", gpus=0, cores=2).warnings
+    assert "--nproc 64 starts 64 CPU ranks on 2 core(s)" in warning and "use --nproc 2" in warning
+
+
+def test_cpu_ranks_cannot_see_a_gpu_and_deepspeed_is_forced_to_its_cpu_accelerator():
+    results = run_ranks(targets.sees_devices, 2, timeout=120, device="cpu")
+    for r in results:
+        assert r.value == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "cuda_devices": 0, "backend": "gloo"}
+
+
+def test_a_failed_ranks_log_ends_with_its_traceback(tmp_path):
+    results = run_ranks(targets.logs_then_raises, 1, args=(str(tmp_path),), timeout=60, backend="gloo", raise_on_error=False)
+    assert results[0].error_type == "ValueError"
+    log = (tmp_path / "rank0.log").read_text()
+    assert "engine chatter" in log and "Traceback (most recent call last)" in log
+    assert log.rstrip().endswith("ValueError: Type fp16 is not supported on your device.")
+
+
+# ---------------------------------------------------------------- ranks never outlive their parent
+
+_PARENT = """
+import sys
+from shardkit.spawn import run_ranks
+from tests import _ranks_spawn as targets
+run_ranks(targets.writes_pid_then_sleeps, 2, args=(sys.argv[1],), timeout=600, backend="gloo")
+"""
+
+
+def _start_parent_and_wait_for_ranks(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], start_new_session=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(list(tmp_path.glob("rank*.pid"))) < 2:
+        assert parent.poll() is None, f"parent exited early with {parent.returncode}"
+        time.sleep(0.1)
+    pids = [tuple(int(x) for x in f.read_text().split()) for f in sorted(tmp_path.glob("rank*.pid"))]
+    assert len(pids) == 2, "ranks did not start within 90 s"
+    return parent, [p for p, _ in pids], [c for _, c in pids]
+
+
+def _gone_within(pids, seconds):
+    import os
+    import time
+
+    deadline = time.monotonic() + seconds
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.1)
+    for p in alive:  # do not leave them behind for the next test
+        try:
+            os.kill(p, 9)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _alive(pid):
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead, merely unreaped
+    except FileNotFoundError:
+        return False
+    except OSError:
+        os.kill(pid, 0)
+        return True
+
+
+def test_ranks_die_when_their_parent_is_killed_with_sigkill(tmp_path):
+    import os
+    import signal
+
+    parent, ranks, _children = _start_parent_and_wait_for_ranks(tmp_path)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(10)
+    assert _gone_within(ranks, 5) == [], "ranks outlived a SIGKILLed parent"
+
+
+def test_sigterm_to_the_parent_reaches_the_ranks_and_what_they_started(tmp_path):
+    import os
+    import signal
+
+    parent, ranks, children = _start_parent_and_wait_for_ranks(tmp_path)
+    os.kill(parent.pid, signal.SIGTERM)
+    assert parent.wait(10) == -signal.SIGTERM  # the parent still dies of the signal it got
+    assert _gone_within(ranks + children, 5) == [], "ranks or their children outlived a SIGTERMed parent"
