@@ -206,3 +206,10 @@ def rank0_arrives_late(timeout: float) -> dict[str, Any]:
     store = dist.distributed_c10d._get_default_store()
     out["left"] = [k for k in _round_keys(0) if store.check([k])]
     return out
+
+
+def fails_to_build() -> nn.Module:
+    """A model factory that dies in every rank before the preflight (like DeepSpeed refusing fp16
+    on a CPU without fp16 support)."""
+    print("building the model", flush=True)
+    raise ValueError(f"Type fp16 is not supported on your device (rank {dist.get_rank()})\nsecond line of the message")

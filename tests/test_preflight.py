@@ -150,7 +150,7 @@ def test_cli_runs_static_checks_ranks_preflight_and_one_step(run_cli, tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ZERO3_CLI))
     out_json = tmp_path / "placement.json"
-    code, out, err = run_cli("preflight", cfg, "--nproc", "2", "--json", out_json)
+    code, out, err = run_cli("preflight", cfg, "--nproc", "2", "--device", "cpu", "--json", out_json)
     assert code == 0, out + err
     assert "placement preflight (deepspeed-zero3, 2 rank(s)" in out and ": ok" in out
     assert "one training step after the preflight: ok" in out
@@ -163,11 +163,11 @@ def test_cli_runs_static_checks_ranks_preflight_and_one_step(run_cli, tmp_path):
 def test_cli_static_stops_before_spawning_and_static_errors_exit_1(run_cli, tmp_path):
     good = tmp_path / "ds.json"
     good.write_text(json.dumps(ZERO3_CLI))
-    code, out, _ = run_cli("preflight", good, "--static", "--nproc", "2")
+    code, out, _ = run_cli("preflight", good, "--static", "--nproc", "2", "--device", "cpu")
     assert code == 0 and "spawning 2 rank" not in out
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**ZERO3_CLI, "train_batch_size": 3}))
-    code, out, _ = run_cli("preflight", bad, "--nproc", "2")
+    code, out, _ = run_cli("preflight", bad, "--nproc", "2", "--device", "cpu")
     assert code == 1 and "static checks failed" in out and "spawning 2 rank" not in out
 
 
@@ -182,7 +182,7 @@ def test_cli_static_stops_before_spawning_and_static_errors_exit_1(run_cli, tmp_
 def test_cli_usage_errors_exit_2(run_cli, tmp_path, argv, message):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ZERO3_CLI))
-    code, _, err = run_cli("preflight", cfg, "--nproc", "2", *argv) if argv[0] != "--nproc" else run_cli("preflight", cfg, *argv)
+    code, _, err = run_cli("preflight", cfg, "--nproc", "2", "--device", "cpu", *argv) if argv[0] != "--nproc" else run_cli("preflight", cfg, *argv)
     assert code == 2 and re.search(message, err), err
 
 
@@ -194,8 +194,41 @@ def test_cli_missing_config_names_the_file(run_cli, tmp_path):
 def test_cli_fsdp2_config_with_a_user_model_factory(run_cli, tmp_path):
     cfg = tmp_path / "fsdp.json"
     cfg.write_text(json.dumps({"fsdp": {"cpu_offload": True, "pin_memory": False, "mixed_precision": "none"}}))
-    code, out, err = run_cli("preflight", cfg, "--nproc", "2", "--model", "tests._ranks_preflight:Classifier")
+    code, out, err = run_cli("preflight", cfg, "--nproc", "2", "--device", "cpu", "--model", "tests._ranks_preflight:Classifier")
     assert code == 0, out + err
     assert "placement preflight (fsdp2, 2 rank(s)" in out
     # a model without config.vocab_size gets no synthetic causal-LM step, and says so
     assert "no training step: the model has no config.vocab_size" in out
+
+
+def test_cli_names_each_dead_ranks_exception_and_log_and_writes_a_failure_json(run_cli, tmp_path, monkeypatch):
+    import shardkit.spawn
+
+    monkeypatch.setattr(shardkit.spawn, "usable_cores", lambda: 1)  # 3 ranks on "1 core": warned
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({**ZERO3_CLI, "train_batch_size": 3}))
+    out_json = tmp_path / "placement.json"
+    code, out, err = run_cli("preflight", cfg, "--nproc", "3", "--device", "cpu", "--model", "tests._ranks_preflight:fails_to_build",
+                             "--json", out_json)
+    assert code == 1
+    assert "warning: --nproc 3 starts 3 CPU ranks on 1 core(s)" in err
+    assert "3 of 3 rank(s) failed before the preflight finished:" in err
+    data = json.loads(out_json.read_text())
+    assert data["ok"] is False and data["world_size"] == 3 and [f["rank"] for f in data["failures"]] == [0, 1, 2]
+    for f in data["failures"]:
+        line = f"rank {f['rank']}: ValueError: Type fp16 is not supported on your device (rank {f['rank']}) (log: {f['log']})"
+        assert line in err  # one line per rank: type, first line of the message, log path
+        log = open(f["log"]).read()
+        assert "building the model" in log and "Traceback (most recent call last)" in log and "second line of the message" in log
+    assert "second line of the message" not in err
+
+
+def test_cli_refuses_more_ranks_than_visible_gpus_before_spawning(run_cli, tmp_path, monkeypatch):
+    import shardkit.spawn
+
+    monkeypatch.setattr(shardkit.spawn, "visible_gpus", lambda: 1)  # a one-GPU machine
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(ZERO3_CLI))
+    code, out, err = run_cli("preflight", cfg, "--nproc", "2")
+    assert code == 2 and "spawning" not in out
+    assert "--nproc 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "--device cpu" in err

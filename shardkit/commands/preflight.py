@@ -23,6 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", help="DeepSpeed config (JSON/YAML) or shardkit FSDP2 config (top-level \"fsdp\" key)")
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: visible GPUs, else 2 CPU ranks with gloo)")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "gpu"], default="auto",
+        help="auto: one rank per visible GPU (nccl), CPU ranks (gloo) without GPUs; cpu: gloo ranks that never touch "
+        "a GPU (any --nproc); gpu: GPUs only. More ranks than visible GPUs is refused unless --device cpu",
+    )
     p.add_argument("--model", default=None, metavar="SPEC", help="llama:SIZE (tiny, small, 40m, 160m) or pkg.module:factory (default: llama:tiny)")
     p.add_argument("--static", action="store_true", help="only the static config checks; spawn nothing")
     p.add_argument("--json", default=None, metavar="FILE", help="write the full placement report as JSON ('-' for stdout)")
@@ -37,6 +42,7 @@ def preflight_command(args: argparse.Namespace) -> int:
         PreflightOptions(
             config=args.config,
             nproc=args.nproc,
+            device=args.device,
             model=args.model,
             static=args.static,
             json_path=args.json,

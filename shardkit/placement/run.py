@@ -11,9 +11,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from shardkit.errors import DistributedError, UsageError
+
+if TYPE_CHECKING:
+    from shardkit.spawn import RankPlan, RankResult
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,10 @@ class PreflightOptions:
     config: str
     """DeepSpeed JSON/YAML config, or a shardkit FSDP2 config (top-level ``"fsdp"`` key)."""
     nproc: int | None = None
-    """Ranks to spawn; None = one per visible accelerator, else 2 CPU ranks (gloo)."""
+    """Ranks to spawn; None = one per visible GPU, else (or with device "cpu") 2 CPU ranks (gloo)."""
+    device: str = "auto"
+    """auto: one nccl rank per visible GPU, CPU ranks without GPUs; cpu: gloo ranks that cannot see a
+    GPU; gpu: GPUs or a refusal. More ranks than visible GPUs is refused unless "cpu"."""
     model: str | None = None
     """``llama:SIZE`` or ``pkg.module:factory``; None = the tiny built-in Llama (no downloads)."""
     static: bool = False
@@ -48,15 +54,6 @@ class RankSpec:
     log_dir: str
 
 
-def default_nproc() -> int:
-    """One rank per visible accelerator, else 2 CPU ranks with gloo."""
-    import torch
-
-    if torch.accelerator.is_available():
-        return max(1, torch.accelerator.device_count())
-    return 2
-
-
 def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     """Exit code: 0 clean, 1 findings (static errors, placement problems, a failed step)."""
     from shardkit.checks import check_file
@@ -64,16 +61,15 @@ def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     from shardkit.models import resolve_model_factory
     from shardkit.render import print_report
 
+    from shardkit.spawn import plan_ranks
+
     out = out or sys.stdout
-    if opts.nproc is not None and opts.nproc < 1:
-        raise UsageError(f"--nproc {opts.nproc}: must be at least 1")
     if opts.timeout <= 0:
         raise UsageError(f"--timeout {opts.timeout}: must be positive (seconds a late rank is waited for)")
+    plan = plan_ranks(opts.nproc, opts.device)  # type: ignore[arg-type]  # UsageError names the fix
     cfg = load_config(opts.config)
-    import torch
-
-    nproc = opts.nproc if opts.nproc is not None else default_nproc()
-    report = check_file(opts.config, world_size=nproc, accelerator=torch.accelerator.is_available())
+    nproc = plan.nproc
+    report = check_file(opts.config, world_size=nproc, accelerator=plan.device == "gpu")
     print_report(report, file=out)
     if not report.ok:
         print(f"static checks failed: fix {len(report.errors)} error(s) above before spawning ranks", file=out)
@@ -81,22 +77,33 @@ def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     if opts.static:
         return 0
     resolve_model_factory(opts.model)  # a bad --model is a usage error here, not a crash in N ranks
-    return _run_ranks(opts, cfg, config_kind(cfg), nproc, out)
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return _run_ranks(opts, cfg, config_kind(cfg), plan, out)
 
 
-def _run_ranks(opts: PreflightOptions, cfg: dict[str, Any], kind: str, nproc: int, out: TextIO) -> int:
+def _run_ranks(opts: PreflightOptions, cfg: dict[str, Any], kind: str, plan: "RankPlan", out: TextIO) -> int:
     from shardkit.spawn import run_ranks
 
+    nproc = plan.nproc
     log_dir = tempfile.mkdtemp(prefix="shardkit-preflight-logs-")
     json_path = None if opts.json_path in (None, "-") else str(Path(opts.json_path).resolve())
     spec = RankSpec(cfg, kind, opts.model, opts.timeout, json_path or (str(Path(log_dir) / "report.json") if opts.json_path == "-" else None), log_dir)
-    print(f"spawning {nproc} rank(s) ({kind}); rank logs in {log_dir}", file=out, flush=True)
-    results = run_ranks(preflight_rank, nproc, args=(spec,), timeout=opts.run_timeout, raise_on_error=False)
+    print(f"spawning {nproc} rank(s) ({kind}) on {plan.device} ({plan.backend}); rank logs in {log_dir}", file=out, flush=True)
+    results = run_ranks(preflight_rank, nproc, args=(spec,), timeout=opts.run_timeout, device=plan.device, raise_on_error=False)
     values = [r.value for r in results if r.ok and isinstance(r.value, dict)]
     crashed = [r for r in results if not r.ok]
     if crashed and not values:
-        tail = "\n".join(f"--- rank {r.rank} ---\n{_log_tail(log_dir, r.rank) or (r.error or '').strip()}" for r in crashed)
-        raise DistributedError(f"{len(crashed)} of {nproc} rank(s) failed before the preflight finished:\n{tail}")
+        failures = [rank_failure(r, log_dir) for r in crashed]
+        if opts.json_path:
+            from shardkit.render import write_json
+
+            write_json(failure_record(opts, plan, failures), opts.json_path, file=out)
+        lines = "\n".join(f"  rank {f['rank']}: {f['error']} (log: {f['log']})" for f in failures)
+        raise DistributedError(
+            f"{len(crashed)} of {nproc} rank(s) failed before the preflight finished:\n{lines}\n"
+            "Fix the first error above (the rank logs hold the full tracebacks) and run the preflight again."
+        )
     first = min((r for r in results if r.ok), key=lambda r: r.rank)
     value = first.value
     print(value["text"], file=out)
@@ -115,11 +122,44 @@ def _run_ranks(opts: PreflightOptions, cfg: dict[str, Any], kind: str, nproc: in
     return 0
 
 
-def _log_tail(log_dir: str, rank: int, lines: int = 30) -> str:
+def rank_failure(result: "RankResult", log_dir: str) -> dict[str, Any]:
+    """One failed rank as plain data: its exception (type and first message line), exit code, log."""
+    if result.error_type:
+        message = next((line.strip() for line in (result.error_message or "").splitlines() if line.strip()), "")
+        error = f"{result.error_type}: {message}" if message else result.error_type
+    else:  # killed at the timeout, or died without reporting (segfault, os._exit, OOM killer)
+        lines = [line.strip() for line in (result.error or "").splitlines() if line.strip()]
+        error = lines[-1] if lines else f"exit code {result.exitcode}"
+        last = _last_log_line(log_dir, result.rank)
+        if last and result.exitcode not in (None, 0):
+            error += f"; last log line: {last}"
+    return {
+        "rank": result.rank,
+        "error": error,
+        "error_type": result.error_type,
+        "exitcode": result.exitcode,
+        "log": str(Path(log_dir) / f"rank{result.rank}.log"),
+    }
+
+
+def failure_record(opts: PreflightOptions, plan: "RankPlan", failures: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``--json`` holds when ranks died before the preflight could report (no placement)."""
+    return {
+        "ok": False,
+        "stage": "ranks failed before the preflight finished",
+        "config": str(opts.config),
+        "world_size": plan.nproc,
+        "device": plan.device,
+        "failures": failures,
+    }
+
+
+def _last_log_line(log_dir: str, rank: int) -> str:
     path = Path(log_dir) / f"rank{rank}.log"
     if not path.exists():
         return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 def preflight_rank(spec: RankSpec) -> dict[str, Any]:
