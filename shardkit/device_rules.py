@@ -64,3 +64,46 @@ def same_device(a: "torch.device", b: "torch.device") -> bool:
     if a.type in ("cpu", "meta"):
         return True
     return (a.index or 0) == (b.index or 0)
+
+
+def compute_device_from_tensors(
+    bytes_by_device: Mapping[str, int], local_rank: int | None, accelerator_count: int
+) -> str | None:
+    """The compute device a plain torch run really uses, judged from where its parameters are.
+
+    - parameters on an accelerator: the launcher's ``LOCAL_RANK`` picks the index when one is set
+      (torchrun/deepspeed give every rank its own device), else the accelerator device holding the
+      most bytes - so a head left on the CPU by ``model.to(device)`` then ``model.head = ...`` is
+      the odd one out (field guide case 2);
+    - parameters on the CPU only: ``cpu`` - a model deliberately kept on the CPU of a GPU host is
+      healthy (an H100 run showed the old "an accelerator exists" rule failing it);
+    - nothing (or only ``meta``, which is never a compute device): ``None``, the caller decides.
+    """
+    seen = {d: n for d, n in bytes_by_device.items() if not d.startswith("meta")}
+    accel = {d: n for d, n in seen.items() if not d.startswith("cpu")}
+    if accel:
+        kind = max(accel.items(), key=lambda kv: (kv[1], kv[0]))[0].split(":")[0]
+        if local_rank is not None and accelerator_count > 0:
+            return f"{kind}:{local_rank % accelerator_count}"
+        dev = max(accel.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        return dev if ":" in dev else f"{dev}:0"
+    return "cpu" if seen else None
+
+
+def module_compute_device(model: Any, optimizer: Any = None) -> str:
+    """``compute_device_from_tensors`` over a live model's (or optimizer's) parameters; falls back to
+    ``accelerator_device()`` when there is nothing to judge from."""
+    import torch
+
+    sizes: dict[str, int] = {}
+    params = list(model.parameters()) if model is not None else [
+        p for g in getattr(optimizer, "param_groups", []) for p in g.get("params", [])
+    ]
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        key = str(local.device)
+        sizes[key] = sizes.get(key, 0) + local.numel() * local.element_size()
+    launched = "LOCAL_RANK" in os.environ
+    count = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    dev = compute_device_from_tensors(sizes, local_rank() if launched else None, count)
+    return dev if dev is not None else str(accelerator_device())

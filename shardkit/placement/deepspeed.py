@@ -3,9 +3,12 @@ stage_1_and_2.py; every attribute is read with getattr so an older/newer layout 
 records, not a crash).
 
 ZeRO-3: each managed parameter keeps its local shard in ``param.ds_tensor`` (``ds_numel`` elements
-= ceil(numel / world)) on ``offload_param.device`` - except ``ds_persist`` parameters (below
-``param_persistence_threshold``), which stay on the accelerator (partition_parameters.py
-``_partition_param``); ``param.data`` is an empty placeholder on the accelerator. fp32 masters are
+= ceil(numel / world)) on ``offload_param.device``, ``ds_persist`` parameters (below
+``param_persistence_threshold``) included: they keep their *full* ``param.data`` on the accelerator,
+but their partition follows the offload device like every other (recorded on an H100 with
+DeepSpeed 0.19.8, tests/data/gpu_truth/z3_offparam_only.json; reading ``_partition_param`` alone
+suggested otherwise, and that false alarm failed healthy offload runs). ``param.data`` is a
+placeholder (empty, or whole for persistent parameters) on the accelerator. fp32 masters are
 ``optimizer.fp32_partitioned_groups_flat[i]`` on ``optimizer.device`` (cpu with optimizer offload,
 ``subgroup_to_device`` with a ``ratio``), gradient partitions live in ``grad_partitions_flat_buffer``
 on the same device, and the inner optimizer's state is keyed by the fp32 partitions.
@@ -93,10 +96,7 @@ def _zero3(engine: Any, rank: int, expected: ExpectedDevices, out: EngineRecords
         out.zero3_partitions[full] = int(getattr(shard, "ds_numel", shard.numel()))
         if not out.zero3_partition_ranks:
             out.zero3_partition_ranks = _partition_ranks(p)
-        if getattr(p, "ds_persist", False):
-            dev, why = expected.compute, "persistent parameter (below param_persistence_threshold) stays on the accelerator"
-        else:
-            dev, why = expected.param_shard, expected.param_shard_why
+        dev, why = expected.param_shard, expected.param_shard_why
         if getattr(shard, "status", None) == PartitionedParamStatus.NOT_AVAILABLE:
             # Swapped out to NVMe: nothing in memory to check.
             n = int(getattr(shard, "ds_numel", 0))
@@ -124,6 +124,24 @@ def _zero3(engine: Any, rank: int, expected: ExpectedDevices, out: EngineRecords
     inner = _inner_optimizer(engine)
     if inner is not None:
         out.records += _state_records(inner, rank, devs, labels, expected)
+    out.records += _attr_records(zopt, rank, expected)
+
+
+def _attr_records(zopt: Any, rank: int, expected: ExpectedDevices) -> list[R.PlacementRecord]:
+    """The ZeRO optimizer's other tensors (staging buffers, overflow flags ...) by the shared table."""
+    from shardkit.placement._tensors import iter_tensors
+    from shardkit.placement.zero_attrs import expected_for, rule_for
+
+    out: list[R.PlacementRecord] = []
+    for attr, value in sorted(vars(zopt).items()):
+        rule = rule_for(attr)
+        if rule is None or not rule.live:
+            continue
+        entries = list(iter_tensors(value, ""))
+        for i, (sub, t) in enumerate(entries):
+            dev, why = expected_for(rule, expected, i, len(entries))
+            out.append(tensor_record(rank, f"zero.{attr}{sub}", R.ZERO_STATE_BUFFER, t, dev, why))
+    return out
 
 
 def _partition_ranks(param: Any) -> int:
@@ -146,6 +164,7 @@ def _zero012(engine: Any, rank: int, expected: ExpectedDevices, stage: int, out:
     if stage == 0:
         if inner is not None:
             out.records += optimizer_records(inner, rank, {}, expected.compute)
+        out.records += _attr_records(zopt, rank, expected)
         return
     for i, t in enumerate(getattr(zopt, "bit16_groups_flat", []) or []):
         out.records.append(tensor_record(rank, f"zero.bit16_flat[{i}]", R.ZERO_BIT16_FLAT, t, expected.compute, "bit16 weights are computed with: accelerator"))
@@ -159,6 +178,7 @@ def _zero012(engine: Any, rank: int, expected: ExpectedDevices, stage: int, out:
             out.records.append(tensor_record(rank, f"zero.fp32_partition[{i}].grad", R.ZERO_GRAD_PARTITION, t.grad, expected.optimizer, expected.optimizer_why))
     if inner is not None:
         out.records += _state_records(inner, rank, devs, labels, expected)
+    out.records += _attr_records(zopt, rank, expected)
 
 
 def _state_records(inner: Any, rank: int, devs: dict[int, str], labels: dict[int, str], expected: ExpectedDevices) -> list[R.PlacementRecord]:

@@ -29,29 +29,70 @@ def is_fsdp2(model: Any) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def module_offloads(model: "torch.nn.Module") -> bool | None:
-    """Whether fully_shard was given a CPUOffloadPolicy (read from its param groups); None if unknown."""
+def _param_groups(model: "torch.nn.Module") -> list[Any]:
+    """Every FSDPParamGroup under ``model``. torch 2.11 keeps one per module (``_fsdp_param_group``),
+    torch 2.13 a list (``_fsdp_param_groups``); reading only one of them made an H100 run with
+    CPUOffloadPolicy look unoffloaded (84 false alarms)."""
     from torch.distributed.fsdp import FSDPModule
 
-    seen: list[bool] = []
+    groups: list[Any] = []
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
         state = m._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", []) or []:
-            for fp in getattr(group, "fsdp_params", []):
-                seen.append(bool(getattr(fp, "offload_to_cpu", False)))
+        many = getattr(state, "_fsdp_param_groups", None)
+        if many is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            many = [one] if one is not None else []
+        groups.extend(g for g in many if g is not None)
+    return groups
+
+
+def module_offloads(model: "torch.nn.Module") -> bool | None:
+    """Whether fully_shard was given a CPUOffloadPolicy, read from the module's own FSDP state
+    (each param group's ``offload_policy``); None when no group says."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    seen: list[bool] = []
+    for group in _param_groups(model):
+        policy = getattr(group, "offload_policy", None)
+        if policy is not None:
+            seen.append(isinstance(policy, CPUOffloadPolicy))
+        else:
+            seen.extend(bool(getattr(fp, "offload_to_cpu", False)) for fp in getattr(group, "fsdp_params", []))
     return any(seen) if seen else None
 
 
+def fsdp_mesh_device(model: "torch.nn.Module") -> str | None:
+    """The device FSDP2 computes on (the param group's ``device``: the mesh's accelerator even when
+    the shards are offloaded to the CPU)."""
+    for group in _param_groups(model):
+        dev = getattr(group, "device", None)
+        if dev is not None:
+            return str(dev) if dev.index is not None or dev.type == "cpu" else f"{dev.type}:0"
+    return None
+
+
 def fsdp_expected_for(model: "torch.nn.Module", config: Mapping[str, Any] | None, compute: str) -> ExpectedDevices:
-    """The config decides when given (``fsdp.cpu_offload``); otherwise the policy fully_shard was given."""
+    """The policy fully_shard was given decides (the module knows whether it is offloaded); the
+    config decides only when the module's state does not say. A config that disagrees with the
+    module is named in every record's reason, and the records fail where the tensors disagree."""
     block = (config or {}).get("fsdp") if isinstance(config, Mapping) else None
-    if isinstance(block, Mapping) and "cpu_offload" in block:
-        on = bool(block["cpu_offload"])
-        return fsdp_expected(on, compute, f"fsdp.cpu_offload={str(on).lower()}")
-    on = bool(module_offloads(model))
-    return fsdp_expected(on, compute, "fully_shard(offload_policy=CPUOffloadPolicy)" if on else "fully_shard without CPU offload")
+    configured = bool(block["cpu_offload"]) if isinstance(block, Mapping) and "cpu_offload" in block else None
+    on = module_offloads(model)
+    if on is None:
+        on = bool(configured)
+        why = f"fsdp.cpu_offload={str(on).lower()}" if configured is not None else "fully_shard without CPU offload"
+    else:
+        why = "fully_shard(offload_policy=CPUOffloadPolicy)" if on else "fully_shard without CPU offload"
+        if configured == on:
+            why = f"fsdp.cpu_offload={str(on).lower()}"
+        elif configured is not None:
+            # The run is not the run the config describes: expect what the config says, so every
+            # tensor the module put elsewhere is named.
+            why = f"fsdp.cpu_offload={str(configured).lower()} (but the module was sharded {why})"
+            on = configured
+    return fsdp_expected(on, compute, why)
 
 
 def collect_fsdp(

@@ -24,6 +24,7 @@ ZERO_FP32_PARTITION = "zero.fp32_partition"
 ZERO_GRAD_PARTITION = "zero.grad_partition"
 ZERO_BIT16_FLAT = "zero.bit16_flat"
 ZERO_UNMANAGED = "zero.unmanaged_param"
+ZERO_STATE_BUFFER = "zero.buffer"
 FSDP_SHARD = "fsdp.shard"
 
 
