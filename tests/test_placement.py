@@ -243,7 +243,7 @@ def test_preflight_cli_flags_are_frozen(run_cli):
     code, out, _ = run_cli("preflight", "--help")
     assert code == 0
     flags = set(re.findall(r"(--[a-z][a-z-]*)", out.split("options:", 1)[1]))
-    assert flags == {"--help", "--nproc", "--model", "--static", "--json", "--timeout"}
+    assert flags == {"--help", "--nproc", "--device", "--model", "--static", "--json", "--timeout", "--observed", "--config", "--record"}
     assert "example:\n  shardkit preflight ds_config.json --nproc 2" in out
 
 

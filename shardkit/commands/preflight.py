@@ -18,10 +18,21 @@ def register(sub: argparse._SubParsersAction) -> None:
             "build the model, initialize DeepSpeed or FSDP2 from CONFIG, run the placement preflight "
             "(parameters, ZeRO partitions, fp32 masters, gradients, optimizer state vs. the devices the config "
             "implies; versions, config digest and parameter set across ranks) and one training step. "
+            "With --observed SNAPSHOT, judges a recorded run offline instead (every tensor gets an expectation or is "
+            "listed as not checked); --record FILE writes such a snapshot from the live ranks. "
             "Exit 0 clean, 1 findings, 2 usage error."
         ),
     )
-    p.add_argument("config", help="DeepSpeed config (JSON/YAML) or shardkit FSDP2 config (top-level \"fsdp\" key)")
+    p.add_argument("config", nargs="?", default=None,
+                   help="DeepSpeed config (JSON/YAML) or shardkit FSDP2 config (top-level \"fsdp\" key)")
+    p.add_argument("--observed", default=None, metavar="SNAPSHOT",
+                   help="judge a recorded snapshot (--record output, or tests/data/gpu_truth/*.json) offline: no ranks; "
+                   "expectations from --config/CONFIG, else the snapshot's own spec")
+    p.add_argument("--config", dest="config_opt", default=None, metavar="CFG",
+                   help="with --observed: the config to judge the snapshot against (same as the CONFIG argument)")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="each rank writes where every tensor is after init and after the step (rank N>0: FILE.rankN.json), "
+                   "in the ground-truth format --observed reads")
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: visible GPUs, else 2 CPU ranks with gloo)")
     p.add_argument(
         "--device", choices=["auto", "cpu", "gpu"], default="auto",
@@ -36,16 +47,39 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def preflight_command(args: argparse.Namespace) -> int:
+    from shardkit.errors import UsageError
     from shardkit.placement.run import PreflightOptions, run_preflight
 
+    if args.config and args.config_opt and args.config != args.config_opt:
+        raise UsageError(f"two configs given ({args.config} and --config {args.config_opt}): pass one")
+    config = args.config or args.config_opt
+    if args.observed:
+        return observed_command(args.observed, config, args.json)
+    if not config:
+        raise UsageError("preflight needs CONFIG (a DeepSpeed or FSDP2 config), or --observed SNAPSHOT to judge a recording")
     return run_preflight(
         PreflightOptions(
-            config=args.config,
+            config=config,
             nproc=args.nproc,
             device=args.device,
             model=args.model,
             static=args.static,
             json_path=args.json,
+            record_path=args.record,
             timeout=args.timeout,
         )
     )
+
+
+def observed_command(snapshot: str, config: str | None, json_path: str | None) -> int:
+    """``--observed``: judge a recording; exit 0 and one summary line when healthy, 1 and the table when not."""
+    from shardkit.placement.observed import judge_snapshot_file
+
+    report = judge_snapshot_file(snapshot, config)
+    if json_path:
+        from shardkit.render import write_json
+
+        write_json(report.to_dict(), json_path)
+    if json_path != "-":
+        print(report.render() if not report.ok or report.not_checked else report.summary())
+    return report.exit_code

@@ -38,6 +38,8 @@ class PreflightOptions:
     """Write the placement report (every rank's records) as JSON here; '-' = stdout."""
     timeout: float = 60.0
     """Seconds a rank may be late to the preflight before it is named as missing."""
+    record_path: str | None = None
+    """``--record FILE``: each rank writes where every tensor is (the GPU ground-truth format)."""
     run_timeout: float = 600.0
     """Hard limit for the whole spawned run (import, engine init, preflight, one step)."""
 
@@ -52,6 +54,8 @@ class RankSpec:
     timeout: float
     json_path: str | None
     log_dir: str
+    record_path: str | None = None
+    """Write a placement snapshot (after init and after the step) here; ranks > 0 add ``.rank<N>``."""
 
 
 def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
@@ -88,7 +92,8 @@ def _run_ranks(opts: PreflightOptions, cfg: dict[str, Any], kind: str, plan: "Ra
     nproc = plan.nproc
     log_dir = tempfile.mkdtemp(prefix="shardkit-preflight-logs-")
     json_path = None if opts.json_path in (None, "-") else str(Path(opts.json_path).resolve())
-    spec = RankSpec(cfg, kind, opts.model, opts.timeout, json_path or (str(Path(log_dir) / "report.json") if opts.json_path == "-" else None), log_dir)
+    spec = RankSpec(cfg, kind, opts.model, opts.timeout, json_path or (str(Path(log_dir) / "report.json") if opts.json_path == "-" else None), log_dir,
+                    record_path=str(Path(opts.record_path).resolve()) if opts.record_path else None)
     print(f"spawning {nproc} rank(s) ({kind}) on {plan.device} ({plan.backend}); rank logs in {log_dir}", file=out, flush=True)
     results = run_ranks(preflight_rank, nproc, args=(spec,), timeout=opts.run_timeout, device=plan.device, raise_on_error=False)
     values = [r.value for r in results if r.ok and isinstance(r.value, dict)]
@@ -162,6 +167,18 @@ def _last_log_line(log_dir: str, rank: int) -> str:
     return lines[-1] if lines else ""
 
 
+def _record(spec: RankSpec, rank: int, phase: str, engine: Any = None, **kw: Any) -> None:
+    """``--record``: this rank's snapshot (rank 0 at the path given, rank N beside it as ``.rankN``)."""
+    if not spec.record_path:
+        return
+    from shardkit.placement.snapshot import record_snapshot
+
+    path = Path(spec.record_path)
+    if rank:
+        path = path.with_name(f"{path.stem}.rank{rank}{path.suffix or '.json'}")
+    record_snapshot(path, engine, phase=phase, name=path.stem, **kw)
+
+
 def preflight_rank(spec: RankSpec) -> dict[str, Any]:
     """Rank target: build, initialize, preflight, one step. Findings are returned, not raised."""
     import torch
@@ -183,6 +200,7 @@ def preflight_rank(spec: RankSpec) -> dict[str, Any]:
         model = apply_fsdp(model, spec.config)
         optimizer = build_optimizer(model, spec.config)
         check = lambda: preflight(model=model, optimizer=optimizer, config=spec.config, timeout=spec.timeout, json_path=spec.json_path)  # noqa: E731
+        record = lambda phase: _record(spec, rank, phase, model=model, optimizer=optimizer, config=spec.config)  # noqa: E731
 
         def step(ids: Any) -> float:
             from shardkit.device_rules import accelerator_device
@@ -197,11 +215,13 @@ def preflight_rank(spec: RankSpec) -> dict[str, Any]:
 
         engine = initialize(model, spec.config)
         check = lambda: preflight(engine, config=spec.config, timeout=spec.timeout, json_path=spec.json_path)  # noqa: E731
+        record = lambda phase: _record(spec, rank, phase, engine, config=spec.config)  # noqa: E731
 
         def step(ids: Any) -> float:
             return train_step(engine, ids)
 
     result: dict[str, Any] = {"rank": rank}
+    record("after_init")
     try:
         report = check()
         result.update(preflight_ok=True, text=report.render())
@@ -214,6 +234,7 @@ def preflight_rank(spec: RankSpec) -> dict[str, Any]:
         return result
     try:
         result["loss"] = step(synthetic_batch(int(vocab), 1, 16, 0, rank))
+        record("after_step")
     except Exception as exc:  # noqa: BLE001 - the user's step failing is the finding
         result["step_error"] = f"{type(exc).__name__}: {exc}"
     return result
