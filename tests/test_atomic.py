@@ -217,3 +217,88 @@ def test_crash_while_resaving_an_older_tag_keeps_it_and_the_next_save_restores_i
     save_training(root, model=model, step=4, tag="c")
     assert sorted(os.listdir(root)) == ["a", "b", "c", "latest"]
     assert resume_training(root / "a", model=model).step == 1
+
+
+@pytest.mark.parametrize("tag, why", [
+    (".shardkit-tmp-step1", "staging folders, deleted by the next save"),
+    ("latest", "the pointer file DeepSpeed reads the tag from"),
+    ("a/b", "path separators"),
+    ("..", "'.' and '..' are not folder names"),
+    ("step1.shardkit-replaced-0123abcd", "set-aside copies"),
+])
+def test_tags_that_collide_with_internal_names_are_refused_before_anything_is_written(tmp_path, tag, why):
+    """A tag named like a staging folder used to be written, then deleted by the next save."""
+    from shardkit.errors import UsageError
+    from shardkit.resume.torch_resume import save_training
+
+    root = tmp_path / "root"
+    model, _ = _linear_and_adam(0)
+    save_training(root, model=model, step=1)
+    with pytest.raises(UsageError, match=rf"tag {re.escape(repr(tag))}: not a usable checkpoint tag \(.*{re.escape(why)}"):
+        save_training(root, model=model, step=2, tag=tag)
+    assert sorted(os.listdir(root)) == ["latest", "step1"] and read_latest(root) == "step1"
+
+
+def _enospc(path):
+    import errno
+
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def test_disk_full_while_writing_says_where_and_how_much_is_free_and_leaves_nothing(tmp_path):
+    from shardkit.checkpoint.atomic import atomic_checkpoint
+    from shardkit.errors import CheckpointError
+
+    root = tmp_path / "root"
+    with atomic_checkpoint(root, "a", engine="torch") as save:
+        (save.path / "model.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"^disk full at .*\.shardkit-tmp-b/model\.pt, [\d,]+ bytes free, nothing "
+                       r"written: the staging folder was removed, .*latest is unchanged \(OSError: .*No space left"):
+        with atomic_checkpoint(root, "b", engine="torch") as save:
+            (save.path / "model.pt").write_bytes(b"half")
+            raise _enospc(save.path / "model.pt")
+    assert sorted(os.listdir(root)) == ["a", "latest"] and read_latest(root) == "a"
+
+
+def test_torch_short_write_error_is_recognised_as_a_full_disk(tmp_path):
+    """torch's zip writer reports ENOSPC as '[enforce fail at inline_container.cc:672] . unexpected
+    pos': produced here for real by writing to /dev/full."""
+    import torch
+
+    from shardkit.checkpoint.atomic import is_disk_full
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with pytest.raises(RuntimeError) as info:
+        torch.save({"w": torch.zeros(1000)}, "/dev/full")
+    assert is_disk_full(info.value), str(info.value)
+    assert not is_disk_full(RuntimeError("cannot pickle 'generator' object"))
+    assert is_disk_full(_enospc("x")) and not is_disk_full(OSError(13, "Permission denied"))
+
+
+def test_disk_full_while_writing_the_manifest_removes_the_staging(tmp_path, monkeypatch):
+    import shardkit.checkpoint.manifest as manifest
+    from shardkit.errors import CheckpointError
+    from shardkit.resume.torch_resume import save_training
+
+    root = tmp_path / "root"
+    model, _ = _linear_and_adam(0)
+    save_training(root, model=model, step=1)
+
+    def full(path, text):
+        raise _enospc(path)
+
+    monkeypatch.setattr(manifest, "atomic_write_text", full)
+    with pytest.raises(CheckpointError, match=r"^disk full at .*\.shardkit-tmp-step2/shardkit_manifest\.json, [\d,]+ "
+                       r"bytes free, nothing written: the staging folder was removed"):
+        save_training(root, model=model, step=2)
+    assert sorted(os.listdir(root)) == ["latest", "step1"] and read_latest(root) == "step1"
+
+
+def test_latest_larger_than_a_tag_is_refused_without_reading_it(tmp_path):
+    from shardkit.errors import CheckpointError
+
+    with open(tmp_path / "latest", "wb") as fh:
+        fh.truncate(1 << 30)  # sparse 1 GiB
+    with pytest.raises(CheckpointError, match=r"latest: more than 4096 bytes, not a tag name"):
+        read_latest(tmp_path)

@@ -5,6 +5,7 @@ test_atomic_deepspeed.py.
 """
 
 import json
+import re
 
 import pytest
 
@@ -165,3 +166,68 @@ def test_verify_cli_flags_are_frozen():
     flags = sorted(s for a in p._actions for s in a.option_strings)
     assert flags == sorted(["--engine", "--json", "--no-checksum", "--world-size", "-h", "--help"])
     assert "example:\n  shardkit verify checkpoints/ --world-size 8" in p.epilog
+
+
+def _edit_manifest(tag_dir, **fields):
+    path = tag_dir / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data.update(fields)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"world_size": -1}, r"field world_size is -1: must be between 1 and 1,048,576 ranks"),
+    ({"world_size": 10**12}, r"field world_size is 1000000000000: must be between 1 and 1,048,576 ranks"),
+    ({"files": [{"path": "../../etc/passwd", "size": 1, "sha256": "0" * 64}]},
+     r"field files\[0\]\.path is '\.\./\.\./etc/passwd': contains '\.\.'"),
+    ({"files": [{"path": "/etc/passwd", "size": 1, "sha256": "0" * 64}]},
+     r"field files\[0\]\.path is '/etc/passwd': an absolute path"),
+], ids=["world_size=-1", "world_size=1e12", "dotdot-path", "absolute-path"])
+def test_hostile_manifest_is_refused_by_verify_naming_the_field(tmp_path, run_cli, fields, match):
+    """verify used to call world_size -1 'resumable', loop 10**12 times, and hash /etc/passwd."""
+    import time
+
+    _edit_manifest(_ckpt(tmp_path), **fields)
+    start = time.monotonic()
+    code, out, err = run_cli("verify", tmp_path)
+    assert time.monotonic() - start < 10
+    assert code == 1 and "resumable" not in out and "Traceback" not in out + err
+    code, out, _ = run_cli("verify", tmp_path, "--json")
+    [finding] = json.loads(out)["findings"]
+    assert code == 1 and finding["key"] == MANIFEST_NAME and re.search(match, finding["message"]), finding
+    with pytest.raises(CheckpointError, match=match):
+        check_resumable(tmp_path)
+
+
+def test_manifest_nested_100k_deep_is_a_clean_verify_error(tmp_path, run_cli):
+    tag = _ckpt(tmp_path)
+    (tag / MANIFEST_NAME).write_text('{"extra": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    code, out, err = run_cli("verify", tmp_path, "--json")
+    assert code == 1 and "Traceback" not in out + err and "RecursionError" not in out + err
+    assert "manifest JSON is nested too deeply to parse" in json.loads(out)["findings"][0]["message"]
+
+
+def test_many_missing_ranks_are_counted_not_listed_one_by_one(tmp_path):
+    """A large world size with few files: a handful of findings, in well under a second."""
+    import time
+
+    tag = _ckpt(tmp_path)
+    _edit_manifest(tag, world_size=1 << 20)
+    start = time.monotonic()
+    rep = verify_checkpoint(tmp_path)
+    assert time.monotonic() - start < 5
+    rank_errors = [f for f in rep.errors if f.rule == "ckpt.rank_file.missing"]
+    assert [f.key for f in rank_errors] == ["rank 2", "rank 3", "rank 4", "rank 5", "rank 6", "ranks"] * 2
+    assert "1,048,569 more rank(s) have no optim_states file" in rank_errors[5].message
+
+
+def test_listed_file_that_is_a_fifo_is_not_read(tmp_path):
+    import os
+
+    tag = _ckpt(tmp_path)
+    f = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.unlink()
+    os.mkfifo(f)  # hashing it would block forever
+    rep = verify_checkpoint(tmp_path)
+    assert [e.rule for e in rep.errors] == ["ckpt.file.not_regular"]
+    assert "is not a regular file" in rep.errors[0].message

@@ -8,8 +8,10 @@ process is killed mid-write; these helpers leave either the old file or the new 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -26,7 +28,85 @@ STAGING_PREFIX = ".shardkit-tmp-"
 #: saved again; ``latest`` names it while the tag itself is swapped, so it never dangles.
 REPLACED_MARK = ".shardkit-replaced-"
 
+#: ``latest`` holds one tag name; anything longer is not a pointer (and is never read whole).
+MAX_LATEST_BYTES = 4096
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def tag_problem(tag: object) -> str | None:
+    """Why ``tag`` cannot name a checkpoint folder inside a root, or None when it can.
+
+    A tag becomes ``root/<tag>`` and the content of ``root/latest``; names the save sequence uses
+    for itself (staging folders, set-aside copies, the pointer) would be deleted or misread by the
+    next save, and separators or ``..`` would put the checkpoint outside the root.
+    """
+    if not isinstance(tag, str) or not tag:
+        return "a tag must be a non-empty folder name"
+    if tag in (".", ".."):
+        return "'.' and '..' are not folder names"
+    if "/" in tag or "\\" in tag or (os.sep in tag) or "\0" in tag:
+        return "a tag is one folder name: path separators and NUL are not allowed"
+    if tag == LATEST_NAME:
+        return f"{LATEST_NAME!r} is the pointer file DeepSpeed reads the tag from"
+    if tag.startswith(STAGING_PREFIX):
+        return f"names starting with {STAGING_PREFIX!r} are staging folders, deleted by the next save"
+    if REPLACED_MARK in tag:
+        return f"names containing {REPLACED_MARK!r} are set-aside copies, deleted by the next save"
+    if tag.startswith(".") and ".tmp-" in tag:
+        return "hidden names containing '.tmp-' are temporaries of atomic writes, deleted by the next save"
+    if len(tag.encode("utf-8", "surrogateescape")) > 255:
+        return "longer than the 255 bytes a folder name may have"
+    return None
+
+
+def check_tag(tag: object, what: str = "--tag") -> str:
+    """``tag`` when it can name a checkpoint folder; UsageError naming the value and why otherwise."""
+    from shardkit.errors import UsageError
+
+    why = tag_problem(tag)
+    if why is not None:
+        raise UsageError(f"{what} {tag!r}: not a usable checkpoint tag ({why}); choose another name, "
+                         "e.g. global_step100")
+    return tag  # type: ignore[return-value]
+
+
+#: torch's zip writer (caffe2 inline_container.cc) reports a short fwrite only as a position
+#: mismatch when the record or the archive is closed: "[enforce fail at inline_container.cc:672]
+#: . unexpected pos 704 vs 598". No errno survives; on a local file a short write is a full disk
+#: (or quota).
+_TORCH_SHORT_WRITE = re.compile(r"inline_container\.cc.*(unexpected pos|file write failed)", re.S)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for the errors a full disk (or an exhausted quota) surfaces as: OSError ENOSPC/EDQUOT,
+    or torch's zip writer's short-write RuntimeError."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    return isinstance(exc, RuntimeError) and bool(_TORCH_SHORT_WRITE.search(str(exc)))
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes available to this user on the filesystem holding ``path`` (its nearest existing
+    ancestor); None when it cannot be asked."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def disk_full_error(path: str | os.PathLike[str], exc: BaseException, outcome: str) -> CheckpointError:
+    """The one message for a write that ran out of space: the file, the bytes left, what was kept."""
+    free = free_bytes(path)
+    left = f"{free:,} bytes free" if free is not None else "free space unknown"
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CheckpointError(
+        f"disk full at {path}, {left}, {outcome} ({type(exc).__name__}: {detail}). Free space on that "
+        "filesystem, or write to another disk, and run again"
+    )
 
 
 def os_errors_named(action: str) -> Callable[[F], F]:
@@ -149,7 +229,14 @@ def read_latest(root: str | os.PathLike[str], name: str = LATEST_NAME) -> str | 
     p = Path(root) / name
     if not p.is_file():
         return None
-    data = p.read_bytes()
+    with open(p, "rb") as fh:
+        data = fh.read(MAX_LATEST_BYTES + 1)
+    if len(data) > MAX_LATEST_BYTES:
+        raise CheckpointError(
+            f"{p}: more than {MAX_LATEST_BYTES} bytes, not a tag name; the pointer file is corrupted or was "
+            f"replaced. Write the tag of a complete checkpoint into it (e.g. `echo -n TAG > {p}`), or pass the "
+            "tag directory itself"
+        )
     try:
         return data.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -296,6 +383,7 @@ def atomic_checkpoint(
     from shardkit.checkpoint._dist import all_gather_object, broadcast_object, rank_world
     from shardkit.checkpoint.manifest import Manifest, describe_files_distributed, library_versions, write_manifest
 
+    check_tag(tag, "tag")  # the same on every rank, so every rank raises before any collective
     root = Path(root)
     rank, world = rank_world()
     staged = staging_dir(root, tag)
@@ -321,6 +409,11 @@ def atomic_checkpoint(
     if failed:
         if rank == 0:
             shutil.rmtree(staged, ignore_errors=True)
+        if local is not None and not isinstance(local, CheckpointError) and is_disk_full(local):
+            # torch's writer names no file (see _TORCH_SHORT_WRITE): name the folder being written
+            where = getattr(local, "filename", None) or staged
+            raise disk_full_error(where, local, f"nothing written: the staging folder was removed, "
+                                  f"{root / LATEST_NAME} is unchanged") from local
         if local is not None:
             raise local
         r, s = failed[0]
@@ -328,14 +421,22 @@ def atomic_checkpoint(
                               "'latest' are unchanged")
     known = {e.path: e for e in save.known_files}
     files = describe_files_distributed(staged, exclude=set(known)) if manifest else []
-    if rank == 0:
+    if rank == 0 and manifest:
+        fields = dict(save.facts)
+        fields.setdefault("world_size", world)
+        fields.setdefault("versions", library_versions())
+        entries = sorted([*files, *known.values()], key=lambda e: e.path)
         try:
-            if manifest:
-                fields = dict(save.facts)
-                fields.setdefault("world_size", world)
-                fields.setdefault("versions", library_versions())
-                entries = sorted([*files, *known.values()], key=lambda e: e.path)
-                write_manifest(staged, Manifest(engine=engine, tag=tag, files=entries, **fields))
+            write_manifest(staged, Manifest(engine=engine, tag=tag, files=entries, **fields))
+        except OSError as exc:
+            # nothing is published yet: the staged files go, so a full disk is not left fuller
+            shutil.rmtree(staged, ignore_errors=True)
+            outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
+            err = (str(disk_full_error(staged / "shardkit_manifest.json", exc, outcome)) if is_disk_full(exc) else
+                   f"{root / tag}: the manifest could not be written on rank 0 ({_one_line(exc)}); {outcome}. "
+                   f"Fix permissions or free space in {root} and save again")
+    if rank == 0 and err is None:
+        try:
             publish_tag(root, staged, tag)
         except (OSError, CheckpointError) as exc:
             err = (f"{root / tag}: the save was written but could not be completed on rank 0 ({_one_line(exc)}); "

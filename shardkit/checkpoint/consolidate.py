@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from shardkit.checkpoint.atomic import atomic_open, os_errors_named
 from shardkit.checkpoint.safe_load import _ITEMSIZE, read_structure
@@ -51,6 +52,8 @@ class ConsolidateResult:
     bytes: int
     source_world_size: int
     tag: str
+    verified: str = "sha256"
+    """How the source was checked before it was read: 'sha256', 'sizes' (--no-verify) or 'none' (no manifest)."""
 
 
 @dataclass
@@ -86,6 +89,9 @@ def consolidate_zero3(
     *,
     dtype: str = "fp32",
     include_frozen: bool = True,
+    force: bool = False,
+    verify: bool = True,
+    warn: Callable[[str], None] | None = None,
 ) -> ConsolidateResult:
     """Write the full weights of the ZeRO-3 checkpoint at ``checkpoint`` to ``output`` (.safetensors).
 
@@ -93,18 +99,28 @@ def consolidate_zero3(
     zero_to_fp32); integer buffers keep their dtype. Tied parameters (``shared_params``) are written
     under each name, since safetensors cannot alias. The file appears atomically (temp name,
     fsync, rename).
+
+    The source is checked against its manifest first (sizes, and sha256 unless ``verify=False``);
+    one without a manifest is read with a warning through ``warn`` (default ``warnings.warn``). An
+    existing output is replaced only with ``force=True`` and only when it is a regular file; a
+    path inside a checkpoint folder (or a root's ``latest``) is never written.
     """
+    from shardkit.checkpoint.verify import verify_before_reading
+    from shardkit.checkpoint.zero3 import resolve_tag_dir
+
     if dtype not in OUTPUT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
     out_name = _OUT_NAMES[dtype]
+    source_dir, _ = resolve_tag_dir(checkpoint)
+    out = check_output_file(Path(output), source_dir, force=force)
+    checked = verify_before_reading(source_dir, checksums=verify)
+    for note in checked.warnings:
+        (warn or _warn)(note)
     # The common case (fp32 out, no buffers, no frozen parameters) never imports torch: the files
     # are parsed by read_structure and every byte is copied file to file.
     ckpt = open_zero3_checkpoint(checkpoint, torch_free=dtype == "fp32")
     if ckpt.torch_free and (ckpt.model_state.get("buffer_names") or (include_frozen and ckpt.frozen_param_shapes)):
         ckpt = open_zero3_checkpoint(checkpoint)
-    out = Path(output)
-    if out.is_dir():
-        out = out / "model.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     small = {} if ckpt.torch_free else _small_tensors(ckpt, out_name, include_frozen)
@@ -151,7 +167,70 @@ def consolidate_zero3(
     n_params = sum(s.numel for s in ckpt.slots) + sum(
         small[n].numel() for n in ckpt.frozen_param_shapes if n in small
     )
-    return ConsolidateResult(out, len(entries), n_params, total, ckpt.world_size, ckpt.tag)
+    return ConsolidateResult(out, len(entries), n_params, total, ckpt.world_size, ckpt.tag, checked.level)
+
+
+def _warn(message: str) -> None:
+    import warnings
+
+    from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
+
+    warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=3)
+
+
+#: Files whose presence makes a folder a checkpoint (tag) folder: shardkit's completion marker and
+#: the rank-0 files DeepSpeed writes. Nothing is ever written inside such a folder.
+_CHECKPOINT_MARKERS = ("shardkit_manifest.json", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                       "mp_rank_00_model_states.pt")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def check_output_file(output: Path, source_dir: Path, *, force: bool = False) -> Path:
+    """The path ``consolidate`` may write for ``-o output``, or a UsageError saying why not.
+
+    A folder gets ``model.safetensors`` inside. Refused whatever ``force`` says: a path inside the
+    checkpoint being read or inside any checkpoint folder, a checkpoint root's ``latest``, and
+    anything that exists and is not a regular file (a device, fifo, folder, or a link to one; as
+    root, replacing ``/dev/null`` would make it a plain file). An existing regular file is
+    replaced only with ``force``; a symlink to one keeps pointing at the new file.
+    """
+    from shardkit.checkpoint.atomic import LATEST_NAME, STAGING_PREFIX
+
+    out = output / "model.safetensors" if output.is_dir() else output
+    real = Path(os.path.realpath(out))
+    src = source_dir.resolve()
+    if real == src or real.is_relative_to(src):
+        raise UsageError(f"-o {output}: {real} is inside the checkpoint being read ({source_dir}); writing there "
+                         "would change the checkpoint. Write the weights to another folder")
+    for folder in real.parents:
+        if folder.name.startswith(STAGING_PREFIX) or any((folder / m).exists() for m in _CHECKPOINT_MARKERS):
+            raise UsageError(f"-o {output}: {folder} is a checkpoint folder; consolidate never writes into one. "
+                             "Write the weights to another folder")
+    if real.name == LATEST_NAME and (real.parent == src.parent or (real.parent / LATEST_NAME).is_file()):
+        raise UsageError(f"-o {output}: {real} is a checkpoint's '{LATEST_NAME}' pointer; replacing it would "
+                         "break resuming from that folder. Choose another file name")
+    if not os.path.lexists(out):
+        return out
+    try:
+        mode = os.stat(out).st_mode
+    except FileNotFoundError:
+        raise UsageError(f"-o {output}: is a symlink to {real}, which does not exist; pass the target path or "
+                         "remove the link") from None
+    if not stat.S_ISREG(mode):
+        link = f" (a symlink to {real})" if out.is_symlink() else ""
+        raise UsageError(f"-o {output}{link}: exists and is a {_kind(mode)}, not a regular file; consolidate only "
+                         "ever replaces regular files. Pass a file path")
+    if not force:
+        raise UsageError(f"-o {output}: {out} already exists; pass --force to replace it, or choose another name")
+    # a symlink stays a symlink: its target is replaced (atomically, in the target's folder)
+    return real if out.is_symlink() else out
 
 
 def _torch_dtype(name: str) -> "torch.dtype":

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,25 +79,33 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "manifest") -> "Manifest":
+        """Build a Manifest from parsed JSON, after checking every field's type and range: a
+        manifest is input (copied, edited, or planted next to someone else's files), and verify and
+        the loaders size loops by ``world_size`` and open the paths it lists."""
         for key, kinds in _FIELD_TYPES.items():
             if key in data and not _is(data[key], kinds):
                 raise CheckpointError(
-                    f"{source}: field {key} must be {_kind_names(kinds)}, got {data[key]!r} "
+                    f"{source}: field {key} must be {_kind_names(kinds)}, got {_show(data[key])} "
                     f"({type(data[key]).__name__}); the manifest was edited or corrupted. Re-save the checkpoint, "
                     "or restore the manifest from a good copy"
                 )
+        for key in ("engine", "tag", "world_size"):
+            if key not in data:
+                raise CheckpointError(f"{source}: field {key} is missing; every shardkit manifest has it, so the "
+                                      "file was edited or not written by shardkit. Re-save the checkpoint")
         raw_files = data.get("files", [])
         if not isinstance(raw_files, list):
             raise CheckpointError(f"{source}: field files must be a list, got {type(raw_files).__name__}")
         for i, f in enumerate(raw_files):
             if not isinstance(f, dict):
-                raise CheckpointError(f"{source}: files[{i}] must be an object, got {f!r}")
+                raise CheckpointError(f"{source}: files[{i}] must be an object, got {_show(f)}")
             for key, kinds in _FILE_FIELD_TYPES.items():
                 if not _is(f.get(key), kinds):
                     raise CheckpointError(
-                        f"{source}: field files[{i}].{key} must be {_kind_names(kinds)}, got {f.get(key)!r}; the "
-                        "manifest was edited or corrupted. Re-save the checkpoint"
+                        f"{source}: field files[{i}].{key} must be {_kind_names(kinds)}, got {_show(f.get(key))}; "
+                        "the manifest was edited or corrupted. Re-save the checkpoint"
                     )
+        _check_ranges(data, raw_files, source)
         try:
             files = [FileEntry(**f) for f in raw_files]
             known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "files"}
@@ -127,6 +138,108 @@ def _is(value: Any, kinds: tuple[type, ...]) -> bool:
 def _kind_names(kinds: tuple[type, ...]) -> str:
     names = {str: "a string", int: "an int", float: "a number", dict: "an object", _NONE: "null"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+#: More ranks than any training run uses; verify loops over ranks, so an absurd value (10**12)
+#: must be refused before it is used, not discovered by the OOM killer.
+MAX_WORLD_SIZE = 1 << 20
+#: A manifest lists each file in ~200 bytes: 64 MiB covers several hundred thousand files. Larger
+#: is not a manifest shardkit wrote, and is never read into memory.
+MAX_MANIFEST_BYTES = 64 << 20
+#: shardkit writes manifests 3 levels deep (plus what callers put in ``extra``); json's C parser
+#: overflows the interpreter's recursion limit near 1000.
+MAX_MANIFEST_DEPTH = 64
+_MAX_INT = (1 << 63) - 1  # sizes and steps: what a 64-bit file offset / counter can hold
+_MAX_NAME = 256  # engine, dtype, offload device names
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """repr of a value, cut to ``limit`` characters (a planted 10-MB string must not fill the terminal)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def path_problem(rel: str) -> str | None:
+    """Why ``rel`` cannot be a file path inside a checkpoint folder, or None when it can."""
+    if not rel:
+        return "an empty path"
+    if "\0" in rel:
+        return "contains NUL"
+    if rel.startswith("/") or rel.startswith("\\") or (len(rel) > 1 and rel[1] == ":"):
+        return "an absolute path: files must be inside the checkpoint folder"
+    parts = rel.split("/")
+    if any(part == ".." for part in parts):
+        return "contains '..': files must be inside the checkpoint folder"
+    if any(part in ("", ".") for part in parts) or "\\" in rel:
+        return "not a normalized '/'-separated relative path"
+    if rel == MANIFEST_NAME:
+        return "the manifest cannot list itself"
+    return None
+
+
+def _check_ranges(data: dict[str, Any], raw_files: list[dict[str, Any]], source: str) -> None:
+    """Values of the right JSON type but outside what any checkpoint can hold."""
+    from shardkit.checkpoint.atomic import tag_problem
+
+    def bad(key: str, value: Any, why: str) -> CheckpointError:
+        return CheckpointError(f"{source}: field {key} is {_show(value)}: {why}; the manifest was edited or "
+                               "corrupted. Re-save the checkpoint, or restore the manifest from a good copy")
+
+    if data["engine"] not in ENGINES:
+        raise bad("engine", data["engine"], f"must be one of {list(ENGINES)}")
+    why = tag_problem(data["tag"])
+    if why is not None:
+        raise bad("tag", data["tag"], why)
+    if not 1 <= data["world_size"] <= MAX_WORLD_SIZE:
+        raise bad("world_size", data["world_size"], f"must be between 1 and {MAX_WORLD_SIZE:,} ranks")
+    step = data.get("step")
+    if step is not None and not 0 <= step <= _MAX_INT:
+        raise bad("step", step, "must be a step count >= 0")
+    stage = data.get("zero_stage")
+    if stage is not None and stage not in (0, 1, 2, 3):
+        raise bad("zero_stage", stage, "ZeRO stages are 0, 1, 2 and 3")
+    for key in ("offload_optimizer", "offload_param", "dtype"):
+        value = data.get(key)
+        if value is not None and not (0 < len(value) <= _MAX_NAME and value.isprintable()):
+            raise bad(key, value, f"must be a short printable name (1 to {_MAX_NAME} characters)")
+    for name, version in data.get("versions", {}).items():
+        if not isinstance(version, str) or len(version) > _MAX_NAME or len(name) > _MAX_NAME:
+            raise bad(f"versions.{name[:_MAX_NAME]}", version, "must be a version string")
+    digest = data.get("config_digest")
+    if digest is not None and not _SHA256.match(digest):
+        raise bad("config_digest", digest, "must be 64 lowercase hex digits (a sha256)")
+    fv = data.get("format_version", FORMAT_VERSION)
+    if fv < 1:
+        raise bad("format_version", fv, "format versions start at 1")
+    created = data.get("created_unix", 0)
+    if not ((isinstance(created, int) or math.isfinite(created)) and 0 <= created <= _MAX_INT):
+        raise bad("created_unix", created, "must be a finite time in seconds since the epoch")
+    seen: set[str] = set()
+    for i, f in enumerate(raw_files):
+        rel = f["path"]
+        why = path_problem(rel)
+        if why is not None:
+            raise bad(f"files[{i}].path", rel, why)
+        if rel in seen:
+            raise bad(f"files[{i}].path", rel, "listed twice")
+        seen.add(rel)
+        if not 0 <= f["size"] <= _MAX_INT:
+            raise bad(f"files[{i}].size", f["size"], "must be a byte count >= 0")
+        if not _SHA256.match(f["sha256"]):
+            raise bad(f"files[{i}].sha256", f["sha256"], "must be 64 lowercase hex digits")
+
+
+def _depth_exceeds(obj: Any, limit: int) -> bool:
+    """True when ``obj`` nests lists/objects deeper than ``limit`` (iterative: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = _CHUNK) -> str:
@@ -214,24 +327,52 @@ def write_manifest(tag_dir: str | os.PathLike[str], manifest: Manifest) -> Path:
 
 
 def read_manifest(tag_dir: str | os.PathLike[str]) -> Manifest:
-    """Read ``tag_dir/shardkit_manifest.json``; CheckpointError naming the file when it is missing
-    or malformed."""
+    """Read ``tag_dir/shardkit_manifest.json``; CheckpointError naming the file (and the field,
+    the value and why, for a manifest that parses but cannot be right) when it is missing,
+    malformed, too large or too deeply nested."""
     path = Path(tag_dir) / MANIFEST_NAME
     if not path.is_file():
+        if path.exists():
+            kind = _file_kind(path)
+            raise CheckpointError(f"{path}: is a {kind}, not a regular file; a manifest is a JSON file written "
+                                  "by shardkit. Re-save the checkpoint")
         raise CheckpointError(
             f"{path}: no {MANIFEST_NAME}; the checkpoint is incomplete (a save was interrupted) or was not "
             "written by shardkit. Resume from a complete checkpoint, or re-save with shardkit"
         )
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: manifest is not valid JSON ({exc}); the file is corrupted") from exc
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_MANIFEST_BYTES + 1)  # never more, whatever st_size says
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc.strerror or exc}); check its "
                               "permissions") from exc
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{path}: larger than {MAX_MANIFEST_BYTES >> 20} MiB, far more than a manifest of "
+                              "any real checkpoint; the file was replaced or corrupted. Re-save the checkpoint")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise CheckpointError(f"{path}: manifest JSON is nested too deeply to parse (more than "
+                              f"{MAX_MANIFEST_DEPTH} levels; shardkit writes 3); the file was replaced or "
+                              "corrupted. Re-save the checkpoint") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, ints past the digit limit
+        raise CheckpointError(f"{path}: manifest is not valid JSON ({_show(str(exc), 200)}); the file is "
+                              "corrupted") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: manifest must be a JSON object, got {type(data).__name__}")
+    if _depth_exceeds(data, MAX_MANIFEST_DEPTH):
+        raise CheckpointError(f"{path}: manifest JSON is nested more than {MAX_MANIFEST_DEPTH} levels deep "
+                              "(shardkit writes 3); the file was replaced or corrupted. Re-save the checkpoint")
     return Manifest.from_dict(data, source=str(path))
+
+
+def _file_kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def seal(tag_dir: str | os.PathLike[str], *, engine: str, world_size: int = 1, **facts: Any) -> Manifest:

@@ -141,13 +141,39 @@ def resolve_checkpoint(path: str | os.PathLike[str], report: CheckpointReport) -
     return None
 
 
-def _expected_rank_files(m: Manifest) -> list[tuple[int, str]]:
-    """(rank, regex) of the files DeepSpeed writes per data-parallel rank."""
+_RANK_NAME = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d{1,9})_mp_rank_\d+_(optim|model)_states\.pt$")
+#: Missing ranks named one by one; beyond that one finding counts the rest.
+_MISSING_RANKS_SHOWN = 5
+
+
+def _rank_pattern(kind: str, rank: int) -> str:
+    return rf"^{'(bf16_)?' if kind == 'optim' else ''}zero_pp_rank_{rank}_mp_rank_\d+_{kind}_states\.pt$"
+
+
+def _missing_rank_files(m: Manifest) -> list[tuple[str, int, list[int]]]:
+    """(kind, how many ranks lack a ``kind`` states file, the first few of them) for the per-rank
+    DeepSpeed files the manifest's world size needs. One pass over the listed files: the cost
+    follows what the manifest lists, never the world size it claims."""
     if m.engine != "deepspeed" or not m.zero_stage:
         return []
-    out = [(r, rf"^(bf16_)?zero_pp_rank_{r}_mp_rank_\d+_optim_states\.pt$") for r in range(m.world_size)]
-    if m.zero_stage == 3:
-        out += [(r, rf"^zero_pp_rank_{r}_mp_rank_\d+_model_states\.pt$") for r in range(m.world_size)]
+    kinds = ("optim", "model") if m.zero_stage == 3 else ("optim",)
+    present: dict[str, set[int]] = {k: set() for k in kinds}
+    for entry in m.files:
+        match = _RANK_NAME.match(entry.path.rsplit("/", 1)[-1])
+        if match and match.group(2) in present and int(match.group(1)) < m.world_size:
+            present[match.group(2)].add(int(match.group(1)))
+    out = []
+    for kind in kinds:
+        have = present[kind]
+        count = m.world_size - len(have)
+        if count == 0:
+            continue
+        first, r = [], 0
+        while len(first) < _MISSING_RANKS_SHOWN and r < m.world_size:  # <= len(have) + shown steps
+            if r not in have:
+                first.append(r)
+            r += 1
+        out.append((kind, count, first))
     return out
 
 
@@ -182,7 +208,13 @@ def verify_checkpoint(
     report.manifest = m
     listed = {f.path for f in m.files}
     for entry in m.files:
-        f = tag_dir / entry.path
+        f = tag_dir / entry.path  # entry.path is relative, without '..' (Manifest.from_dict checks)
+        if f.exists() and not f.is_file():
+            report.add(_err(entry.path, None, f"{f}: listed in the manifest as a file but is not a regular file "
+                            "(a folder, fifo or device); it is not read",
+                            "restore the file from a copy of the checkpoint, or resume from another tag",
+                            "ckpt.file.not_regular"))
+            continue
         if not f.is_file():
             report.add(_err(entry.path, None, f"{f}: file listed in the manifest is missing",
                             "restore it from a copy of the checkpoint, or resume from another tag", "ckpt.file.missing"))
@@ -198,11 +230,16 @@ def verify_checkpoint(
             report.add(_err(entry.path, "sha256 mismatch", f"{f}: content differs from the manifest (sha256 "
                             "mismatch): the file is corrupted or was modified after the save",
                             "restore the file from a good copy or resume from another tag", "ckpt.file.checksum"))
-    for r, pattern in _expected_rank_files(m):
-        if not any(re.match(pattern, p.rsplit("/", 1)[-1]) for p in listed):
-            report.add(_err(f"rank {r}", None, f"{tag_dir}: no file for rank {r} matching {pattern} although the "
-                            f"checkpoint records world_size={m.world_size}",
+    for kind, count, first in _missing_rank_files(m):
+        for r in first:
+            report.add(_err(f"rank {r}", None, f"{tag_dir}: no file for rank {r} matching {_rank_pattern(kind, r)} "
+                            f"although the checkpoint records world_size={m.world_size}",
                             "the save is incomplete; resume from another tag", "ckpt.rank_file.missing"))
+        if count > len(first):
+            report.add(_err("ranks", count - len(first), f"{tag_dir}: {count - len(first):,} more rank(s) have no "
+                            f"{kind}_states file although the checkpoint records world_size={m.world_size} (it "
+                            f"lists {len(m.files)} files)", "the save is incomplete, or its manifest was edited; "
+                            "resume from another tag", "ckpt.rank_file.missing"))
     for rel in checkpoint_files(tag_dir):
         if rel not in listed:
             report.add(Finding(Severity.WARNING, rel, None, f"{tag_dir / rel}: file not listed in the manifest "
@@ -228,6 +265,48 @@ def verify_checkpoint(
             report.add(Finding(Severity.INFO, "staging", leftovers, f"{root} holds staging directories of interrupted "
                                "saves; they are never loaded", "delete them to reclaim space", "ckpt.staging.leftover"))
     return report
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A checkpoint is read without (full) verification: no manifest, or hashes skipped."""
+
+
+@dataclass
+class SourceCheck:
+    """How a converter's input was checked before it was read."""
+
+    level: str
+    """'sha256' (sizes and content), 'sizes' (hashes skipped) or 'none' (no manifest to check against)."""
+    warnings: list[str]
+    """What the user should know before trusting the output."""
+
+
+def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = True) -> SourceCheck:
+    """What a converter (reshard, consolidate) calls on the tag folder it is about to read, before
+    anything is unpickled: the same checks as ``shardkit verify`` (sizes always, sha256 unless
+    ``checksums=False``), so a corrupted checkpoint is refused instead of converted into a new one
+    whose fresh manifest would vouch for the corruption.
+
+    Raises one CheckpointError naming the first problem. A folder without a manifest (a plain
+    ``engine.save_checkpoint``) cannot be verified: it is read, with a warning.
+    """
+    tag_dir = Path(tag_dir)
+    if not os.path.lexists(tag_dir / MANIFEST_NAME):
+        return SourceCheck("none", [
+            f"{tag_dir} has no {MANIFEST_NAME} (it was not saved by shardkit), so its files cannot be verified: a "
+            "truncated or corrupted rank file is read as is. Save with shardkit to get a manifest"])
+    report = verify_checkpoint(tag_dir, checksums=checksums)
+    if report.errors:
+        first = report.errors[0]
+        more = f" ({len(report.errors) - 1} more problem(s): run `shardkit verify {tag_dir}`)" if len(report.errors) > 1 else ""
+        raise CheckpointError(f"refusing to read {tag_dir}: it fails verification: [{first.key}] {first.message}. "
+                              f"Fix: {first.fix}{more}")
+    notes = [f.message for f in report.warnings]
+    if not checksums:
+        n = len(report.manifest.files) if report.manifest else 0
+        notes.append(f"--no-verify: the sha256 of the {n} file(s) of {tag_dir} was not checked (their sizes were); "
+                     "a corrupted file of the right size is read as is")
+    return SourceCheck("sha256" if checksums else "sizes", notes)
 
 
 def check_resumable(

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from shardkit.cli import add_command
+
+#: How ``source checked before reading`` reads for each verification level.
+_CHECKED = {"sha256": "sizes and sha256 match its manifest", "sizes": "sizes match its manifest (sha256 skipped: "
+            "--no-verify)", "none": "not verified (no shardkit manifest)"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "bf16/fp16/fp32 training, with or without offload) and write one safetensors file. Memory "
             "stays near one rank's partition: rank files are memory-mapped one at a time and each piece "
             "is written straight to its place in the output. CKPT is the folder holding 'latest', a tag "
-            "folder, or one rank file. No DeepSpeed import, no code from the checkpoint is run."
+            "folder, or one rank file. No DeepSpeed import, no code from the checkpoint is run. The source "
+            "is first checked against its shardkit manifest (sizes and sha256; --no-verify: sizes only); an "
+            "existing FILE is replaced only with --force."
         ),
     )
     p.add_argument("checkpoint", metavar="CKPT", help="DeepSpeed checkpoint folder (with 'latest') or tag folder")
@@ -28,16 +35,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dtype of floating-point tensors in the output (default: fp32, the masters as saved)")
     p.add_argument("--exclude-frozen", action="store_true",
                    help="leave out parameters the optimizer did not train (frozen ones)")
+    p.add_argument("--force", action="store_true",
+                   help="replace FILE if it exists (only ever a regular file, never one inside a checkpoint)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
     p.set_defaults(func=consolidate_command)
 
 
 def consolidate_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.consolidate import consolidate_zero3
 
-    result = consolidate_zero3(args.checkpoint, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen)
+    result = consolidate_zero3(
+        args.checkpoint, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,
+        verify=not args.no_verify, warn=lambda m: print(f"shardkit consolidate: warning: {m}", file=sys.stderr),
+    )
     print(
         f"wrote {result.output}: {result.tensors} tensors, {result.parameters:,} parameters, "
         f"{result.bytes / 2**20:,.1f} MiB ({args.dtype}) from tag {result.tag!r} saved by "
-        f"{result.source_world_size} rank(s)"
+        f"{result.source_world_size} rank(s); source checked before reading: {_CHECKED[result.verified]}"
     )
     return 0

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from shardkit.cli import add_command
+
+#: How ``source checked before reading`` reads for each verification level.
+_CHECKED = {"sha256": "sizes and sha256 match its manifest", "sizes": "sizes match its manifest (sha256 skipped: "
+            "--no-verify)", "none": "not verified (no shardkit manifest)"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Write the per-rank files a ZeRO-3 run at M ranks would have saved itself: fp32 masters and "
             "Adam moments copied bit for bit into the new partitions (ceil(numel/M) per rank, zero-padded), "
             "step and hyperparameters kept. Resume with engine.load_checkpoint(OUT) as usual: no "
-            "'load_universal', no conversion step. Memory stays near one output tensor."
+            "'load_universal', no conversion step. Memory stays near one output tensor. The source is first "
+            "checked against its shardkit manifest (sizes and sha256; --no-verify: sizes only); OUT must be "
+            "new, empty, or a shardkit checkpoint folder, and an existing OUT/<tag> is replaced only with --force."
         ),
     )
     p.add_argument("checkpoint", metavar="CKPT", help="DeepSpeed checkpoint folder (with 'latest') or tag folder")
@@ -27,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sub-group-size", type=int, default=None, metavar="N",
                    help="zero_optimization.sub_group_size of the resuming run (default: the saved config's, else 1e9)")
     p.add_argument("--no-manifest", action="store_true", help="do not write shardkit_manifest.json")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
+    p.add_argument("--no-verify", action="store_true",
+                   help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
     p.set_defaults(func=reshard_command)
 
 
@@ -39,12 +50,14 @@ def reshard_command(args: argparse.Namespace) -> int:
     if args.sub_group_size is not None and args.sub_group_size < 1:
         raise UsageError(f"--sub-group-size {args.sub_group_size}: must be at least 1")
     r = reshard_zero3(args.checkpoint, args.output, args.world_size, tag=args.tag,
-                      sub_group_size=args.sub_group_size, manifest=not args.no_manifest)
+                      sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
+                      verify=not args.no_verify, warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
     print(
         f"wrote {r.output / r.tag}: {len(r.files)} files, {r.bytes / 2**20:,.1f} MiB, world size "
         f"{r.source_world_size} -> {r.world_size}; resume with engine.load_checkpoint({str(r.output)!r}) "
         f"on {r.world_size} rank(s)"
     )
+    print(f"source checked before reading: {_CHECKED[r.verified]}")
     for note in r.notes:
         print(f"note: {note}")
     return 0
