@@ -222,12 +222,16 @@ PRESETS: dict[str, list[str]] = {
     "zero2": ["zero2", "--precision", "fp32"],
     "zero3": ["zero3", "--precision", "fp32"],
     "zero3_bf16": ["zero3", "--precision", "bf16"],
-    "zero3_offload_cpu": ["zero3", "--precision", "bf16", "--offload-optimizer", "cpu", "--offload-param", "cpu"],
+    # offload presets are written for GPU hosts: --pin-memory keeps them the same on every machine
+    # (the CLI default follows the machine's accelerator)
+    "zero3_offload_cpu": [
+        "zero3", "--precision", "bf16", "--offload-optimizer", "cpu", "--offload-param", "cpu", "--pin-memory",
+    ],
     # deliberate: fp32 masters and Adam states stay on the accelerator to spare host RAM
-    "zero3_offload_param_only": ["zero3", "--precision", "bf16", "--offload-param", "cpu"],
+    "zero3_offload_param_only": ["zero3", "--precision", "bf16", "--offload-param", "cpu", "--pin-memory"],
     "zero3_offload_nvme": [
         "zero3", "--precision", "bf16", "--offload-optimizer", "nvme", "--offload-param", "nvme",
-        "--nvme-path", "/local_nvme",
+        "--nvme-path", "/local_nvme", "--pin-memory",
     ],
     "fsdp2_full_shard": ["fsdp", "--wrap", "LlamaDecoderLayer", "--mixed-precision", "bf16"],
     "fsdp2_cpu_offload": ["fsdp", "--wrap", "LlamaDecoderLayer", "--mixed-precision", "bf16", "--cpu-offload"],

@@ -152,9 +152,12 @@ def test_removed_feature_is_refused_with_deepspeeds_reason():
 def test_auto_values_are_errors_unless_hf_auto_is_expected():
     cfg = {**zero(3, stage3_prefetch_bucket_size="auto"), "train_micro_batch_size_per_gpu": "auto"}
     report = check_config(cfg)
-    autos = {f.key for f in report.findings if f.rule == "auto-value"}
-    assert autos == {"zero_optimization.stage3_prefetch_bucket_size", "train_micro_batch_size_per_gpu"}
-    assert "drops the key silently" in report.findings[0].message
+    # one cause, one finding: it lists every "auto" key and says how to check an HF Trainer file
+    (auto,) = [f for f in report.findings if f.rule == "auto-value"]
+    assert set(auto.value) == {"zero_optimization.stage3_prefetch_bucket_size", "train_micro_batch_size_per_gpu"}
+    assert auto.key == "train_micro_batch_size_per_gpu (+1 more)"
+    assert '"auto" in 2 key(s)' in auto.message and "drops each such key silently" in auto.message
+    assert "shardkit check --hf-auto" in auto.fix
     assert check_config(cfg, expect_hf_auto=True).ok
 
 

@@ -50,8 +50,10 @@ def test_values_are_concrete_and_pin_memory_explicit():
 
 def test_hf_auto_emits_auto_that_only_passes_when_expected(run_cli, tmp_path):
     out = tmp_path / "hf.json"
-    code, _, err = run_cli("config", "zero3", "--hf-auto", "-o", out)
-    assert code == 0 and "passes shardkit check" in err
+    code, _, err = run_cli("config", "zero3", "--hf-auto", "--accelerator", "-o", out)
+    # the message names the check mode it passed, and says plain check refuses the "auto" values
+    assert code == 0 and f"passes `shardkit check {out} --hf-auto --accelerator`" in err
+    assert 'plain `shardkit check` refuses its "auto" values' in err
     cfg = json.loads(out.read_text())
     autos = set(auto_paths(cfg))
     assert {"train_micro_batch_size_per_gpu", "optimizer.params.lr", "zero_optimization.reduce_bucket_size"} <= autos
@@ -59,7 +61,10 @@ def test_hf_auto_emits_auto_that_only_passes_when_expected(run_cli, tmp_path):
     deepspeed_parses({k: (1 if v == "auto" else v) for k, v in cfg.items()})
     assert run_cli("check", out, "--hf-auto")[0] == 0
     code, stdout, _ = run_cli("check", out, "--json")
-    assert code == 1 and {f["key"] for f in json.loads(stdout)["findings"] if f["rule"] == "auto-value"} == autos
+    findings = json.loads(stdout)["findings"]
+    # plain check: one finding for the one cause (it used to be 12 near-identical rows), and nothing else
+    assert code == 1 and len(findings) == 1 and findings[0]["rule"] == "auto-value"
+    assert set(findings[0]["value"]) == autos and len(autos) == 12
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""Rules for an Accelerate config file's FSDP section (what `shardkit config fsdp --format
-accelerate` writes, and what `accelerate config` produces)."""
+"""Rules for an Accelerate config file (what `accelerate config` and `shardkit config fsdp --format
+accelerate` write): its FSDP section, and its DeepSpeed section, which is turned into the DeepSpeed
+config Accelerate would build and checked with the same rules as a DeepSpeed JSON file."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ from shardkit.fsdp import FSDP1_ONLY_OPTIONS
 
 
 def is_accelerate_config(cfg: dict[str, Any]) -> bool:
-    return "fsdp_config" in cfg or ("distributed_type" in cfg and "compute_environment" in cfg)
+    return (
+        "fsdp_config" in cfg
+        or ("distributed_type" in cfg and "compute_environment" in cfg)
+        or ("distributed_type" in cfg and "deepspeed_config" in cfg)
+    )
 
 
 def accelerate_findings(cfg: dict[str, Any], *, model_classes: Iterable[str] | None = None) -> list[Finding]:
+    """Findings about the FSDP section (the DeepSpeed section: accelerate_deepspeed.deepspeed_findings)."""
     section = cfg.get("fsdp_config")
     if section is None:
         return []

@@ -13,18 +13,24 @@ from shardkit.findings import Finding, Severity
 
 
 def auto_findings(cfg: dict[str, Any], *, expect_hf_auto: bool) -> list[Finding]:
+    """One finding for all "auto" values: they share one cause (a file written for the HF
+    Trainer/Accelerate) and one fix, so twelve near-identical rows would only hide the rest."""
     if expect_hf_auto:
         return []
+    paths = auto_paths(cfg)
+    if not paths:
+        return []
+    key = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more)"
     return [
         Finding(
             Severity.ERROR,
-            path,
-            "auto",
-            '"auto" is only filled in by the HF Trainer / Accelerate; DeepSpeed itself drops the key '
-            "silently and uses its default (DeepSpeedConfigModel.__init__), or fails for top-level batch keys",
-            "set a concrete value (`shardkit config ...` without --hf-auto writes them), or check with "
-            "--hf-auto if this file is handed to the HF Trainer/Accelerate",
+            key,
+            paths,
+            f'"auto" in {len(paths)} key(s): {", ".join(paths)}. Only the HF Trainer / Accelerate fill "auto" in; '
+            "DeepSpeed itself drops each such key silently and uses its default (DeepSpeedConfigModel.__init__), "
+            "or fails for the top-level batch keys",
+            "if this file is handed to the HF Trainer/Accelerate, check it with `shardkit check --hf-auto`; "
+            "for deepspeed.initialize set concrete values (`shardkit config ...` without --hf-auto writes them)",
             "auto-value",
         )
-        for path in auto_paths(cfg)
     ]

@@ -20,6 +20,20 @@ def offload_findings(
     return out
 
 
+def pin_memory_for(accelerator: bool | None) -> bool:
+    """The pin_memory a run should use. Pinned host memory only speeds up copies to an accelerator
+    (and torch can only pin with one), so: off when the run has none, on otherwise. The one rule
+    behind `shardkit config`'s default and the pin-memory-no-accelerator check below, which
+    `shardkit check --no-accelerator` and `shardkit preflight` (on a machine without one) apply."""
+    return accelerator is not False
+
+
+def _json(value: object) -> str:
+    import json
+
+    return json.dumps(value, default=repr)
+
+
 def _device_key(o: OffloadView) -> str:
     return o.deprecated_key or f"{o.key}.device"
 
@@ -29,6 +43,24 @@ def _stage_rules(view: DeepSpeedView, opt: OffloadView, par: OffloadView) -> lis
     stage = view.stage
     if stage is None:
         return out
+    zero = view.raw.get("zero_optimization")
+    raw = zero.get("stage") if isinstance(zero, dict) else None
+    if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int)):
+        # pydantic's lax enum coercion (see view.zero_stage): true is stage 1, not "ZeRO on" or 3
+        out.append(
+            Finding(
+                Severity.ERROR if isinstance(raw, bool) else Severity.WARNING,
+                "zero_optimization.stage",
+                raw,
+                f"the stage is written as {_json(raw)}; DeepSpeed's pydantic model coerces it to "
+                f"stage {stage} without a word"
+                + (" (true is stage 1, false is stage 0)" if isinstance(raw, bool) else ""),
+                'write the stage as an integer 0-3 (e.g. "zero_optimization.stage": 3 for ZeRO-3)'
+                if isinstance(raw, bool)
+                else f'write "zero_optimization.stage": {stage}',
+                "stage-type",
+            )
+        )
     if par.active and stage < 3:
         out.append(
             Finding(
@@ -191,7 +223,7 @@ def _pin_memory_rules(view: DeepSpeedView, deepspeed_version: str | None, accele
     if accelerator is False:
         for o in active:
             pinned = o.pin_memory if o.pin_memory is not None else default
-            if pinned:
+            if pinned and not pin_memory_for(accelerator):
                 out.append(
                     Finding(
                         Severity.WARNING,

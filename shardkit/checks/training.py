@@ -98,6 +98,20 @@ def _batch(cfg: dict[str, Any], world_size: int | None) -> list[Finding]:
             if (mb and ga and world_size)
             else "drop train_batch_size and set train_micro_batch_size_per_gpu and gradient_accumulation_steps"
         )
+        if tb is not None and mb and ga and world_size and tb % (mb * ga) == 0:
+            # the common case: a config generated (or written) for another number of ranks
+            made_for = tb // (mb * ga)
+            problem += f" (the config fixes the global batch for {made_for} rank(s))"
+            fix = (
+                f"regenerate it for this run: the same `shardkit config ...` command with --world-size {world_size} "
+                f'(or set "train_batch_size": {mb * ga * world_size}); or drop train_batch_size so DeepSpeed '
+                "computes it for any world size"
+            )
+            if tb % (mb * world_size) == 0:
+                fix += (
+                    f"; to keep the global batch of {tb} on {world_size} rank(s), use --grad-accum "
+                    f"{tb // (mb * world_size)} (gradient_accumulation_steps)"
+                )
         out.append(
             Finding(
                 Severity.ERROR,

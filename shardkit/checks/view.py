@@ -33,6 +33,38 @@ def as_number(value: Any) -> float | None:
     return float(value)
 
 
+_STAGE_ADAPTER: Any = None
+
+
+def zero_stage(value: Any) -> int | None:
+    """The ZeRO stage DeepSpeed makes of ``value``, or None when it refuses it.
+
+    DeepSpeedZeroConfig.stage is a pydantic ``ZeroStageEnum(int, Enum)`` in lax mode, which coerces:
+    true -> 1, false -> 0, "1" -> 1, "3.0" -> 3, 3.0 -> 3 (checked against DeepSpeed 0.19.8 and
+    pydantic 2.13). The same pydantic rule is applied here, so the offload rules judge the stage
+    DeepSpeed will really run (``"stage": true`` with offload_param is stage 1: the offload is ignored).
+    """
+    global _STAGE_ADAPTER
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if 0 <= value <= 3 else None
+    if _STAGE_ADAPTER is None:
+        import enum
+
+        from pydantic import TypeAdapter
+
+        class _Stage(int, enum.Enum):  # the values of deepspeed's ZeroStageEnum
+            disabled = 0
+            optimizer_states = 1
+            gradients = 2
+            weights = 3
+
+        _STAGE_ADAPTER = TypeAdapter(_Stage)
+    try:
+        return int(_STAGE_ADAPTER.validate_python(value))
+    except Exception:  # pydantic.ValidationError, or a value pydantic cannot even look at
+        return None
+
+
 def enabled(section: Any) -> bool:
     """A {"enabled": true} block (DeepSpeed's fp16/bf16 style) that is switched on."""
     return isinstance(section, dict) and section.get("enabled") is True
@@ -120,10 +152,7 @@ def deepspeed_view(cfg: dict[str, Any]) -> DeepSpeedView:
         view.stage = 1 if zero else 0
         zero = {}
     elif isinstance(zero, dict):
-        stage = zero.get("stage", 0)
-        view.stage = as_int(stage)
-        if view.stage is not None and not 0 <= view.stage <= 3:
-            view.stage = None
+        view.stage = zero_stage(zero.get("stage", 0))
     else:
         zero = {}
         view.stage = 0 if "zero_optimization" not in cfg else None

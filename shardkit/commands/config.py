@@ -47,9 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="optimizer built by DeepSpeed (CPU version when offloaded) (default: adamw)")
         k.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: 1e-4)")
         k.add_argument("--weight-decay", type=float, default=0.0, help="default: 0.0")
-        k.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=True,
+        k.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=None,
                        help="pin offloaded host memory, written explicitly since the default changed in 0.19.5 "
-                       "(default: on; use --no-pin-memory on hosts with tight memlock limits)")
+                       "(default: on when the run has an accelerator, see --accelerator; --no-pin-memory on hosts "
+                       "with tight memlock limits)")
+        _accelerator_flag(k)
         k.add_argument("--hf-auto", action="store_true",
                        help='emit "auto" for the values the HF Trainer/Accelerate fills in')
         k.add_argument("-o", "--output", default="-", metavar="FILE", help="output file ('-' for stdout, the default)")
@@ -77,15 +79,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--weight-decay", type=float, default=0.0, help="default: 0.0")
     f.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 disables (default: 1.0)")
     f.add_argument("--world-size", type=int, default=None, help="num_processes for --format accelerate")
+    _accelerator_flag(f)
     f.add_argument("--format", choices=["shardkit", "accelerate"], default="shardkit",
                    help="shardkit JSON (default) or an Accelerate config (YAML unless FILE ends in .json)")
     f.add_argument("-o", "--output", default="-", metavar="FILE", help="output file ('-' for stdout, the default)")
     f.set_defaults(func=config_command, stage=None)
 
 
+def _accelerator_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accelerator", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether the run has a GPU/accelerator: sets the pin_memory default and the check the file "
+                   "must pass (default: whether this machine has one, as `shardkit preflight` decides)")
+
+
+def run_has_accelerator(args: argparse.Namespace) -> bool:
+    """--accelerator / --no-accelerator, else this machine's answer (the probe preflight uses)."""
+    if getattr(args, "accelerator", None) is not None:
+        return bool(args.accelerator)
+    import torch
+
+    return bool(torch.accelerator.is_available())
+
+
 def build_config(args: argparse.Namespace) -> dict[str, Any]:
     """The config dict the parsed arguments describe."""
     from shardkit import generate
+    from shardkit.checks.offload import pin_memory_for
 
     if args.kind == "fsdp":
         cfg = generate.fsdp_config(
@@ -117,7 +136,7 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         optimizer=args.optimizer,
         lr=args.lr,
         weight_decay=args.weight_decay,
-        pin_memory=args.pin_memory,
+        pin_memory=args.pin_memory if args.pin_memory is not None else pin_memory_for(run_has_accelerator(args)),
         hf_auto=args.hf_auto,
     )
 
@@ -127,12 +146,10 @@ def config_command(args: argparse.Namespace) -> int:
     from shardkit.errors import ConfigError
 
     cfg = build_config(args)
-    report = check_config(
-        cfg,
-        source=args.output,
-        world_size=getattr(args, "world_size", None) if args.kind != "fsdp" else None,
-        expect_hf_auto=getattr(args, "hf_auto", False),
-    )
+    accelerator = run_has_accelerator(args)
+    world_size = getattr(args, "world_size", None) if args.kind != "fsdp" else None
+    hf_auto = getattr(args, "hf_auto", False)
+    report = check_config(cfg, source=args.output, world_size=world_size, expect_hf_auto=hf_auto, accelerator=accelerator)
     if report.errors:  # a generator bug: never write a file that shardkit itself refuses
         raise ConfigError(
             "generated config fails `shardkit check`: "
@@ -141,9 +158,38 @@ def config_command(args: argparse.Namespace) -> int:
         )
     _write(cfg, args.output, yaml=args.kind == "fsdp" and args.format == "accelerate" and not args.output.endswith(".json"))
     if args.output != "-":
-        warn = f", {len(report.warnings)} warning(s): run `shardkit check {args.output}`" if report.warnings else ""
-        print(f"wrote {args.output} (passes shardkit check{warn})", file=sys.stderr)
+        print(f"wrote {args.output}: {passed_message(args, report, accelerator, world_size, hf_auto)}", file=sys.stderr)
     return 0
+
+
+def passed_message(args: argparse.Namespace, report: Any, accelerator: bool, world_size: int | None, hf_auto: bool) -> str:
+    """Exactly which `shardkit check` the file passed, and what that does not cover."""
+    import shlex
+
+    flags = [args.output]
+    if world_size is not None:
+        flags += ["--world-size", str(world_size)]
+    if hf_auto:
+        flags.append("--hf-auto")
+    flags.append("--accelerator" if accelerator else "--no-accelerator")
+    command = "shardkit check " + shlex.join(flags)
+    notes = []
+    if report.warnings:
+        notes.append(f"{len(report.warnings)} warning(s), shown by that command")
+    if hf_auto:
+        notes.append('plain `shardkit check` refuses its "auto" values, which only the HF Trainer/Accelerate fill in')
+    if world_size is not None:
+        notes.append(f"train_batch_size is fixed for {world_size} rank(s): regenerate with --world-size N for another count")
+    if getattr(args, "pin_memory", None) is None and _has_offload(args):
+        has = "has an" if accelerator else "has no"
+        origin = "as --accelerator/--no-accelerator says" if getattr(args, "accelerator", None) is not None else "judged from this machine"
+        other = "--no-accelerator or --no-pin-memory for a CPU run" if accelerator else "--accelerator or --pin-memory for a GPU run"
+        notes.append(f"pin_memory {str(accelerator).lower()} because the run {has} accelerator ({origin}; pass {other})")
+    return f"passes `{command}`" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _has_offload(args: argparse.Namespace) -> bool:
+    return "none" != getattr(args, "offload_optimizer", "none") or "none" != getattr(args, "offload_param", "none")
 
 
 def _write(cfg: dict[str, Any], path: str, yaml: bool) -> None:

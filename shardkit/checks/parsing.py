@@ -1,0 +1,49 @@
+"""What parsing alone hides: keys written twice (the last wins silently) and NaN/Infinity numbers
+(not JSON, but Python's json module accepts the literals and DeepSpeed never checks them)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from shardkit.checks.paths import walk
+from shardkit.findings import Finding, Severity
+
+
+def duplicate_key_findings(duplicates: Iterable[tuple[str, Any, Any]]) -> list[Finding]:
+    """One error per repeated key (path, key, the value that was kept), from config_io.read_config."""
+    return [
+        Finding(
+            Severity.ERROR,
+            path,
+            kept,
+            f"key {key!r} is written more than once in the same mapping: the JSON/YAML parser (and so DeepSpeed, "
+            f"Accelerate and the HF Trainer) keeps only the last value ({kept!r}) and drops the earlier one(s) "
+            "without a word",
+            f"keep a single {key!r} with the value you mean",
+            "duplicate-key",
+        )
+        for path, key, kept in duplicates
+    ]
+
+
+def non_finite_findings(cfg: Any) -> list[Finding]:
+    """Every NaN / +-Infinity number, wherever it is."""
+    out = []
+    for path, value in walk(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            text = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+            out.append(
+                Finding(
+                    Severity.ERROR,
+                    path,
+                    text,
+                    f"{text} is not a number any setting can use: Python's json module accepts the NaN/Infinity "
+                    "literals (they are not valid JSON) and DeepSpeed does not reject them; a NaN gradient_clipping "
+                    "silently disables clipping (NaN > 0 is false), a NaN or infinite lr turns the weights into "
+                    "NaN at the first step",
+                    "write a finite number",
+                    "non-finite-number",
+                )
+            )
+    return out
