@@ -10,7 +10,8 @@ ones the engine allocated for its current config, and the optimizer state is cas
 ``offload_optimizer`` lands on the CPU when offload is now on, and the other way round.
 
 The order follows ``DeepSpeedEngine.load_checkpoint`` (0.19.8): checkpoint prologue, module state
-(buffers, frozen fragments), LR scheduler and counters, optimizer, epilogue. Afterwards the
+(buffers, frozen fragments), LR scheduler and counters, optimizer, the step state DeepSpeed's CPU
+Adam kernels keep outside the checkpoint (``cpu_adam_kernel``), epilogue. Afterwards the
 placement preflight (``shardkit.preflight``) checks every tensor is where the config says.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardkit.checkpoint.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
 from shardkit.checkpoint.reshard import TargetLayout, client_state_note, layout_from_names, materialize, model_state_for_rank, optim_state_for_rank
 from shardkit.checkpoint.safe_load import safe_torch_load
 from shardkit.checkpoint.zero3 import Zero3Checkpoint, open_zero3_checkpoint, partition_numel
@@ -55,6 +57,8 @@ class Zero3LoadResult:
     """Device of each fp32 partition (sub-group) after loading."""
     state_devices: list[str] = field(default_factory=list)
     """Devices of the optimizer state tensors after loading."""
+    kernel_replays: list[KernelReplay] = field(default_factory=list)
+    """CPU Adam kernels whose hidden beta powers were brought to the loaded step."""
     placement_checked: bool = False
     """True when shardkit's placement preflight ran (and passed)."""
     notes: list[str] = field(default_factory=list)
@@ -111,6 +115,9 @@ def load_zero3_checkpoint(
     # (casts state to each fp32 partition's device), fp32 copy, bit16 refresh, persistent params.
     opt.load_state_dict(state_list, load_optimizer_states=load_optimizer_states, load_from_fp32_weights=True)
     del rank_sd, state_list
+    # DeepSpeed's CPU Adam kernels keep beta**step outside the optimizer state; without this the
+    # first step after resume differs from an uninterrupted run in the last bit (see cpu_adam_kernel).
+    kernels = restore_cpu_adam_kernel_state(engine) if load_optimizer_states else []
 
     if engine._optimizer_has_ckpt_event_epilogue():
         opt.checkpoint_event_epilogue()
@@ -124,6 +131,7 @@ def load_zero3_checkpoint(
         fp32_devices=[str(f.device) for f in opt.fp32_partitioned_groups_flat],
         state_devices=sorted({str(v.device) for f in opt.fp32_partitioned_groups_flat
                               for v in opt.optimizer.state.get(f, {}).values() if hasattr(v, "device")}),
+        kernel_replays=kernels,
     )
     note = client_state_note(ckpt, layout.world_size)
     if note:
