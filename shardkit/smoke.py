@@ -419,6 +419,11 @@ def run_smoke(opts: SmokeOptions, progress: bool = True) -> SmokeReport:
         if e not in ENGINES:
             raise UsageError(f"--engine {e!r}: choose one of {', '.join(ENGINES)} or all")
     configs = {e: config_for(e, opts) for e in opts.engines}
+    # What this machine cannot run (a TORCH_CUDA_ARCH_LIST DeepSpeed cannot parse, fp16 on a CPU
+    # without fp16 ...) stops here with one line and the fix, before op builds and ranks start.
+    from shardkit.environment import require_runnable_here
+
+    require_runnable_here({f"{e} ({src})": cfg for e, (cfg, src) in configs.items()})
     results = []
     with _Progress(progress) as bar:
         if "zero3" in opts.engines:

@@ -61,7 +61,8 @@ class KnownBad:
     id: str
     deepspeed: SpecifierSet
     kind: str
-    """"bug" (a release is broken) or "behaviour" (a release changed what a config means)."""
+    """"bug" (a release is broken), "behaviour" (a release changed what a config means) or
+    "environment" (a release fails on some machines: evaluated by shardkit/environment.py)."""
     severity: Severity
     when: dict[str, Any]
     key: str
@@ -133,7 +134,8 @@ def matching_entries(
     cfg: dict[str, Any] | None, deepspeed_version: str | Version, torch_version: str | Version | None = None
 ) -> list[KnownBad]:
     """Table rows whose version range holds and whose triggers match ``cfg`` (all rows' triggers
-    count as matching when ``cfg`` is None)."""
+    count as matching when ``cfg`` is None). Environment rows are about the machine and never
+    match here: shardkit.environment.environment_findings evaluates them against probed facts."""
     dsv = deepspeed_version if isinstance(deepspeed_version, Version) else parse_version(str(deepspeed_version))
     tv = None
     if torch_version is not None:
@@ -141,7 +143,9 @@ def matching_entries(
     return [
         row
         for row in known_bad_table()
-        if row.affects(dsv) and all(_condition_holds(k, w, cfg, tv) for k, w in row.when.items())
+        if row.kind != "environment"
+        and row.affects(dsv)
+        and all(_condition_holds(k, w, cfg, tv) for k, w in row.when.items())
     ]
 
 
@@ -368,10 +372,18 @@ def _same_release(recorded: Any, installed: str | None) -> bool:
 
 
 def version_report(
-    cfg: dict[str, Any] | None, *, deepspeed_version: str | None = None, source: str | None = None
+    cfg: dict[str, Any] | None,
+    *,
+    deepspeed_version: str | None = None,
+    source: str | None = None,
+    environment: Any = None,
 ) -> tuple[dict[str, Any], Report]:
     """What `shardkit versions` shows: installed versions, support status, and the table rows that
-    apply (to ``cfg`` when given) as a Report."""
+    apply (to ``cfg`` when given) as a Report, this machine's environment rows included.
+
+    ``environment``: shardkit.environment.EnvironmentFacts to evaluate instead of probing this
+    machine; False leaves the environment rows out.
+    """
 
     installed = installed_versions()
     ds = str(parse_version(deepspeed_version)) if deepspeed_version else installed.get("deepspeed")
@@ -380,6 +392,11 @@ def version_report(
     report = Report(subject=subject)
     if ds:
         report.extend(known_bad_findings(cfg, ds, installed.get("torch")))
+    if environment is not False:
+        from shardkit.environment import environment_findings
+
+        engine = "fsdp" if cfg is not None and isinstance(cfg.get("fsdp"), dict) else "deepspeed"
+        report.extend(environment_findings(cfg, facts=environment, deepspeed_version=ds, engine=engine))
     data = {
         "installed": installed,
         "deepspeed": ds,

@@ -156,40 +156,98 @@ def refuses_other_world_size(ckpt: str, dtype: str) -> str:
     return ""
 
 
-def save_variants(base: str) -> dict[str, list[float]]:
-    """bf16 with offload_optimizer and small sub-groups (several flat groups per rank), and fp16."""
-    import gc
-
-    out = {}
-    for label, dtype, offload, sub_group_size in VARIANTS:
-        out[label] = train_and_save(f"{base}/{label}", dtype, offload, 1, sub_group_size)
-        gc.collect()
-    return out
+def fp16_initialize_error() -> str:
+    """``deepspeed.initialize`` of an fp16 ZeRO-3 config on this rank's accelerator: DeepSpeed's
+    refusal ("" when it accepts), to check shardkit.environment.fp16_support against the engine."""
+    try:
+        _build("fp16", False)
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 # --- building the shared checkpoints (called from the tests' session fixtures) -----------------
 
 SAVE_STEPS = 2
 RESUME_STEPS = 3
-VARIANTS = [("bf16_offload", "bf16", True, 30_000), ("fp16", "fp16", False, None)]
-_BUILT: dict[str, dict[str, Any]] = {}
+# label -> (dtype, offload_optimizer, sub_group_size): one checkpoint of 1 step each
+VARIANTS = {"bf16_offload": ("bf16", True, 30_000), "fp16": ("fp16", False, None)}
+LABELS = ("fp32", *VARIANTS)
+_BUILT: dict[str, Any] = {}
 
 
-def build_sources(base: Path) -> dict[str, Any]:
-    """Two spawns at 2 ranks: the fp32 run the resume tests continue, and the bf16/fp16 variants."""
-    from shardkit.spawn import run_ranks
+def unsupported_reason(label: str) -> str | None:
+    """Why this machine cannot build ``label`` (None: it can). One probe, shared with `shardkit
+    check`: DeepSpeed's CPU accelerator refuses fp16 on CPUs without oneDNN fp16."""
+    if VARIANTS.get(label, ("fp32",))[0] != "fp16":
+        return None
+    from shardkit.environment import fp16_support
 
+    support = fp16_support()
+    return None if support.supported else f"fp16 cannot run on this machine's {support.device}: {support.reason}"
+
+
+class Sources:
+    """The shared 2-rank ZeRO-3 checkpoints, each built on first use in its own spawn.
+
+    ``sources[label]`` is the checkpoint root; ``sources["fp32_losses"]`` the fp32 loss curve. A
+    variant this machine cannot run skips the test that asks for it (with the reason), and a
+    variant whose build failed fails only the tests that use it: one refusal never errors the
+    tests of the other variants.
+    """
+
+    def __init__(self, base: Path, reason: Any = None) -> None:
+        self.base = base
+        self._reason = reason or unsupported_reason
+        self._built: dict[str, Any] = {}
+        self._failed: dict[str, BaseException] = {}
+
+    def available(self, label: str) -> bool:
+        return self._reason(label) is None
+
+    def labels(self) -> list[str]:
+        """The labels this machine can build."""
+        return [label for label in LABELS if self.available(label)]
+
+    def __getitem__(self, key: str) -> Any:
+        label = "fp32" if key == "fp32_losses" else key
+        if label not in LABELS:
+            raise KeyError(key)
+        reason = self._reason(label)
+        if reason is not None:
+            import pytest
+
+            pytest.skip(reason)
+        if label in self._failed:
+            raise RuntimeError(f"building the {label} checkpoint failed earlier in this session") from self._failed[label]
+        if label not in self._built:
+            try:
+                self._built[label] = self._build(label)
+            except BaseException as exc:
+                self._failed[label] = exc
+                raise
+        root, losses = self._built[label]
+        return losses if key == "fp32_losses" else root
+
+    def _build(self, label: str) -> tuple[Path, list[float] | None]:
+        from shardkit.spawn import run_ranks
+
+        self.base.mkdir(parents=True, exist_ok=True)
+        root = self.base / label
+        if label == "fp32":
+            args: tuple[Any, ...] = (str(root), "fp32", False, SAVE_STEPS)
+        else:
+            dtype, offload, sub_group_size = VARIANTS[label]
+            args = (str(root), dtype, offload, 1, sub_group_size)
+        losses = run_ranks(train_and_save, 2, args=args, timeout=300)[0].value
+        return root, losses
+
+
+def build_sources(base: Path) -> Sources:
+    """The session's shared checkpoints under ``base`` (built lazily, per label)."""
     key = f"sources:{base}"
     if key not in _BUILT:
-        base.mkdir(parents=True, exist_ok=True)
-        src = base / "fp32"
-        losses = run_ranks(train_and_save, 2, args=(str(src), "fp32", False, SAVE_STEPS), timeout=300)[0].value
-        run_ranks(save_variants, 2, args=(str(base),), timeout=300)
-        _BUILT[key] = {
-            "fp32": src,
-            "fp32_losses": losses,
-            **{label: base / label for label, *_ in VARIANTS},
-        }
+        _BUILT[key] = Sources(base)
     return _BUILT[key]
 
 

@@ -41,7 +41,8 @@ def test_preset_equals_generator_output(run_cli, name):
 
 @pytest.mark.parametrize("name", sorted(REQUIRED))
 def test_preset_passes_check(name):
-    report = check_file(DS_CONFIGS / f"{name}.json", world_size=8, accelerator=True)
+    # the preset alone: this machine's environment (ulimit -l vs nvme buffers ...) is not the preset's
+    report = check_file(DS_CONFIGS / f"{name}.json", world_size=8, accelerator=True, environment=None)
     assert report.ok, report.to_json()
     # only the deliberate param-only offload may warn (fp32 masters stay on the GPU)
     assert [f.rule for f in report.findings] == (

@@ -31,7 +31,7 @@ def test_table_rows_are_well_formed():
     assert len(rows) >= 9
     for row in rows:
         assert row.sources and all(s.startswith("https://github.com/") for s in row.sources), row.id
-        assert row.kind in ("bug", "behaviour") and row.key and row.symptom
+        assert row.kind in ("bug", "behaviour", "environment") and row.key and row.symptom
         if row.fixed_in:
             assert not row.affects(Version(row.fixed_in)), f"{row.id}: fixed_in {row.fixed_in} is inside its own range"
 
@@ -152,7 +152,10 @@ def test_check_cli_against_another_release(run_cli, tmp_path):
     assert run_cli("check", p, "--deepspeed-version", "0.14.0", "--torch-version", "2.3")[0] == 0
 
 
-def test_versions_cli_reports_installed_and_matching_rows(run_cli, tmp_path):
+def test_versions_cli_reports_installed_and_matching_rows(run_cli, tmp_path, monkeypatch):
+    # this machine's environment rows (tests/test_environment.py) must not decide the exit code here
+    for name in ("TORCH_CUDA_ARCH_LIST", "DS_PIN_MEMORY_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
     code, out, _ = run_cli("versions", "--json")
     data = json.loads(out)
     assert code == 0 and data["installed"]["deepspeed"] == installed_versions()["deepspeed"]
@@ -164,3 +167,21 @@ def test_versions_cli_reports_installed_and_matching_rows(run_cli, tmp_path):
     assert "known-bad:ds-7718-zero2-wrong-grads" not in found  # trigger does not match a ZeRO-3 config
     code, out, _ = run_cli("versions", "--config", p, "--deepspeed-version", "0.14.2")
     assert code == 1 and "#5422" in out and 'pip install "deepspeed==' in out
+
+
+def test_environment_rows_name_a_machine_trigger_and_never_match_a_config_alone():
+    from shardkit.environment import ENVIRONMENT_CONDITIONS
+    from shardkit.versions import matching_entries
+
+    env_rows = [r for r in known_bad_table() if r.kind == "environment"]
+    assert {r.id for r in env_rows} == {
+        "ds-7977-arch-list-suffix", "ds-6810-cuda-build-without-driver", "ds-7207-cpu-fp16",
+        "ds-976-nvme-swap-memlock", "ds-8211-native-pinning-memlock",
+    }
+    for row in env_rows:
+        assert any(c in row.when for c in ENVIRONMENT_CONDITIONS), row.id
+        assert row.config_fix or row.id == "ds-7977-arch-list-suffix", row.id  # its fix is computed from the value
+    fp16 = {**OFFLOAD_CLIP, "fp16": {"enabled": True}}
+    for version in ("0.16.0", "0.19.8"):
+        assert not [r for r in matching_entries(fp16, version) if r.kind == "environment"]
+        assert not [r for r in matching_entries(None, version) if r.kind == "environment"]
