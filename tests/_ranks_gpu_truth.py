@@ -78,3 +78,56 @@ def fsdp2_offload_expectation() -> dict[str, Any]:
         "plain_offloads": module_offloads(plain), "plain_param_shard": exp_plain.param_shard,
         "mesh_device": fsdp_mesh_device(model), "disagree_shard": disagree.param_shard, "disagree_why": disagree.param_shard_why,
     }
+
+
+def record_spec_on_gpu(out_dir: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """On a GPU rank: the recordings' run for ``spec`` (capture.py's recipe), live preflight after a
+    step, and the snapshot recorded and judged. Marked ``gpu``: skipped on CPU-only machines."""
+    import shardkit
+    from shardkit.models import resolve_model_factory
+    from shardkit.placement.observed import judge_snapshot
+    from shardkit.placement.snapshot import record_snapshot
+
+    torch.manual_seed(0)
+    model = resolve_model_factory("llama:tiny")()
+    path = Path(out_dir) / f"{name}.json"
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    if spec["engine"] == "deepspeed":
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=spec["config"])
+        ids = ids.to(engine.device)
+        record_snapshot(path, engine, phase="after_init")
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        snap = record_snapshot(path, engine, phase="after_step")
+        check = lambda: shardkit.preflight(engine, timeout=60)  # noqa: E731
+    else:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        from shardkit.device_rules import accelerator_device
+
+        dev = accelerator_device()
+        kw: dict[str, Any] = {}
+        if spec.get("offload") is not None:
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=bool(spec["offload"]))
+        else:
+            model = model.to(dev)
+        for layer in model.model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        record_snapshot(path, model=model, optimizer=opt, phase="after_init")
+        ids = ids.to(dev)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        snap = record_snapshot(path, model=model, optimizer=opt, phase="after_step")
+        check = lambda: shardkit.preflight(model=model, optimizer=opt, timeout=60)  # noqa: E731
+    out: dict[str, Any] = {"judged": judge_snapshot(snap).to_dict()}
+    try:
+        out["live_text"] = check().render()
+        out["live_ok"] = True
+    except shardkit.PreflightError as exc:
+        out["live_ok"], out["live_text"] = False, str(exc)
+    return out

@@ -203,3 +203,30 @@ def test_fsdp2_offload_is_read_from_the_module_state():
     assert out["mesh_device"] == "cpu"
     # A config that says "no offload" about an offloaded module: the module's tensors are named.
     assert out["disagree_shard"] == "cuda:0" and "but the module was sharded" in out["disagree_why"]
+
+
+@pytest.mark.slow
+def test_record_cli_then_observed_cli(run_cli, tmp_path):
+    import subprocess
+    import sys
+
+    snap = tmp_path / "fsdp_off.json"
+    r = subprocess.run([sys.executable, "-m", "shardkit", "preflight", str(REPO / "ds_configs" / "fsdp2_cpu_offload.json"),
+                        "--nproc", "1", "--device", "cpu", "--record", str(snap)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(snap.read_text())
+    assert {"after_init", "after_step"} <= set(data) and data["spec"] == {"engine": "fsdp2", "offload": True}
+    assert data["compute_device"] == "cpu" and data["optimizer"]["class"].startswith("torch.optim")
+    code, out, _ = run_cli("preflight", "--observed", snap)
+    assert code == 0 and "healthy" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["z3_offparam_only", "z3_offboth_pin", "fsdp2_off_pin", "z3_bf16"])
+def test_gpu_live_runs_are_judged_like_the_recordings(tmp_path, name):
+    from shardkit.spawn import run_ranks
+    from tests import _ranks_gpu_truth as targets
+
+    out = run_ranks(targets.record_spec_on_gpu, 1, args=(str(tmp_path), name, _load("specs")[name]), timeout=600, device="gpu")[0].value
+    assert out["live_ok"], out["live_text"]
+    assert out["judged"]["ok"] and out["judged"]["not_checked"] == [], out["judged"]
