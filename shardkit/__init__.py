@@ -32,6 +32,8 @@ _LAZY: dict[str, str] = {
     "reshard_zero3": "shardkit.checkpoint.reshard",
     "safe_torch_load": "shardkit.checkpoint.safe_load",
     "preflight": "shardkit.placement.preflight",
+    "record_snapshot": "shardkit.placement.snapshot",
+    "judge_snapshot": "shardkit.placement.observed",
     "collect_records": "shardkit.placement",
     "PlacementReport": "shardkit.placement.report",
     "verify_checkpoint": "shardkit.checkpoint.verify",

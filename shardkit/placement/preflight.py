@@ -50,16 +50,19 @@ def preflight(
     config: Mapping[str, Any] | None = None,
     timeout: float = 60.0,
     json_path: str | None = None,
+    device: str | None = None,
 ) -> PlacementReport:
     """Check that every tensor on every rank sits where the config says, and that ranks agree.
 
     Collective over the default process group (a single process works too). Returns the report
     when clean; otherwise every rank raises the same PreflightError whose message holds the table,
     and rank 0 prints it. A rank that does not arrive within ``timeout`` seconds is named.
+    ``device`` overrides the compute device shardkit infers (the engine's, FSDP2's mesh device, or
+    where a plain model's parameters are).
     """
     import torch.distributed as dist
 
-    local = collect_records(engine, model=model, optimizer=optimizer, scaler=scaler, lr_scheduler=lr_scheduler, config=config)
+    local = collect_records(engine, model=model, optimizer=optimizer, scaler=scaler, lr_scheduler=lr_scheduler, config=config, device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         report, verdict = _collective(local, timeout)
     else:
