@@ -21,6 +21,7 @@ from shardkit.placement import records as R
 from shardkit.placement.expected import ExpectedDevices, deepspeed_expected, fsdp_expected, torch_expected
 from shardkit.placement.records import PlacementRecord, RankReport
 from shardkit.placement.report import PlacementReport
+from shardkit.placement.zero_attrs import attr_key, expected_for, rule_for
 
 PHASES = ("after_init", "after_step")
 """Phases a recording holds, in the order they are judged."""
@@ -240,8 +241,6 @@ class _Rules:
             why = x.param_shard_why if self.kind == "fsdp2" else "gradients are produced on the compute device"
             return [(name[len("grad "):] + ".grad", R.GRAD, dev, where, why)]
         if name.startswith("opt."):
-            from shardkit.placement.zero_attrs import expected_for, rule_for
-
             attr = _attr(name)
             rule = rule_for(attr) if self.kind == "deepspeed" else None
             if rule is None:
@@ -276,8 +275,6 @@ class _Rules:
 
 
 def _attr(name: str) -> str:
-    from shardkit.placement.zero_attrs import attr_key
-
     return attr_key(name[len("opt."):].split("[", 1)[0])
 
 
