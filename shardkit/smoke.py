@@ -20,8 +20,11 @@ name; torch and the engines are imported inside those functions only.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,8 +54,12 @@ class SmokeOptions:
 
     engines: tuple[Engine, ...] = ENGINES
     """Engines to exercise, in order."""
-    nproc: int = 2
-    """Ranks per run (same world size for A, B and C, so CPU runs must match bit for bit)."""
+    nproc: int | None = None
+    """Ranks per run (same world size for A, B and C, so CPU runs must match bit for bit); None =
+    one per visible GPU, else 2 CPU ranks."""
+    device: str = "auto"
+    """auto: one nccl rank per visible GPU, CPU ranks without GPUs; cpu: gloo ranks that never touch
+    a GPU; gpu: GPUs or a refusal. More ranks than visible GPUs is refused unless cpu (spawn.plan_ranks)."""
     steps: int = 4
     """Optimizer steps of the uninterrupted run; the checkpoint is taken after steps // 2."""
     config: str | None = None
@@ -374,11 +381,15 @@ def _fsdp2_load(model: Any, optimizer: Any, root: str) -> str:
 
 
 class _Progress:
-    """A rich progress bar per engine (A, B, C, compare), or nothing when ``show`` is False."""
+    """A rich progress bar per engine (A, B, C, compare) on a terminal; elsewhere (logs, CI) one
+    line per stage on stderr, since a bar is never drawn there; nothing when ``show`` is False."""
 
-    def __init__(self, show: bool) -> None:
+    def __init__(self, show: bool, plain: bool | None = None) -> None:
         self._p = None
-        if show:
+        self._plain = show and (plain if plain is not None else not sys.stdout.isatty())
+        self._said: dict[str, str] = {}
+        self._start = time.monotonic()
+        if show and not self._plain:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
             from shardkit.render import console
@@ -402,17 +413,26 @@ class _Progress:
             self._p.__exit__(*exc)
 
     def task(self, engine: str, total: int = 4) -> Any:
+        if self._plain:
+            return engine
         return self._p.add_task("starting", total=total, engine=engine) if self._p is not None else None
 
     def update(self, task: Any, description: str, advance: int = 0) -> None:
+        if self._plain and self._said.get(task) != description:
+            self._said[task] = description
+            print(f"[{time.monotonic() - self._start:6.1f}s] {task}: {description}", file=sys.stderr, flush=True)
         if self._p is not None:
             self._p.update(task, description=description, advance=advance)
 
 
 def run_smoke(opts: SmokeOptions, progress: bool = True) -> SmokeReport:
     """Run the smoke for every engine in ``opts.engines`` and return the verdicts."""
-    if opts.nproc < 1:
-        raise UsageError(f"--nproc must be at least 1, got {opts.nproc}")
+    from shardkit.spawn import plan_ranks
+
+    plan = plan_ranks(opts.nproc, opts.device)  # type: ignore[arg-type]  # refuses more ranks than GPUs
+    opts = dataclasses.replace(opts, nproc=plan.nproc, device=plan.device)
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if opts.steps < 2:
         raise UsageError(f"--steps must be at least 2 (half before the checkpoint, half after), got {opts.steps}")
     for e in opts.engines:
@@ -426,26 +446,51 @@ def run_smoke(opts: SmokeOptions, progress: bool = True) -> SmokeReport:
     require_runnable_here({f"{e} ({src})": cfg for e, (cfg, src) in configs.items()})
     results = []
     with _Progress(progress) as bar:
-        if "zero3" in opts.engines:
-            # A fresh machine JIT-builds DeepSpeed's ops on first use (minutes on a small CPU box):
-            # do it once here, outside the runs' timeouts, rather than inside every rank at once.
-            task = bar.task("deepspeed ops", total=1)
-            bar.update(task, "building / loading (first use only)")
-            _prebuild_deepspeed_ops()
-            bar.update(task, "ready", advance=1)
+        op_failure = _prebuild_deepspeed_ops(bar, opts.device) if "zero3" in opts.engines else None
         for engine in opts.engines:
             cfg, source = configs[engine]
+            if engine == "zero3" and op_failure:
+                # every ZeRO-3 rank would build the op again and fail the same way, minutes later
+                results.append(EngineResult(engine=engine, config_source=source, failure=op_failure))
+                continue
             results.append(_smoke_engine(engine, cfg, source, opts, bar))
-    return SmokeReport(results=results, nproc=opts.nproc, steps=opts.steps)
+    return SmokeReport(results=results, nproc=opts.nproc, steps=opts.steps)  # type: ignore[arg-type]
 
 
-def _prebuild_deepspeed_ops() -> None:
-    import subprocess
-    import sys
+def _prebuild_deepspeed_ops(bar: "_Progress", device: str) -> str | None:
+    """Build DeepSpeed's ops once, outside the runs' timeouts, rather than inside every rank at once
+    (a fresh machine JIT-builds them on first use: minutes on a small CPU box). Returns the one-line
+    failure (op, cause, fix) when one did not build, else None."""
+    from shardkit.engines.deepspeed import PREBUILT_OPS, op_failure_line, prebuild_ops_in_subprocess
+    from shardkit.spawn import CPU_RANK_ENV
 
-    # In a subprocess: importing deepspeed here would initialize its accelerator in the parent.
-    code = "from shardkit.engines.deepspeed import prebuild_ops; prebuild_ops()"
-    subprocess.run([sys.executable, "-c", code], capture_output=True, check=False, timeout=1800)
+    task = bar.task("deepspeed ops", total=len(PREBUILT_OPS))
+
+    def on_event(event: dict[str, Any]) -> None:
+        op, stage = event["op"], event["stage"]
+        if stage == "building":
+            bar.update(task, f"building {op} (or loading it from the cache) ...")
+        elif stage == "ok":
+            bar.update(task, f"built {op} in {event['seconds']} s", advance=1)
+        elif stage == "skipped":
+            bar.update(task, f"{op} skipped ({event['detail']})", advance=1)
+        else:
+            bar.update(task, f"FAILED {op}: {event['detail']}", advance=1)
+
+    # the ranks' environment, so the ops of the accelerator the ranks will use are the ones built
+    env = {**os.environ, **CPU_RANK_ENV} if device == "cpu" else None
+    status, output = prebuild_ops_in_subprocess(on_event, env=env)
+    failed = [(name, s) for name, s in status.items() if s.startswith("failed")]
+    if not failed:
+        bar.update(task, "all ops ready")
+        return None
+    fd, log = tempfile.mkstemp(prefix="shardkit-op-build-", suffix=".log")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(output)
+    name, first = failed[0]
+    more = f"; {len(failed) - 1} more op(s) failed too" if len(failed) > 1 else ""
+    bar.update(task, f"FAILED: {', '.join(n for n, _ in failed)}")
+    return f"{op_failure_line(name, first)}{more} (build output: {log}); the ZeRO-3 runs were not started"
 
 
 def _smoke_engine(engine: Engine, cfg: dict[str, Any], source: str, opts: SmokeOptions, bar: _Progress) -> EngineResult:
@@ -498,7 +543,9 @@ def _run(spec: RunSpec, opts: SmokeOptions, workdir: Path, name: str) -> list[di
     workdir.mkdir(parents=True, exist_ok=True)
     spec = copy.copy(spec)
     spec.log_dir = str(workdir)
-    results = run_ranks(rank_run, opts.nproc, args=(spec,), timeout=opts.timeout, workdir=workdir, raise_on_error=False)
+    results = run_ranks(
+        rank_run, opts.nproc, args=(spec,), timeout=opts.timeout, device=opts.device, workdir=workdir, raise_on_error=False  # type: ignore[arg-type]
+    )
     bad = [r for r in results if not r.ok]
     if not bad:
         return [r.value for r in results]
@@ -574,11 +621,3 @@ def print_smoke_report(report: SmokeReport, file: Any = None) -> None:
             con.print(f"[bold red]FAIL[/] {r.engine}: {r.failure}")
     con.print("smoke: [green]all passed[/]" if report.ok else "smoke: [bold red]failed[/]")
 
-
-def default_nproc() -> int:
-    """One rank per visible accelerator (nccl allows one rank per GPU), else 2 CPU ranks (gloo)."""
-    import torch
-
-    if torch.accelerator.is_available():
-        return torch.accelerator.device_count()
-    return 2

@@ -15,7 +15,7 @@ from shardkit.smoke import EngineResult, SmokeOptions, _compare, fit_config, pri
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 def test_smoke_resumes_bit_exact(engine, run_cli, tmp_path):
     out_json = tmp_path / "smoke.json"
-    code, out, err = run_cli("smoke", "--engine", engine, "--nproc", "2", "--steps", "4", "--json", out_json, "--quiet")
+    code, out, err = run_cli("smoke", "--engine", engine, "--nproc", "2", "--device", "cpu", "--steps", "4", "--json", out_json, "--quiet")
     assert code == 0, out + err
     assert "bit-exact" in out and "all passed" in out
     report = json.loads(out_json.read_text())
@@ -39,7 +39,7 @@ def _corrupt_rank1_shard(root: Path) -> None:
 
 @pytest.mark.slow
 def test_smoke_fails_with_one_clear_line_on_a_corrupted_checkpoint(tmp_path):
-    opts = SmokeOptions(engines=("fsdp2",), nproc=2, steps=2, workdir=str(tmp_path), after_save=_corrupt_rank1_shard)
+    opts = SmokeOptions(engines=("fsdp2",), nproc=2, device="cpu", steps=2, workdir=str(tmp_path), after_save=_corrupt_rank1_shard)
     report = run_smoke(opts, progress=False)
     assert report.exit_code == 1
     (result,) = report.results
@@ -106,3 +106,64 @@ def test_fit_config_sets_batch_keys_for_the_world_size_and_drops_auto():
 def test_too_few_steps_is_a_usage_error(run_cli):
     code, out, err = run_cli("smoke", "--engine", "fsdp2", "--steps", "1", "--quiet")
     assert code == 2 and "--steps must be at least 2" in err
+
+
+# ---------------------------------------------------------------- DeepSpeed op builds
+
+
+def test_a_failed_op_build_is_one_line_naming_the_op_and_the_cause_and_progress_is_printed(tmp_path, monkeypatch, capsys):
+    # A real build failure: an empty extension cache (everything is built again) and a compiler
+    # that does not work. Output is not a terminal here, so every stage gets a line on stderr.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
+    monkeypatch.setenv("CXX", "/bin/false")
+    report = run_smoke(SmokeOptions(engines=("zero3",), nproc=2, device="cpu", steps=2), progress=True)
+    (result,) = report.results
+    assert report.exit_code == 1 and not result.ok
+    assert result.failure.startswith("DeepSpeed op CPUAdamBuilder failed to build: CalledProcessError: ")
+    assert "/bin/false" in result.failure and "the ZeRO-3 runs were not started" in result.failure
+    assert result.seconds == {}  # no run was started to fail the same way minutes later
+    log = result.failure.split("(build output: ")[1].split(")")[0]
+    assert Path(log).is_file()
+    err = capsys.readouterr().err
+    assert "deepspeed ops: building CPUAdamBuilder (or loading it from the cache) ..." in err
+    assert "deepspeed ops: FAILED CPUAdamBuilder: CalledProcessError" in err
+    assert "ready" not in err and "built " not in err
+
+
+def test_hopper_arch_list_failure_names_the_op_the_deepspeed_function_and_the_fix(tmp_path, monkeypatch):
+    """DeepSpeed 0.19.8's JIT builder on a Hopper image (TORCH_CUDA_ARCH_LIST=9.0a), replayed on CPU:
+    the accelerator hands out DeepSpeed's real CUDA FusedAdamBuilder, whose compute_capability_args
+    raises exactly as on the H100."""
+    from shardkit.engines.deepspeed import op_failure_line, prebuild_ops_in_subprocess
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import deepspeed.accelerator.cpu_accelerator as ca\n"
+        "original = ca.CPU_Accelerator.create_op_builder\n"
+        "def create_op_builder(self, name):\n"
+        "    if name == 'FusedAdamBuilder':\n"
+        "        from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder\n"
+        "        return FusedAdamBuilder()\n"
+        "    return original(self, name)\n"
+        "ca.CPU_Accelerator.create_op_builder = create_op_builder\n"
+    )
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    events = []
+    status, _ = prebuild_ops_in_subprocess(events.append, names=("FusedAdamBuilder",), timeout=300)
+    cause = "ValueError: invalid literal for int() with base 10: '0a' (in compute_capability_args)"
+    assert status == {"FusedAdamBuilder": f"failed: {cause}"}
+    assert [e["stage"] for e in events] == ["building", "failed"]
+    line = op_failure_line("FusedAdamBuilder", status["FusedAdamBuilder"])
+    assert line == f"DeepSpeed op FusedAdamBuilder failed to build: {cause}; TORCH_CUDA_ARCH_LIST='9.0a' has entries " \
+        'DeepSpeed cannot parse: export TORCH_CUDA_ARCH_LIST="9.0"'
+
+
+def test_smoke_refuses_more_ranks_than_visible_gpus(run_cli, monkeypatch):
+    import shardkit.spawn
+
+    monkeypatch.setattr(shardkit.spawn, "visible_gpus", lambda: 1)
+    code, out, err = run_cli("smoke", "--engine", "fsdp2", "--nproc", "2", "--quiet")
+    assert code == 2
+    assert "--nproc 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "or --device cpu to run 2 CPU ranks" in err

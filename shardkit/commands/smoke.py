@@ -21,17 +21,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--engine", choices=["zero3", "fsdp2", "all"], default="all", help="engine to exercise (default: all)")
     p.add_argument("--nproc", type=int, default=None, help="ranks per run (default: visible GPUs, else 2 CPU ranks)")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "gpu"], default="auto",
+        help="auto: one rank per visible GPU (nccl), CPU ranks (gloo) without GPUs; cpu: gloo ranks that never touch "
+        "a GPU (any --nproc); gpu: GPUs only. More ranks than visible GPUs is refused unless --device cpu",
+    )
     p.add_argument("--steps", type=int, default=4, help="steps of the uninterrupted run; checkpoint after half (default: 4)")
     p.add_argument("--config", default=None, help="DeepSpeed ZeRO-3 or shardkit FSDP2 config to use instead of the preset (with --engine all: the engine it is for)")
     p.add_argument("--model", default="tiny", help="Llama size: tiny, small, 40m, 160m (default: tiny)")
     p.add_argument("--timeout", type=float, default=300.0, help="hard limit per run in seconds (default: 300)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON ('-' for stdout)")
-    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--quiet", action="store_true", help="no progress display (without a terminal: no progress lines on stderr)")
     p.set_defaults(func=smoke_command)
 
 
 def smoke_command(args: argparse.Namespace) -> int:
-    from shardkit.smoke import ENGINES, SmokeOptions, default_nproc, print_smoke_report, run_smoke
+    from shardkit.smoke import ENGINES, SmokeOptions, print_smoke_report, run_smoke
 
     engines = ENGINES if args.engine == "all" else (args.engine,)
     if args.config and args.engine == "all":
@@ -41,7 +46,8 @@ def smoke_command(args: argparse.Namespace) -> int:
         engines = ("fsdp2",) if config_kind(load_config(args.config)) == "fsdp" else ("zero3",)
     opts = SmokeOptions(
         engines=engines,
-        nproc=args.nproc if args.nproc is not None else default_nproc(),
+        nproc=args.nproc,
+        device=args.device,
         steps=args.steps,
         config=args.config,
         model=args.model,
