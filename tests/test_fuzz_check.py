@@ -113,3 +113,60 @@ def test_deeply_nested_config_does_not_blow_the_stack():
         node["x"] = {}
         node = node["x"]
     _assert_sane(check_config(cfg))
+
+
+# --- hostile files: alias bombs, deep nesting, duplicate keys, NaN literals (issue 7 items 10-12) ---
+
+
+@st.composite
+def hostile_texts(draw):
+    kind = draw(st.sampled_from(["alias-bomb", "alias-cycle", "deep-json", "deep-yaml", "duplicates", "nan"]))
+    if kind == "alias-bomb":
+        width, depth = draw(st.integers(2, 12)), draw(st.integers(1, 12))
+        lines = [f"l0: &l0 [{', '.join(['lol'] * width)}]"]
+        lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, depth)]
+        return "cfg.yaml", "\n".join(lines) + "\n"
+    if kind == "alias-cycle":
+        return "cfg.yaml", draw(st.sampled_from(["a: &a [*a]\n", "a: &a {b: *a}\n", "a: &a {b: [1, {c: *a}]}\n"]))
+    if kind in ("deep-json", "deep-yaml"):
+        depth = draw(st.integers(1, 3000))
+        opener, closer = draw(st.sampled_from([('{"a":', "}"), ("[", "]")]))
+        body = opener * depth + "1" + closer * depth
+        return ("cfg.json", '{"x": ' + body + "}") if kind == "deep-json" else ("cfg.yaml", "x: " + body + "\n")
+    if kind == "duplicates":
+        key = draw(st.sampled_from(["stage", "device", "zero_optimization", "lr"]))
+        a, b = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+        return "cfg.json", f'{{"zero_optimization": {{"{key}": {a}, "{key}": {b}}}, "{key}": {a}, "{key}": {b}}}'
+    literal = draw(st.sampled_from(["NaN", "Infinity", "-Infinity"]))
+    return "cfg.json", f'{{"train_micro_batch_size_per_gpu": 1, "gradient_clipping": {literal}}}'
+
+
+@settings(max_examples=80, **COMMON)
+@given(case=hostile_texts())
+def test_hostile_files_give_one_line_or_a_sane_report(tmp_path_factory, case):
+    name, text = case
+    p = tmp_path_factory.mktemp("hostile") / name
+    p.write_text(text)
+    try:
+        report = check_file(p)
+    except ConfigError as exc:
+        assert str(exc).startswith(str(p)) and "\n" not in str(exc)
+    else:
+        _assert_sane(report)
+        if "NaN" in text or "Infinity" in text:
+            assert any(f.rule == "non-finite-number" for f in report.errors)
+
+
+ACCELERATE_KEYS = ["zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+                   "offload_param_nvme_path", "zero3_save_16bit_model", "zero3_init_flag", "gradient_clipping",
+                   "gradient_accumulation_steps", "deepspeed_config_file"]
+
+
+@settings(max_examples=80, **COMMON)
+@given(section=st.dictionaries(st.sampled_from(ACCELERATE_KEYS), values, max_size=6),
+       precision=st.sampled_from([None, "bf16", "fp16", "no", 3]))
+def test_accelerate_deepspeed_sections_never_crash(section, precision):
+    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "deepspeed_config": section}
+    if precision is not None:
+        cfg["mixed_precision"] = precision
+    _assert_sane(check_config(cfg))
