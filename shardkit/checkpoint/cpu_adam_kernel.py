@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
 
@@ -53,23 +54,40 @@ class _Unit:
     call: Callable[[int], None]
 
 
-def restore_cpu_adam_kernel_state(engine: "DeepSpeedEngine") -> list[KernelReplay]:
+def restore_cpu_adam_kernel_state(target: "DeepSpeedEngine | torch.optim.Optimizer") -> list[KernelReplay]:
     """Bring the beta powers inside DeepSpeed's CPU Adam kernels to the loaded optimizer step.
 
-    Call on every rank after the optimizer state is loaded (``load_zero3_checkpoint`` does;
-    after ``engine.load_checkpoint`` call it yourself). ZeRO-3 engines only; returns one entry per
-    kernel replayed, empty when the engine's optimizer keeps no such state (torch optimizers, CUDA
+    ``target``: a ZeRO-3 engine (its sub-groups are replayed in the order its optimizer step visits
+    them), or a ``DeepSpeedCPUAdam`` / CPU ``FusedAdam`` used without an engine (each tensor of
+    each param group in order, as ``DeepSpeedCPUAdam.step`` calls the kernel). Call it on every
+    rank after the optimizer state is loaded: ``load_zero3_checkpoint`` does; after
+    ``engine.load_checkpoint`` or ``optimizer.load_state_dict`` call it yourself. Returns one entry
+    per kernel replayed; empty when the optimizer keeps no such state (torch optimizers, CUDA
     FusedAdam, a checkpoint at step 0).
     """
     from shardkit.errors import CheckpointError
 
-    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
-    if stage != 3:
-        raise CheckpointError(
-            f"restore_cpu_adam_kernel_state needs a ZeRO stage 3 engine; this engine runs stage {stage}. "
-            "Other stages step their partitions differently and are not handled"
-        )
-    return _replay(_zero3_units(engine.optimizer))
+    if hasattr(target, "zero_optimization_stage"):
+        stage = target.zero_optimization_stage()
+        if stage != 3:
+            raise CheckpointError(
+                f"restore_cpu_adam_kernel_state: this engine runs ZeRO stage {stage}; only stage 3 engines are "
+                "handled (their sub-group step order is known). For another stage pass the CPU Adam optimizer "
+                "itself, engine.optimizer.optimizer, once you have checked it steps one tensor per param group"
+            )
+        return _replay(_zero3_units(target.optimizer))
+    return _replay(_optimizer_units(target))
+
+
+def _optimizer_units(inner: Any) -> list[_Unit]:
+    units = []
+    for group in inner.param_groups:
+        for p in group["params"]:
+            step = inner.state.get(p, {}).get("step")
+            unit = _unit(inner, group, int(step)) if step is not None else None
+            if unit is not None:
+                units.append(unit)
+    return units
 
 
 def _zero3_units(opt: Any) -> list[_Unit]:
