@@ -28,6 +28,9 @@ LAUNCHERS: tuple[Launcher, ...] = ("deepspeed", "torchrun")
 # add_config_arguments (--deepspeed_config; --deepspeed is a flag there), the HF Trainer
 # (--deepspeed PATH), and a generic --config.
 CONFIG_FLAGS: tuple[str, ...] = ("--deepspeed_config", "--deepspeed-config", "--deepspeed", "--config")
+# These always take a path, so whatever follows is the config, even a directory or a missing file
+# (then an error naming it, never a launch "with no config named").
+PATH_ONLY_FLAGS: tuple[str, ...] = ("--deepspeed_config", "--deepspeed-config")
 CONFIG_SUFFIXES: tuple[str, ...] = (".json", ".yaml", ".yml")
 # A --config file is only checked when it is a DeepSpeed or shardkit FSDP2 config: `--config`
 # often names the application's own settings.
@@ -58,6 +61,8 @@ class LaunchPlan:
     """Whether every rank runs the placement preflight before its first optimizer step."""
     notes: list[str] = field(default_factory=list)
     """Things worth saying before the launch (a --config that is not an engine config ...)."""
+    is_module: bool = False
+    """The script is a module run with -m/--module (no file to check)."""
 
 
 def split_script(args: Sequence[str]) -> tuple[list[str], str, list[str]]:
@@ -81,8 +86,9 @@ def find_config(script_args: Sequence[str]) -> str | None:
     """The config path in the script's arguments (``--deepspeed_config X``, ``--deepspeed X``,
     ``--config X`` and the ``=`` forms); None when there is none.
 
-    ``--deepspeed`` is a plain flag in DeepSpeed's own argument parser, so a value is taken only
-    when it looks like a config file.
+    ``--deepspeed_config`` always takes a path. ``--deepspeed`` is a plain flag in DeepSpeed's own
+    argument parser, so its value is taken only when it looks like a config file or is an existing
+    path; ``--config`` often names the application's own settings, so only a config-looking file.
     """
     args = list(script_args)
     for i, arg in enumerate(args):
@@ -91,8 +97,29 @@ def find_config(script_args: Sequence[str]) -> str | None:
             continue
         if not eq:
             value = args[i + 1] if i + 1 < len(args) else ""
-        if value and not value.startswith("-") and (value.endswith(CONFIG_SUFFIXES) or Path(value).is_file()):
+        if not value or value.startswith("-"):
+            continue
+        if flag in PATH_ONLY_FLAGS or value.endswith(CONFIG_SUFFIXES) or Path(value).is_file():
             return value
+        if flag == "--deepspeed" and Path(value).exists():
+            return value
+    return None
+
+
+def missing_script(plan: LaunchPlan, cwd: Path | None = None) -> str | None:
+    """Why the plan's script cannot run (it does not exist, or is not a file), or None.
+
+    Checked before the launcher starts: torchrun would otherwise start its agent and N ranks that
+    each fail to open the file. A module (``-m pkg.train``) is left to the ranks' own PYTHONPATH.
+    """
+    if plan.is_module:
+        return None
+    path = Path(plan.script)
+    full = path if path.is_absolute() else (cwd or Path.cwd()) / path
+    if not full.exists():
+        return f"training script {plan.script} does not exist (looked for {full}); check the path"
+    if not full.is_file():
+        return f"training script {plan.script} is not a file ({full}); pass the .py file to run"
     return None
 
 
@@ -146,6 +173,7 @@ def build_launch(
     if launcher not in LAUNCHERS:
         raise UsageError(f"--launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     launcher_args, script, script_args = split_script(args)
+    is_module = launcher_args[-2:] in (["-m", script], ["--module", script])
     config_path = find_config(script_args)
     env = dict(os.environ if environ is None else environ)
     if preflight:
@@ -161,6 +189,7 @@ def build_launch(
         config_path=config_path,
         world_size=infer_world_size(launcher, launcher_args),
         preflight=preflight,
+        is_module=is_module,
     )
 
 
@@ -197,9 +226,56 @@ def _is_fsdp(cfg: object) -> bool:
 
 def run_launch(plan: LaunchPlan) -> int:
     """Start the plan's argv and return its exit status; SIGINT/SIGTERM are passed on to it so the
-    launcher can stop its ranks cleanly (as it would under Slurm or Ctrl-C)."""
+    launcher can stop its ranks cleanly (as it would under Slurm or Ctrl-C).
+
+    When ranks failed their automatic preflight, the launch ends with one line naming them and
+    returns 3, after everything the launcher printed (torchrun turns a rank's exit 3 into 1 and
+    prints a ChildFailedError traceback last).
+    """
+    import tempfile
+
+    from shardkit.autopreflight import ENV_FAILED_DIR
+
+    failed_dir = tempfile.mkdtemp(prefix="shardkit-launch-") if plan.preflight else None
+    env = {**plan.env, ENV_FAILED_DIR: failed_dir} if failed_dir else plan.env
     try:
-        proc = subprocess.Popen(plan.argv, env=plan.env)
+        code = _run_argv(plan, env)
+        failures = preflight_failures(failed_dir) if failed_dir else {}
+    finally:
+        if failed_dir:
+            shutil.rmtree(failed_dir, ignore_errors=True)
+    if failures:
+        print(preflight_summary(failures, plan.world_size), file=sys.stderr, flush=True)
+        from shardkit.autopreflight import EXIT_CODE
+
+        return EXIT_CODE
+    return code
+
+
+def preflight_failures(folder: str | Path) -> dict[int, str]:
+    """Rank -> first line of its preflight failure, from the markers the ranks left in ``folder``."""
+    found: dict[int, str] = {}
+    for marker in Path(folder).glob("rank*"):
+        rank = marker.name[len("rank"):]
+        if rank.isdigit():
+            found[int(rank)] = marker.read_text(errors="replace").strip()
+    return dict(sorted(found.items()))
+
+
+def preflight_summary(failures: dict[int, str], world_size: int | None) -> str:
+    """The launch's last line after ranks failed their preflight."""
+    of = f" of {world_size}" if world_size else ""
+    first = next(iter(failures.values()), "") or "placement preflight failed"
+    return (
+        f"shardkit launch: placement preflight failed on rank(s) {sorted(failures)}{of} before the first optimizer "
+        f"step: {first}; exit 3. The table is above (rank 0's output); fix the placement, or relaunch with "
+        "`shardkit launch --no-preflight` to skip the check."
+    )
+
+
+def _run_argv(plan: LaunchPlan, env: dict[str, str]) -> int:
+    try:
+        proc = subprocess.Popen(plan.argv, env=env)
     except FileNotFoundError as exc:
         raise UsageError(f"cannot start {plan.argv[0]!r}: {exc}. Is {plan.launcher} installed in this environment?") from exc
 

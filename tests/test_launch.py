@@ -48,6 +48,8 @@ def test_deepspeed_launcher_argv_and_world_size():
         (["--deepspeed", "--deepspeed_config", "ds.json"], "ds.json"),  # DeepSpeed's flag + path
         (["--config=run.json"], "run.json"),
         (["--deepspeed"], None),
+        (["--deepspeed_config", "ds"], "ds"),  # always a path: checked (and refused) even without a suffix
+        (["--deepspeed", "not-a-path"], None),  # DeepSpeed's flag followed by a script argument
         (["--lr", "1e-4"], None),
     ],
 )
@@ -76,10 +78,52 @@ def test_preflight_environment_and_no_preflight():
     assert off.env == {"PYTHONPATH": "/x"}
 
 
-def test_own_options_first_then_pass_through(run_cli):
+def test_own_options_first_then_pass_through(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
     code, out, err = run_cli("launch", "--launcher", "torchrun", "--no-preflight", "--dry-run", "--nproc_per_node", "2", "t.py", "--dry-run")
     assert code == 0
     assert "no preflight" in err and err.rstrip().endswith("--nproc_per_node 2 t.py --dry-run")
+    # a dry run starts nothing and says so
+    assert "would run: " in err and "starting" not in err
+
+
+def test_a_script_that_does_not_exist_is_refused_before_anything_starts(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for dry in (["--dry-run"], []):
+        code, out, err = run_cli("launch", *dry, "--launcher", "torchrun", "--nproc_per_node", "1", "nope.py")
+        assert code == 1
+        assert f"not started: training script nope.py does not exist (looked for {tmp_path / 'nope.py'})" in err
+        assert "starting" not in err and "would run" not in err
+    (tmp_path / "folder.py").mkdir()
+    code, out, err = run_cli("launch", "--dry-run", "folder.py")
+    assert code == 1 and "training script folder.py is not a file" in err
+
+
+@pytest.mark.parametrize("spelling", [["--deepspeed_config", "{dir}"], ["--deepspeed_config={dir}"], ["--deepspeed", "{dir}"]])
+def test_a_config_flag_naming_a_directory_is_an_error_naming_it(run_cli, tmp_path, monkeypatch, spelling):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "cfgdir").mkdir()
+    code, out, err = run_cli("launch", "--dry-run", "train.py", *[a.format(dir=tmp_path / "cfgdir") for a in spelling])
+    assert code == 1
+    assert f"{tmp_path / 'cfgdir'}: is a directory, not a config file" in err
+    assert "no config named" not in err and "would run" not in err
+
+
+def test_a_missing_config_without_a_json_suffix_is_an_error_naming_it(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    code, out, err = run_cli("launch", "--dry-run", "train.py", "--deepspeed_config", "ds_config")
+    assert code == 1 and "ds_config: no such file" in err and "no config named" not in err
+
+
+def test_preflight_failure_markers_become_the_last_line():
+    from shardkit.launch import preflight_summary
+
+    line = preflight_summary({0: "tensors on the wrong device:", 1: "tensors on the wrong device:"}, 2)
+    assert line.startswith("shardkit launch: placement preflight failed on rank(s) [0, 1] of 2 before the first optimizer step")
+    assert "exit 3" in line and "--no-preflight" in line
 
 
 def test_bad_config_stops_the_launch_before_anything_starts(run_cli, tmp_path):
@@ -95,9 +139,11 @@ def test_bad_config_stops_the_launch_before_anything_starts(run_cli, tmp_path):
     assert not marker.exists()
 
 
-def test_missing_config_file_is_one_clear_error(run_cli, tmp_path):
+def test_missing_config_file_is_one_clear_error(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
     code, out, err = run_cli("launch", "--dry-run", "train.py", "--deepspeed_config", tmp_path / "nope.json")
-    assert code == 1 and "nope.json" in err
+    assert code == 1 and "nope.json: no such file" in err
 
 
 # ---------------------------------------------------------------- real local runs
@@ -163,7 +209,12 @@ def test_torchrun_stops_every_rank_when_a_module_was_replaced_after_init(tmp_pat
     script.write_text(GOOD_AND_BAD)
     r = _run([sys.executable, "-m", "shardkit", "launch", "--launcher", "torchrun", "--standalone", "--nproc_per_node", "2",
               str(script), "--replace-head"])
-    assert r.returncode != 0, r.stdout
+    assert r.returncode == EXIT_CODE, r.stdout
+    # shardkit's own summary comes after torchrun's ChildFailedError traceback: the last line
+    assert "ChildFailedError" in r.stdout
+    assert r.stdout.rstrip().splitlines()[-1].startswith(
+        "shardkit launch: placement preflight failed on rank(s) [0, 1] of 2 before the first optimizer step: "
+    )
     # the table names the tensor, where it is and where it should be; no rank trained
     assert "out_head.weight" in r.stdout and "meta" in r.stdout and "cpu" in r.stdout
     assert "placement preflight failed before the first optimizer step" in r.stdout

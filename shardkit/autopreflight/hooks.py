@@ -28,7 +28,7 @@ import sys
 import weakref
 from typing import Any, Callable
 
-from shardkit.autopreflight import DEFAULT_TIMEOUT_S, ENV_CONFIG, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
+from shardkit.autopreflight import DEFAULT_TIMEOUT_S, ENV_CONFIG, ENV_FAILED_DIR, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
 
 
 class _State:
@@ -179,10 +179,23 @@ def _run(module: Any, optimizer: Any = None) -> None:
             flush=True,
         )
         sys.stdout.flush()
+        _leave_failure_marker(rank, first)
         # os._exit: atexit handlers can block in a collective the other ranks never join.
         os._exit(EXIT_CODE)
     except ImportError as exc:
         print(f"shardkit autopreflight: rank {rank}: preflight unavailable ({exc}); continuing", file=sys.stderr)
+
+
+def _leave_failure_marker(rank: str, first_line: str) -> None:
+    """Tell `shardkit launch` this rank failed the preflight (it prints the summary last)."""
+    folder = os.environ.get(ENV_FAILED_DIR)
+    if not folder:
+        return
+    try:
+        with open(os.path.join(folder, f"rank{rank}"), "w", encoding="utf-8") as fh:
+            fh.write(first_line + "\n")
+    except OSError as exc:  # the summary is a convenience; the exit code still says it
+        print(f"shardkit autopreflight: rank {rank}: cannot leave a failure marker in {folder} ({exc})", file=sys.stderr)
 
 
 def _preflight_arguments(module: Any, optimizer: Any) -> dict[str, Any]:

@@ -62,10 +62,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def launch_command(args: argparse.Namespace) -> int:
     import shlex
 
-    from shardkit.launch import build_launch, check_launch_config, run_launch
+    from shardkit.launch import build_launch, check_launch_config, missing_script, run_launch
     from shardkit.render import print_report
 
     plan = build_launch(args.argv, args.launcher, preflight=not args.no_preflight)
+    why = missing_script(plan)
+    if why:
+        print(f"shardkit launch: not started: {why}", file=sys.stderr)
+        return 1
     report = check_launch_config(plan)
     if plan.config_path is not None and report.findings:
         print_report(report)
@@ -76,7 +80,8 @@ def launch_command(args: argparse.Namespace) -> int:
         return 1
     checked = f"{plan.config_path} checked" if plan.config_path else "no config named"
     preflight = "placement preflight on every rank" if plan.preflight else "no preflight"
-    print(f"shardkit launch: {checked}; {preflight}; starting: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
     if args.dry_run:
+        print(f"shardkit launch: {checked}; {preflight}; would run: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
         return 0
+    print(f"shardkit launch: {checked}; {preflight}; starting: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
     return run_launch(plan)
