@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from shardkit.config_io import config_kind, load_config
+from shardkit.config_io import config_kind, read_config
 from shardkit.errors import UsageError
 from shardkit.findings import Finding, Report, Severity
 
@@ -23,6 +23,8 @@ def check_config(
     model: Any = None,
     torch_version: str | None = None,
     environment: Any = None,
+    duplicate_keys: Iterable[tuple[str, Any, Any]] = (),
+    config_dir: Path | None = None,
 ) -> Report:
     """Every static finding about a DeepSpeed or shardkit-FSDP2 config.
 
@@ -33,6 +35,8 @@ def check_config(
     ``torch_version``: for table rows that depend on torch (default: the installed one).
     ``environment``: shardkit.environment.EnvironmentFacts of the machine the run will use, for the
     table's environment rows (None: the config alone; check_file probes this machine).
+    ``duplicate_keys``: what config_io.read_config saw repeated (check_file passes it).
+    ``config_dir``: the config file's folder (for files an Accelerate config names).
     """
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size {world_size}: must be at least 1")
@@ -43,9 +47,22 @@ def check_config(
         )
         return report
     from shardkit.checks.accelerate_rules import accelerate_findings, is_accelerate_config
+    from shardkit.checks.parsing import duplicate_key_findings, non_finite_findings
 
+    # what parsing hid applies to every kind of config
+    report.extend(map(_compact, duplicate_key_findings(duplicate_keys) + non_finite_findings(cfg)))
     if is_accelerate_config(cfg):
+        from shardkit.checks import accelerate_deepspeed
+
         report.extend(map(_compact, accelerate_findings(cfg, model_classes=_model_classes(model))))
+        if accelerate_deepspeed.is_deepspeed(cfg):
+
+            def check_deepspeed(ds: dict[str, Any]) -> list[Finding]:
+                # Accelerate fills "auto" itself, so the HF rules apply
+                return _deepspeed_findings(ds, world_size, deepspeed_version, torch_version, accelerator, True)
+
+            found = accelerate_deepspeed.deepspeed_findings(cfg, config_dir=config_dir, check=check_deepspeed)
+            report.extend(map(_compact, found))
         return report
     if config_kind(cfg) == "fsdp":
         from shardkit.checks.fsdp_rules import fsdp_findings
@@ -168,10 +185,11 @@ def _model_classes(model: Any) -> Iterable[str] | None:
 
 def check_file(path: str | Path, **kwargs: Any) -> Report:
     """Load a JSON/YAML config (ConfigError with one clear line when unusable) and check it."""
-    cfg = load_config(path)
+    loaded = read_config(path)
     if "environment" not in kwargs:  # a file is checked for a run on this machine unless told otherwise
         from shardkit.environment import probe_environment
 
         kwargs["environment"] = probe_environment()
     kwargs.setdefault("source", str(path))
-    return check_config(cfg, **kwargs)
+    kwargs.setdefault("config_dir", Path(path).parent)
+    return check_config(loaded.data, duplicate_keys=loaded.duplicate_keys, **kwargs)

@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--torch-version", default=None, metavar="V",
                    help="torch release for version-table rows that depend on it (default: the installed one)")
     p.add_argument("--accelerator", action=argparse.BooleanOptionalAction, default=None,
-                   help="state whether the run has a GPU/accelerator (default: unknown)")
+                   help="state whether the run has a GPU/accelerator, for the pin_memory and fp16 rules (default: "
+                   "unknown; `shardkit config` and `shardkit preflight` use this machine's answer)")
     p.add_argument("--hf-auto", action="store_true", help='"auto" values are expected (HF Trainer/Accelerate fills them)')
     p.add_argument("--model", default=None, metavar="SPEC",
                    help="model ('llama:tiny' or 'pkg.module:factory') to check FSDP wrap classes against")
