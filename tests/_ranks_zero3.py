@@ -239,7 +239,7 @@ class Sources:
         else:
             dtype, offload, sub_group_size = VARIANTS[label]
             args = (str(root), dtype, offload, 1, sub_group_size)
-        losses = run_ranks(train_and_save, 2, args=args, timeout=300)[0].value
+        losses = run_ranks(train_and_save, 2, args=args, timeout=300, device="cpu")[0].value
         return root, losses
 
 
@@ -279,7 +279,7 @@ def build_resumed(base: Path) -> dict[str, Any]:
                 # saved with offload_optimizer, resumed without it, bf16, several sub-groups
                 plans.append({"label": "bf16_offload_off", "mode": "shardkit", "dtype": "bf16", "offload": False,
                               "ckpt": str(src["bf16_offload"])})
-            results = run_ranks(resume_many, world, args=(plans, SAVE_STEPS, RESUME_STEPS), timeout=420)
+            results = run_ranks(resume_many, world, args=(plans, SAVE_STEPS, RESUME_STEPS), timeout=420, device="cpu")
             out[world] = {"resharded": resharded, "ranks": [r.value for r in results],
                           "saved": base / f"saved_at_ws{world}"}
         _BUILT[key] = out
