@@ -181,7 +181,9 @@ GOOD_AND_BAD = textwrap.dedent(
 
 def _run(argv: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     """Run a launcher in its own process group and kill the whole group at the timeout."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # CPU ranks even on a GPU machine (2 ranks on one GPU would fail in nccl): the ready scripts'
+    # DEVICE=cpu, and the same pins for the plain launches
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DEVICE="cpu", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
