@@ -1,0 +1,260 @@
+"""`reshard` and `consolidate` never lose data or launder a corrupted checkpoint (issue 7, items
+6-8 and the disk-full part of 11), on a real 2-rank DeepSpeed ZeRO-3 checkpoint.
+
+One checkpoint is trained and saved per module (DeepSpeed on gloo, ~30 s); each test works on its
+own copy. ``sealed`` is that copy with a shardkit manifest (what ``save_deepspeed_checkpoint``
+writes), ``plain`` the copy as DeepSpeed's own ``save_checkpoint`` left it (no manifest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests import _ranks_zero3 as R
+
+pytestmark = pytest.mark.slow
+
+TAG = f"global_step{R.SAVE_STEPS}"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    from shardkit.spawn import run_ranks
+
+    root = tmp_path_factory.mktemp("convert_safety") / "fp32"
+    run_ranks(R.train_and_save, 2, args=(str(root), "fp32", False, R.SAVE_STEPS), timeout=300, device="cpu")
+    return root
+
+
+@pytest.fixture
+def plain(built, tmp_path) -> Path:
+    root = tmp_path / "plain"
+    shutil.copytree(built, root)
+    return root
+
+
+@pytest.fixture
+def sealed(plain) -> Path:
+    from shardkit.checkpoint.manifest import seal
+
+    seal(plain / TAG, engine="deepspeed", world_size=2, zero_stage=3, step=R.SAVE_STEPS)
+    return plain
+
+
+def _digest(root: Path) -> dict[str, str]:
+    """Every file under root (and its kind) with its content hash: the checkpoint as the user had it."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            p = Path(dirpath, name)
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _flip_a_byte(f: Path) -> None:
+    """Same size, one bit different: only the sha256 can tell."""
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.seek(size // 2)
+        b = fh.read(1)
+        fh.seek(size // 2)
+        fh.write(bytes([b[0] ^ 0x01]))
+    assert f.stat().st_size == size
+
+
+# --- item 6: consolidate -o replaces whatever is there ------------------------------------------
+
+
+def test_consolidate_refuses_an_existing_output_unless_forced(sealed, tmp_path, run_cli):
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"the user's previous export")
+    code, _, err = run_cli("consolidate", sealed, "-o", out)
+    assert code == 2 and f"-o {out}: {out} already exists; pass --force to replace it" in err
+    assert out.read_bytes() == b"the user's previous export"
+    code, stdout, err = run_cli("consolidate", sealed, "-o", out, "--force")
+    assert code == 0, err
+    assert out.read_bytes()[8:9] == b"{" and "source checked before reading: sizes and sha256" in stdout
+
+
+def test_consolidate_never_replaces_a_fifo_or_a_link_to_a_device(sealed, tmp_path, run_cli):
+    """As root, `-o /dev/null` used to turn the device into a regular file."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    link = tmp_path / "null"
+    link.symlink_to("/dev/null")
+    folder = tmp_path / "dir" / "model.safetensors"
+    folder.mkdir(parents=True)  # `-o dir` means dir/model.safetensors, which is itself a folder here
+    for target, kind in ((fifo, "fifo"), (link, "character device"), (folder.parent, "folder")):
+        code, _, err = run_cli("consolidate", sealed, "-o", target, "--force")
+        assert code == 2 and f"exists and is a {kind}, not a regular file; consolidate only ever replaces regular " \
+                              "files" in err, err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert link.is_symlink() and os.readlink(link) == "/dev/null" and stat.S_ISCHR(os.stat(link).st_mode)
+    assert folder.is_dir() and not list(folder.iterdir())
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+
+
+def test_consolidate_never_writes_into_the_source_checkpoint(sealed, run_cli):
+    before = _digest(sealed)
+    targets = [
+        (sealed / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt", "is inside the checkpoint being read"),
+        (sealed / TAG, "is inside the checkpoint being read"),  # a folder: <tag>/model.safetensors
+        (sealed / TAG / "new" / "m.safetensors", "is inside the checkpoint being read"),
+        (sealed / "latest", "is a checkpoint's 'latest' pointer"),
+    ]
+    for target, why in targets:
+        code, _, err = run_cli("consolidate", sealed, "-o", target, "--force")
+        assert code == 2 and why in err, (target, err)
+    assert _digest(sealed) == before and not (sealed / TAG / "new").exists()
+
+
+def test_consolidate_keeps_a_symlink_to_a_regular_file_and_replaces_its_target(sealed, tmp_path, run_cli):
+    target = tmp_path / "exports" / "v1.safetensors"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "model.safetensors"
+    link.symlink_to(target)
+    code, stdout, err = run_cli("consolidate", sealed, "-o", link, "--force")
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(target) and target.stat().st_size > 1000
+    assert f"wrote {target}" in stdout
+
+
+# --- item 7: a corrupted source is refused, not converted ---------------------------------------
+
+
+def test_a_corrupted_source_is_refused_by_reshard_and_consolidate(sealed, tmp_path, run_cli):
+    bad = sealed / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _flip_a_byte(bad)
+    refused = rf"refusing to read {re.escape(str(sealed / TAG))}: it fails verification: \[{bad.name}\] .*sha256 mismatch"
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", tmp_path / "ws3")
+    assert code == 1 and re.search(refused, err), err
+    assert not (tmp_path / "ws3").exists()  # no fresh manifest vouching for the corruption
+    code, _, err = run_cli("consolidate", sealed, "-o", tmp_path / "m.safetensors")
+    assert code == 1 and re.search(refused, err), err
+    assert not (tmp_path / "m.safetensors").exists()
+    # --no-verify skips the hashing, and says so
+    code, _, err = run_cli("consolidate", sealed, "-o", tmp_path / "m.safetensors", "--no-verify")
+    assert code == 0 and "warning: --no-verify: the sha256 of the 4 file(s)" in err, err
+
+
+def test_a_truncated_source_is_refused_even_with_no_verify(sealed, tmp_path, run_cli):
+    bad = sealed / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    bad.write_bytes(bad.read_bytes()[:-10])
+    for argv in (("reshard", "--world-size", "3", "-o", tmp_path / "ws3"), ("consolidate", "-o", tmp_path / "m")):
+        code, _, err = run_cli(argv[0], sealed, *argv[1:], "--no-verify")
+        assert code == 1 and "fails verification" in err and "manifest records" in err and "(truncated)" in err
+    assert not (tmp_path / "ws3").exists() and not (tmp_path / "m").exists()
+
+
+def test_a_source_without_manifest_is_read_with_a_warning_and_recorded_as_unverified(plain, tmp_path, run_cli):
+    from shardkit.checkpoint.manifest import read_manifest
+
+    code, stdout, err = run_cli("reshard", plain, "--world-size", "3", "-o", tmp_path / "ws3")
+    assert code == 0, err
+    assert re.search(rf"warning: {re.escape(str(plain / TAG))} has no shardkit_manifest\.json .* its files cannot be "
+                     "verified", err), err
+    assert "source checked before reading: not verified (no shardkit manifest)" in stdout
+    assert read_manifest(tmp_path / "ws3" / TAG).extra["resharded_from"]["verified"] == "none"
+    code, _, err = run_cli("consolidate", plain, "-o", tmp_path / "m.safetensors")
+    assert code == 0 and "cannot be verified" in err
+
+
+def test_library_callers_get_a_python_warning(plain, tmp_path):
+    from shardkit.checkpoint.consolidate import consolidate_zero3
+    from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
+
+    with pytest.warns(UnverifiedCheckpointWarning, match="cannot be verified"):
+        result = consolidate_zero3(plain, tmp_path / "m.safetensors")
+    assert result.verified == "none"
+
+
+# --- item 8: reshard -o into a folder of user files; tags that collide with internal names ------
+
+
+def test_reshard_refuses_a_non_empty_folder_that_is_not_a_checkpoint(sealed, tmp_path, run_cli):
+    out = tmp_path / "work"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "latest").write_text("my own file called latest")
+    (out / ".shardkit-tmp-x").mkdir()  # named like a leftover: the save sequence would delete it
+    before = _digest(out)
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", out)
+    assert code == 2 and re.search(r"folder is not empty and is not a shardkit checkpoint folder \(it holds "
+                                   r"\['\.shardkit-tmp-x', 'latest', 'notes\.txt'\]\)", err), err
+    assert _digest(out) == before and (out / ".shardkit-tmp-x").is_dir()
+
+
+def test_reshard_into_a_shardkit_checkpoint_folder_adds_a_tag_and_replaces_one_only_when_forced(sealed, tmp_path, run_cli):
+    out = tmp_path / "ws3"
+    assert run_cli("reshard", sealed, "--world-size", "3", "-o", out)[0] == 0
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", out)
+    assert code == 2 and f"already holds checkpoint '{TAG}'" in err and "pass --force to replace it" in err
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", out, "--tag", "again")
+    assert code == 0, err
+    assert sorted(os.listdir(out)) == ["again", TAG, "latest"] and (out / "latest").read_text() == "again"
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", out, "--force")
+    assert code == 0, err
+    assert (out / "latest").read_text() == TAG and run_cli("verify", out)[0] == 0
+    # a folder of that name that is not a checkpoint is never replaced, --force or not
+    (out / "mine").mkdir()
+    (out / "mine" / "data.bin").write_bytes(b"x")
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", out, "--tag", "mine", "--force")
+    assert code == 2 and "exists and is not a shardkit checkpoint" in err and (out / "mine" / "data.bin").exists()
+
+
+@pytest.mark.parametrize("tag, why", [
+    (".shardkit-tmp-x", "staging folders, deleted by the next save"),
+    ("latest", "the pointer file"),
+    ("a/b", "path separators"),
+    ("..", "'.' and '..' are not folder names"),
+    ("", "non-empty"),
+])
+def test_reshard_refuses_tags_that_collide_with_internal_names(sealed, tmp_path, run_cli, tag, why):
+    out = tmp_path / "out"
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", out, "--tag", tag)
+    assert code == 2 and f"--tag {tag!r}: not a usable checkpoint tag (" in err and why in err, err
+    assert not out.exists() and not (tmp_path / "a").exists()
+
+
+def test_reshard_refuses_an_output_inside_the_source(sealed, run_cli):
+    before = _digest(sealed)
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", sealed / TAG / "sub")
+    assert code == 2 and "is inside the checkpoint being read" in err
+    assert _digest(sealed) == before
+
+
+# --- item 11: disk full during reshard ----------------------------------------------------------
+
+
+def test_disk_full_during_reshard_names_the_file_and_leaves_nothing_half_written(sealed, tmp_path, run_cli, monkeypatch):
+    """The second rank file goes to /dev/full: torch's own writer hits a real ENOSPC and raises its
+    '[enforce fail at inline_container.cc:672] . unexpected pos' RuntimeError."""
+    import shardkit.checkpoint.reshard as reshard
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    out = tmp_path / "ws3"
+    assert run_cli("reshard", sealed, "--world-size", "3", "-o", out, "--tag", "before")[0] == 0
+    before = _digest(out)
+    real_save, calls = reshard.stream_save, []
+
+    def second_file_hits_a_full_disk(obj, path):
+        calls.append(path)
+        real_save(obj, "/dev/full" if len(calls) == 2 else path)
+
+    monkeypatch.setattr(reshard, "stream_save", second_file_hits_a_full_disk)
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", out)
+    assert code == 1 and "Traceback" not in err
+    assert re.search(rf"error: disk full at {re.escape(str(out))}/\.shardkit-tmp-{TAG}/zero_pp_rank_1_mp_rank_00_"
+                     rf"optim_states\.pt, [\d,]+ bytes free, nothing written: the staging folder was removed, "
+                     rf"{re.escape(str(out / 'latest'))} is unchanged \(RuntimeError: \[enforce fail at "
+                     r"inline_container\.cc:\d+\] \. unexpected pos", err), err
+    assert _digest(out) == before and sorted(os.listdir(out)) == ["before", "latest"]
