@@ -51,7 +51,8 @@ class EnvironmentFacts:
     torch_cuda_arch_list: str | None
     """TORCH_CUDA_ARCH_LIST as set (None when unset): DeepSpeed >= 0.19.0 parses it itself."""
     memlock_bytes: int | None
-    """Soft RLIMIT_MEMLOCK (`ulimit -l`) in bytes; None when unlimited or unknown."""
+    """Soft RLIMIT_MEMLOCK (`ulimit -l`) in bytes; None when it does not bind: unlimited, unknown,
+    or the process holds CAP_IPC_LOCK (root usually does; mlock(2) then ignores the limit)."""
     pin_memory_backend: str
     """DS_PIN_MEMORY_BACKEND ("torch" by default; "native" pins with mlock, DeepSpeed >= 0.19.6)."""
     ds_accelerator: str | None
@@ -139,14 +140,33 @@ def probe_cpu_fp16() -> bool:
         return False
 
 
+CAP_IPC_LOCK = 14  # linux/capability.h
+
+
+def has_cap_ipc_lock(status_text: str | None = None) -> bool:
+    """Whether this process may lock memory past RLIMIT_MEMLOCK (CAP_IPC_LOCK in CapEff of
+    /proc/self/status). ``status_text``: that file's content (read when None)."""
+    if status_text is None:
+        try:
+            with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+                status_text = fh.read()
+        except OSError:
+            return False
+    m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)", status_text, re.M)
+    return bool(m and (int(m.group(1), 16) >> CAP_IPC_LOCK) & 1)
+
+
 def probe_memlock() -> int | None:
-    """The soft RLIMIT_MEMLOCK in bytes (None: unlimited, or not a POSIX system)."""
+    """The soft RLIMIT_MEMLOCK in bytes where it binds; None when unlimited, when this process
+    holds CAP_IPC_LOCK (root in most containers: mlock ignores the limit then), or not POSIX."""
     try:
         import resource
     except ImportError:  # pragma: no cover - Windows
         return None
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return None if soft == resource.RLIM_INFINITY else int(soft)
+    if soft == resource.RLIM_INFINITY or has_cap_ipc_lock():
+        return None
+    return int(soft)
 
 
 def probe_environment(

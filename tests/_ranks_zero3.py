@@ -166,6 +166,24 @@ def fp16_initialize_error() -> str:
     return ""
 
 
+PINNED_OFFLOAD = {
+    "train_micro_batch_size_per_gpu": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True}},
+}
+
+
+def pinned_offload_initialize(size: str) -> str:
+    """``deepspeed.initialize`` of ZeRO-3 with both offloads pinned, on a Llama of ``size``: "" when
+    it succeeds (with DS_PIN_MEMORY_BACKEND=native past `ulimit -l` the process aborts instead)."""
+    from shardkit.engines.deepspeed import initialize
+    from shardkit.models import tiny_llama
+
+    initialize(tiny_llama(size, seed=0), PINNED_OFFLOAD)
+    return ""
+
+
 # --- building the shared checkpoints (called from the tests' session fixtures) -----------------
 
 SAVE_STEPS = 2

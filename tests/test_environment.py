@@ -5,7 +5,12 @@ reported by `versions`, `check`, `preflight`, `launch` and `smoke` with the fix.
 from __future__ import annotations
 
 import json
+import os
 import resource
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -161,7 +166,45 @@ def test_native_pinning_counts_against_memlock_torch_pinning_does_not():
 
 def test_memlock_probe_reads_this_process(clean_env):
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    assert E.probe_environment().memlock_bytes == (None if soft == resource.RLIM_INFINITY else soft)
+    binding = soft != resource.RLIM_INFINITY and not E.has_cap_ipc_lock()
+    assert E.probe_environment().memlock_bytes == (soft if binding else None)
+
+
+def test_cap_ipc_lock_lifts_the_limit():
+    root = "Name:\tpython\nCapEff:\t000001fffeffffff\n"
+    dropped = "Name:\tpython\nCapEff:\t000001fffeffbfff\n"  # setpriv --bounding-set=-ipc_lock
+    assert E.has_cap_ipc_lock(root) and not E.has_cap_ipc_lock(dropped) and not E.has_cap_ipc_lock("")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv to drop CAP_IPC_LOCK")
+def test_native_pinning_past_memlock_aborts_deepspeed_where_the_real_probe_says(tmp_path):
+    """The real path: a process without CAP_IPC_LOCK, an 8 MiB `ulimit -l`, DS_PIN_MEMORY_BACKEND=native.
+    The probe of that process reports the row, and DeepSpeed's rank then dies in mlock."""
+    code = textwrap.dedent("""
+        import json
+        from shardkit.environment import environment_findings
+        from shardkit.spawn import run_ranks
+        from tests._ranks_zero3 import PINNED_OFFLOAD, pinned_offload_initialize
+        found = [f.rule for f in environment_findings(PINNED_OFFLOAD)]
+        (r,) = run_ranks(pinned_offload_initialize, 1, args=("small",), timeout=600, raise_on_error=False)
+        print(json.dumps({"found": found, "exitcode": r.exitcode, "value": r.value}))
+    """)
+
+    def limit_memlock():
+        hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+        soft = 8 << 20 if hard == resource.RLIM_INFINITY else min(8 << 20, hard)
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
+
+    env = {**os.environ, "DS_PIN_MEMORY_BACKEND": "native", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=900, env=env, preexec_fn=limit_memlock, cwd=tmp_path,
+    )
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["found"] == ["known-bad:ds-8211-native-pinning-memlock"], proc.stderr[-2000:]
+    assert result["exitcode"] not in (0, None) and result["value"] is None
+    assert "mlock failed to allocate" in proc.stdout + proc.stderr
 
 
 # --- a CUDA build of torch without a usable driver -----------------------------------------------
