@@ -115,22 +115,19 @@ def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
 
 def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
     """parse_config_text, keeping the duplicate keys parsing saw."""
-    is_yaml = source.endswith((".yaml", ".yml"))
-    loaded: LoadedConfig | None = None
-    if not is_yaml:
+    if not source.endswith((".yaml", ".yml")):
         try:
-            loaded = _parse_json(text, source)
+            return _mapping(_parse_json(text, source), source)
         except json.JSONDecodeError as exc:
-            stripped = text.lstrip()
-            if stripped.startswith(("{", "[")):
+            if text.lstrip().startswith(("{", "[")):
                 raise ConfigError(
                     f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}. "
                     "Fix the syntax there (trailing commas and comments are not JSON)."
                 ) from exc
-            is_yaml = True
-    if is_yaml:
-        loaded = _parse_yaml(text, source)
-    assert loaded is not None
+    return _mapping(_parse_yaml(text, source), source)
+
+
+def _mapping(loaded: LoadedConfig, source: str) -> LoadedConfig:
     if not isinstance(loaded.data, dict):
         raise ConfigError(
             f"{source}: top level is {type(loaded.data).__name__}, expected a mapping of keys "
