@@ -201,7 +201,7 @@ def unsupported_reason(label: str) -> str | None:
         return None
     from shardkit.environment import fp16_support
 
-    support = fp16_support()
+    support = fp16_support(device="cpu")  # the checkpoints are built on CPU ranks (device="cpu")
     return None if support.supported else f"fp16 cannot run on this machine's {support.device}: {support.reason}"
 
 

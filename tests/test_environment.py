@@ -271,8 +271,8 @@ def test_deepspeed_refuses_fp16_exactly_where_the_probe_says():
     from shardkit.spawn import run_ranks
     from tests import _ranks_zero3 as R
 
-    support = E.fp16_support()
-    (result,) = run_ranks(R.fp16_initialize_error, 1, timeout=300)
+    support = E.fp16_support(device="cpu")
+    (result,) = run_ranks(R.fp16_initialize_error, 1, timeout=300, device="cpu")
     if support.supported:
         assert result.value == ""
     else:
@@ -287,7 +287,8 @@ def test_smoke_stops_before_any_rank_with_one_line(run_cli, clean_env, tmp_path)
     clean_env.setattr(E, "probe_cpu_fp16", lambda: False)
     cfg = tmp_path / "fp16.json"
     cfg.write_text(json.dumps(FP16))
-    code, out, err = run_cli("smoke", "--engine", "zero3", "--config", cfg, "--nproc", "1", "--steps", "2", "--quiet")
+    code, out, err = run_cli("smoke", "--engine", "zero3", "--config", cfg, "--nproc", "1", "--steps", "2", "--quiet",
+                             "--device", "cpu")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 1 and len(lines) == 1, err
     assert "this machine cannot run it: fp16.enabled=True" in lines[0] and "Fix: use bf16" in lines[0]
