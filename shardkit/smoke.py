@@ -443,7 +443,7 @@ def run_smoke(opts: SmokeOptions, progress: bool = True) -> SmokeReport:
     # without fp16 ...) stops here with one line and the fix, before op builds and ranks start.
     from shardkit.environment import require_runnable_here
 
-    require_runnable_here({f"{e} ({src})": cfg for e, (cfg, src) in configs.items()})
+    require_runnable_here({f"{e} ({src})": cfg for e, (cfg, src) in configs.items()}, accelerator=opts.device == "gpu")
     results = []
     with _Progress(progress) as bar:
         op_failure = _prebuild_deepspeed_ops(bar, opts.device) if "zero3" in opts.engines else None
