@@ -175,7 +175,7 @@ def _warn(message: str) -> None:
 
     from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
 
-    warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=3)
+    warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=4)  # past os_errors_named
 
 
 #: Files whose presence makes a folder a checkpoint (tag) folder: shardkit's completion marker and

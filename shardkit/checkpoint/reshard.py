@@ -321,7 +321,7 @@ def reshard_zero3(
 def _warn(message: str) -> None:
     from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
 
-    warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=3)
+    warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=4)  # past os_errors_named
 
 
 @contextlib.contextmanager
