@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -309,8 +309,10 @@ def nvme_param_buffer_bytes(cfg: Mapping[str, Any]) -> int | None:
     """Bytes DeepSpeed mlocks for ZeRO-3 NVMe parameter swapping: offload_param.buffer_count (5)
     buffers of buffer_size (1e8) elements in the parameter dtype (partitioned_param_swapper.py,
     new_cpu_locked_tensor). None when params are not offloaded to NVMe."""
-    from shardkit.checks.view import as_int
+    from shardkit.checks.view import as_int, deepspeed_view
 
+    if deepspeed_view(dict(cfg)).stage != 3:
+        return None  # below stage 3 DeepSpeed ignores offload_param (the offload rule says so)
     zero = cfg.get("zero_optimization")
     block = zero.get("offload_param") if isinstance(zero, dict) else None
     if not isinstance(block, dict) or block.get("device") != "nvme":
@@ -341,7 +343,6 @@ class RunEnvironment:
     """Whether the run will have an accelerator (check --accelerator/--no-accelerator; None unknown)."""
     engine: str = "deepspeed"
     """"deepspeed" or "fsdp": rows about DeepSpeed's ops do not apply to FSDP2 runs."""
-    notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def cpu_run(self) -> bool | None:
@@ -358,13 +359,6 @@ ENVIRONMENT_CONDITIONS = (
     "arch_list_unparseable", "cuda_build_without_driver", "cpu_fp16_unsupported", "memlock_nvme",
     "memlock_native_pinning",
 )
-
-
-def _nvme_active(cfg: Mapping[str, Any]) -> bool:
-    from shardkit.checks.view import deepspeed_view
-
-    v = deepspeed_view(dict(cfg))
-    return "nvme" in (v.offload_optimizer.device, v.offload_param.device)
 
 
 def _pinned_offload(cfg: Mapping[str, Any], dsv: Version) -> bool:
@@ -399,7 +393,9 @@ def condition_holds(name: str, want: Any, cfg: Mapping[str, Any] | None, run: Ru
         need = nvme_param_buffer_bytes(cfg)
         from shardkit.checks.view import deepspeed_view
 
-        optimizer_nvme = deepspeed_view(dict(cfg)).offload_optimizer.device == "nvme"
+        view = deepspeed_view(dict(cfg))
+        # below stage 3 an nvme optimizer offload is treated as cpu: no swap buffers
+        optimizer_nvme = view.stage == 3 and view.offload_optimizer.device == "nvme"
         # parameter buffers alone have a known size; optimizer buffers depend on the model
         short = optimizer_nvme or (need is not None and need > facts.memlock_bytes)
         return short == bool(want)

@@ -226,6 +226,22 @@ def test_cuda_build_without_driver_names_torchs_reason():
     assert environment_findings(None, facts=facts(cuda=CPU_BUILD), deepspeed_version="0.19.8") == []
 
 
+def test_cuda_build_is_read_without_importing_torch(python_exe):
+    import torch
+
+    code = ("import sys; from shardkit.environment import _torch_cuda_build_without_import as b; "
+            "print(repr(b())); assert 'torch' not in sys.modules")
+    out = subprocess.run([python_exe, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(torch.version.cuda)
+
+
+@pytest.mark.gpu
+def test_cuda_probe_on_a_gpu_machine_reports_it_usable():
+    probe = E.probe_cuda()
+    assert probe.build and probe.available and probe.device_count >= 1 and probe.reason is None
+
+
 # --- fp16 on a CPU run ---------------------------------------------------------------------------
 
 
