@@ -58,8 +58,10 @@ def check_config(
         if accelerate_deepspeed.is_deepspeed(cfg):
 
             def check_deepspeed(ds: dict[str, Any]) -> list[Finding]:
-                # Accelerate fills "auto" itself, so the HF rules apply
-                return _deepspeed_findings(ds, world_size, deepspeed_version, torch_version, accelerator, True)
+                # Accelerate fills "auto" itself, so the HF rules apply; the machine's rows as for DeepSpeed JSON
+                return _deepspeed_findings(ds, world_size, deepspeed_version, torch_version, accelerator, True) + (
+                    _environment(ds, environment, deepspeed_version, accelerator, "deepspeed")
+                )
 
             found = accelerate_deepspeed.deepspeed_findings(cfg, config_dir=config_dir, check=check_deepspeed)
             report.extend(map(_compact, found))
