@@ -272,6 +272,16 @@ def test_check_no_accelerator_agrees_with_this_machines_probe(run_cli, clean_env
     assert code == (1 if refused else 0)
 
 
+def test_preflight_on_cpu_ranks_stops_on_fp16_before_spawning(run_cli, clean_env, tmp_path):
+    """Issue 7: ranks used to die with "2 of 2 rank(s) failed"; the static checks now say why first."""
+    clean_env.setattr(E, "probe_cpu_fp16", lambda: False)
+    cfg = tmp_path / "fp16.json"
+    cfg.write_text(json.dumps(FP16))
+    code, out, _ = run_cli("preflight", cfg, "--device", "cpu", "--nproc", "2")
+    assert code == 1 and "fp16.enabled" in out and "oneDNN" in out  # the table wraps the message
+    assert "static checks failed: fix 1 error(s)" in out and "spawning 2 rank" not in out
+
+
 def test_fp16_support_is_the_probe_the_suite_skips_by(clean_env):
     clean_env.setattr(E, "probe_cpu_fp16", lambda: False)
     got = E.fp16_support(facts(cuda=CPU_BUILD, cpu_fp16=None), "0.19.8")
