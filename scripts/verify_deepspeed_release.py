@@ -99,7 +99,7 @@ def verify(version: str, torch_version: str, workdir: Path, steps: int, nproc: i
     for engine, config in SMOKES:
         out = workdir / f"ds-{version}-{engine}.json"
         t1 = time.monotonic()
-        code = _run([str(venv / "bin" / "shardkit"), "smoke", "--engine", engine, "--nproc", str(nproc), "--steps", str(steps),
+        code = _run([str(venv / "bin" / "shardkit"), "smoke", "--engine", engine, "--nproc", str(nproc), "--device", "cpu", "--steps", str(steps),
                      "--config", str(REPO / config), "--json", str(out), "--quiet",
                      # the first run of a fresh venv JIT-builds DeepSpeed's CPU Adam (minutes on 2 cores)
                      "--timeout", "1500"], log, env, workdir, 3600)
