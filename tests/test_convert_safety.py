@@ -258,3 +258,23 @@ def test_disk_full_during_reshard_names_the_file_and_leaves_nothing_half_written
                      rf"{re.escape(str(out / 'latest'))} is unchanged \(RuntimeError: \[enforce fail at "
                      r"inline_container\.cc:\d+\] \. unexpected pos", err), err
     assert _digest(out) == before and sorted(os.listdir(out)) == ["before", "latest"]
+
+
+def test_disk_full_during_consolidate_keeps_the_previous_output(sealed, tmp_path, run_cli, monkeypatch):
+    """ENOSPC from the copy loop (what os.copy_file_range / os.pwrite raise on a full disk)."""
+    import errno
+
+    import shardkit.checkpoint.consolidate as consolidate
+
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"previous export")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(consolidate, "_copy_bytes", full)
+    code, _, err = run_cli("consolidate", sealed, "-o", out, "--force")
+    assert code == 1 and "Traceback" not in err
+    assert re.search(rf"error: disk full at {re.escape(str(out))}, [\d,]+ bytes free, nothing written: the partial "
+                     rf"file was removed, {re.escape(str(out))} is unchanged \(OSError: No space left", err), err
+    assert out.read_bytes() == b"previous export" and sorted(os.listdir(tmp_path)) == ["model.safetensors", "plain"]

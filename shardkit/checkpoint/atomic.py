@@ -102,7 +102,8 @@ def disk_full_error(path: str | os.PathLike[str], exc: BaseException, outcome: s
     """The one message for a write that ran out of space: the file, the bytes left, what was kept."""
     free = free_bytes(path)
     left = f"{free:,} bytes free" if free is not None else "free space unknown"
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)).strip()
+    detail = text.splitlines()[0] if text else type(exc).__name__
     return CheckpointError(
         f"disk full at {path}, {left}, {outcome} ({type(exc).__name__}: {detail}). Free space on that "
         "filesystem, or write to another disk, and run again"
@@ -129,6 +130,18 @@ def os_errors_named(action: str) -> Callable[[F], F]:
         return inner  # type: ignore[return-value]
 
     return wrap
+
+
+@contextlib.contextmanager
+def disk_full_named(path: str | os.PathLike[str], outcome: str) -> Iterator[None]:
+    """A full disk while writing ``path`` becomes one CheckpointError naming it, the space left and
+    ``outcome`` (what was kept); other errors pass through unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        if isinstance(exc, CheckpointError) or not is_disk_full(exc):
+            raise
+        raise disk_full_error(path, exc, outcome) from exc
 
 
 # os.replace, through a name tests can interrupt to simulate a crash between two renames

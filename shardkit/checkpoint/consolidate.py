@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from shardkit.checkpoint.atomic import atomic_open, os_errors_named
+from shardkit.checkpoint.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.checkpoint.safe_load import _ITEMSIZE, read_structure
 from shardkit.checkpoint.zero3 import FP32, Zero3Checkpoint, full_frozen_params, open_zero3_checkpoint
 from shardkit.errors import CheckpointError, UsageError
@@ -142,7 +142,8 @@ def consolidate_zero3(
 
     # atomic_open: a temporary sibling, fsynced and renamed over ``out`` only when every byte is
     # written; positional writes go straight to its descriptor (nothing is buffered in the file object)
-    with atomic_open(out, "wb") as fh:
+    outcome = f"nothing written: the partial file was removed, {out} is unchanged"
+    with disk_full_named(out, outcome), atomic_open(out, "wb") as fh:
         fd = fh.fileno()
         os.pwrite(fd, struct.pack("<Q", len(header)) + header, 0)
         os.ftruncate(fd, total)

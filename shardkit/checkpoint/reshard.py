@@ -23,7 +23,6 @@ it is written.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import pickle
 import sys
@@ -31,7 +30,7 @@ import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from shardkit.checkpoint.atomic import os_errors_named
 from shardkit.checkpoint.manifest import MANIFEST_NAME, config_digest
@@ -256,7 +255,7 @@ def reshard_zero3(
     ``output/<tag>`` is replaced only with ``force=True``. ``warn`` receives what the user should
     know before trusting the result (default: ``warnings.warn``).
     """
-    from shardkit.checkpoint.atomic import LATEST_NAME, atomic_checkpoint, check_tag
+    from shardkit.checkpoint.atomic import LATEST_NAME, atomic_checkpoint, check_tag, disk_full_named
     from shardkit.checkpoint.verify import verify_before_reading
     from shardkit.checkpoint.zero3 import resolve_tag_dir
 
@@ -291,10 +290,10 @@ def reshard_zero3(
         try:
             for rank in range(world_size):
                 model_path = staged / MODEL_FILE.format(rank=rank)
-                with _disk_full_named(model_path, outcome):
+                with disk_full_named(model_path, outcome):
                     _save_small(model_state_for_rank(ckpt, layout, rank, frozen), model_path)
                 optim_path = staged / OPTIM_FILE.format(prefix=prefix, rank=rank)
-                with _disk_full_named(optim_path, outcome):
+                with disk_full_named(optim_path, outcome):
                     stream_save(optim_state_for_rank(ckpt, layout, rank, optim0), optim_path)
                 written += [model_path, optim_path]
                 if hasher:
@@ -322,20 +321,6 @@ def _warn(message: str) -> None:
     from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
 
     warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=4)  # past os_errors_named
-
-
-@contextlib.contextmanager
-def _disk_full_named(path: Path, outcome: str) -> Iterator[None]:
-    """A full disk while writing ``path`` becomes one CheckpointError naming it and the space left
-    (torch's own error is ``[enforce fail at inline_container.cc:672] . unexpected pos``)."""
-    from shardkit.checkpoint.atomic import disk_full_error, is_disk_full
-
-    try:
-        yield
-    except (OSError, RuntimeError) as exc:
-        if isinstance(exc, CheckpointError) or not is_disk_full(exc):
-            raise
-        raise disk_full_error(path, exc, outcome) from exc
 
 
 def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = False) -> None:
