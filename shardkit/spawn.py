@@ -202,8 +202,11 @@ def _resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:
 def _by_name(target: Callable[..., Any]) -> Callable[..., Any] | str:
     """``module:qualname`` for an importable target, so the rank imports it only after its
     environment is set (a module that imports deepspeed picks its accelerator at import)."""
-    module = getattr(target, "__module__", None)
-    qualname = getattr(target, "__qualname__", "")
+    import types
+
+    if not isinstance(target, types.FunctionType):  # a bound method or partial pickles as itself
+        return target
+    module, qualname = target.__module__, target.__qualname__
     if module and module != "__main__" and "<" not in qualname:
         return f"{module}:{qualname}"
     return target
