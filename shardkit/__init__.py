@@ -27,6 +27,7 @@ _LAZY: dict[str, str] = {
     "known_bad_findings": "shardkit.versions",
     "installed_versions": "shardkit.versions",
     "load_zero3_checkpoint": "shardkit.checkpoint.zero3_resume",
+    "restore_cpu_adam_kernel_state": "shardkit.checkpoint.cpu_adam_kernel",
     "open_zero3_checkpoint": "shardkit.checkpoint.zero3",
     "consolidate_zero3": "shardkit.checkpoint.consolidate",
     "reshard_zero3": "shardkit.checkpoint.reshard",
