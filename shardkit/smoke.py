@@ -76,6 +76,9 @@ class SmokeOptions:
     """Hard limit per run (A, B or C) in seconds; ranks still alive then are killed."""
     workdir: str | None = None
     """Where checkpoints go (a temporary directory, removed afterwards, when None)."""
+    keep_checkpoint: str | None = None
+    """Keep run B's checkpoint (verified, resumable) here when the smoke passes: ``DIR`` for one
+    engine, ``DIR/<engine>`` for several; ``shardkit verify``/``reshard``/``consolidate`` read it."""
     after_save: Callable[[Path], None] | None = field(default=None, repr=False)
     """Called with the checkpoint root between run B and run C (tests use it to corrupt a file)."""
 
@@ -107,6 +110,8 @@ class EngineResult:
     """Wall time per run."""
     failure: str | None = None
     """One line saying what failed, or None."""
+    kept_checkpoint: str | None = None
+    """Where run B's checkpoint was kept (``--keep-checkpoint``), or None when it was removed."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -438,6 +443,7 @@ def run_smoke(opts: SmokeOptions, progress: bool = True) -> SmokeReport:
     for e in opts.engines:
         if e not in ENGINES:
             raise UsageError(f"--engine {e!r}: choose one of {', '.join(ENGINES)} or all")
+    keep = _keep_destinations(opts)
     configs = {e: config_for(e, opts) for e in opts.engines}
     # What this machine cannot run (a TORCH_CUDA_ARCH_LIST DeepSpeed cannot parse, fp16 on a CPU
     # without fp16 ...) stops here with one line and the fix, before op builds and ranks start.
@@ -453,7 +459,7 @@ def run_smoke(opts: SmokeOptions, progress: bool = True) -> SmokeReport:
                 # every ZeRO-3 rank would build the op again and fail the same way, minutes later
                 results.append(EngineResult(engine=engine, config_source=source, failure=op_failure))
                 continue
-            results.append(_smoke_engine(engine, cfg, source, opts, bar))
+            results.append(_smoke_engine(engine, cfg, source, opts, bar, keep.get(engine)))
     return SmokeReport(results=results, nproc=opts.nproc, steps=opts.steps)  # type: ignore[arg-type]
 
 
@@ -493,7 +499,21 @@ def _prebuild_deepspeed_ops(bar: "_Progress", device: str) -> str | None:
     return f"{op_failure_line(name, first)}{more} (build output: {log}); the ZeRO-3 runs were not started"
 
 
-def _smoke_engine(engine: Engine, cfg: dict[str, Any], source: str, opts: SmokeOptions, bar: _Progress) -> EngineResult:
+def _keep_destinations(opts: SmokeOptions) -> dict[str, Path]:
+    """Where each engine's checkpoint is kept; refused before anything runs if it would replace files."""
+    if not opts.keep_checkpoint:
+        return {}
+    root = Path(opts.keep_checkpoint)
+    dests = {e: root / e for e in opts.engines} if len(opts.engines) > 1 else {opts.engines[0]: root}
+    for dest in dests.values():
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise UsageError(f"--keep-checkpoint {root}: {dest} already exists and is not an empty folder; "
+                             "smoke never replaces files: pick a new path or remove it")
+    return dests
+
+
+def _smoke_engine(engine: Engine, cfg: dict[str, Any], source: str, opts: SmokeOptions, bar: _Progress,
+                  keep: Path | None = None) -> EngineResult:
     result = EngineResult(engine=engine, config_source=source)
     task = bar.task(engine)
     own = opts.workdir is None
@@ -525,6 +545,12 @@ def _smoke_engine(engine: Engine, cfg: dict[str, Any], source: str, opts: SmokeO
         result.losses_resumed = [rb["losses"] + rc["losses"] for rb, rc in zip(b, c)]
         _compare(result)
         bar.update(task, "compared" if result.ok else "FAILED", advance=1)
+        if keep is not None and result.ok:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            if keep.exists():
+                keep.rmdir()  # empty (checked before the runs)
+            shutil.move(str(ckpt), str(keep))  # manifest paths are relative: still verifiable there
+            result.kept_checkpoint = str(keep)
     except _RunFailed as exc:
         result.failure = str(exc)
         bar.update(task, "FAILED")
@@ -616,6 +642,8 @@ def print_smoke_report(report: SmokeReport, file: Any = None) -> None:
     for r in report.results:
         if r.ok and r.losses_uninterrupted:
             con.print(f"{r.engine}: rank 0 losses {', '.join(f'{x:.6f}' for x in r.losses_uninterrupted[0])} ({r.config_source} config)")
+        if r.kept_checkpoint:
+            con.print(f"{r.engine}: checkpoint kept in {r.kept_checkpoint} (try: shardkit verify {r.kept_checkpoint})")
     for r in report.results:
         if not r.ok:
             con.print(f"[bold red]FAIL[/] {r.engine}: {r.failure}")

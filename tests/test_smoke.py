@@ -167,3 +167,15 @@ def test_smoke_refuses_more_ranks_than_visible_gpus(run_cli, monkeypatch):
     code, out, err = run_cli("smoke", "--engine", "fsdp2", "--nproc", "2", "--quiet")
     assert code == 2
     assert "--nproc 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "or --device cpu to run 2 CPU ranks" in err
+
+
+def test_keep_checkpoint_never_replaces_files(tmp_path):
+    from shardkit.errors import UsageError
+    from shardkit.smoke import SmokeOptions, run_smoke
+
+    keep = tmp_path / "ckpt"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"--keep-checkpoint .*ckpt.* already exists and is not an empty folder"):
+        run_smoke(SmokeOptions(engines=("fsdp2",), nproc=2, device="cpu", keep_checkpoint=str(keep)), progress=False)
+    assert (keep / "notes.txt").read_text() == "mine"

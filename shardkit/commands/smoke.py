@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny", help="Llama size: tiny, small, 40m, 160m (default: tiny)")
     p.add_argument("--timeout", type=float, default=300.0, help="hard limit per run in seconds (default: 300)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+    p.add_argument("--keep-checkpoint", default=None, metavar="DIR",
+                   help="keep run B's verified checkpoint in DIR when the smoke passes (DIR/<engine> for --engine all); "
+                   "DIR must be new or empty")
     p.add_argument("--quiet", action="store_true", help="no progress display (without a terminal: no progress lines on stderr)")
     p.set_defaults(func=smoke_command)
 
@@ -52,6 +55,7 @@ def smoke_command(args: argparse.Namespace) -> int:
         config=args.config,
         model=args.model,
         timeout=args.timeout,
+        keep_checkpoint=args.keep_checkpoint,
     )
     report = run_smoke(opts, progress=not args.quiet)
     print_smoke_report(report)
