@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from shardkit._version import __version__
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
@@ -18,12 +18,13 @@ _LAZY: dict[str, str] = {
     "CheckpointError": "shardkit.errors",
     "UsageError": "shardkit.errors",
     "DistributedError": "shardkit.errors",
-    "load_config": "shardkit.config_io",
+    "load_config": "shardkit.config.loading",
+    "config_digest": "shardkit.config.loading",
     "check_config": "shardkit.checks",
     "check_file": "shardkit.checks",
-    "FSDPConfig": "shardkit.fsdp",
-    "fsdp_config_from_dict": "shardkit.fsdp",
-    "apply_fsdp": "shardkit.fsdp",
+    "FSDPConfig": "shardkit.config.fsdp",
+    "fsdp_config_from_dict": "shardkit.config.fsdp",
+    "apply_fsdp": "shardkit.engines.fsdp",
     "known_bad_findings": "shardkit.versions",
     "installed_versions": "shardkit.versions",
     "load_zero3_checkpoint": "shardkit.checkpoint.zero3_resume",

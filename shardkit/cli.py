@@ -12,7 +12,8 @@ import pkgutil
 import sys
 from typing import Sequence
 
-from shardkit import __version__
+from shardkit._version import __version__
+from shardkit.commands._parser import HelpFormatter
 from shardkit.errors import ShardkitError
 
 EPILOG = """examples:
@@ -21,10 +22,6 @@ EPILOG = """examples:
   shardkit check ds_config.json --world-size 8
   shardkit preflight ds_config.json --nproc 2
 """
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keep the hand-wrapped examples in every epilog as written."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,19 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"shardkit {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-def add_command(
-    sub: argparse._SubParsersAction, name: str, help: str, example: str, description: str | None = None
-) -> argparse.ArgumentParser:
-    """Create a subcommand parser whose --help ends with a worked example."""
-    return sub.add_parser(
-        name,
-        help=help,
-        description=description or help,
-        epilog=f"example:\n  {example}",
-        formatter_class=HelpFormatter,
-    )
 
 
 if __name__ == "__main__":  # pragma: no cover

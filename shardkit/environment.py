@@ -16,13 +16,25 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping
 
+from shardkit.config.loading import config_kind
+from shardkit.config.view import as_int, deepspeed_view
 from shardkit.errors import ShardkitError
-from shardkit.findings import Finding, Severity
+from shardkit.findings import Finding, Report, Severity
+from shardkit.versions import (
+    SUPPORTED_DEEPSPEED,
+    KnownBad,
+    cite,
+    installed_versions,
+    known_bad_findings,
+    known_bad_table,
+    parse_version,
+    pin_memory_default,
+    support_status,
+    trigger_holds,
+)
 
 if TYPE_CHECKING:
     from packaging.version import Version
-
-    from shardkit.versions import KnownBad
 
 _UNSET: Any = object()
 
@@ -217,8 +229,6 @@ def fp16_support(
     """
     from packaging.version import Version
 
-    from shardkit.versions import installed_versions, parse_version
-
     facts = facts or probe_environment()
     device = device or facts.deepspeed_accelerator
     if device != "cpu":
@@ -299,8 +309,6 @@ def _export(value: str) -> str:
 
 
 def _elem_bytes(cfg: Mapping[str, Any]) -> int:
-    from shardkit.checks.view import deepspeed_view
-
     v = deepspeed_view(dict(cfg))
     return 2 if (v.fp16 or v.bf16) else 4
 
@@ -309,8 +317,6 @@ def nvme_param_buffer_bytes(cfg: Mapping[str, Any]) -> int | None:
     """Bytes DeepSpeed mlocks for ZeRO-3 NVMe parameter swapping: offload_param.buffer_count (5)
     buffers of buffer_size (1e8) elements in the parameter dtype (partitioned_param_swapper.py,
     new_cpu_locked_tensor). None when params are not offloaded to NVMe."""
-    from shardkit.checks.view import as_int, deepspeed_view
-
     if deepspeed_view(dict(cfg)).stage != 3:
         return None  # below stage 3 DeepSpeed ignores offload_param (the offload rule says so)
     zero = cfg.get("zero_optimization")
@@ -363,9 +369,6 @@ ENVIRONMENT_CONDITIONS = (
 
 def _pinned_offload(cfg: Mapping[str, Any], dsv: Version) -> bool:
     """Some active offload block pins memory (explicitly, or by the release's default)."""
-    from shardkit.checks.view import deepspeed_view
-    from shardkit.versions import pin_memory_default
-
     default = pin_memory_default(dsv)
     return any(
         o.pin_memory is True or (o.pin_memory is None and default) for o in deepspeed_view(dict(cfg)).active_offloads
@@ -391,8 +394,6 @@ def condition_holds(name: str, want: Any, cfg: Mapping[str, Any] | None, run: Ru
         if cfg is None or facts.memlock_bytes is None:
             return False
         need = nvme_param_buffer_bytes(cfg)
-        from shardkit.checks.view import deepspeed_view
-
         view = deepspeed_view(dict(cfg))
         # below stage 3 an nvme optimizer offload is treated as cpu: no swap buffers
         optimizer_nvme = view.stage == 3 and view.offload_optimizer.device == "nvme"
@@ -409,10 +410,8 @@ def condition_holds(name: str, want: Any, cfg: Mapping[str, Any] | None, run: Ru
 def environment_finding(row: KnownBad, cfg: Mapping[str, Any] | None, run: RunEnvironment, dsv: Version) -> Finding:
     """A finding for one environment row that applies: the value seen on this machine, DeepSpeed's
     symptom with its sources, and the exact command or setting that fixes it."""
-    from shardkit.versions import _cite
-
     facts = run.facts
-    sources = _cite(row.sources)
+    sources = cite(row.sources)
     severity = row.severity
     trigger = next(c for c in ENVIRONMENT_CONDITIONS if c in row.when)
     if trigger == "arch_list_unparseable":
@@ -463,8 +462,6 @@ def environment_finding(row: KnownBad, cfg: Mapping[str, Any] | None, run: RunEn
         limit = facts.memlock_bytes or 0
         message = (f"DS_PIN_MEMORY_BACKEND=native with pinned offload and ulimit -l (RLIMIT_MEMLOCK) of {_human(limit)}: "
                    f"{row.symptom} [{sources}]")
-        from shardkit.checks.view import deepspeed_view
-
         blocks = deepspeed_view(dict(cfg or {})).active_offloads
         key = f"{blocks[0].key}.pin_memory" if blocks else "zero_optimization"
         return Finding(severity, key, blocks[0].pin_memory if blocks else None, message, row.config_fix or "",
@@ -478,8 +475,6 @@ def matching_environment_rows(
     """Environment rows whose release range holds (any row whose range is empty when DeepSpeed is
     not installed) and whose every trigger holds. Config triggers (fp16, offload ...) are read the
     way the bug rows read them, but without a config they do not hold."""
-    from shardkit.versions import _condition_holds, known_bad_table
-
     out = []
     for row in known_bad_table():
         if row.kind != "environment":
@@ -495,7 +490,7 @@ def matching_environment_rows(
             if name in ENVIRONMENT_CONDITIONS:
                 ok = condition_holds(name, want, cfg, run, dsv)
             else:
-                ok = cfg is not None and _condition_holds(name, want, dict(cfg), None)
+                ok = cfg is not None and trigger_holds(name, want, deepspeed_view(dict(cfg)), None)
             if not ok:
                 break
         if ok:
@@ -518,8 +513,6 @@ def environment_findings(
     whether the run will have one (None: what this machine has). ``engine``: "fsdp" leaves out
     the rows about DeepSpeed's ops and accelerator.
     """
-    from shardkit.versions import installed_versions, parse_version
-
     run = RunEnvironment(facts or probe_environment(), accelerator=accelerator, engine=engine)
     ds = deepspeed_version or installed_versions().get("deepspeed")
     dsv = parse_version(ds, "deepspeed version") if ds else None
@@ -552,3 +545,40 @@ def require_runnable_here(
             if f not in warnings:
                 warnings.append(f)
     return warnings
+
+
+def version_report(
+    cfg: dict[str, Any] | None,
+    *,
+    deepspeed_version: str | None = None,
+    source: str | None = None,
+    environment: Any = None,
+) -> tuple[dict[str, Any], Report]:
+    """What `shardkit versions` shows: installed versions, support status, and the table rows that
+    apply (to ``cfg`` when given) as a Report, this machine's environment rows included.
+
+    ``environment``: shardkit.environment.EnvironmentFacts to evaluate instead of probing this
+    machine; False leaves the environment rows out.
+    """
+
+    installed = installed_versions()
+    ds = str(parse_version(deepspeed_version)) if deepspeed_version else installed.get("deepspeed")
+    status = support_status({**installed, "deepspeed": ds} if ds else installed)
+    subject = f"deepspeed {ds}" + (f" with {source}" if source else "") if ds else "deepspeed (not installed)"
+    report = Report(subject=subject)
+    if ds:
+        report.extend(known_bad_findings(cfg, ds, installed.get("torch")))
+    if environment is not False:
+        engine = "fsdp" if cfg is not None and config_kind(cfg) == "fsdp" else "deepspeed"
+        report.extend(environment_findings(cfg, facts=environment, deepspeed_version=ds, engine=engine))
+    data = {
+        "installed": installed,
+        "deepspeed": ds,
+        "support": {
+            "range": str(SUPPORTED_DEEPSPEED),
+            "supported": status.supported,
+            "verified": status.verified,
+            "notes": status.notes,
+        },
+    }
+    return data, report

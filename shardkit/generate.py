@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal, Sequence
 
 from shardkit.errors import UsageError
-from shardkit.fsdp import FSDPConfig, FSDPOptions, TrainOptions
+from shardkit.config.fsdp import FSDPConfig, FSDPOptions, TrainOptions, fsdp_config_from_dict, validation_problems
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -178,8 +178,6 @@ def fsdp_config(
             train=TrainOptions(micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, weight_decay=weight_decay, clip=clip),
         )
     except ValidationError as exc:
-        from shardkit.fsdp import validation_problems
-
         raise UsageError("; ".join(f"{k}={v!r}: {m}" for k, v, m in validation_problems(exc))) from exc
     return cfg.model_dump(mode="json")
 
@@ -187,8 +185,6 @@ def fsdp_config(
 def accelerate_fsdp_config(cfg: dict[str, Any], num_processes: int | None = None) -> dict[str, Any]:
     """The Accelerate config (as written by `accelerate config`, fsdp_version 2) equivalent to a
     shardkit FSDP2 config: run it with `accelerate launch --config_file FILE train.py`."""
-    from shardkit.fsdp import fsdp_config_from_dict
-
     parsed = fsdp_config_from_dict(cfg)
     o = parsed.fsdp
     out: dict[str, Any] = {

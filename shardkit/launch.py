@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
+from shardkit.config.loading import is_fsdp_config, load_config
 from shardkit.errors import UsageError
 from shardkit.findings import Finding, Report, Severity
 
@@ -196,7 +197,6 @@ def build_launch(
 def check_launch_config(plan: LaunchPlan) -> Report:
     """Static checks and the known-bad version table on the plan's config (an empty report when
     the script names none). Errors mean the launch must not start."""
-    from shardkit.config_io import load_config
 
     if plan.config_path is None:
         return Report(subject="launch: no config named on the script's command line")
@@ -209,7 +209,7 @@ def check_launch_config(plan: LaunchPlan) -> Report:
     except ImportError:  # pragma: no cover - the checks ship with shardkit
         return Report(subject=plan.config_path)
     report = check_file(plan.config_path, world_size=plan.world_size)
-    if plan.launcher == "deepspeed" and _is_fsdp(cfg):
+    if plan.launcher == "deepspeed" and is_fsdp_config(cfg):
         report.add(
             Finding(
                 Severity.WARNING, "--launcher", plan.launcher,
@@ -218,10 +218,6 @@ def check_launch_config(plan: LaunchPlan) -> Report:
             )
         )
     return report
-
-
-def _is_fsdp(cfg: object) -> bool:
-    return isinstance(cfg, dict) and "fsdp" in cfg
 
 
 def run_launch(plan: LaunchPlan) -> int:

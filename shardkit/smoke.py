@@ -31,6 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from shardkit.config.loading import config_kind, load_config
+from shardkit.config.paths import get, strip_auto
+from shardkit.config.view import deepspeed_view
 from shardkit.errors import ShardkitError, UsageError
 
 Engine = Literal["zero3", "fsdp2"]
@@ -143,8 +146,6 @@ class SmokeReport:
 
 def default_config(engine: Engine, nproc: int, batch: int) -> tuple[dict[str, Any], str]:
     """The config for ``engine``: a ds_configs/ preset when the checkout has one, else generated."""
-    from shardkit.config_io import load_config
-
     for name in PRESET_CANDIDATES[engine]:
         path = REPO_ROOT / "ds_configs" / name
         if path.is_file():
@@ -183,7 +184,7 @@ def fit_config(engine: Engine, cfg: dict[str, Any], nproc: int, batch: int) -> d
         if not isinstance(cfg.get("optimizer"), dict):
             cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
         # "auto" is only meaningful to the HF Trainer; DeepSpeed would drop these silently.
-        _drop_auto(cfg)
+        cfg = strip_auto(cfg)
     else:
         train = cfg.setdefault("train", {})
         if isinstance(train, dict):
@@ -191,19 +192,9 @@ def fit_config(engine: Engine, cfg: dict[str, Any], nproc: int, batch: int) -> d
     return cfg
 
 
-def _drop_auto(d: dict[str, Any]) -> None:
-    for k in [k for k, v in d.items() if v == "auto"]:
-        del d[k]
-    for v in d.values():
-        if isinstance(v, dict):
-            _drop_auto(v)
-
-
 def config_for(engine: Engine, opts: SmokeOptions) -> tuple[dict[str, Any], str]:
     if opts.config is None:
         return default_config(engine, opts.nproc, opts.batch)
-    from shardkit.config_io import config_kind, load_config
-
     cfg = load_config(opts.config)
     kind = config_kind(cfg)
     wanted = "deepspeed" if engine == "zero3" else "fsdp"
@@ -213,8 +204,8 @@ def config_for(engine: Engine, opts: SmokeOptions) -> tuple[dict[str, Any], str]
             f"pass --engine {'zero3' if kind == 'deepspeed' else 'fsdp2'}"
         )
     if engine == "zero3":
-        stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
-        if stage != 3:
+        if deepspeed_view(cfg).stage != 3:
+            stage = get(cfg, "zero_optimization.stage", 0)
             raise UsageError(
                 f"--config {opts.config}: zero_optimization.stage is {stage!r}, the zero3 smoke needs 3. "
                 "Set it to 3 or generate one with `shardkit config zero3 -o ds_config.json`."
@@ -334,7 +325,8 @@ def _fsdp2_run(spec: RunSpec) -> dict[str, Any]:
     import torch
 
     from shardkit.device_rules import accelerator_device
-    from shardkit.fsdp import apply_fsdp, build_optimizer, clip_grad_norm, fsdp_config_from_dict
+    from shardkit.config.fsdp import fsdp_config_from_dict
+    from shardkit.engines.fsdp import apply_fsdp, build_optimizer, clip_grad_norm
     from shardkit.models import tiny_llama
 
     cfg = fsdp_config_from_dict(spec.config)

@@ -7,6 +7,8 @@ Nothing here imports torch or deepspeed: versions come from importlib.metadata.
 from __future__ import annotations
 
 import json
+import platform
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata, resources
@@ -15,8 +17,11 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from shardkit._version import __version__ as SHARDKIT_VERSION
+from shardkit.config.paths import get, has
+from shardkit.config.view import DeepSpeedView, deepspeed_view
 from shardkit.errors import UsageError
-from shardkit.findings import Finding, Report, Severity
+from shardkit.findings import Finding, Severity
 
 # DeepSpeed releases the version table and the test suite cover (pyproject pins the same range).
 SUPPORTED_DEEPSPEED = SpecifierSet(">=0.16.0,<0.20")
@@ -27,14 +32,47 @@ PIN_MEMORY_DEFAULT_TRUE_SINCE = Version("0.19.5")
 PACKAGES = ("torch", "deepspeed", "transformers")
 
 
+def package_version(name: str, *, imported_first: bool = False) -> str | None:
+    """The one version reader: a distribution's version from package metadata (no heavy imports),
+    None when it is not installed. ``imported_first``: the imported module's ``__version__`` when
+    the module is already imported, so what is compared is what actually runs (a stale egg-info
+    can disagree with the code on sys.path)."""
+    if imported_first:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "__version__"):
+            return str(module.__version__)
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def installed_versions() -> dict[str, str | None]:
     """torch/deepspeed/transformers versions from package metadata (None when not installed)."""
-    out: dict[str, str | None] = {}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
+    return {name: package_version(name) for name in PACKAGES}
+
+
+def library_versions() -> dict[str, str]:
+    """What a checkpoint manifest records: shardkit, and torch / deepspeed when installed."""
+    out = {"shardkit": SHARDKIT_VERSION}
+    for name in ("torch", "deepspeed"):
+        version = package_version(name)
+        if version is not None:
+            out[name] = version
+    return out
+
+
+def runtime_versions() -> dict[str, str]:
+    """What a placement record carries: python, shardkit, torch (when this process imported it)
+    and deepspeed, as this process runs them (imported modules first)."""
+    out = {"python": platform.python_version(), "shardkit": SHARDKIT_VERSION}
+    if "torch" in sys.modules:
+        torch_version = package_version("torch", imported_first=True)
+        if torch_version is not None:
+            out["torch"] = torch_version
+    ds = package_version("deepspeed", imported_first=True)
+    if ds is not None:
+        out["deepspeed"] = ds
     return out
 
 
@@ -99,15 +137,13 @@ def known_bad_table() -> tuple[KnownBad, ...]:
     return tuple(rows)
 
 
-def _condition_holds(name: str, want: Any, cfg: dict[str, Any] | None, torch_version: Version | None) -> bool:
-    """One trigger condition; unknown facts (no config, no torch version) count as 'may apply'."""
+def trigger_holds(name: str, want: Any, v: DeepSpeedView | None, torch_version: Version | None) -> bool:
+    """One trigger condition on the config's typed view; unknown facts (no config, no torch
+    version) count as 'may apply'."""
     if name == "torch":
         return torch_version is None or SpecifierSet(want).contains(torch_version, prereleases=True)
-    if cfg is None:
+    if v is None:
         return True
-    from shardkit.checks.view import deepspeed_view
-
-    v = deepspeed_view(cfg)
     if name == "stage":
         return v.stage in want
     if name == "offload_optimizer":
@@ -140,12 +176,13 @@ def matching_entries(
     tv = None
     if torch_version is not None:
         tv = torch_version if isinstance(torch_version, Version) else parse_version(str(torch_version), "torch version")
+    view = deepspeed_view(cfg) if cfg is not None else None  # read once, not once per trigger
     return [
         row
         for row in known_bad_table()
         if row.kind != "environment"
         and row.affects(dsv)
-        and all(_condition_holds(k, w, cfg, tv) for k, w in row.when.items())
+        and all(trigger_holds(k, w, view, tv) for k, w in row.when.items())
     ]
 
 
@@ -177,7 +214,7 @@ def _clean_release(
 def _finding(
     row: KnownBad, cfg: dict[str, Any] | None, dsv: Version, torch_version: str | Version | None
 ) -> Finding:
-    sources = _cite(row.sources)
+    sources = cite(row.sources)
     if row.kind == "behaviour":
         message = f"deepspeed {dsv}: {row.symptom} [{sources}]"
         fix = (row.config_fix or "see the sources").rstrip(".") + "."
@@ -210,8 +247,6 @@ def _finding(
     key = _finding_key(row, cfg)
     value: Any = f"deepspeed=={dsv}"
     if cfg is not None:
-        from shardkit.checks.paths import get, has
-
         if has(cfg, key):
             value = get(cfg, key)
     return Finding(
@@ -228,8 +263,6 @@ def _finding_key(row: KnownBad, cfg: dict[str, Any] | None) -> str:
     """The key this config actually has (or lacks): the table's key is the generic spelling."""
     if cfg is None:
         return row.key
-    from shardkit.checks.view import deepspeed_view
-
     view = deepspeed_view(cfg)
     if row.when.get("pin_memory_unset"):
         # name the offload block that omits pin_memory (offload_param alone, when only it does)
@@ -278,7 +311,7 @@ def _describe_when(when: dict[str, Any]) -> str:
     return ", ".join(words)
 
 
-def _cite(urls: tuple[str, ...]) -> str:
+def cite(urls: tuple[str, ...]) -> str:
     """'DeepSpeed #5422, #5538, PR #5504: https://github.com/...' (first URL in full, for clicking)."""
     groups: dict[str, list[str]] = {}
     for url in urls:
@@ -368,43 +401,3 @@ def _same_release(recorded: Any, installed: str | None) -> bool:
         return Version(Version(recorded).base_version) == Version(Version(installed).base_version)
     except InvalidVersion:
         return recorded == installed
-
-
-
-def version_report(
-    cfg: dict[str, Any] | None,
-    *,
-    deepspeed_version: str | None = None,
-    source: str | None = None,
-    environment: Any = None,
-) -> tuple[dict[str, Any], Report]:
-    """What `shardkit versions` shows: installed versions, support status, and the table rows that
-    apply (to ``cfg`` when given) as a Report, this machine's environment rows included.
-
-    ``environment``: shardkit.environment.EnvironmentFacts to evaluate instead of probing this
-    machine; False leaves the environment rows out.
-    """
-
-    installed = installed_versions()
-    ds = str(parse_version(deepspeed_version)) if deepspeed_version else installed.get("deepspeed")
-    status = support_status({**installed, "deepspeed": ds} if ds else installed)
-    subject = f"deepspeed {ds}" + (f" with {source}" if source else "") if ds else "deepspeed (not installed)"
-    report = Report(subject=subject)
-    if ds:
-        report.extend(known_bad_findings(cfg, ds, installed.get("torch")))
-    if environment is not False:
-        from shardkit.environment import environment_findings
-
-        engine = "fsdp" if cfg is not None and isinstance(cfg.get("fsdp"), dict) else "deepspeed"
-        report.extend(environment_findings(cfg, facts=environment, deepspeed_version=ds, engine=engine))
-    data = {
-        "installed": installed,
-        "deepspeed": ds,
-        "support": {
-            "range": str(SUPPORTED_DEEPSPEED),
-            "supported": status.supported,
-            "verified": status.verified,
-            "notes": status.notes,
-        },
-    }
-    return data, report

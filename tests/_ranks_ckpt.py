@@ -97,7 +97,7 @@ GLOBAL_BATCH = 6
 
 
 def fsdp_model(cpu_offload: bool = False):
-    from shardkit.fsdp import apply_fsdp
+    from shardkit.engines.fsdp import apply_fsdp
     from shardkit.models import tiny_llama
 
     model = tiny_llama("tiny", seed=0)

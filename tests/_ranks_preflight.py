@@ -148,7 +148,7 @@ def rank1_arrives_late(timeout: float) -> dict[str, Any]:
 
 def fsdp2_cases(cpu_offload: bool) -> dict[str, Any]:
     import shardkit
-    from shardkit.fsdp import apply_fsdp, build_optimizer
+    from shardkit.engines.fsdp import apply_fsdp, build_optimizer
 
     cfg = {"fsdp": {"cpu_offload": cpu_offload, "pin_memory": False, "mixed_precision": "none", "wrap": ["Linear"]}}
     torch.manual_seed(0)

@@ -12,7 +12,8 @@ def fsdp_one_step(cfg_dict: dict[str, Any], size: str = "tiny") -> dict[str, Any
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from shardkit.fsdp import apply_fsdp, build_optimizer, clip_grad_norm, fsdp_config_from_dict
+    from shardkit.config.fsdp import fsdp_config_from_dict
+    from shardkit.engines.fsdp import apply_fsdp, build_optimizer, clip_grad_norm
     from shardkit.models import synthetic_batch, tiny_llama
 
     cfg = fsdp_config_from_dict(cfg_dict)
@@ -63,7 +64,8 @@ def _ds_two_steps(cfg: dict[str, Any]) -> list[float]:
 def _fsdp_two_steps(cfg_dict: dict[str, Any]) -> list[float]:
     import torch.distributed as dist
 
-    from shardkit.fsdp import apply_fsdp, build_optimizer, clip_grad_norm, fsdp_config_from_dict
+    from shardkit.config.fsdp import fsdp_config_from_dict
+    from shardkit.engines.fsdp import apply_fsdp, build_optimizer, clip_grad_norm
     from shardkit.models import synthetic_batch, tiny_llama
 
     cfg = fsdp_config_from_dict(cfg_dict)
@@ -87,7 +89,7 @@ def presets_two_steps(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     one spawn for all presets saves the process and group start-up per preset."""
     import gc
 
-    from shardkit.config_io import config_kind
+    from shardkit.config.loading import config_kind
 
     out: dict[str, Any] = {}
     for name, cfg in configs.items():

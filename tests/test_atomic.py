@@ -246,7 +246,7 @@ def _enospc(path):
 
 
 def test_disk_full_while_writing_says_where_and_how_much_is_free_and_leaves_nothing(tmp_path):
-    from shardkit.checkpoint.atomic import atomic_checkpoint
+    from shardkit.checkpoint.save import atomic_checkpoint
     from shardkit.errors import CheckpointError
 
     root = tmp_path / "root"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from shardkit import config_io
+from shardkit.config import loading
 from shardkit.checks import check_config, check_file
-from shardkit.config_io import MAX_NESTING, MAX_VALUES, read_config
+from shardkit.config.loading import MAX_NESTING, MAX_VALUES, read_config
 from shardkit.errors import ConfigError
 
 BILLION_LAUGHS = """\
@@ -68,7 +68,7 @@ def test_billion_laughs_yaml_is_refused_at_once(tmp_path):
 
 
 def test_billion_laughs_stops_launch_dry_run_too(tmp_path):
-    # launch reads configs through the same config_io (item 10 hung `launch --dry-run` as well)
+    # launch reads configs through the same loader (item 10 hung `launch --dry-run` as well)
     p = tmp_path / "laughs.yaml"
     p.write_text(BILLION_LAUGHS)
     script = tmp_path / "train.py"
@@ -107,7 +107,7 @@ def test_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
 
 def test_bytes_actually_read_are_capped_not_st_size(monkeypatch):
     # /proc files are regular files whose st_size is 0 whatever they hold
-    monkeypatch.setattr(config_io, "MAX_CONFIG_BYTES", 64)
+    monkeypatch.setattr(loading, "MAX_CONFIG_BYTES", 64)
     assert os.stat("/proc/self/maps").st_size == 0
     with pytest.raises(ConfigError, match=r"^/proc/self/maps: more than 64 bytes is too large for a config file"):
         read_config("/proc/self/maps")
@@ -115,8 +115,8 @@ def test_bytes_actually_read_are_capped_not_st_size(monkeypatch):
 
 def test_large_yaml_is_refused_before_the_slow_parser(tmp_path):
     p = tmp_path / "big.yaml"
-    p.write_text("k: [" + ", ".join(["1"] * (config_io.MAX_YAML_BYTES // 2)) + "]\n")
-    with pytest.raises(ConfigError, match=rf"more than {config_io.MAX_YAML_BYTES} bytes of YAML"):
+    p.write_text("k: [" + ", ".join(["1"] * (loading.MAX_YAML_BYTES // 2)) + "]\n")
+    with pytest.raises(ConfigError, match=rf"more than {loading.MAX_YAML_BYTES} bytes of YAML"):
         read_config(p)
 
 

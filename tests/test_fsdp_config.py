@@ -1,7 +1,8 @@
 import pytest
 
 from shardkit.errors import ConfigError
-from shardkit.fsdp import FSDPConfig, apply_fsdp, fsdp_config_from_dict
+from shardkit.config.fsdp import FSDPConfig, fsdp_config_from_dict
+from shardkit.engines.fsdp import apply_fsdp
 from shardkit.spawn import run_ranks
 from tests import _ranks_presets as targets
 

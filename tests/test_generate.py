@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from shardkit.checks import check_config
-from shardkit.checks.paths import auto_paths
+from shardkit.config.paths import auto_paths
 from shardkit.errors import UsageError
 from shardkit.generate import deepspeed_config, fsdp_config
 

@@ -8,11 +8,11 @@ import pytest
 from shardkit.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
-    config_digest,
     read_manifest,
     seal,
     sha256_file,
 )
+from shardkit.config.loading import config_digest
 from shardkit.errors import CheckpointError
 
 

@@ -12,7 +12,8 @@ from torch import nn
 from shardkit.errors import PreflightError
 from shardkit.placement import collect_records
 from shardkit.placement import records as R
-from shardkit.placement.expected import config_digest, deepspeed_expected, torch_expected
+from shardkit.config.loading import config_digest
+from shardkit.placement.expected import deepspeed_expected, torch_expected
 from shardkit.placement.preflight import decode, encode, preflight
 from shardkit.placement.records import PlacementRecord, RankReport, devices_match
 from shardkit.placement.torch_state import optimizer_records, scaler_records
@@ -140,7 +141,7 @@ def test_expected_devices_come_from_the_config_and_the_accelerator(zero, param_s
     ],
 )
 def test_expected_devices_read_the_config_like_the_static_checks(zero, param_shard, optimizer, optimizer_why):
-    from shardkit.checks.view import deepspeed_view
+    from shardkit.config.view import deepspeed_view
 
     cfg = {"zero_optimization": zero}
     exp = deepspeed_expected(cfg, "cuda:1")

@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from shardkit.checks import check_file
-from shardkit.config_io import config_kind
+from shardkit.config.loading import config_kind
 from shardkit.generate import PRESETS
 from shardkit.spawn import run_ranks
 from tests import _ranks_presets as targets

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from shardkit.config_io import config_kind
+from shardkit.config.loading import config_kind
 from tests.conftest import DS_CONFIGS
 
 PRESETS = sorted(p.stem for p in DS_CONFIGS.glob("*.json"))

@@ -231,7 +231,7 @@ def _fsdp_config() -> dict[str, Any] | None:
     if not path:
         return None
     try:
-        from shardkit.config_io import config_kind, load_config
+        from shardkit.config.loading import config_kind, load_config
 
         cfg = load_config(path)
         return cfg if config_kind(cfg) == "fsdp" else None

@@ -9,7 +9,7 @@ Layout of a checkpoint root written by shardkit::
         shardkit_manifest.json
         ...engine files...
 
-Every writer goes through ``atomic.atomic_checkpoint``: a save is written under
+Every writer goes through ``save.atomic_checkpoint``: a save is written under
 ``root/.shardkit-tmp-<tag>``, fsynced, renamed to ``root/<tag>``, and only then is ``latest``
 replaced, so a save killed at any point leaves the previous checkpoint and its ``latest`` pointer
 intact (re-saving an existing tag keeps a loadable copy named by ``latest`` until the new one is in

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
@@ -32,7 +31,6 @@ REPLACED_MARK = ".shardkit-replaced-"
 MAX_LATEST_BYTES = 4096
 
 F = TypeVar("F", bound=Callable[..., Any])
-
 
 def tag_problem(tag: object) -> str | None:
     """Why ``tag`` cannot name a checkpoint folder inside a root, or None when it can.
@@ -59,7 +57,6 @@ def tag_problem(tag: object) -> str | None:
         return "longer than the 255 bytes a folder name may have"
     return None
 
-
 def check_tag(tag: object, what: str = "--tag") -> str:
     """``tag`` when it can name a checkpoint folder; UsageError naming the value and why otherwise."""
     from shardkit.errors import UsageError
@@ -70,13 +67,11 @@ def check_tag(tag: object, what: str = "--tag") -> str:
                          "e.g. global_step100")
     return tag  # type: ignore[return-value]
 
-
 #: torch's zip writer (caffe2 inline_container.cc) reports a short fwrite only as a position
 #: mismatch when the record or the archive is closed: "[enforce fail at inline_container.cc:672]
 #: . unexpected pos 704 vs 598". No errno survives; on a local file a short write is a full disk
 #: (or quota).
 _TORCH_SHORT_WRITE = re.compile(r"inline_container\.cc.*(unexpected pos|file write failed)", re.S)
-
 
 def is_disk_full(exc: BaseException) -> bool:
     """True for the errors a full disk (or an exhausted quota) surfaces as: OSError ENOSPC/EDQUOT,
@@ -84,7 +79,6 @@ def is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
     return isinstance(exc, RuntimeError) and bool(_TORCH_SHORT_WRITE.search(str(exc)))
-
 
 def free_bytes(path: str | os.PathLike[str]) -> int | None:
     """Bytes available to this user on the filesystem holding ``path`` (its nearest existing
@@ -97,7 +91,6 @@ def free_bytes(path: str | os.PathLike[str]) -> int | None:
     except OSError:
         return None
 
-
 def disk_full_error(path: str | os.PathLike[str], exc: BaseException, outcome: str) -> CheckpointError:
     """The one message for a write that ran out of space: the file, the bytes left, what was kept."""
     free = free_bytes(path)
@@ -108,7 +101,6 @@ def disk_full_error(path: str | os.PathLike[str], exc: BaseException, outcome: s
         f"disk full at {path}, {left}, {outcome} ({type(exc).__name__}: {detail}). Free space on that "
         "filesystem, or write to another disk, and run again"
     )
-
 
 def os_errors_named(action: str) -> Callable[[F], F]:
     """Decorator: an OSError escaping the function (permission denied, disk full, a file vanishing
@@ -131,7 +123,6 @@ def os_errors_named(action: str) -> Callable[[F], F]:
 
     return wrap
 
-
 @contextlib.contextmanager
 def disk_full_named(path: str | os.PathLike[str], outcome: str) -> Iterator[None]:
     """A full disk while writing ``path`` becomes one CheckpointError naming it, the space left and
@@ -143,10 +134,8 @@ def disk_full_named(path: str | os.PathLike[str], outcome: str) -> Iterator[None
             raise
         raise disk_full_error(path, exc, outcome) from exc
 
-
 # os.replace, through a name tests can interrupt to simulate a crash between two renames
 _rename = os.replace
-
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Flush a directory entry (a rename or new file) to disk; a no-op where dirs cannot be opened."""
@@ -161,7 +150,6 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     finally:
         os.close(fd)
 
-
 def fsync_file(path: str | os.PathLike[str]) -> None:
     """Flush one file's data to disk (it may have been written by another process or library)."""
     fd = os.open(os.fspath(path), os.O_RDONLY)
@@ -169,7 +157,6 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
 
 def fsync_tree(root: str | os.PathLike[str]) -> None:
     """fsync every file, then every directory (deepest first), under ``root``."""
@@ -181,11 +168,9 @@ def fsync_tree(root: str | os.PathLike[str]) -> None:
     for d in reversed(dirs):
         fsync_dir(d)
 
-
 def _temp_name(path: Path) -> Path:
     # same directory, so os.replace never crosses a filesystem; hidden, so globbing skips it
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
@@ -209,17 +194,14 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
             os.unlink(tmp)
         raise
 
-
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically."""
     with atomic_open(path, "wb") as fh:
         fh.write(data)
 
-
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Replace ``path`` with ``text`` (UTF-8) atomically."""
     atomic_write_bytes(path, text.encode("utf-8"))
-
 
 def atomic_save(obj: Any, path: str | os.PathLike[str], save: Callable[[Any, IO[bytes]], None] | None = None) -> None:
     """``torch.save(obj, path)`` (or ``save(obj, fh)``) through a temporary file and a rename."""
@@ -230,12 +212,10 @@ def atomic_save(obj: Any, path: str | os.PathLike[str], save: Callable[[Any, IO[
     with atomic_open(path, "wb") as fh:
         save(obj, fh)
 
-
 def write_latest(root: str | os.PathLike[str], tag: str, name: str = LATEST_NAME) -> None:
     """Point ``root/latest`` at ``tag`` atomically, in DeepSpeed's format (the bare tag), so
     ``engine.load_checkpoint(root)`` keeps working."""
     atomic_write_text(Path(root) / name, str(tag))
-
 
 def read_latest(root: str | os.PathLike[str], name: str = LATEST_NAME) -> str | None:
     """The tag ``root/latest`` names, or None when there is no pointer."""
@@ -259,11 +239,9 @@ def read_latest(root: str | os.PathLike[str], name: str = LATEST_NAME) -> str | 
             "the tag directory itself"
         ) from None
 
-
 def staging_dir(root: str | os.PathLike[str], tag: str) -> Path:
     """Where a save of ``tag`` is written before it is renamed into place (same on every rank)."""
     return Path(root) / f"{STAGING_PREFIX}{tag}"
-
 
 def publish_dir(staged: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
     """fsync a fully written staging directory and rename it to ``final``.
@@ -283,7 +261,6 @@ def publish_dir(staged: str | os.PathLike[str], final: str | os.PathLike[str]) -
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
-
 def _link_copy(src: Path, dst: Path) -> None:
     """A complete copy of ``src`` at ``dst`` made of hard links (no data copied); plain copies where
     the filesystem has no hard links."""
@@ -296,7 +273,6 @@ def _link_copy(src: Path, dst: Path) -> None:
 
     shutil.copytree(src, dst, copy_function=link)
     fsync_tree(dst)
-
 
 def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], tag: str) -> Path:
     """Rename the fully written ``staged`` directory to ``root/<tag>`` and point ``latest`` at it.
@@ -328,7 +304,6 @@ def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], ta
             shutil.rmtree(d, ignore_errors=True)
     return final
 
-
 def remove_stale_saves(root: str | os.PathLike[str]) -> list[str]:
     """Remove what killed saves left in ``root``: staging folders (of any tag), temporaries of
     atomic writes (``.latest.tmp-*``) and set-aside copies ``latest`` no longer names (a set-aside
@@ -356,104 +331,3 @@ def remove_stale_saves(root: str | os.PathLike[str]) -> list[str]:
             continue
         removed.append(name)
     return removed
-
-
-@dataclass
-class StagedSave:
-    """A save in progress: where to write, and what the manifest will record."""
-
-    path: Path
-    """The staging directory to write every file into (the same on every rank)."""
-    final: Path
-    """Where the checkpoint will be once published: ``root/<tag>``."""
-    rank: int
-    world_size: int
-    facts: dict[str, Any] = field(default_factory=dict)
-    """Manifest fields (step, dtype, zero_stage, extra ...); the body may add to them."""
-    known_files: list[Any] = field(default_factory=list)
-    """FileEntry items the body already hashed (the rest are hashed after the writes)."""
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-@contextlib.contextmanager
-def atomic_checkpoint(
-    root: str | os.PathLike[str], tag: str, *, engine: str, manifest: bool = True, **facts: Any
-) -> Iterator[StagedSave]:
-    """The one save sequence every shardkit writer uses. Collective when a process group exists.
-
-    Rank 0 creates ``root``, removes leftovers of killed saves (``remove_stale_saves``) and an empty
-    staging folder; the body writes into ``save.path`` on every rank; then the ranks agree that
-    every write succeeded (a rank that raised makes every rank raise, none waits in a barrier),
-    hash the files together, and rank 0 writes the manifest (the completion marker) and publishes
-    the tag (``publish_tag``: rename, ``latest`` last). An error on rank 0 there (disk full,
-    permissions) is broadcast and raised as the same CheckpointError on every rank.
-    ``manifest=False`` (reshard's ``--no-manifest``) skips the hashing and the manifest.
-    """
-    from shardkit.checkpoint._dist import all_gather_object, broadcast_object, rank_world
-    from shardkit.checkpoint.manifest import Manifest, describe_files_distributed, library_versions, write_manifest
-
-    check_tag(tag, "tag")  # the same on every rank, so every rank raises before any collective
-    root = Path(root)
-    rank, world = rank_world()
-    staged = staging_dir(root, tag)
-    err: str | None = None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            remove_stale_saves(root)
-            staged.mkdir()
-        except (OSError, CheckpointError) as exc:
-            err = f"cannot prepare the save of {tag!r} in {root} ({_one_line(exc)}); check the path and its permissions"
-    err = broadcast_object(err)
-    if err:
-        raise CheckpointError(err)
-    save = StagedSave(path=staged, final=root / tag, rank=rank, world_size=world, facts=dict(facts))
-    local: Exception | None = None
-    try:
-        yield save
-    except Exception as exc:  # noqa: BLE001 - every rank must hear about it before anyone waits
-        local = exc
-    statuses = all_gather_object(None if local is None else _one_line(local))
-    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
-    if failed:
-        if rank == 0:
-            shutil.rmtree(staged, ignore_errors=True)
-        if local is not None and not isinstance(local, CheckpointError) and is_disk_full(local):
-            # torch's writer names no file (see _TORCH_SHORT_WRITE): name the folder being written
-            where = getattr(local, "filename", None) or staged
-            raise disk_full_error(where, local, f"nothing written: the staging folder was removed, "
-                                  f"{root / LATEST_NAME} is unchanged") from local
-        if local is not None:
-            raise local
-        r, s = failed[0]
-        raise CheckpointError(f"saving {tag!r} in {root} failed on rank {r} ({s}); the previous checkpoint and "
-                              "'latest' are unchanged")
-    known = {e.path: e for e in save.known_files}
-    files = describe_files_distributed(staged, exclude=set(known)) if manifest else []
-    if rank == 0 and manifest:
-        fields = dict(save.facts)
-        fields.setdefault("world_size", world)
-        fields.setdefault("versions", library_versions())
-        entries = sorted([*files, *known.values()], key=lambda e: e.path)
-        try:
-            write_manifest(staged, Manifest(engine=engine, tag=tag, files=entries, **fields))
-        except OSError as exc:
-            # nothing is published yet: the staged files go, so a full disk is not left fuller
-            shutil.rmtree(staged, ignore_errors=True)
-            outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
-            err = (str(disk_full_error(staged / "shardkit_manifest.json", exc, outcome)) if is_disk_full(exc) else
-                   f"{root / tag}: the manifest could not be written on rank 0 ({_one_line(exc)}); {outcome}. "
-                   f"Fix permissions or free space in {root} and save again")
-    if rank == 0 and err is None:
-        try:
-            publish_tag(root, staged, tag)
-        except (OSError, CheckpointError) as exc:
-            err = (f"{root / tag}: the save was written but could not be completed on rank 0 ({_one_line(exc)}); "
-                   f"'latest' was not moved to it. Free disk space or fix permissions in {root} and save again")
-    err = broadcast_object(err)
-    if err:
-        raise CheckpointError(err)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.atomic import atomic_checkpoint
-from shardkit.checkpoint.manifest import config_digest
+from shardkit.checkpoint.save import atomic_checkpoint
+from shardkit.config.loading import config_digest
 from shardkit.errors import CheckpointError
 
 if TYPE_CHECKING:

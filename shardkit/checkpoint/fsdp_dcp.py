@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint._dist import barrier as _barrier
 from shardkit.checkpoint._dist import rank_world as _rank_world
-from shardkit.checkpoint.atomic import atomic_checkpoint, atomic_open
+from shardkit.checkpoint.atomic import atomic_open
+from shardkit.checkpoint.save import atomic_checkpoint
 from shardkit.checkpoint.dcp_safe import load_dcp_state
-from shardkit.checkpoint.manifest import config_digest
+from shardkit.config.loading import config_digest
 from shardkit.checkpoint.verify import CheckpointReport, check_resumable_distributed
 from shardkit.errors import CheckpointError
 

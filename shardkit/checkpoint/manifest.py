@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from shardkit.checkpoint.atomic import STAGING_PREFIX, atomic_write_text
+from shardkit.checkpoint.atomic import STAGING_PREFIX, atomic_write_text, tag_problem
 from shardkit.errors import CheckpointError
+from shardkit.versions import library_versions
 
 MANIFEST_NAME = "shardkit_manifest.json"
 FORMAT_VERSION = 1
@@ -180,7 +181,6 @@ def path_problem(rel: str) -> str | None:
 
 def _check_ranges(data: dict[str, Any], raw_files: list[dict[str, Any]], source: str) -> None:
     """Values of the right JSON type but outside what any checkpoint can hold."""
-    from shardkit.checkpoint.atomic import tag_problem
 
     def bad(key: str, value: Any, why: str) -> CheckpointError:
         return CheckpointError(f"{source}: field {key} is {_show(value)}: {why}; the manifest was edited or "
@@ -252,29 +252,6 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = _CHUNK) -> str:
                 break
             h.update(block)
     return h.hexdigest()
-
-
-def config_digest(config: Any) -> str | None:
-    """sha256 of the canonical JSON (sorted keys, no spaces) of a config; None without one."""
-    if config is None:
-        return None
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=repr)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def library_versions() -> dict[str, str]:
-    """Installed torch / deepspeed / shardkit versions, read from metadata (no heavy imports)."""
-    from importlib import metadata
-
-    import shardkit
-
-    out = {"shardkit": shardkit.__version__}
-    for dist in ("torch", "deepspeed"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 def checkpoint_files(tag_dir: str | os.PathLike[str]) -> list[str]:

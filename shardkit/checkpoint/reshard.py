@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from shardkit.checkpoint.atomic import os_errors_named
-from shardkit.checkpoint.manifest import MANIFEST_NAME, config_digest
+from shardkit.checkpoint.manifest import MANIFEST_NAME
 from shardkit.checkpoint.safe_load import safe_torch_load
 from shardkit.checkpoint.zero3 import (
     FP32,
@@ -45,6 +45,8 @@ from shardkit.checkpoint.zero3 import (
     open_zero3_checkpoint,
     partition_numel,
 )
+from shardkit.config.loading import config_digest
+from shardkit.config.paths import get
 from shardkit.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:
@@ -84,7 +86,7 @@ class TargetLayout:
 def plan_layout(ckpt: Zero3Checkpoint, world_size: int, sub_group_size: int | None = None) -> TargetLayout:
     """The layout DeepSpeed builds at ``world_size`` for the checkpoint's parameters, in their order."""
     if world_size < 1:
-        raise UsageError(f"--world-size {world_size}: must be at least 1")
+        raise UsageError(f"world_size {world_size}: must be at least 1 (the number of data-parallel ranks)")
     if sub_group_size is None:
         sub_group_size = saved_sub_group_size(ckpt)
     by_group: dict[int, list[ParamSlot]] = {}
@@ -101,7 +103,7 @@ def plan_layout(ckpt: Zero3Checkpoint, world_size: int, sub_group_size: int | No
 
 def saved_sub_group_size(ckpt: Zero3Checkpoint) -> int:
     """``zero_optimization.sub_group_size`` of the saved config, as DeepSpeed read it."""
-    value = (ckpt.ds_config.get("zero_optimization") or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+    value = get(ckpt.ds_config, "zero_optimization.sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     if value == "auto":
         # DeepSpeed's config base drops "auto" keys, so the run that saved used the default
         warnings.warn(f"{ckpt.tag_dir}: the saved zero_optimization.sub_group_size is 'auto', which DeepSpeed "
@@ -255,7 +257,8 @@ def reshard_zero3(
     ``output/<tag>`` is replaced only with ``force=True``. ``warn`` receives what the user should
     know before trusting the result (default: ``warnings.warn``).
     """
-    from shardkit.checkpoint.atomic import LATEST_NAME, atomic_checkpoint, check_tag, disk_full_named
+    from shardkit.checkpoint.atomic import LATEST_NAME, check_tag, disk_full_named
+    from shardkit.checkpoint.save import atomic_checkpoint
     from shardkit.checkpoint.verify import verify_before_reading
     from shardkit.checkpoint.zero3 import resolve_tag_dir
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.safe_load import TensorRef, iter_leaves, read_structure, safe_torch_load
+from shardkit.config.view import deepspeed_view
 from shardkit.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -440,10 +441,9 @@ def open_zero3_checkpoint(path: str | Path, *, torch_free: bool = False) -> Zero
         {k for j, entry in state.items() for k, v in entry.items()
          if hasattr(v, "numel") and _numel(v) == sub_group_numel[j] and _numel(v) > 1}
     )
-    cfg = model_state.get("ds_config") or {}
-    precision = "bf16" if prefix else ("fp16" if (cfg.get("fp16") or {}).get("enabled") else "fp32")
-    if not prefix and (cfg.get("bf16") or {}).get("enabled"):
-        precision = "bf16"
+    cfg = model_state.get("ds_config")
+    view = deepspeed_view(cfg if isinstance(cfg, dict) else {})
+    precision = "bf16" if prefix or view.bf16 else ("fp16" if view.fp16 else "fp32")
     return Zero3Checkpoint(
         tag_dir=tag_dir,
         tag=tag,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkit.checks.paths import auto_paths
+from shardkit.config.paths import auto_paths
 from shardkit.findings import Finding, Severity
 
 

@@ -1,4 +1,4 @@
-"""Rules for shardkit's FSDP2 config (top-level "fsdp" key, applied by shardkit.fsdp.apply_fsdp)."""
+"""Rules for shardkit's FSDP2 config (top-level "fsdp" key, applied by shardkit.engines.fsdp.apply_fsdp)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 from pydantic import ValidationError
 
-from shardkit.fsdp import FSDP1_ONLY_OPTIONS, FSDPConfig, FSDPOptions, validation_problems
+from shardkit.config.fsdp import FSDP1_ONLY_OPTIONS, FSDPConfig, FSDPOptions, validation_problems
 from shardkit.findings import Finding, Severity
 
 

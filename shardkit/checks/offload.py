@@ -3,7 +3,7 @@ later, and the two offload blocks disagreeing with each other."""
 
 from __future__ import annotations
 
-from shardkit.checks.view import DeepSpeedView, OffloadView
+from shardkit.config.view import DeepSpeedView, OffloadView
 from shardkit.findings import Finding, Severity
 from shardkit.versions import pin_memory_default
 

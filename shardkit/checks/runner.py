@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from shardkit.config_io import config_kind, read_config
+from shardkit.config.loading import config_kind, read_config
 from shardkit.errors import UsageError
 from shardkit.findings import Finding, Report, Severity
 
@@ -35,11 +35,11 @@ def check_config(
     ``torch_version``: for table rows that depend on torch (default: the installed one).
     ``environment``: shardkit.environment.EnvironmentFacts of the machine the run will use, for the
     table's environment rows (None: the config alone; check_file probes this machine).
-    ``duplicate_keys``: what config_io.read_config saw repeated (check_file passes it).
+    ``duplicate_keys``: what loading.read_config saw repeated (check_file passes it).
     ``config_dir``: the config file's folder (for files an Accelerate config names).
     """
     if world_size is not None and world_size < 1:
-        raise UsageError(f"--world-size {world_size}: must be at least 1")
+        raise UsageError(f"world_size {world_size}: must be at least 1 (the number of data-parallel ranks)")
     report = Report(subject=source)
     if not isinstance(cfg, dict):
         report.add(
@@ -47,7 +47,7 @@ def check_config(
         )
         return report
     from shardkit.checks.accelerate_rules import accelerate_findings, is_accelerate_config
-    from shardkit.checks.parsing import duplicate_key_findings, non_finite_findings
+    from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
 
     # what parsing hid applies to every kind of config
     report.extend(map(_compact, duplicate_key_findings(duplicate_keys) + non_finite_findings(cfg)))
@@ -101,7 +101,7 @@ def _deepspeed_findings(
     from shardkit.checks.offload import offload_findings
     from shardkit.checks.schema import deepspeed_schema_findings
     from shardkit.checks.training import training_findings
-    from shardkit.checks.view import deepspeed_view
+    from shardkit.config.view import deepspeed_view
     from shardkit.versions import installed_versions, known_bad_findings, parse_version
 
     if deepspeed_version is not None:
@@ -111,7 +111,7 @@ def _deepspeed_findings(
     if torch_version is None:
         torch_version = installed_versions().get("torch")
     else:
-        torch_version = str(parse_version(torch_version, "--torch-version"))
+        torch_version = str(parse_version(torch_version, "torch_version"))
     # "auto" first: the schema parse below sees the config the way DeepSpeed does, without them.
     findings = auto_findings(cfg, expect_hf_auto=expect_hf_auto)
     findings += deepspeed_schema_findings(cfg)
@@ -185,13 +185,40 @@ def _model_classes(model: Any) -> Iterable[str] | None:
     return set(model)
 
 
-def check_file(path: str | Path, **kwargs: Any) -> Report:
-    """Load a JSON/YAML config (ConfigError with one clear line when unusable) and check it."""
+_PROBE: Any = object()
+
+
+def check_file(
+    path: str | Path,
+    *,
+    source: str | None = None,
+    world_size: int | None = None,
+    deepspeed_version: str | None = None,
+    accelerator: bool | None = None,
+    expect_hf_auto: bool = False,
+    model: Any = None,
+    torch_version: str | None = None,
+    environment: Any = _PROBE,
+    config_dir: Path | None = None,
+) -> Report:
+    """Load a JSON/YAML config (ConfigError with one clear line when unusable) and check it; the
+    keywords are check_config's. ``environment`` defaults to probing this machine: a file is
+    checked for a run here unless told otherwise (None: the config alone)."""
     loaded = read_config(path)
-    if "environment" not in kwargs:  # a file is checked for a run on this machine unless told otherwise
+    if environment is _PROBE:
         from shardkit.environment import probe_environment
 
-        kwargs["environment"] = probe_environment()
-    kwargs.setdefault("source", str(path))
-    kwargs.setdefault("config_dir", Path(path).parent)
-    return check_config(loaded.data, duplicate_keys=loaded.duplicate_keys, **kwargs)
+        environment = probe_environment()
+    return check_config(
+        loaded.data,
+        source=str(path) if source is None else source,
+        world_size=world_size,
+        deepspeed_version=deepspeed_version,
+        accelerator=accelerator,
+        expect_hf_auto=expect_hf_auto,
+        model=model,
+        torch_version=torch_version,
+        environment=environment,
+        duplicate_keys=loaded.duplicate_keys,
+        config_dir=Path(path).parent if config_dir is None else config_dir,
+    )

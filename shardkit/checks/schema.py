@@ -20,8 +20,8 @@ import logging
 import sys
 from typing import Any, Iterator
 
-from shardkit.checks.paths import guess_key, join, segment, strip_auto
-from shardkit.checks.view import enabled
+from shardkit.config.paths import guess_key, join, segment, strip_auto
+from shardkit.config.view import enabled
 from shardkit.findings import Finding, Severity
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -220,7 +220,7 @@ def _validation_findings(exc: Any, section: str | None, cfg: dict[str, Any]) -> 
 
 
 def _value_at(cfg: dict[str, Any], key: str) -> Any:
-    from shardkit.checks.paths import get
+    from shardkit.config.paths import get
 
     return get(cfg, key)
 

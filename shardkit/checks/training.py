@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shardkit.checks.paths import get
-from shardkit.checks.view import DeepSpeedView, as_int, as_number, is_auto
+from shardkit.config.paths import get
+from shardkit.config.view import DeepSpeedView, as_int, as_number, is_auto
 from shardkit.findings import Finding, Severity
 
 # Optimizers DeepSpeed has a CPU implementation for, used when offload_optimizer is on

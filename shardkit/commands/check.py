@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.cli import add_command
+from shardkit.commands._parser import add_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:

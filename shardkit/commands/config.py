@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from shardkit.cli import HelpFormatter, add_command
+from shardkit.commands._parser import HelpFormatter, add_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     f = kinds.add_parser(
         "fsdp",
         help="shardkit FSDP2 JSON (or an Accelerate config with --format accelerate)",
-        description="Write shardkit's FSDP2 config, applied by shardkit.fsdp.apply_fsdp (torch fully_shard).",
+        description="Write shardkit's FSDP2 config, applied by shardkit.engines.fsdp.apply_fsdp (torch fully_shard).",
         epilog="example:\n  shardkit config fsdp --wrap LlamaDecoderLayer --mixed-precision bf16 -o fsdp.json",
         formatter_class=HelpFormatter,
     )

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from shardkit.cli import add_command
+from shardkit.commands._parser import add_command
 
 USAGE = "shardkit launch [--launcher deepspeed|torchrun] [--no-preflight] [--dry-run] [launcher args] script.py [script args]"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.cli import add_command
+from shardkit.commands._parser import add_command
 
 #: How ``source checked before reading`` reads for each verification level.
 _CHECKED = {"sha256": "sizes and sha256 match its manifest", "sizes": "sizes match its manifest (sha256 skipped: "

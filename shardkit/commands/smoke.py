@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardkit.cli import add_command
+from shardkit.commands._parser import add_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +44,7 @@ def smoke_command(args: argparse.Namespace) -> int:
     engines = ENGINES if args.engine == "all" else (args.engine,)
     if args.config and args.engine == "all":
         # one config file drives one engine: smoke the engine it is written for
-        from shardkit.config_io import config_kind, load_config
+        from shardkit.config.loading import config_kind, load_config
 
         engines = ("fsdp2",) if config_kind(load_config(args.config)) == "fsdp" else ("zero3",)
     opts = SmokeOptions(

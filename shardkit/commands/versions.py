@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.cli import add_command
+from shardkit.commands._parser import add_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,11 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def versions_command(args: argparse.Namespace) -> int:
-    from shardkit.versions import version_report
+    from shardkit.environment import version_report
 
     cfg = None
     if args.config:
-        from shardkit.config_io import load_config
+        from shardkit.config.loading import load_config
 
         cfg = load_config(args.config)
     data, report = version_report(cfg, deepspeed_version=args.deepspeed_version, source=args.config)

@@ -13,37 +13,14 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
+from shardkit.config.loading import config_digest
+from shardkit.versions import runtime_versions
 from shardkit.placement.records import PlacementRecord, RankReport
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PlacementRecord", "RankReport", "collect_records", "runtime_versions"]
-
-
-def runtime_versions() -> dict[str, str]:
-    """torch, deepspeed (when installed), python and shardkit versions as this process sees them.
-
-    Read from the imported modules first so what is compared is what actually runs (a stale
-    egg-info can disagree with the code on sys.path).
-    """
-    from shardkit import __version__ as shardkit_version
-
-    out = {"python": platform.python_version(), "shardkit": shardkit_version}
-    torch_mod = sys.modules.get("torch")
-    if torch_mod is not None:
-        out["torch"] = str(torch_mod.__version__)
-    ds = sys.modules.get("deepspeed")
-    if ds is not None and hasattr(ds, "__version__"):
-        out["deepspeed"] = str(ds.__version__)
-    else:
-        from importlib import metadata
-
-        try:
-            out["deepspeed"] = metadata.version("deepspeed")
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+__all__ = ["PlacementRecord", "RankReport", "collect_records"]
 
 
 def collect_records(
@@ -118,7 +95,7 @@ def collect_records(
         compute_device=compute,
         engine=collected.engine,
         versions=runtime_versions(),
-        config_digest=E.config_digest(cfg),
+        config_digest=config_digest(cfg) or "",
         records=collected.records,
         param_numels=collected.param_numels,
         zero3_partitions=collected.zero3_partitions,

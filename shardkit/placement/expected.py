@@ -7,8 +7,6 @@ target comes from the config keys that choose it, so the same rules hold on CUDA
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -56,12 +54,12 @@ def torch_expected(compute: str) -> ExpectedDevices:
 def deepspeed_expected(config: Mapping[str, Any], compute: str) -> ExpectedDevices:
     """Expected devices for a DeepSpeed config dict (the JSON the engine was built from).
 
-    The config is read by ``shardkit.checks.view.deepspeed_view``, the same reading the static
+    The config is read by ``shardkit.config.view.deepspeed_view``, the same reading the static
     checks use, so a float stage (``3.0``), the deprecated ``cpu_offload``/``cpu_offload_param``
     flags and ``"auto"`` devices (dropped by DeepSpeed: no offload) mean the same thing to the
     preflight as to ``shardkit check``.
     """
-    from shardkit.checks.view import deepspeed_view
+    from shardkit.config.view import deepspeed_view
 
     view = deepspeed_view(dict(config))
     stage = view.stage or 0  # None: unreadable, and DeepSpeed would refuse it anyway
@@ -103,11 +101,3 @@ def fsdp_expected(cpu_offload: bool, compute: str, why: str) -> ExpectedDevices:
     return ExpectedDevices(
         compute=compute, param_shard=compute, optimizer=compute, param_shard_why=f"{why}: {where}", optimizer_why=f"{why}: {where}"
     )
-
-
-def config_digest(config: Mapping[str, Any] | None) -> str:
-    """sha256 of the config's canonical JSON (sorted keys): equal on every rank or the ranks disagree."""
-    if not config:
-        return ""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()

@@ -175,7 +175,7 @@ class _Rules:
               opt: Mapping[str, Any]) -> "_Rules":
         fused = bool(opt.get("fused") or opt.get("capturable") or spec.get("fused"))
         if kind == "deepspeed":
-            from shardkit.checks.view import deepspeed_view
+            from shardkit.config.view import deepspeed_view
 
             cfg = dict(config if config is not None else spec.get("config") or {})
             stage = int(deepspeed_view(cfg).stage or 0)
@@ -292,7 +292,7 @@ def judge_snapshot_file(path: str | Path, config_path: str | None = None) -> Obs
     config = None
     source = ""
     if config_path:
-        from shardkit.config_io import load_config
+        from shardkit.config.loading import load_config
 
         config = load_config(config_path)
         source = config_path

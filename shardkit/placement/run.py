@@ -61,7 +61,7 @@ class RankSpec:
 def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     """Exit code: 0 clean, 1 findings (static errors, placement problems, a failed step)."""
     from shardkit.checks import check_file
-    from shardkit.config_io import config_kind, load_config
+    from shardkit.config.loading import config_kind, load_config
     from shardkit.models import resolve_model_factory
     from shardkit.render import print_report
 
@@ -195,7 +195,7 @@ def preflight_rank(spec: RankSpec) -> dict[str, Any]:
     model = resolve_model_factory(spec.model)()
     step: Any
     if spec.kind == "fsdp":
-        from shardkit.fsdp import apply_fsdp, build_optimizer
+        from shardkit.engines.fsdp import apply_fsdp, build_optimizer
 
         model = apply_fsdp(model, spec.config)
         optimizer = build_optimizer(model, spec.config)

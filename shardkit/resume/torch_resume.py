@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from shardkit.checkpoint._dist import rank_world as _rank_world
-from shardkit.checkpoint.atomic import atomic_checkpoint, atomic_save
-from shardkit.checkpoint.manifest import config_digest
+from shardkit.checkpoint.atomic import atomic_save
+from shardkit.checkpoint.save import atomic_checkpoint
+from shardkit.config.loading import config_digest
 from shardkit.checkpoint.safe_load import safe_torch_load
 from shardkit.errors import CheckpointError
 from shardkit.resume.replace import DeviceFor, ExtraState, Move, replace_optimizer_state, summarize_moves

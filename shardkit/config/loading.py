@@ -9,6 +9,7 @@ file into an exponential tree ("billion laughs") or a cycle.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from shardkit.config.paths import join
 from shardkit.errors import ConfigError
 
 # A config bigger than this is not a config; refusing it keeps a hostile file from eating memory.
@@ -211,8 +213,6 @@ def _duplicate_paths(data: Any, repeated: dict[int, list[Any]]) -> list[tuple[st
     """Key paths of the repeated keys recorded while parsing (first path a shared mapping has)."""
     if not repeated:
         return []
-    from shardkit.checks.paths import join
-
     out: list[tuple[str, Any, Any]] = []
     done: set[int] = set()
     stack: list[tuple[Any, str]] = [(data, "")]
@@ -362,3 +362,19 @@ def _check_yaml_graph(root: Any, source: str) -> None:
 def config_kind(cfg: dict[str, Any]) -> str:
     """'fsdp' for shardkit's FSDP2 config (top-level ``"fsdp"`` key), else 'deepspeed'."""
     return "fsdp" if "fsdp" in cfg else "deepspeed"
+
+
+def is_fsdp_config(cfg: object) -> bool:
+    """config_kind for a value that may not even be a mapping (a launch argument, a loaded file)."""
+    return isinstance(cfg, dict) and config_kind(cfg) == "fsdp"
+
+
+def config_digest(config: Any) -> str | None:
+    """sha256 of the config's canonical JSON (sorted keys, no spaces); None without a config (None
+    or an empty mapping, which configures nothing). Manifests record it and resume compares it;
+    placement records hold ``config_digest(cfg) or ""``, so every rank's digest is the same string
+    exactly when their configs are equal."""
+    if config is None or (isinstance(config, dict) and not config):
+        return None
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -1,5 +1,5 @@
-"""shardkit's FSDP2 config (a JSON file with a top-level ``"fsdp"`` key) and the one function that
-applies it to a model with ``torch.distributed.fsdp.fully_shard``.
+"""shardkit's FSDP2 config (a JSON file with a top-level ``"fsdp"`` key): the typed model and its
+validation. ``shardkit.engines.fsdp.apply_fsdp`` applies it with ``torch.distributed.fsdp.fully_shard``.
 
 Example file::
 
@@ -7,21 +7,19 @@ Example file::
               "mixed_precision": "bf16", "wrap": ["LlamaDecoderLayer"], "state_dict": "sharded"},
      "train": {"micro_batch": 1, "grad_accum": 1, "lr": 0.0001, "weight_decay": 0.0, "clip": 1.0}}
 
-torch is imported only inside functions, so reading and checking a config stays cheap.
+Nothing here imports torch, so reading and checking a config stays cheap.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardkit.config.loading import load_config
+from shardkit.config.paths import segment
 from shardkit.errors import ConfigError
-
-if TYPE_CHECKING:
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
 
 # Options people carry over from FSDP1 (FullyShardedDataParallel / Accelerate's fsdp_config) that
 # FSDP2's fully_shard does not have, and what FSDP2 does instead. Used by fsdp_config_from_dict
@@ -124,8 +122,6 @@ class FSDPConfig(_Strict):
 
 def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[str, Any, str]]:
     """(dotted key path, value seen, readable message) for each error in a pydantic ValidationError."""
-    from shardkit.checks.paths import segment
-
     out: list[tuple[str, Any, str]] = []
     for err in exc.errors():
         loc = [segment(p) for p in err.get("loc", ()) if p != "__root__"]
@@ -162,112 +158,8 @@ def fsdp_config_from_dict(d: dict[str, Any]) -> FSDPConfig:
 
 def load_fsdp_config(path: str | Path) -> FSDPConfig:
     """Read and validate an FSDP config file (JSON or YAML)."""
-    from shardkit.config_io import load_config
-
     try:
         return fsdp_config_from_dict(load_config(path))
     except ConfigError as exc:
         msg = str(exc)
         raise ConfigError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from exc
-
-
-def _dtype(name: str) -> "torch.dtype | None":
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[name]
-
-
-def mixed_precision_policy(cfg: FSDPConfig) -> Any:
-    """FSDP2 MixedPrecisionPolicy: compute in the chosen dtype, reduce gradients in fp32."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    param_dtype = _dtype(cfg.fsdp.mixed_precision)
-    # Reducing bf16/fp16 gradients across many ranks loses precision; torchtitan defaults to fp32 too.
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-
-
-def offload_policy(cfg: FSDPConfig) -> Any:
-    """CPUOffloadPolicy with pin_memory taken from the config (torch's default True needs an accelerator)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-    if not cfg.fsdp.cpu_offload:
-        return OffloadPolicy()
-    return CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory)
-
-
-def _has_accelerator() -> bool:
-    import torch
-
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        return bool(acc.is_available())
-    return bool(torch.cuda.is_available())
-
-
-def apply_fsdp(model: "torch.nn.Module", cfg: FSDPConfig | dict[str, Any], mesh: "DeviceMesh | None" = None) -> "torch.nn.Module":
-    """Shard ``model`` in place: fully_shard on every module whose class is in ``cfg.fsdp.wrap``
-    (bottom-up), then on the root. Returns the same module (now an FSDPModule).
-
-    Needs an initialized process group (and ``mesh`` for HSDP / a sub-group); without ``mesh``
-    fully_shard builds a 1-D mesh over the default group on the current accelerator, or CPU.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    if isinstance(cfg, dict):
-        cfg = fsdp_config_from_dict(cfg)
-    opts = cfg.fsdp
-    if opts.cpu_offload and opts.pin_memory and not _has_accelerator():
-        raise ConfigError(
-            "fsdp.pin_memory=true with fsdp.cpu_offload=true, but this process has no accelerator: pinned "
-            "host memory needs one (CPUOffloadPolicy would fail). Set fsdp.pin_memory to false."
-        )
-    present = {type(m).__name__ for m in model.modules()}
-    missing = [name for name in opts.wrap if name not in present]
-    if missing:
-        raise ConfigError(
-            f"fsdp.wrap={opts.wrap!r}: {missing} not found in {type(model).__name__}. Classes in the model: "
-            f"{', '.join(sorted(present))}. Put the transformer block class there (e.g. LlamaDecoderLayer)."
-        )
-    kwargs: dict[str, Any] = {"mp_policy": mixed_precision_policy(cfg), "offload_policy": offload_policy(cfg)}
-    if mesh is not None:
-        kwargs["mesh"] = mesh
-    wrap = set(opts.wrap)
-    # Bottom-up: fully_shard groups the parameters not already claimed by a sharded submodule, so
-    # children must be sharded before their parents (reversed pre-order visits children first).
-    for module in reversed(list(model.modules())):
-        if module is not model and type(module).__name__ in wrap:
-            fully_shard(module, reshard_after_forward=opts.reshard_after_forward, **kwargs)
-    # Root: None lets torch keep it unsharded after forward (backward needs it first) when
-    # resharding is on; False keeps SHARD_GRAD_OP semantics for everything.
-    fully_shard(model, reshard_after_forward=None if opts.reshard_after_forward else False, **kwargs)
-    return model
-
-
-def build_optimizer(model: "torch.nn.Module", cfg: FSDPConfig | dict[str, Any]) -> "torch.optim.Optimizer":
-    """AdamW over the (sharded) parameters with the config's lr, betas and weight decay.
-
-    Build it after apply_fsdp so it holds the DTensor shards, not the original full parameters.
-    """
-    import torch
-
-    if isinstance(cfg, dict):
-        cfg = fsdp_config_from_dict(cfg)
-    t = cfg.train
-    return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=t.lr,
-        betas=t.betas,
-        weight_decay=t.weight_decay,
-    )
-
-
-def clip_grad_norm(model: "torch.nn.Module", cfg: FSDPConfig) -> float | None:
-    """Clip gradients to ``train.clip`` (global norm across ranks); returns the norm, or None when off."""
-    import torch
-
-    if not cfg.train.clip:
-        return None
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip)
-    full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return float(full)

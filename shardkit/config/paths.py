@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any, Iterator
 
-from shardkit.checks.view import is_auto
+from shardkit.config.view import is_auto
 
 # Guard against hostile nesting (the fuzz test builds deep configs); real configs are shallow.
 MAX_DEPTH = 32

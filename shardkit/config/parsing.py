@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
-from shardkit.checks.paths import walk
+from shardkit.config.paths import walk
 from shardkit.findings import Finding, Severity
 
 
 def duplicate_key_findings(duplicates: Iterable[tuple[str, Any, Any]]) -> list[Finding]:
-    """One error per repeated key (path, key, the value that was kept), from config_io.read_config."""
+    """One error per repeated key (path, key, the value that was kept), from loading.read_config."""
     return [
         Finding(
             Severity.ERROR,

@@ -1,0 +1,118 @@
+"""FSDP2 engine glue: apply shardkit's FSDP2 config to a model with ``fully_shard``, build its
+optimizer, clip its gradients.
+
+torch is imported only inside functions, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shardkit.config.fsdp import FSDPConfig, fsdp_config_from_dict
+from shardkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def _dtype(name: str) -> "torch.dtype | None":
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[name]
+
+
+def mixed_precision_policy(cfg: FSDPConfig) -> Any:
+    """FSDP2 MixedPrecisionPolicy: compute in the chosen dtype, reduce gradients in fp32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = _dtype(cfg.fsdp.mixed_precision)
+    # Reducing bf16/fp16 gradients across many ranks loses precision; torchtitan defaults to fp32 too.
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+
+
+def offload_policy(cfg: FSDPConfig) -> Any:
+    """CPUOffloadPolicy with pin_memory taken from the config (torch's default True needs an accelerator)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not cfg.fsdp.cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def apply_fsdp(model: "torch.nn.Module", cfg: FSDPConfig | dict[str, Any], mesh: "DeviceMesh | None" = None) -> "torch.nn.Module":
+    """Shard ``model`` in place: fully_shard on every module whose class is in ``cfg.fsdp.wrap``
+    (bottom-up), then on the root. Returns the same module (now an FSDPModule).
+
+    Needs an initialized process group (and ``mesh`` for HSDP / a sub-group); without ``mesh``
+    fully_shard builds a 1-D mesh over the default group on the current accelerator, or CPU.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if isinstance(cfg, dict):
+        cfg = fsdp_config_from_dict(cfg)
+    opts = cfg.fsdp
+    if opts.cpu_offload and opts.pin_memory and not _has_accelerator():
+        raise ConfigError(
+            "fsdp.pin_memory=true with fsdp.cpu_offload=true, but this process has no accelerator: pinned "
+            "host memory needs one (CPUOffloadPolicy would fail). Set fsdp.pin_memory to false."
+        )
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in opts.wrap if name not in present]
+    if missing:
+        raise ConfigError(
+            f"fsdp.wrap={opts.wrap!r}: {missing} not found in {type(model).__name__}. Classes in the model: "
+            f"{', '.join(sorted(present))}. Put the transformer block class there (e.g. LlamaDecoderLayer)."
+        )
+    kwargs: dict[str, Any] = {"mp_policy": mixed_precision_policy(cfg), "offload_policy": offload_policy(cfg)}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    wrap = set(opts.wrap)
+    # Bottom-up: fully_shard groups the parameters not already claimed by a sharded submodule, so
+    # children must be sharded before their parents (reversed pre-order visits children first).
+    for module in reversed(list(model.modules())):
+        if module is not model and type(module).__name__ in wrap:
+            fully_shard(module, reshard_after_forward=opts.reshard_after_forward, **kwargs)
+    # Root: None lets torch keep it unsharded after forward (backward needs it first) when
+    # resharding is on; False keeps SHARD_GRAD_OP semantics for everything.
+    fully_shard(model, reshard_after_forward=None if opts.reshard_after_forward else False, **kwargs)
+    return model
+
+
+def build_optimizer(model: "torch.nn.Module", cfg: FSDPConfig | dict[str, Any]) -> "torch.optim.Optimizer":
+    """AdamW over the (sharded) parameters with the config's lr, betas and weight decay.
+
+    Build it after apply_fsdp so it holds the DTensor shards, not the original full parameters.
+    """
+    import torch
+
+    if isinstance(cfg, dict):
+        cfg = fsdp_config_from_dict(cfg)
+    t = cfg.train
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=t.lr,
+        betas=t.betas,
+        weight_decay=t.weight_decay,
+    )
+
+
+def clip_grad_norm(model: "torch.nn.Module", cfg: FSDPConfig) -> float | None:
+    """Clip gradients to ``train.clip`` (global norm across ranks); returns the norm, or None when off."""
+    import torch
+
+    if not cfg.train.clip:
+        return None
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip)
+    full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return float(full)
