@@ -88,7 +88,7 @@ def rank_resume(method: str, ckpt: str) -> dict[str, Any]:
     engine = _engine(dist.get_world_size(), universal=method == "universal")
     t1 = time.perf_counter()
     if method == "shardkit_inprocess":
-        from shardkit.checkpoint.zero3_resume import load_zero3_checkpoint
+        from shardkit.checkpoint.zero3.resume import load_zero3_checkpoint
 
         load_zero3_checkpoint(engine, ckpt)
     else:

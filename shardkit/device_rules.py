@@ -74,7 +74,7 @@ def compute_device_from_tensors(
     - parameters on an accelerator: the launcher's ``LOCAL_RANK`` picks the index when one is set
       (torchrun/deepspeed give every rank its own device), else the accelerator device holding the
       most bytes - so a head left on the CPU by ``model.to(device)`` then ``model.head = ...`` is
-      the odd one out (field guide case 2);
+      the odd one out (a module replaced after ``.to()``);
     - parameters on the CPU only: ``cpu`` - a model deliberately kept on the CPU of a GPU host is
       healthy (an H100 run showed the old "an accelerator exists" rule failing it);
     - nothing (or only ``meta``, which is never a compute device): ``None``, the caller decides.

@@ -294,7 +294,7 @@ def _zero3_run(spec: RunSpec) -> dict[str, Any]:
 
 
 def _zero3_save(engine: Any, root: str, tag: str) -> str:
-    from shardkit.checkpoint.deepspeed_save import save_deepspeed_checkpoint
+    from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
 
     save_deepspeed_checkpoint(engine, root, tag)
     return "shardkit atomic"
@@ -313,7 +313,7 @@ def _zero3_verify(root: str) -> None:
 
 def _zero3_load(engine: Any, root: str) -> str:
     """shardkit's ZeRO-3 reader (restricted unpickling), not engine.load_checkpoint (plain torch.load)."""
-    from shardkit.checkpoint.zero3_resume import load_zero3_checkpoint
+    from shardkit.checkpoint.zero3.resume import load_zero3_checkpoint
 
     # verify=False: _zero3_verify checked the manifest before the engine was built;
     # preflight=False: the smoke runs it itself, with the config, and reports it.
@@ -358,14 +358,14 @@ def _fsdp2_run(spec: RunSpec) -> dict[str, Any]:
 
 
 def _fsdp2_save(model: Any, optimizer: Any, root: str, tag: str, config: dict[str, Any]) -> str:
-    from shardkit.checkpoint.fsdp_dcp import save_fsdp_checkpoint
+    from shardkit.checkpoint.dcp.checkpoint import save_fsdp_checkpoint
 
     save_fsdp_checkpoint(model, optimizer, root, tag=tag, config=config)
     return "shardkit atomic dcp"
 
 
 def _fsdp2_load(model: Any, optimizer: Any, root: str) -> str:
-    from shardkit.checkpoint.fsdp_dcp import load_fsdp_checkpoint
+    from shardkit.checkpoint.dcp.checkpoint import load_fsdp_checkpoint
 
     # verifies the manifest (sizes, checksums) before reading a tensor, and reads DCP's .metadata
     # through a restricted unpickler (never plain dcp.load)

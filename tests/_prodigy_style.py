@@ -1,7 +1,7 @@
 """A small Prodigy-style optimizer for the tests: like prodigy-plus-schedule-free it keeps its
 running D estimates as *tensors in param_groups* (``running_d_numerator``, ``running_d_denom``),
 created on the parameters' device, which ``Optimizer.load_state_dict`` copies verbatim and never
-moves (field guide case 4)."""
+moves."""
 
 from __future__ import annotations
 

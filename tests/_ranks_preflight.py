@@ -24,7 +24,7 @@ ZERO3 = {
 
 
 class Classifier(nn.Module):
-    """Field guide case 2's model: a body and an ``out_head`` a fine-tuner replaces."""
+    """A body and an ``out_head`` a fine-tuner replaces (after the engine was built)."""
 
     def __init__(self, vocab: int = 64, hidden: int = 32, classes: int = 5) -> None:
         super().__init__()
@@ -92,7 +92,7 @@ def zero3_failure_cases(json_path: str) -> dict[str, Any]:
 
     out["after_repair"] = _outcome(lambda: shardkit.preflight(engine, timeout=60))
 
-    # Field guide case 2: the head replaced after deepspeed.initialize. On a GPU the new Linear
+    # The head replaced after deepspeed.initialize. On a GPU the new Linear
     # would land on the CPU; here the analog is the meta device (any device difference counts).
     engine.module.out_head = nn.Linear(32, 7, device="meta")
     out["replaced_head"] = _outcome(lambda: shardkit.preflight(engine, timeout=60))
@@ -158,7 +158,7 @@ def fsdp2_cases(cpu_offload: bool) -> dict[str, Any]:
     model(ids).float().pow(2).mean().backward()
     opt.step()
     out: dict[str, Any] = {"clean": _outcome(lambda: shardkit.preflight(model=model, optimizer=opt, config=cfg, timeout=60))}
-    # Optimizer state left behind (field guide case 1's analog): exp_avg of the first shard on meta.
+    # Optimizer state left behind (the CPU analog): exp_avg of the first shard on meta.
     p = next(iter(opt.state))
     saved = opt.state[p]["exp_avg"]
     if dist.get_rank() == 1:
@@ -184,7 +184,7 @@ def store_is_clean_after_rounds() -> dict[str, Any]:
     model = Classifier()
     clean = shardkit.preflight(model=model, timeout=60)
     if dist.get_rank() == 1:
-        model.out_head = nn.Linear(32, 5, device="meta")  # replaced after .to(): field guide case 2
+        model.out_head = nn.Linear(32, 5, device="meta")  # replaced after .to()
     failed = _outcome(lambda: shardkit.preflight(model=model, timeout=60))
     dist.barrier()  # both ranks are past both rounds: nothing should be left to read
     store = dist.distributed_c10d._get_default_store()

@@ -109,7 +109,7 @@ def resume(ckpt: str, mode: str, dtype: str, offload: bool, start: int, steps: i
         if path is None:
             raise RuntimeError(f"engine.load_checkpoint({ckpt!r}) loaded nothing")
     else:
-        from shardkit.checkpoint.zero3_resume import load_zero3_checkpoint
+        from shardkit.checkpoint.zero3.resume import load_zero3_checkpoint
 
         result = load_zero3_checkpoint(engine, ckpt)
     state = _local_fp32_state(engine)
@@ -273,7 +273,7 @@ def build_resumed(base: Path) -> dict[str, Any]:
     """Reshard the fp32 checkpoint to 1 and 3 ranks, then one spawn per world size that runs the
     uninterrupted reference, DeepSpeed's refusal, the plain load of the resharded checkpoint and
     shardkit's in-process loader (offload toggled), each continuing RESUME_STEPS steps."""
-    from shardkit.checkpoint.reshard import reshard_zero3
+    from shardkit.checkpoint.zero3.reshard import reshard_zero3
     from shardkit.spawn import run_ranks
 
     key = f"resumed:{base}"
@@ -306,7 +306,7 @@ def build_resumed(base: Path) -> dict[str, Any]:
 
 def load_refused(ckpt: str, dtype: str) -> str:
     """``load_zero3_checkpoint`` of a checkpoint that should be refused: this rank's error message."""
-    from shardkit.checkpoint.zero3_resume import load_zero3_checkpoint
+    from shardkit.checkpoint.zero3.resume import load_zero3_checkpoint
     from shardkit.errors import CheckpointError
 
     engine = _build(dtype, False)

@@ -1,5 +1,5 @@
 """The sitecustomize hook `shardkit launch` puts into ranks: active only in ranks, lazy, chained to
-an existing sitecustomize, and catching case 1 of the field guide (optimizer state left behind)."""
+an existing sitecustomize, and catching optimizer state left behind on another device."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ SINGLE_RANK_RESUME = textwrap.dedent(
     import torch, torch.nn as nn
     model = nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    # field guide case 1, CPU analog: the state a broken resume leaves (moments on another device)
+    # CPU analog of optimizer state left behind: the state a broken resume leaves (moments on another device)
     for p in model.parameters():
         opt.state[p] = {"step": torch.tensor(10.0), "exp_avg": torch.zeros_like(p, device="meta"),
                         "exp_avg_sq": torch.zeros_like(p)}

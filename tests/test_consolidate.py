@@ -67,7 +67,7 @@ def test_bf16_output_and_folder_output(sources, tmp_path, run_cli):
 def test_output_loads_into_the_model(sources, tmp_path):
     from safetensors.torch import load_file
 
-    from shardkit.checkpoint.consolidate import consolidate_zero3
+    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
     from shardkit.models import tiny_llama
 
     result = consolidate_zero3(sources["fp32"], tmp_path / "m.safetensors")

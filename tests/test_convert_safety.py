@@ -168,7 +168,7 @@ def test_a_source_without_manifest_is_read_with_a_warning_and_recorded_as_unveri
 
 
 def test_library_callers_get_a_python_warning(plain, tmp_path):
-    from shardkit.checkpoint.consolidate import consolidate_zero3
+    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
     from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
 
     with pytest.warns(UnverifiedCheckpointWarning, match="cannot be verified"):
@@ -237,7 +237,7 @@ def test_reshard_refuses_an_output_inside_the_source(sealed, run_cli):
 def test_disk_full_during_reshard_names_the_file_and_leaves_nothing_half_written(sealed, tmp_path, run_cli, monkeypatch):
     """The second rank file goes to /dev/full: torch's own writer hits a real ENOSPC and raises its
     '[enforce fail at inline_container.cc:672] . unexpected pos' RuntimeError."""
-    import shardkit.checkpoint.reshard as reshard
+    import shardkit.checkpoint.zero3.reshard as reshard
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
@@ -264,7 +264,7 @@ def test_disk_full_during_consolidate_keeps_the_previous_output(sealed, tmp_path
     """ENOSPC from the copy loop (what os.copy_file_range / os.pwrite raise on a full disk)."""
     import errno
 
-    import shardkit.checkpoint.consolidate as consolidate
+    import shardkit.checkpoint.zero3.consolidate as consolidate
 
     out = tmp_path / "model.safetensors"
     out.write_bytes(b"previous export")

@@ -166,7 +166,7 @@ GOOD_AND_BAD = textwrap.dedent(
     model = Net().to("cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if "--replace-head" in sys.argv:
-        # field guide case 2, CPU analog: the new head's tensors are not where the model lives
+        # a replaced head, CPU analog: the new head's tensors are not where the model lives
         model.out_head = nn.Linear(8, 4, device="meta")
     for step in range(2):
         loss = model(torch.randn(4, 8)).square().mean()

@@ -33,7 +33,7 @@ def test_device_strings_compare_like_torch_devices():
 
 
 def test_replaced_head_is_named_with_its_device_and_the_expected_one():
-    # Field guide case 2 in plain torch: model.to(device), then a new head on another device.
+    # A head replaced after the move, in plain torch: model.to(device), then a new head on another device.
     model = Classifier().to("cpu")
     model.out_head = nn.Linear(32, 7, device="meta")
     assert _bad(collect_records(model=model, rank=0, world_size=1)) == {
@@ -76,7 +76,7 @@ def test_step_stays_on_cpu_for_the_default_optimizer_even_when_params_are_on_an_
 
 @pytest.mark.parametrize("flag", ["fused", "capturable"])
 def test_step_must_be_on_the_param_device_for_fused_and_capturable_groups(flag):
-    # Field guide case 3: flags restored from a checkpoint make torch read `step` on the device.
+    # Fused/capturable flags restored from a checkpoint make torch read `step` on the device.
     model, opt = _stepped_adam()
     opt.param_groups[0][flag] = True
     devs = {id(p): "cuda:1" for p in model.parameters()}
@@ -86,7 +86,7 @@ def test_step_must_be_on_the_param_device_for_fused_and_capturable_groups(flag):
 
 
 def test_custom_param_group_tensors_are_checked_but_a_cpu_tensor_lr_is_fine():
-    # Field guide case 4: Prodigy-style running_d_* tensors that load_state_dict never moves.
+    # Prodigy-style running_d_* tensors that load_state_dict never moves.
     model, opt = _stepped_adam(lr=torch.tensor(1e-3))
     opt.param_groups[0]["running_d_numerator"] = torch.zeros((), device="meta")
     bad = [r for r in optimizer_records(opt, 0, {}, "cpu") if not r.ok]
@@ -218,7 +218,7 @@ def test_digest_ignores_key_order():
 
 @pytest.mark.gpu
 def test_replaced_head_on_a_gpu_is_found_on_the_cpu():
-    # The real field guide case 2: the new head is created on the default device (cpu).
+    # The real case of a replaced head: the new head is created on the default device (cpu).
     model = Classifier().to("cuda:0")
     model.out_head = nn.Linear(32, 7)
     assert _bad(collect_records(model=model, rank=0, world_size=1)) == {
@@ -229,7 +229,7 @@ def test_replaced_head_on_a_gpu_is_found_on_the_cpu():
 
 @pytest.mark.gpu
 def test_fused_adam_step_moved_to_cpu_is_found_on_a_gpu():
-    # Field guide case 3: state loaded with map_location='cpu' into a fused optimizer.
+    # State loaded with map_location='cpu' into a fused optimizer.
     model = nn.Linear(3, 2).to("cuda:0")
     opt = torch.optim.Adam(model.parameters(), fused=True)
     model(torch.ones(1, 3, device="cuda:0")).sum().backward()

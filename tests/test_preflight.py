@@ -79,7 +79,7 @@ def test_version_skew_between_ranks_is_named(zero3):
 
 
 def test_module_replaced_after_initialize_is_named_and_unmanaged(zero3):
-    # Field guide case 2 (analog: the new head's tensors on meta instead of the CPU).
+    # A head replaced after the engine was built (analog: the new head's tensors on meta instead of the CPU).
     text = zero3[0][0]["replaced_head"]["text"]
     for rank in (0, 1):
         assert re.search(rf"module\.out_head\.weight\s+meta\s+cpu\s+{rank}\s+896", text)

@@ -1,4 +1,5 @@
-"""replace_optimizer_state: field guide cases 1, 3 and 4 with real optimizers.
+"""replace_optimizer_state with real optimizers: state left behind when the model moves after a load
+(case 1), the fused/capturable rule for `step` (case 3), tensors kept in param_groups (case 4).
 
 On a CPU-only machine the `meta` device plays the accelerator: a tensor left on the CPU is as
 visible there as on a GPU. Modules are moved with swap_module_params_on_conversion so parameters

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.reshard import layout_from_names, plan_layout, reshard_zero3
 from shardkit.checkpoint.safe_load import safe_torch_load
-from shardkit.checkpoint.zero3 import gather_param, open_zero3_checkpoint
+from shardkit.checkpoint.zero3.reader import gather_param, open_zero3_checkpoint
+from shardkit.checkpoint.zero3.repartition import layout_from_names, plan_layout
+from shardkit.checkpoint.zero3.reshard import reshard_zero3
 from shardkit.errors import CheckpointError, UsageError
 from tests import _ranks_zero3 as R
 

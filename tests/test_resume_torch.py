@@ -1,5 +1,5 @@
 """save_training / resume_training for plain torch loops: exact continuation, the checkpoint's
-fused/lr silently overriding the constructor's (field guide case 3), GradScaler restored, clear
+fused/lr silently overriding the constructor's, GradScaler restored, clear
 errors for damaged or unsafe files."""
 
 import os
@@ -11,7 +11,7 @@ import torch
 from shardkit.checkpoint.manifest import seal
 from shardkit.errors import CheckpointError
 from shardkit.resume.replace import replace_optimizer_state
-from shardkit.resume.torch_resume import ResumeOverrideWarning, resume_training, save_training
+from shardkit.checkpoint.torch_training import ResumeOverrideWarning, resume_training, save_training
 from tests._prodigy_style import ProdigyStyle
 
 

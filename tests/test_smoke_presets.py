@@ -1,7 +1,7 @@
 """`shardkit smoke` on every ds_configs/ preset that trains on CPU: each must resume bit-exact.
 
 Issue 7 item 2: the bf16 presets failed at the first resumed step's update, because DeepSpeed's
-CPU Adam kernels keep beta**step outside the checkpoint (shardkit/checkpoint/cpu_adam_kernel.py).
+CPU Adam kernels keep beta**step outside the checkpoint (shardkit/checkpoint/zero3/cpu_adam_kernel.py).
 The smoke's default configs (the zero3 and fsdp2_full_shard presets) run in test_smoke.py; this
 file runs the others and checks that no preset is left out without a reason.
 """

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.zero3 import FP32, gather_param, iter_params, open_zero3_checkpoint
+from shardkit.checkpoint.zero3.reader import FP32, gather_param, iter_params, open_zero3_checkpoint
 from shardkit.errors import CheckpointError
 from tests import _ranks_zero3 as R
 

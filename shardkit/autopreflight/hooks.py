@@ -7,7 +7,7 @@ Nothing is imported at interpreter start-up: a meta-path watcher waits for the s
 - torch's global module forward pre-hook: the first forward in training mode with grad enabled of a
   module that has trainable parameters held by an optimizer (or of a DeepSpeed engine) is the root
   of the trained model; the preflight runs there, *before* that forward touches a tensor on the
-  wrong device (field guide case 2: a module replaced after ``.to()``). Frozen helpers (a VAE or
+  wrong device (a module replaced after ``.to()``). Frozen helpers (a VAE or
   text encoder never put in ``.eval()``) are skipped, so they cannot pass in the model's place;
 - torch's global optimizer step pre-hook (``register_optimizer_step_pre_hook``): the fallback when
   no forward was seen before the first step;

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from shardkit.checkpoint._dist import all_gather_object, broadcast_object, rank_world
+from shardkit.dist import all_gather_object, broadcast_object, rank_world
 from shardkit.checkpoint.atomic import (
     LATEST_NAME,
     check_tag,

@@ -23,6 +23,7 @@ from shardkit.checkpoint.manifest import (
     read_manifest,
     sha256_file,
 )
+from shardkit.dist import all_gather_object, rank_world
 from shardkit.errors import CheckpointError
 from shardkit.findings import Finding, Report, Severity
 
@@ -344,7 +345,6 @@ def check_resumable_distributed(
     the first file or field at fault), so no rank is left waiting in a collective when another one
     alone found a corrupted file.
     """
-    from shardkit.checkpoint._dist import all_gather_object, rank_world
 
     rank, world = rank_world()
     local: list[tuple[str, str, str]] = []  # (key, message, fix)

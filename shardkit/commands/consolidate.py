@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def consolidate_command(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.consolidate import consolidate_zero3
+    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
 
     result = consolidate_zero3(
         args.checkpoint, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,

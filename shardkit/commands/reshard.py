@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def reshard_command(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.reshard import reshard_zero3
+    from shardkit.checkpoint.zero3.reshard import reshard_zero3
     from shardkit.errors import UsageError
 
     if args.world_size < 1:

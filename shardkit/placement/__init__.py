@@ -8,9 +8,7 @@ c10d store -> PlacementReport (verdict) -> table / JSON / PreflightError.
 from __future__ import annotations
 
 import os
-import platform
 import socket
-import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
 from shardkit.config.loading import config_digest

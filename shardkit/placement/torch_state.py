@@ -4,9 +4,9 @@ Rules (and the upstream behaviour they come from):
 - parameters and buffers belong on the compute device;
 - per-parameter optimizer state follows its parameter's *expected* device, except ``step``, which
   torch keeps on the CPU unless the group is fused or capturable (shardkit.device_rules.step_device;
-  field guide case 3);
+  see resume.replace);
 - tensors inside ``param_groups`` (Prodigy's ``d_numerator``...) are never moved by
-  ``Optimizer.load_state_dict`` (field guide case 4), so each is checked: torch's own hyperparameter
+  ``Optimizer.load_state_dict``, so each is checked: torch's own hyperparameter
   tensors (``lr``, ``betas`` ...) follow the ``step`` rule, anything else the parameters' device;
 - GradScaler's ``_scale``/``_growth_tracker`` live where the scaled outputs are: the compute device.
 """
@@ -99,7 +99,7 @@ def optimizer_records(
                     dev = str(step_device(torch.device(gdev), group))
                     reason = "torch hyperparameter tensor: same rule as step"
                 else:
-                    # Optimizer.load_state_dict copies these verbatim: it never moves them (field guide case 4).
+                    # Optimizer.load_state_dict copies these verbatim: it never moves them.
                     dev, reason = gdev, "param_group tensor used with the group's parameters; load_state_dict never moves it"
                 out.append(tensor_record(rank, name, R.PARAM_GROUP, t, dev, reason))
     return out

@@ -1,2 +1,2 @@
-"""Resuming right: put loaded optimizer state where the parameters are (``replace``), and load a
-plain torch / Accelerate-style training checkpoint in the right order (``torch_resume``)."""
+"""Resuming right: put loaded optimizer state where the parameters are (``replace``). Loading a plain
+torch / Accelerate-style training checkpoint in the right order is ``shardkit.checkpoint.torch_training``."""

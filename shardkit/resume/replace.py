@@ -1,6 +1,7 @@
 """Re-place optimizer state next to its parameters after a checkpoint load.
 
-What torch leaves behind (field guide cases 1, 3, 4):
+What torch leaves behind (cases 1, 3 and 4; case 2, a module replaced after ``.to()``, is for the
+preflight to catch):
 - ``Optimizer.load_state_dict`` moves per-parameter state to the parameter's device *at load
   time*; a model moved afterwards leaves ``exp_avg``/``exp_avg_sq`` on the old device (case 1).
 - ``step`` is moved only for fused/capturable groups, judged by the *checkpoint's* flags, so a

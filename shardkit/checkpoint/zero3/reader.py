@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.safe_load import TensorRef, iter_leaves, read_structure, safe_torch_load
+from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.config.view import deepspeed_view
 from shardkit.errors import CheckpointError
 
@@ -45,11 +46,6 @@ FP32 = "fp32"
 """Pseudo state key for the fp32 master partitions (``fp32_flat_groups``)."""
 
 _RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
-
-
-def partition_numel(numel: int, world_size: int) -> int:
-    """Elements each rank holds of a parameter with ``numel`` elements (ZeRO-3 pads to this)."""
-    return math.ceil(numel / world_size)
 
 
 @dataclass(frozen=True)
@@ -70,8 +66,7 @@ class ParamSlot:
 
     def rank_range(self, rank: int) -> tuple[int, int]:
         """Elements ``[start, stop)`` of the flattened parameter that ``rank`` holds (without padding)."""
-        start = min(rank * self.partition_numel, self.numel)
-        return start, min(start + self.partition_numel, self.numel)
+        return rank_range(rank, self.partition_numel, self.numel)
 
 
 @dataclass

@@ -24,9 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from shardkit.checkpoint.atomic import atomic_open, disk_full_named, os_errors_named
+from shardkit.checkpoint.atomic import LATEST_NAME, STAGING_PREFIX, atomic_open, disk_full_named, os_errors_named
 from shardkit.checkpoint.safe_load import _ITEMSIZE, read_structure
-from shardkit.checkpoint.zero3 import FP32, Zero3Checkpoint, full_frozen_params, open_zero3_checkpoint
+from shardkit.checkpoint.verify import UnverifiedCheckpointWarning, verify_before_reading
+from shardkit.checkpoint.zero3.reader import (
+    FP32,
+    Zero3Checkpoint,
+    full_frozen_params,
+    open_zero3_checkpoint,
+    resolve_tag_dir,
+)
 from shardkit.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:
@@ -105,8 +112,6 @@ def consolidate_zero3(
     existing output is replaced only with ``force=True`` and only when it is a regular file; a
     path inside a checkpoint folder (or a root's ``latest``) is never written.
     """
-    from shardkit.checkpoint.verify import verify_before_reading
-    from shardkit.checkpoint.zero3 import resolve_tag_dir
 
     if dtype not in OUTPUT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
@@ -174,7 +179,6 @@ def consolidate_zero3(
 def _warn(message: str) -> None:
     import warnings
 
-    from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
 
     warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=4)  # past os_errors_named
 
@@ -202,7 +206,6 @@ def check_output_file(output: Path, source_dir: Path, *, force: bool = False) ->
     root, replacing ``/dev/null`` would make it a plain file). An existing regular file is
     replaced only with ``force``; a symlink to one keeps pointing at the new file.
     """
-    from shardkit.checkpoint.atomic import LATEST_NAME, STAGING_PREFIX
 
     out = output / "model.safetensors" if output.is_dir() else output
     real = Path(os.path.realpath(out))

@@ -22,25 +22,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
-from shardkit.checkpoint.reshard import TargetLayout, client_state_note, layout_from_names, materialize, model_state_for_rank, optim_state_for_rank
+from shardkit.checkpoint.manifest import MANIFEST_NAME
 from shardkit.checkpoint.safe_load import safe_torch_load
-from shardkit.checkpoint.zero3 import Zero3Checkpoint, open_zero3_checkpoint, partition_numel
+from shardkit.checkpoint.stream import materialize
+from shardkit.checkpoint.verify import check_resumable_distributed
+from shardkit.checkpoint.zero3.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
+from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_numel
+from shardkit.checkpoint.zero3.reader import Zero3Checkpoint, open_zero3_checkpoint
+from shardkit.checkpoint.zero3.repartition import (
+    TargetLayout,
+    client_state_note,
+    layout_from_names,
+    model_state_for_rank,
+    optim_state_for_rank,
+)
 from shardkit.errors import CheckpointError
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
-
-# Keys of the model-states dict that are DeepSpeed's own; the rest is the caller's client_state
-# (the same list DeepSpeedEngine._load_checkpoint uses).
-_DEEPSPEED_STATES = (
-    "module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
-    "lr_scheduler", "optimizer",
-    # saved by every engine (engine._save_checkpoint) but absent from 0.19.8's list, so DeepSpeed
-    # hands it back as client state; it is DeepSpeed's own, not the caller's
-    "sparse_tensor_module_names",
-)
-
 
 @dataclass
 class Zero3LoadResult:
@@ -52,7 +51,9 @@ class Zero3LoadResult:
     saved_world_size: int
     world_size: int
     client_state: dict[str, Any] = field(default_factory=dict)
-    """Entries of the checkpoint that are not DeepSpeed's (what ``load_checkpoint`` returns second)."""
+    """Entries of the checkpoint that are not DeepSpeed's own (``layout.DEEPSPEED_MODEL_KEYS``): the
+    ``client_state`` the training script saved. (DeepSpeed's ``load_checkpoint`` also hands back
+    some of its own entries, ds_config, param_shapes ..., as client state; they are left out here.)"""
     fp32_devices: list[str] = field(default_factory=list)
     """Device of each fp32 partition (sub-group) after loading."""
     state_devices: list[str] = field(default_factory=list)
@@ -127,7 +128,7 @@ def load_zero3_checkpoint(
         tag=ckpt.tag,
         saved_world_size=ckpt.world_size,
         world_size=layout.world_size,
-        client_state={k: v for k, v in model_sd.items() if k not in _DEEPSPEED_STATES},
+        client_state={k: v for k, v in model_sd.items() if k not in DEEPSPEED_MODEL_KEYS},
         fp32_devices=[str(f.device) for f in opt.fp32_partitioned_groups_flat],
         state_devices=sorted({str(v.device) for f in opt.fp32_partitioned_groups_flat
                               for v in opt.optimizer.state.get(f, {}).values() if hasattr(v, "device")}),
@@ -234,8 +235,6 @@ def _fit_to_current_optimizer(osd: dict[str, Any], opt: Any) -> None:
 
 
 def _verify_manifest(ckpt: Zero3Checkpoint, world_size: int) -> None:
-    from shardkit.checkpoint.manifest import MANIFEST_NAME
-    from shardkit.checkpoint.verify import check_resumable_distributed
 
     # The manifest test gives the same answer on every rank (one shared filesystem), so either all
     # ranks enter the collective check or none does.

@@ -6,7 +6,7 @@ Order on resume, and why:
 2. model weights, into the model where it already is (``load_state_dict`` copies in place);
 3. optimizer, loaded with ``map_location='cpu'`` (no accelerator memory spike, no every-rank-on-
    cuda:0), then ``replace_optimizer_state``: state next to its parameter, ``step`` by torch's
-   fused/capturable rule, param_group tensors moved (field guide cases 1, 3, 4);
+   fused/capturable rule, param_group tensors moved (the cases in shardkit.resume.replace);
 4. LR scheduler after the optimizer (its state refers to the optimizer's lrs);
 5. GradScaler (plain numbers: scale, growth tracker; device-free but must be restored);
 6. RNG last, so nothing in between consumes random numbers.
@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from shardkit.checkpoint._dist import rank_world as _rank_world
 from shardkit.checkpoint.atomic import atomic_save
-from shardkit.checkpoint.save import atomic_checkpoint
-from shardkit.config.loading import config_digest
 from shardkit.checkpoint.safe_load import safe_torch_load
+from shardkit.checkpoint.save import atomic_checkpoint
+from shardkit.checkpoint.verify import check_resumable_distributed
+from shardkit.config.loading import config_digest
+from shardkit.dist import rank_world
 from shardkit.errors import CheckpointError
 from shardkit.resume.replace import DeviceFor, ExtraState, Move, replace_optimizer_state, summarize_moves
 
@@ -195,7 +196,6 @@ def resume_training(
     the step, what was re-placed, and notes (also issued as ``ResumeOverrideWarning`` when the
     checkpoint's ``fused``/``capturable``/``lr`` replace the constructor's).
     """
-    from shardkit.checkpoint.verify import check_resumable_distributed
 
     report = check_resumable_distributed(path, engine="torch", checksums=checksums)
     assert report.tag_dir is not None and report.manifest is not None  # check_resumable_distributed raised otherwise
@@ -236,7 +236,7 @@ def resume_training(
     if EXTRA_FILE in listed:
         result.extra = _load(tag_dir, EXTRA_FILE, map_location)
     if restore_rng:
-        rank, world = _rank_world()
+        rank, world = rank_world()
         name = RNG_FILE.format(rank=rank)
         if name in listed:
             set_rng_state(_load(tag_dir, name, "cpu"))

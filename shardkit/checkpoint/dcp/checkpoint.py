@@ -8,7 +8,7 @@
   weights_only planner) in place into this run's shards (any world size: DCP reads the slices
   each rank now owns), then ``set_model_state_dict`` and
   ``set_optimizer_state_dict`` *separately*. Never ``set_state_dict(...,
-  broadcast_from_rank0=True)``: with an empty model dict on non-zero ranks it deadlocks (field guide).
+  broadcast_from_rank0=True)``: with an empty model dict on non-zero ranks it deadlocks.
 - Export: the full, unsharded model state dict gathered to rank 0 and written as safetensors.
 """
 
@@ -18,13 +18,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint._dist import barrier as _barrier
-from shardkit.checkpoint._dist import rank_world as _rank_world
 from shardkit.checkpoint.atomic import atomic_open
+from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 from shardkit.checkpoint.save import atomic_checkpoint
-from shardkit.checkpoint.dcp_safe import load_dcp_state
-from shardkit.config.loading import config_digest
 from shardkit.checkpoint.verify import CheckpointReport, check_resumable_distributed
+from shardkit.config.loading import config_digest
+from shardkit.dist import barrier, rank_world
 from shardkit.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ def load_fsdp_checkpoint(
         set_optimizer_state_dict,
     )
 
-    _, world = _rank_world()
+    _, world = rank_world()
     report = check_resumable_distributed(path, engine="fsdp2", world_size=world, checksums=checksums)
     assert report.tag_dir is not None and report.manifest is not None  # check_resumable_distributed raised otherwise
     saved_keys = set(report.manifest.extra.get("keys", [MODEL_KEY]))
@@ -108,7 +107,7 @@ def load_fsdp_checkpoint(
     load_dcp_state(state, report.tag_dir)  # never plain dcp.load: it unpickles .metadata unrestricted
     opts = StateDictOptions(strict=strict)
     # Separately, never set_state_dict(broadcast_from_rank0=True): that deadlocks when non-zero
-    # ranks hold an empty model dict (field guide, torch facts).
+    # ranks hold an empty model dict.
     set_model_state_dict(model, state[MODEL_KEY], options=opts)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY], options=opts)
@@ -165,9 +164,9 @@ def export_safetensors(model: "torch.nn.Module", out: str | os.PathLike[str], *,
     """Gather the full model state dict and write it as one safetensors file from rank 0, atomically
     (temporary name, fsync, rename). Collective; returns the path on rank 0, None elsewhere."""
     full = full_model_state_dict(model)
-    rank, _ = _rank_world()
+    rank, _ = rank_world()
     if rank != 0:
-        _barrier()
+        barrier()
         return None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -185,5 +184,5 @@ def export_safetensors(model: "torch.nn.Module", out: str | os.PathLike[str], *,
         # save_file writes by path (streaming, no second in-memory copy): into atomic_open's own
         # temporary, which atomic_open then fsyncs and renames over ``out``
         save_file(tensors, fh.name, metadata={"format": "pt", **(metadata or {})})
-    _barrier()
+    barrier()
     return out

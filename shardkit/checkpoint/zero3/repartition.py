@@ -1,0 +1,266 @@
+"""A ZeRO-3 checkpoint's state at another world size, built rank by rank: the target layout
+(sub-groups as ZeRO-3 builds them at the new size), each new rank's flat partitions, model-states
+and optimizer-states dicts. ``reshard`` writes them to files; ``resume`` loads them in-process.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from shardkit.checkpoint.safe_load import safe_torch_load
+from shardkit.checkpoint.stream import LazyTensor
+from shardkit.checkpoint.zero3.layout import (
+    DEFAULT_SUB_GROUP_SIZE,
+    client_state_keys,
+    partition_numel,
+    rank_range,
+)
+from shardkit.checkpoint.zero3.reader import FP32, ParamSlot, Zero3Checkpoint, full_frozen_params
+from shardkit.config.paths import get
+from shardkit.errors import CheckpointError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class TargetParam:
+    """One parameter in the new layout: where it comes from and where it goes."""
+
+    source: ParamSlot
+    offset: int
+    """Start of its partition in each new rank's sub-group flat tensor."""
+    partition_numel: int
+    """``ceil(numel / new_world_size)``."""
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        """Elements ``[start, stop)`` of the flattened parameter that new rank ``rank`` holds."""
+        return rank_range(rank, self.partition_numel, self.source.numel)
+
+
+@dataclass
+class TargetLayout:
+    """Sub-groups and partition offsets a ZeRO-3 run at ``world_size`` ranks uses."""
+
+    world_size: int
+    sub_groups: list[list[TargetParam]]
+    sub_group_param_group: list[int]
+
+    def sub_group_numel(self, sub_group: int) -> int:
+        return sum(p.partition_numel for p in self.sub_groups[sub_group])
+
+
+def plan_layout(ckpt: Zero3Checkpoint, world_size: int, sub_group_size: int | None = None) -> TargetLayout:
+    """The layout DeepSpeed builds at ``world_size`` for the checkpoint's parameters, in their order."""
+    if world_size < 1:
+        raise UsageError(f"world_size {world_size}: must be at least 1 (the number of data-parallel ranks)")
+    if sub_group_size is None:
+        sub_group_size = saved_sub_group_size(ckpt)
+    by_group: dict[int, list[ParamSlot]] = {}
+    for slot in ckpt.slots:
+        by_group.setdefault(slot.param_group, []).append(slot)
+    groups: list[list[ParamSlot]] = []
+    owners: list[int] = []
+    for g in sorted(by_group):
+        for sub in _split_sub_groups(by_group[g], world_size, sub_group_size):
+            groups.append(sub)
+            owners.append(g)
+    return _assign_offsets(groups, owners, world_size)
+
+
+def saved_sub_group_size(ckpt: Zero3Checkpoint) -> int:
+    """``zero_optimization.sub_group_size`` of the saved config, as DeepSpeed read it."""
+    value = get(ckpt.ds_config, "zero_optimization.sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+    if value == "auto":
+        # DeepSpeed's config base drops "auto" keys, so the run that saved used the default
+        warnings.warn(f"{ckpt.tag_dir}: the saved zero_optimization.sub_group_size is 'auto', which DeepSpeed "
+                      f"treats as its default {DEFAULT_SUB_GROUP_SIZE:.0e}; using that. Pass --sub-group-size N "
+                      "if the resuming run sets another value", stacklevel=3)
+        return DEFAULT_SUB_GROUP_SIZE
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or (isinstance(value, float) and value != size):
+        raise UsageError(f"{ckpt.tag_dir}: the saved zero_optimization.sub_group_size is {value!r}, not a positive "
+                         "integer; pass the resuming run's value with --sub-group-size N (DeepSpeed's default is 1e9)")
+    return size
+
+
+def _split_sub_groups(params: list[ParamSlot], world_size: int, sub_group_size: int) -> list[list[ParamSlot]]:
+    # Mirrors DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups (0.19.8) on partition numels.
+    total = sum(partition_numel(p.numel, world_size) for p in params)
+    if sub_group_size is None or sub_group_size >= total:
+        return [params]
+    out, cur, size = [], [], 0
+    for i, p in enumerate(params):
+        cur.append(p)
+        size += partition_numel(p.numel, world_size)
+        if size >= sub_group_size or i == len(params) - 1:
+            out.append(cur)
+            cur, size = [], 0
+    return out
+
+
+def _assign_offsets(groups: list[list[ParamSlot]], owners: list[int], world_size: int) -> TargetLayout:
+    sub_groups = []
+    for params in groups:
+        offset, placed = 0, []
+        for slot in params:
+            pn = partition_numel(slot.numel, world_size)
+            placed.append(TargetParam(slot, offset, pn))
+            offset += pn
+        sub_groups.append(placed)
+    return TargetLayout(world_size, sub_groups, owners)
+
+
+def layout_from_names(ckpt: Zero3Checkpoint, world_size: int, sub_groups: list[list[str]], owners: list[int]) -> TargetLayout:
+    """A layout given as parameter names per sub-group (a live engine's), checked against the checkpoint."""
+    by_name = {s.name: s for s in ckpt.slots}
+    missing = [n for names in sub_groups for n in names if n not in by_name]
+    wanted = {n for names in sub_groups for n in names}
+    unused = [s.name for s in ckpt.slots if s.name not in wanted]
+    if missing or unused:
+        raise CheckpointError(
+            f"{ckpt.tag_dir}: the model's trainable parameters do not match the checkpoint's: "
+            f"not in the checkpoint {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"in the checkpoint but not trained by this engine {unused[:5]}{'...' if len(unused) > 5 else ''}. "
+            "Build the same model (same requires_grad flags) as the run that saved it."
+        )
+    groups = [[by_name[n] for n in names] for names in sub_groups]
+    return _assign_offsets(groups, owners, world_size)
+
+
+def build_partition(
+    ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, sub_group: int, key: str, dtype: "torch.dtype | None" = None
+) -> "torch.Tensor":
+    """New rank ``rank``'s flat ``key`` tensor of ``sub_group`` (fp32 masters or a moment), padding zeroed.
+
+    Source rank files are mapped one at a time and only the ranges this partition needs are read.
+    """
+    import torch
+
+    params = layout.sub_groups[sub_group]
+    numel = layout.sub_group_numel(sub_group)
+    if dtype is None:
+        with ckpt.open_rank(0) as part:
+            dtype = part.flat(key, params[0].source.sub_group).dtype if params else torch.float32
+    # empty, not zeros: every element is either copied below or padding zeroed here, and
+    # zero-filling gigabytes first costs a page-faulting pass of its own
+    out = torch.empty(numel, dtype=dtype)
+    for tp in params:
+        lo, hi = tp.rank_range(rank)
+        out.narrow(0, tp.offset + (hi - lo), tp.partition_numel - (hi - lo)).zero_()
+    for src_rank in range(ckpt.world_size):
+        pieces = []
+        for tp in params:
+            lo, hi = tp.rank_range(rank)
+            s_lo, s_hi = tp.source.rank_range(src_rank)
+            a, b = max(lo, s_lo), min(hi, s_hi)
+            if b > a:
+                pieces.append((tp, a, b, lo, s_lo))
+        if not pieces:
+            continue
+        with ckpt.open_rank(src_rank) as part:
+            for tp, a, b, lo, s_lo in pieces:
+                part.read_into(key, tp.source.sub_group, tp.source.offset + (a - s_lo), out.narrow(0, tp.offset + (a - lo), b - a))
+    return out
+
+
+def repartition_frozen(full: "torch.Tensor", world_size: int, rank: int) -> "torch.Tensor":
+    """Rank ``rank``'s ZeRO-3 fragment of a whole (frozen) parameter at ``world_size`` ranks."""
+    import torch
+
+    flat = full.reshape(-1)
+    pn = partition_numel(flat.numel(), world_size)
+    out = torch.zeros(pn, dtype=flat.dtype)
+    start, stop = rank_range(rank, pn, flat.numel())
+    out[: stop - start].copy_(flat[start:stop])
+    return out
+
+
+def model_state_for_rank(
+    ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, frozen: dict[str, "torch.Tensor"] | None = None
+) -> dict[str, Any]:
+    """Rank ``rank``'s model_states dict at the new world size (rank 0's, with sizes and fragments updated)."""
+    import torch
+
+    if layout.world_size == ckpt.world_size and rank > 0:
+        # the same partitioning: this rank's own file, so its own client_state entries survive
+        sd = dict(safe_torch_load(ckpt.model_files[rank], mmap=True, real_deepspeed_objects=True))
+    else:
+        sd = dict(ckpt.model_state)
+    sd["dp_world_size"] = layout.world_size
+    sd["param_shapes"] = [
+        OrderedDict((tp.source.name, torch.Size(tp.source.shape)) for tp in params) for params in layout.sub_groups
+    ]
+    if frozen is None:
+        frozen = full_frozen_params(ckpt)
+    if frozen:
+        sd["frozen_param_fragments"] = OrderedDict(
+            (name, repartition_frozen(t, layout.world_size, rank)) for name, t in frozen.items()
+        )
+    return sd
+
+
+def client_state_note(ckpt: Zero3Checkpoint, world_size: int) -> str | None:
+    """Say where client_state comes from when ranks cannot keep their own (another world size)."""
+    keys = client_state_keys(ckpt.model_state)
+    if world_size == ckpt.world_size or not keys:
+        return None
+    return (f"client_state {keys} comes from rank 0's file for every one of the {world_size} rank(s) (saved at "
+            f"{ckpt.world_size}: there is no one-to-one mapping of ranks); per-rank values (data-loader "
+            "positions, RNG) must be rebuilt by the training script")
+
+
+def optim_state_for_rank(ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, optim0: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``rank``'s optim_states dict with lazy tensors (produced when written or materialized)."""
+    import torch
+
+    src = optim0["optimizer_state_dict"]
+    src_inner = src["optimizer_state_dict"]
+    src_state = src_inner.get("state") or {}
+    state: dict[int, dict[str, Any]] = {}
+    for j, params in enumerate(layout.sub_groups):
+        first = params[0].source.sub_group if params else 0
+        entry = src_state.get(first)
+        if entry is None:
+            continue  # the optimizer never stepped: no state to carry
+        new_entry: dict[str, Any] = {}
+        for k, v in entry.items():
+            if k in ckpt.state_keys:
+                new_entry[k] = LazyTensor(layout.sub_group_numel(j), v.dtype, _producer(ckpt, layout, rank, j, k, v.dtype))
+            else:
+                new_entry[k] = copy.deepcopy(v)
+        state[j] = new_entry
+    param_groups = []
+    for g, group in enumerate(src_inner.get("param_groups") or [{}]):
+        new_group = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+        new_group["params"] = [j for j, owner in enumerate(layout.sub_group_param_group) if owner == g]
+        param_groups.append(new_group)
+    fp32 = [
+        LazyTensor(layout.sub_group_numel(j), torch.float32, _producer(ckpt, layout, rank, j, FP32, torch.float32))
+        for j in range(len(layout.sub_groups))
+    ]
+    osd: dict[str, Any] = {}
+    for k, v in src.items():
+        if k == "optimizer_state_dict":
+            osd[k] = {"state": state, "param_groups": param_groups}
+        elif k == "fp32_flat_groups":
+            osd[k] = fp32
+        elif k == "partition_count":
+            osd[k] = layout.world_size
+        elif k == "ds_zero_partition_groups":
+            continue  # AutoEP placement metadata is topology-specific
+        else:
+            osd[k] = v
+    out = {k: v for k, v in optim0.items() if k != "optimizer_state_dict"}
+    return {"optimizer_state_dict": osd, **out}
+
+
+def _producer(ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, j: int, key: str, dtype: "torch.dtype") -> Callable[[], "torch.Tensor"]:
+    return lambda: build_partition(ckpt, layout, rank, j, key, dtype)
