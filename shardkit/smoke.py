@@ -326,7 +326,7 @@ def _fsdp2_run(spec: RunSpec) -> dict[str, Any]:
 
     from shardkit.device_rules import accelerator_device
     from shardkit.config.fsdp import fsdp_config_from_dict
-    from shardkit.engines.fsdp import apply_fsdp, build_optimizer, clip_grad_norm
+    from shardkit.engines.fsdp import initialize, train_step
     from shardkit.models import tiny_llama
 
     cfg = fsdp_config_from_dict(spec.config)
@@ -336,22 +336,13 @@ def _fsdp2_run(spec: RunSpec) -> dict[str, Any]:
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
         model.to(device)
-    apply_fsdp(model, cfg)
-    optimizer = build_optimizer(model, cfg)
+    model, optimizer = initialize(model, cfg)
     checkpoint = "-"
     preflight = "not run"
     if spec.resume:
         checkpoint = _fsdp2_load(model, optimizer, spec.checkpoint_root)
         preflight = _preflight(model=model, optimizer=optimizer, config=spec.config)
-    losses = []
-    for step in range(spec.start, spec.stop):
-        ids = _batch(vocab, spec, step).to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        clip_grad_norm(model, cfg)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach().float().item()))
+    losses = [train_step(model, optimizer, _batch(vocab, spec, step), cfg) for step in range(spec.start, spec.stop)]
     if spec.save:
         checkpoint = _fsdp2_save(model, optimizer, spec.checkpoint_root, f"step{spec.stop}", spec.config)
     return {"losses": losses, "preflight": preflight, "checkpoint": checkpoint, "device": str(device)}

@@ -109,17 +109,13 @@ def fsdp_model(cpu_offload: bool = False):
 
 
 def _fsdp_step(model, opt, step: int) -> float:
+    from shardkit.engines.fsdp import train_step
     from shardkit.models import synthetic_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = synthetic_batch(model.config.vocab_size, GLOBAL_BATCH, SEQ_LEN, step, rank=0)
     per = GLOBAL_BATCH // world
-    ids = rows[rank * per:(rank + 1) * per]
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    t = loss.detach().clone()
+    t = torch.tensor(train_step(model, opt, rows[rank * per:(rank + 1) * per]), dtype=torch.float32)
     dist.all_reduce(t)
     return t.item() / world
 

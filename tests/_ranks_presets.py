@@ -65,23 +65,13 @@ def _fsdp_two_steps(cfg_dict: dict[str, Any]) -> list[float]:
     import torch.distributed as dist
 
     from shardkit.config.fsdp import fsdp_config_from_dict
-    from shardkit.engines.fsdp import apply_fsdp, build_optimizer, clip_grad_norm
+    from shardkit.engines.fsdp import initialize, train_step
     from shardkit.models import synthetic_batch, tiny_llama
 
     cfg = fsdp_config_from_dict(cfg_dict)
-    model = tiny_llama("tiny", seed=0)
-    apply_fsdp(model, cfg)
-    opt = build_optimizer(model, cfg)
+    model, opt = initialize(tiny_llama("tiny", seed=0), cfg)
     ids = synthetic_batch(model.config.vocab_size, 2, 16, step=0, rank=dist.get_rank())
-    losses = []
-    for _ in range(2):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        clip_grad_norm(model, cfg)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().float()))
-    return losses
+    return [train_step(model, opt, ids, cfg) for _ in range(2)]
 
 
 def presets_two_steps(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:

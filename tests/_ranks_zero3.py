@@ -52,17 +52,14 @@ def _build(dtype: str, offload: bool, sub_group_size: int | None = None):
 
 def _global_step(engine, step: int) -> float:
     """One step on this rank's slice of the global batch; returns the global mean loss."""
+    from shardkit.engines.deepspeed import train_step
     from shardkit.models import synthetic_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     vocab = engine.module.config.vocab_size
     rows = synthetic_batch(vocab, GLOBAL_BATCH, SEQ_LEN, step, rank=0)
     per = GLOBAL_BATCH // world
-    ids = rows[rank * per : (rank + 1) * per].to(engine.device)
-    loss = engine(input_ids=ids, labels=ids).loss
-    engine.backward(loss)
-    engine.step()
-    t = loss.detach().float().reshape(1).cpu()
+    t = torch.tensor([train_step(engine, rows[rank * per : (rank + 1) * per])], dtype=torch.float32)
     dist.all_reduce(t)
     return float(t.item()) / world
 

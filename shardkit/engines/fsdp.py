@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardkit.config.fsdp import FSDPConfig, fsdp_config_from_dict
+from shardkit.device_rules import accelerator_device
 from shardkit.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -116,3 +117,30 @@ def clip_grad_norm(model: "torch.nn.Module", cfg: FSDPConfig) -> float | None:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip)
     full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     return float(full)
+
+
+def initialize(
+    model: "torch.nn.Module", cfg: FSDPConfig | dict[str, Any], mesh: "DeviceMesh | None" = None
+) -> "tuple[torch.nn.Module, torch.optim.Optimizer]":
+    """The FSDP2 counterpart of ``deepspeed.initialize``: shard ``model`` in place (apply_fsdp), then
+    build its AdamW over the shards (build_optimizer). Returns (model, optimizer)."""
+    if isinstance(cfg, dict):
+        cfg = fsdp_config_from_dict(cfg)
+    apply_fsdp(model, cfg, mesh)
+    return model, build_optimizer(model, cfg)
+
+
+def train_step(
+    model: "torch.nn.Module", optimizer: "torch.optim.Optimizer", input_ids: "torch.Tensor", cfg: FSDPConfig | None = None
+) -> float:
+    """One causal-LM step on an FSDP2 model: forward on this rank's accelerator, backward, clip to
+    ``cfg.train.clip`` (no clipping without ``cfg``), optimizer step, gradients freed; returns this
+    rank's loss as a float. The one FSDP2 step the smoke, preflight runs and tests take."""
+    input_ids = input_ids.to(accelerator_device())
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    if cfg is not None:
+        clip_grad_norm(model, cfg)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach().float().item())

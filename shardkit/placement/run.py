@@ -195,30 +195,25 @@ def preflight_rank(spec: RankSpec) -> dict[str, Any]:
     model = resolve_model_factory(spec.model)()
     step: Any
     if spec.kind == "fsdp":
-        from shardkit.engines.fsdp import apply_fsdp, build_optimizer
+        from shardkit.engines.fsdp import initialize, train_step
 
-        model = apply_fsdp(model, spec.config)
-        optimizer = build_optimizer(model, spec.config)
+        model, optimizer = initialize(model, spec.config)
         check = lambda: preflight(model=model, optimizer=optimizer, config=spec.config, timeout=spec.timeout, json_path=spec.json_path)  # noqa: E731
         record = lambda phase: _record(spec, rank, phase, model=model, optimizer=optimizer, config=spec.config)  # noqa: E731
 
         def step(ids: Any) -> float:
-            from shardkit.device_rules import accelerator_device
-
-            loss = model(input_ids=ids.to(accelerator_device()), labels=ids.to(accelerator_device())).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return float(loss.detach().float().item())
+            # no clipping: the preflight's step shows where state lands, as the user's first step does
+            return train_step(model, optimizer, ids)
     else:
-        from shardkit.engines.deepspeed import initialize, train_step
+        from shardkit.engines.deepspeed import initialize
+        from shardkit.engines.deepspeed import train_step as deepspeed_step
 
         engine = initialize(model, spec.config)
         check = lambda: preflight(engine, config=spec.config, timeout=spec.timeout, json_path=spec.json_path)  # noqa: E731
         record = lambda phase: _record(spec, rank, phase, engine, config=spec.config)  # noqa: E731
 
         def step(ids: Any) -> float:
-            return train_step(engine, ids)
+            return deepspeed_step(engine, ids)
 
     result: dict[str, Any] = {"rank": rank}
     record("after_init")
