@@ -108,14 +108,14 @@ def rank_resume(method: str, ckpt: str) -> dict[str, Any]:
 
 
 def _resume_main(method: str, ckpt: str, result: str) -> None:
-    from shardkit.spawn import run_ranks
+    from shardkit.harness.spawn import run_ranks
 
     res = run_ranks(rank_resume, RESUME_WORLD, args=(method, ckpt), timeout=1500)
     Path(result).write_text(json.dumps([r.value for r in res]))
 
 
 def _save_main(out: str) -> None:
-    from shardkit.spawn import run_ranks
+    from shardkit.harness.spawn import run_ranks
 
     run_ranks(rank_save, SAVE_WORLD, args=(out,), timeout=1500)
 

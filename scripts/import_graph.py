@@ -1,9 +1,9 @@
 """Print shardkit's internal import graph problems: cycles and imports that run back up a layer.
 
 Every `import`/`from ... import` inside shardkit/ counts, also those inside functions (they hide
-the graph but are edges all the same). A module `a.b.c` importing its own package `a.b` (the
-package `__init__`) is "upward" unless the package is the top-level `shardkit` re-export surface,
-which no shardkit module may import either.
+the graph but are edges all the same). An import is "upward" when it names a module of a higher
+layer (LAYERS below), or when a module imports its own package's ``__init__`` (the package's
+re-export surface, which sits above its modules).
 
     python scripts/import_graph.py          # exit 1 when a cycle or an upward edge exists
 """
@@ -15,6 +15,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "shardkit"
+
+
+# Bottom to top; a module may import its own layer and those below. The longest matching prefix
+# decides a module's layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("shardkit._version", "shardkit.errors", "shardkit.findings", "shardkit.render", "shardkit.dist"),
+    ("shardkit.config",),
+    ("shardkit.versions", "shardkit.device_rules", "shardkit.environment", "shardkit.generate", "shardkit.models"),
+    ("shardkit.checks", "shardkit.checkpoint", "shardkit.placement", "shardkit.resume", "shardkit.engines"),
+    ("shardkit.harness", "shardkit.autopreflight", "shardkit.launch", "shardkit.smoke", "shardkit.preflight_run"),
+    ("shardkit.commands",),
+    ("shardkit.cli", "shardkit.__main__", "shardkit"),
+]
+
+
+def layer(mod: str) -> int:
+    best, best_len = len(LAYERS), -1
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            inside = mod == prefix or (prefix != "shardkit" and mod.startswith(prefix + "."))
+            if inside and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    return best
 
 
 def module_name(path: Path) -> str:
@@ -93,12 +116,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+def upward(graph: dict[str, set[str]]) -> list[tuple[str, str, str]]:
     bad = []
     for mod, targets in graph.items():
         for t in targets:
             if mod.startswith(t + "."):
-                bad.append((mod, t))
+                bad.append((mod, t, "imports its own package"))
+            elif layer(t) > layer(mod):
+                bad.append((mod, t, f"imports a higher layer ({layer(mod)} -> {layer(t)})"))
     return sorted(bad)
 
 
@@ -111,11 +136,14 @@ def main() -> int:
     print(f"{len(modules)} modules, {n_edges} internal import edges (function-level included)")
     for comp in found:
         print("cycle:", " <-> ".join(comp))
-    for mod, t in up:
-        print(f"upward: {mod} imports its own package {t}")
+    unlayered = sorted(m for m in modules if layer(m) == len(LAYERS))
+    for mod in unlayered:
+        print(f"unlayered: {mod} (add it to LAYERS)")
+    for mod, t, why in up:
+        print(f"upward: {mod} -> {t}: {why}")
     if not found and not up:
         print("no cycles, no upward imports")
-    return 1 if found or up else 0
+    return 1 if found or up or unlayered else 0
 
 
 if __name__ == "__main__":

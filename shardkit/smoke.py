@@ -13,8 +13,7 @@ small tolerance on GPUs (non-deterministic reductions). Everything that can go w
 a checkpoint that does not load, state left on the wrong device, an optimizer or scheduler state
 that was not restored - shows up as a failed load, a failed preflight or a different loss.
 
-The rank code lives here too (module-level functions) because ``run_ranks`` pickles its target by
-name; torch and the engines are imported inside those functions only.
+This module is the host side; the ranks run ``shardkit.harness.smoke_rank``.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from shardkit.config.loading import config_kind, load_config
 from shardkit.config.paths import get, strip_auto
 from shardkit.config.view import deepspeed_view
 from shardkit.errors import ShardkitError, UsageError
+from shardkit.harness.smoke_rank import RunSpec, rank_run
 
 Engine = Literal["zero3", "fsdp2"]
 ENGINES: tuple[Engine, ...] = ("zero3", "fsdp2")
@@ -213,161 +213,6 @@ def config_for(engine: Engine, opts: SmokeOptions) -> tuple[dict[str, Any], str]
     return fit_config(engine, cfg, opts.nproc, opts.batch), f"file {opts.config}"
 
 
-# --------------------------------------------------------------------------------------------
-# rank side
-
-
-@dataclass
-class RunSpec:
-    """One run on every rank (pickled to the spawned ranks)."""
-
-    engine: str
-    config: dict[str, Any]
-    model: str
-    seed: int
-    batch: int
-    seq_len: int
-    start: int
-    """First step index (data and schedule are functions of the step)."""
-    stop: int
-    """One past the last step index."""
-    checkpoint_root: str
-    save: bool = False
-    """Save a checkpoint tagged step<stop> after the last step."""
-    resume: bool = False
-    """Load the latest checkpoint before the first step, then run the preflight."""
-    log_dir: str | None = None
-    """Each rank's stdout/stderr goes to ``log_dir/rank<r>.log`` (engines are chatty)."""
-
-
-def rank_run(spec: RunSpec) -> dict[str, Any]:
-    """Rank target: build, maybe resume, train steps [start, stop), maybe save; return losses."""
-    import torch
-    import torch.distributed as dist
-
-    from shardkit.spawn import redirect_output
-
-    if spec.log_dir is not None:
-        redirect_output(Path(spec.log_dir) / f"rank{dist.get_rank()}.log")
-    # Same init on every rank and run; the data never touches the global RNG.
-    torch.manual_seed(spec.seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if spec.engine == "zero3":
-        return _zero3_run(spec)
-    return _fsdp2_run(spec)
-
-
-def _batch(vocab: int, spec: RunSpec, step: int) -> Any:
-    import torch.distributed as dist
-
-    from shardkit.models import synthetic_batch
-
-    return synthetic_batch(vocab, spec.batch, spec.seq_len, step, dist.get_rank())
-
-
-def _preflight(**kwargs: Any) -> str:
-    """Run shardkit's placement preflight; PreflightError propagates (the run fails, naming it)."""
-    from shardkit.placement.preflight import preflight
-
-    preflight(**kwargs)
-    return "passed"
-
-
-def _zero3_run(spec: RunSpec) -> dict[str, Any]:
-    from shardkit.engines.deepspeed import initialize, train_step
-    from shardkit.models import tiny_llama
-
-    if spec.resume:
-        _zero3_verify(spec.checkpoint_root)
-    model = tiny_llama(spec.model, spec.seed)
-    vocab = model.config.vocab_size
-    engine = initialize(model, spec.config)
-    checkpoint = "-"
-    preflight = "not run"
-    if spec.resume:
-        checkpoint = _zero3_load(engine, spec.checkpoint_root)
-        preflight = _preflight(engine=engine, config=spec.config)
-    losses = [train_step(engine, _batch(vocab, spec, step)) for step in range(spec.start, spec.stop)]
-    if spec.save:
-        checkpoint = _zero3_save(engine, spec.checkpoint_root, f"step{spec.stop}")
-    return {"losses": losses, "preflight": preflight, "checkpoint": checkpoint, "device": str(engine.device)}
-
-
-def _zero3_save(engine: Any, root: str, tag: str) -> str:
-    from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
-
-    save_deepspeed_checkpoint(engine, root, tag)
-    return "shardkit atomic"
-
-
-def _zero3_verify(root: str) -> None:
-    """Check the checkpoint against its manifest before anything is built (a damaged file is named,
-    never a raw unpickling traceback)."""
-    import torch.distributed as dist
-
-    from shardkit.checkpoint.verify import check_resumable
-
-    # sizes, checksums, rank files, engine and world size, before any tensor is unpickled
-    check_resumable(root, world_size=dist.get_world_size(), engine="deepspeed")
-
-
-def _zero3_load(engine: Any, root: str) -> str:
-    """shardkit's ZeRO-3 reader (restricted unpickling), not engine.load_checkpoint (plain torch.load)."""
-    from shardkit.checkpoint.zero3.resume import load_zero3_checkpoint
-
-    # verify=False: _zero3_verify checked the manifest before the engine was built;
-    # preflight=False: the smoke runs it itself, with the config, and reports it.
-    load_zero3_checkpoint(engine, root, verify=False, preflight=False)
-    return "verified zero3"
-
-
-def _fsdp2_run(spec: RunSpec) -> dict[str, Any]:
-    import torch
-
-    from shardkit.device_rules import accelerator_device
-    from shardkit.config.fsdp import fsdp_config_from_dict
-    from shardkit.engines.fsdp import initialize, train_step
-    from shardkit.models import tiny_llama
-
-    cfg = fsdp_config_from_dict(spec.config)
-    device = accelerator_device()
-    model = tiny_llama(spec.model, spec.seed)
-    vocab = model.config.vocab_size
-    if device.type != "cpu":
-        torch.accelerator.set_device_index(device.index)
-        model.to(device)
-    model, optimizer = initialize(model, cfg)
-    checkpoint = "-"
-    preflight = "not run"
-    if spec.resume:
-        checkpoint = _fsdp2_load(model, optimizer, spec.checkpoint_root)
-        preflight = _preflight(model=model, optimizer=optimizer, config=spec.config)
-    losses = [train_step(model, optimizer, _batch(vocab, spec, step), cfg) for step in range(spec.start, spec.stop)]
-    if spec.save:
-        checkpoint = _fsdp2_save(model, optimizer, spec.checkpoint_root, f"step{spec.stop}", spec.config)
-    return {"losses": losses, "preflight": preflight, "checkpoint": checkpoint, "device": str(device)}
-
-
-def _fsdp2_save(model: Any, optimizer: Any, root: str, tag: str, config: dict[str, Any]) -> str:
-    from shardkit.checkpoint.dcp.checkpoint import save_fsdp_checkpoint
-
-    save_fsdp_checkpoint(model, optimizer, root, tag=tag, config=config)
-    return "shardkit atomic dcp"
-
-
-def _fsdp2_load(model: Any, optimizer: Any, root: str) -> str:
-    from shardkit.checkpoint.dcp.checkpoint import load_fsdp_checkpoint
-
-    # verifies the manifest (sizes, checksums) before reading a tensor, and reads DCP's .metadata
-    # through a restricted unpickler (never plain dcp.load)
-    load_fsdp_checkpoint(model, optimizer, root)
-    return "verified dcp"
-
-
-# --------------------------------------------------------------------------------------------
-# parent side
-
-
 class _Progress:
     """A rich progress bar per engine (A, B, C, compare) on a terminal; elsewhere (logs, CI) one
     line per stage on stderr, since a bar is never drawn there; nothing when ``show`` is False."""
@@ -415,7 +260,7 @@ class _Progress:
 
 def run_smoke(opts: SmokeOptions, progress: bool = True) -> SmokeReport:
     """Run the smoke for every engine in ``opts.engines`` and return the verdicts."""
-    from shardkit.spawn import plan_ranks
+    from shardkit.harness.spawn import plan_ranks
 
     plan = plan_ranks(opts.nproc, opts.device)  # type: ignore[arg-type]  # refuses more ranks than GPUs
     opts = dataclasses.replace(opts, nproc=plan.nproc, device=plan.device)
@@ -451,7 +296,7 @@ def _prebuild_deepspeed_ops(bar: "_Progress", device: str) -> str | None:
     (a fresh machine JIT-builds them on first use: minutes on a small CPU box). Returns the one-line
     failure (op, cause, fix) when one did not build, else None."""
     from shardkit.engines.deepspeed import PREBUILT_OPS, op_failure_line, prebuild_ops_in_subprocess
-    from shardkit.spawn import CPU_RANK_ENV
+    from shardkit.harness.spawn import CPU_RANK_ENV
 
     task = bar.task("deepspeed ops", total=len(PREBUILT_OPS))
 
@@ -547,7 +392,7 @@ class _RunFailed(ShardkitError):
 
 
 def _run(spec: RunSpec, opts: SmokeOptions, workdir: Path, name: str) -> list[dict[str, Any]]:
-    from shardkit.spawn import run_ranks
+    from shardkit.harness.spawn import run_ranks
 
     workdir.mkdir(parents=True, exist_ok=True)
     spec = copy.copy(spec)

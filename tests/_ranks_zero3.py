@@ -245,7 +245,7 @@ class Sources:
         return losses if key == "fp32_losses" else root
 
     def _build(self, label: str) -> tuple[Path, list[float] | None]:
-        from shardkit.spawn import run_ranks
+        from shardkit.harness.spawn import run_ranks
 
         self.base.mkdir(parents=True, exist_ok=True)
         root = self.base / label
@@ -271,7 +271,7 @@ def build_resumed(base: Path) -> dict[str, Any]:
     uninterrupted reference, DeepSpeed's refusal, the plain load of the resharded checkpoint and
     shardkit's in-process loader (offload toggled), each continuing RESUME_STEPS steps."""
     from shardkit.checkpoint.zero3.reshard import reshard_zero3
-    from shardkit.spawn import run_ranks
+    from shardkit.harness.spawn import run_ranks
 
     key = f"resumed:{base}"
     if key not in _BUILT:

@@ -61,7 +61,7 @@ def test_sigkill_during_save_training_keeps_previous_checkpoint(tmp_path):
 
     from shardkit.checkpoint.verify import verify_checkpoint
     from shardkit.checkpoint.torch_training import resume_training
-    from shardkit.spawn import run_ranks
+    from shardkit.harness.spawn import run_ranks
     from tests import _ranks_ckpt as targets
 
     root = tmp_path / "root"
@@ -163,7 +163,7 @@ def test_resaving_the_latest_tag_replaces_it_whole(tmp_path):
      r"RuntimeError: cannot pickle)"),
 ], ids=["rank0-publish-fails", "rank1-write-fails"])
 def test_a_save_failing_on_one_rank_raises_on_every_rank_without_hanging(tmp_path, target, match):
-    from shardkit.spawn import run_ranks
+    from shardkit.harness.spawn import run_ranks
     from tests import _ranks_ckpt as targets
 
     root = tmp_path / "root"

@@ -26,7 +26,7 @@ TAG = f"global_step{R.SAVE_STEPS}"
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    from shardkit.spawn import run_ranks
+    from shardkit.harness.spawn import run_ranks
 
     root = tmp_path_factory.mktemp("convert_safety") / "fp32"
     run_ranks(R.train_and_save, 2, args=(str(root), "fp32", False, R.SAVE_STEPS), timeout=300, device="cpu")

@@ -184,7 +184,7 @@ def test_native_pinning_past_memlock_aborts_deepspeed_where_the_real_probe_says(
     code = textwrap.dedent("""
         import json
         from shardkit.environment import environment_findings
-        from shardkit.spawn import run_ranks
+        from shardkit.harness.spawn import run_ranks
         from tests._ranks_zero3 import PINNED_OFFLOAD, pinned_offload_initialize
         found = [f.rule for f in environment_findings(PINNED_OFFLOAD)]
         (r,) = run_ranks(pinned_offload_initialize, 1, args=("small",), timeout=600, raise_on_error=False)
@@ -294,7 +294,7 @@ def test_fp16_support_is_the_probe_the_suite_skips_by(clean_env):
 def test_deepspeed_refuses_fp16_exactly_where_the_probe_says():
     """The real engine on this machine: deepspeed.initialize with fp16 fails with DeepSpeed's own
     message iff fp16_support says no (on a CPU without fp16 this runs the refusal itself)."""
-    from shardkit.spawn import run_ranks
+    from shardkit.harness.spawn import run_ranks
     from tests import _ranks_zero3 as R
 
     support = E.fp16_support(device="cpu")

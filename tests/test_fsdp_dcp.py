@@ -10,7 +10,7 @@ import torch
 
 from shardkit.checkpoint.verify import check_resumable
 from shardkit.errors import CheckpointError
-from shardkit.spawn import run_ranks
+from shardkit.harness.spawn import run_ranks
 from tests import _ranks_ckpt as targets
 
 pytestmark = pytest.mark.slow

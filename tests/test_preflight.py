@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from shardkit.spawn import run_ranks
+from shardkit.harness.spawn import run_ranks
 from tests import _ranks_preflight as targets
 
 pytestmark = pytest.mark.slow
@@ -202,9 +202,9 @@ def test_cli_fsdp2_config_with_a_user_model_factory(run_cli, tmp_path):
 
 
 def test_cli_names_each_dead_ranks_exception_and_log_and_writes_a_failure_json(run_cli, tmp_path, monkeypatch):
-    import shardkit.spawn
+    import shardkit.harness.spawn
 
-    monkeypatch.setattr(shardkit.spawn, "usable_cores", lambda: 1)  # 3 ranks on "1 core": warned
+    monkeypatch.setattr(shardkit.harness.spawn, "usable_cores", lambda: 1)  # 3 ranks on "1 core": warned
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({**ZERO3_CLI, "train_batch_size": 3}))
     out_json = tmp_path / "placement.json"
@@ -224,9 +224,9 @@ def test_cli_names_each_dead_ranks_exception_and_log_and_writes_a_failure_json(r
 
 
 def test_cli_refuses_more_ranks_than_visible_gpus_before_spawning(run_cli, tmp_path, monkeypatch):
-    import shardkit.spawn
+    import shardkit.harness.spawn
 
-    monkeypatch.setattr(shardkit.spawn, "visible_gpus", lambda: 1)  # a one-GPU machine
+    monkeypatch.setattr(shardkit.harness.spawn, "visible_gpus", lambda: 1)  # a one-GPU machine
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ZERO3_CLI))
     code, out, err = run_cli("preflight", cfg, "--nproc", "2")

@@ -9,7 +9,7 @@ import pytest
 from shardkit.checks import check_file
 from shardkit.config.loading import config_kind
 from shardkit.generate import PRESETS
-from shardkit.spawn import run_ranks
+from shardkit.harness.spawn import run_ranks
 from tests import _ranks_presets as targets
 from tests.conftest import DS_CONFIGS
 

@@ -161,9 +161,9 @@ def test_hopper_arch_list_failure_names_the_op_the_deepspeed_function_and_the_fi
 
 
 def test_smoke_refuses_more_ranks_than_visible_gpus(run_cli, monkeypatch):
-    import shardkit.spawn
+    import shardkit.harness.spawn
 
-    monkeypatch.setattr(shardkit.spawn, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(shardkit.harness.spawn, "visible_gpus", lambda: 1)
     code, out, err = run_cli("smoke", "--engine", "fsdp2", "--nproc", "2", "--quiet")
     assert code == 2
     assert "--nproc 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "or --device cpu to run 2 CPU ranks" in err

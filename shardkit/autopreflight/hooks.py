@@ -28,7 +28,7 @@ import sys
 import weakref
 from typing import Any, Callable
 
-from shardkit.autopreflight import DEFAULT_TIMEOUT_S, ENV_CONFIG, ENV_FAILED_DIR, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
+from shardkit.autopreflight.env import DEFAULT_TIMEOUT_S, ENV_CONFIG, ENV_FAILED_DIR, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
 
 
 class _State:

@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def preflight_command(args: argparse.Namespace) -> int:
     from shardkit.errors import UsageError
-    from shardkit.placement.run import PreflightOptions, run_preflight
+    from shardkit.preflight_run import PreflightOptions, run_preflight
 
     if args.config and args.config_opt and args.config != args.config_opt:
         raise UsageError(f"two configs given ({args.config} and --config {args.config_opt}): pass one")

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping
 
 from shardkit.errors import PreflightError
-from shardkit.placement import collect_records
+from shardkit.placement.collect import collect_records
 from shardkit.placement.records import RankReport
 from shardkit.placement.report import PlacementReport
 from shardkit.placement.verdict import judge

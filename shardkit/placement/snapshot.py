@@ -132,7 +132,7 @@ def snapshot_header(
     """Everything a snapshot says besides its phases: spec, versions, the rank and its compute device."""
     import torch
 
-    from shardkit.placement import collect_records
+    from shardkit.placement.collect import collect_records
     from shardkit.versions import runtime_versions
 
     rank_report = collect_records(engine, model=model, optimizer=optimizer, config=config, device=device)

@@ -7,7 +7,7 @@ Installs lazy import watchers in training ranks, then runs the ``sitecustomize``
 
 def _shardkit_install() -> None:
     try:
-        from shardkit.autopreflight import enabled
+        from shardkit.autopreflight.env import enabled
 
         if enabled():
             from shardkit.autopreflight.hooks import install

@@ -1,5 +1,6 @@
-"""What `shardkit preflight CONFIG` does: static checks, then N spawned ranks that build the model,
-initialize DeepSpeed or FSDP2 from CONFIG, run the placement preflight and one training step.
+"""What `shardkit preflight CONFIG` does on the host: static checks, then N spawned ranks
+(``shardkit.harness.preflight_rank``) that build the model, initialize DeepSpeed or FSDP2 from
+CONFIG, run the placement preflight and one training step; their failures are named here.
 
 Kept out of the command module so tests call ``run_preflight(PreflightOptions(...))`` directly.
 """
@@ -14,9 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from shardkit.errors import DistributedError, UsageError
+from shardkit.harness.preflight_rank import RankSpec, preflight_rank
 
 if TYPE_CHECKING:
-    from shardkit.spawn import RankPlan, RankResult
+    from shardkit.harness.spawn import RankPlan, RankResult
 
 
 @dataclass(frozen=True)
@@ -44,20 +46,6 @@ class PreflightOptions:
     """Hard limit for the whole spawned run (import, engine init, preflight, one step)."""
 
 
-@dataclass(frozen=True)
-class RankSpec:
-    """What each spawned rank needs (pickles: a spec string, never a callable)."""
-
-    config: dict[str, Any]
-    kind: str
-    model: str | None
-    timeout: float
-    json_path: str | None
-    log_dir: str
-    record_path: str | None = None
-    """Write a placement snapshot (after init and after the step) here; ranks > 0 add ``.rank<N>``."""
-
-
 def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     """Exit code: 0 clean, 1 findings (static errors, placement problems, a failed step)."""
     from shardkit.checks import check_file
@@ -65,7 +53,7 @@ def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     from shardkit.models import resolve_model_factory
     from shardkit.render import print_report
 
-    from shardkit.spawn import plan_ranks
+    from shardkit.harness.spawn import plan_ranks
 
     out = out or sys.stdout
     if opts.timeout <= 0:
@@ -87,7 +75,7 @@ def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
 
 
 def _run_ranks(opts: PreflightOptions, cfg: dict[str, Any], kind: str, plan: "RankPlan", out: TextIO) -> int:
-    from shardkit.spawn import run_ranks
+    from shardkit.harness.spawn import run_ranks
 
     nproc = plan.nproc
     log_dir = tempfile.mkdtemp(prefix="shardkit-preflight-logs-")
@@ -165,71 +153,3 @@ def _last_log_line(log_dir: str, rank: int) -> str:
         return ""
     lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
     return lines[-1] if lines else ""
-
-
-def _record(spec: RankSpec, rank: int, phase: str, engine: Any = None, **kw: Any) -> None:
-    """``--record``: this rank's snapshot (rank 0 at the path given, rank N beside it as ``.rankN``)."""
-    if not spec.record_path:
-        return
-    from shardkit.placement.snapshot import record_snapshot
-
-    path = Path(spec.record_path)
-    if rank:
-        path = path.with_name(f"{path.stem}.rank{rank}{path.suffix or '.json'}")
-    record_snapshot(path, engine, phase=phase, name=path.stem, **kw)
-
-
-def preflight_rank(spec: RankSpec) -> dict[str, Any]:
-    """Rank target: build, initialize, preflight, one step. Findings are returned, not raised."""
-    import torch
-    import torch.distributed as dist
-
-    from shardkit.errors import PreflightError
-    from shardkit.models import resolve_model_factory, synthetic_batch
-    from shardkit.placement.preflight import preflight
-    from shardkit.spawn import redirect_output
-
-    rank = dist.get_rank()
-    redirect_output(Path(spec.log_dir) / f"rank{rank}.log")
-    torch.manual_seed(0)
-    model = resolve_model_factory(spec.model)()
-    step: Any
-    if spec.kind == "fsdp":
-        from shardkit.engines.fsdp import initialize, train_step
-
-        model, optimizer = initialize(model, spec.config)
-        check = lambda: preflight(model=model, optimizer=optimizer, config=spec.config, timeout=spec.timeout, json_path=spec.json_path)  # noqa: E731
-        record = lambda phase: _record(spec, rank, phase, model=model, optimizer=optimizer, config=spec.config)  # noqa: E731
-
-        def step(ids: Any) -> float:
-            # no clipping: the preflight's step shows where state lands, as the user's first step does
-            return train_step(model, optimizer, ids)
-    else:
-        from shardkit.engines.deepspeed import initialize
-        from shardkit.engines.deepspeed import train_step as deepspeed_step
-
-        engine = initialize(model, spec.config)
-        check = lambda: preflight(engine, config=spec.config, timeout=spec.timeout, json_path=spec.json_path)  # noqa: E731
-        record = lambda phase: _record(spec, rank, phase, engine, config=spec.config)  # noqa: E731
-
-        def step(ids: Any) -> float:
-            return deepspeed_step(engine, ids)
-
-    result: dict[str, Any] = {"rank": rank}
-    record("after_init")
-    try:
-        report = check()
-        result.update(preflight_ok=True, text=report.render())
-    except PreflightError as exc:
-        result.update(preflight_ok=False, text=str(exc))
-        return result
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is None:
-        result["text"] += "\n(no training step: the model has no config.vocab_size to build a causal-LM batch from)"
-        return result
-    try:
-        result["loss"] = step(synthetic_batch(int(vocab), 1, 16, 0, rank))
-        record("after_step")
-    except Exception as exc:  # noqa: BLE001 - the user's step failing is the finding
-        result["step_error"] = f"{type(exc).__name__}: {exc}"
-    return result

@@ -196,7 +196,8 @@ def _resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
-    return obj
+    fn: Callable[..., Any] = obj
+    return fn
 
 
 def _by_name(target: Callable[..., Any]) -> Callable[..., Any] | str:

@@ -1,0 +1,102 @@
+"""``collect_records``: this rank's placement records and RankReport, without a collective."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import TYPE_CHECKING, Any, Mapping
+
+from shardkit.config.loading import config_digest
+from shardkit.versions import runtime_versions
+from shardkit.placement.records import RankReport
+
+if TYPE_CHECKING:
+    import torch
+
+def collect_records(
+    engine: Any = None,
+    *,
+    model: "torch.nn.Module | None" = None,
+    optimizer: Any = None,
+    scaler: Any = None,
+    lr_scheduler: Any = None,
+    config: Mapping[str, Any] | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    device: str | None = None,
+) -> RankReport:
+    """This rank's placement report: every tensor with its actual and expected device. No collective.
+
+    Pass a DeepSpeed ``engine``, or a ``model`` (plain or FSDP2) with its ``optimizer`` (and
+    ``scaler``/``lr_scheduler``). ``config`` is the DeepSpeed JSON dict or shardkit FSDP config the
+    run uses; for an engine it defaults to the engine's own config.
+
+    The compute device is what the run really uses: ``device`` when given, else the engine's
+    ``device``, FSDP2's mesh device (from the module's own FSDP state), or for plain torch where the
+    parameters are (``device_rules.module_compute_device``) - never just "an accelerator exists".
+    """
+    import torch.distributed as dist
+
+    from shardkit.device_rules import accelerator_device
+    from shardkit.placement import expected as E
+
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if engine is not None:
+        from shardkit.placement.deepspeed import collect_deepspeed, engine_config
+
+        compute = device or _engine_device(engine) or str(accelerator_device())
+        cfg = dict(config) if config is not None else engine_config(engine)
+        collected = collect_deepspeed(engine, rank, E.deepspeed_expected(cfg, compute))
+        from shardkit.placement.torch_state import scaler_records, scheduler_records
+
+        collected.records += scaler_records(scaler, rank, compute)
+        if lr_scheduler is not None and lr_scheduler is not getattr(engine, "lr_scheduler", None):
+            # a client scheduler stepped outside the engine
+            collected.records += scheduler_records(lr_scheduler, rank, getattr(engine.optimizer, "optimizer", None), compute)
+    elif model is not None or optimizer is not None:
+        from shardkit.device_rules import module_compute_device
+        from shardkit.placement.fsdp import collect_fsdp, fsdp_expected_for, fsdp_mesh_device, is_fsdp2
+
+        cfg = dict(config) if config is not None else {}
+        if model is not None and is_fsdp2(model):
+            compute = device or fsdp_mesh_device(model) or str(accelerator_device())
+            collected = collect_fsdp(model, optimizer, scaler, lr_scheduler, rank, fsdp_expected_for(model, cfg, compute))
+        else:
+            from shardkit.placement.records import EngineRecords
+            from shardkit.placement.torch_state import collect_torch
+
+            compute = device or module_compute_device(model, optimizer)
+            exp = E.torch_expected(compute)
+            collected = EngineRecords(engine="torch", records=collect_torch(model, optimizer, scaler, lr_scheduler, rank, exp))
+            if model is not None:
+                collected.param_numels = {n: p.numel() for n, p in model.named_parameters()}
+    else:
+        from shardkit.errors import UsageError
+
+        raise UsageError("preflight needs something to check: pass a DeepSpeed engine, or model= (and optimizer=)")
+
+    return RankReport(
+        rank=rank,
+        world_size=world_size,
+        host=socket.gethostname(),
+        compute_device=compute,
+        engine=collected.engine,
+        versions=runtime_versions(),
+        config_digest=config_digest(cfg) or "",
+        records=collected.records,
+        param_numels=collected.param_numels,
+        zero3_partitions=collected.zero3_partitions,
+        zero3_partition_ranks=collected.zero3_partition_ranks,
+        unmanaged=collected.unmanaged,
+    )
+
+
+def _engine_device(engine: Any) -> str | None:
+    """The device DeepSpeed computes on (``engine.device``: ``cuda:<local rank>``, ``cpu`` on its CPU accelerator)."""
+    import torch
+
+    dev = getattr(engine, "device", None)
+    return str(dev) if isinstance(dev, torch.device) else None
