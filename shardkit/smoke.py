@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -39,8 +40,9 @@ from shardkit.harness.smoke_rank import RunSpec, rank_run
 Engine = Literal["zero3", "fsdp2"]
 ENGINES: tuple[Engine, ...] = ("zero3", "fsdp2")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Preset files the config helper ships (first one present wins); generated configs otherwise.
+# Presets shipped in the package (shardkit/ds_configs/, package data, so an installed wheel has them
+# too; the checkout's top-level ds_configs/ links there); the first one present wins, generated
+# configs otherwise.
 PRESET_CANDIDATES: dict[str, tuple[str, ...]] = {
     "zero3": ("zero3.json",),
     "fsdp2": ("fsdp2_full_shard.json",),
@@ -145,11 +147,12 @@ class SmokeReport:
 
 
 def default_config(engine: Engine, nproc: int, batch: int) -> tuple[dict[str, Any], str]:
-    """The config for ``engine``: a ds_configs/ preset when the checkout has one, else generated."""
+    """The config for ``engine``: a preset shipped in shardkit/ds_configs/, else generated."""
     for name in PRESET_CANDIDATES[engine]:
-        path = REPO_ROOT / "ds_configs" / name
-        if path.is_file():
-            return fit_config(engine, load_config(path), nproc, batch), f"preset {path.name}"
+        preset = resources.files("shardkit").joinpath("ds_configs", name)
+        if preset.is_file():
+            with resources.as_file(preset) as path:
+                return fit_config(engine, load_config(path), nproc, batch), f"preset {name}"
     if engine == "zero3":
         cfg: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": batch,
