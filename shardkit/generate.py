@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Sequence
 
-from shardkit.errors import UsageError
 from shardkit.config.fsdp import FSDPConfig, FSDPOptions, TrainOptions, fsdp_config_from_dict, validation_problems
+from shardkit.errors import UsageError
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]

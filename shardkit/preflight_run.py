@@ -50,10 +50,9 @@ def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     """Exit code: 0 clean, 1 findings (static errors, placement problems, a failed step)."""
     from shardkit.checks import check_file
     from shardkit.config.loading import config_kind, load_config
+    from shardkit.harness.spawn import plan_ranks
     from shardkit.models import resolve_model_factory
     from shardkit.render import print_report
-
-    from shardkit.harness.spawn import plan_ranks
 
     out = out or sys.stdout
     if opts.timeout <= 0:

@@ -225,8 +225,8 @@ def ddp_resume_continue(root: str) -> dict[str, Any]:
 def torch_save_when_rank0_cannot_finish(root: str) -> str:
     """save_training at N ranks where only rank 0's final step fails ('latest' is a directory, so
     replacing it fails): every rank must return the same CheckpointError, none may hang."""
-    from shardkit.errors import CheckpointError
     from shardkit.checkpoint.torch_training import save_training
+    from shardkit.errors import CheckpointError
 
     model = torch.nn.Linear(4, 4)
     try:
@@ -238,8 +238,8 @@ def torch_save_when_rank0_cannot_finish(root: str) -> str:
 
 def torch_save_when_rank1_fails_writing(root: str) -> str:
     """Rank 1's write raises inside the save: every rank raises, none waits in a barrier."""
-    from shardkit.errors import CheckpointError
     from shardkit.checkpoint.torch_training import save_training
+    from shardkit.errors import CheckpointError
 
     class Unsaveable:
         def __reduce__(self):

@@ -59,8 +59,8 @@ def test_sigkill_during_save_training_keeps_previous_checkpoint(tmp_path):
     checkpoint are untouched and resume works; the half-written save never becomes a tag."""
     import torch
 
-    from shardkit.checkpoint.verify import verify_checkpoint
     from shardkit.checkpoint.torch_training import resume_training
+    from shardkit.checkpoint.verify import verify_checkpoint
     from shardkit.harness.spawn import run_ranks
     from tests import _ranks_ckpt as targets
 
@@ -108,9 +108,9 @@ def test_crash_between_the_two_renames_of_a_resave_leaves_latest_loadable(tmp_pa
     import torch
 
     import shardkit.checkpoint.atomic as atomic
+    from shardkit.checkpoint.torch_training import resume_training, save_training
     from shardkit.checkpoint.verify import verify_checkpoint
     from shardkit.errors import CheckpointError
-    from shardkit.checkpoint.torch_training import resume_training, save_training
 
     root = tmp_path / "root"
     model, opt = _linear_and_adam(0)
@@ -192,8 +192,8 @@ def test_latest_that_is_not_text_names_the_file_and_the_fix(tmp_path):
 
 def test_crash_while_resaving_an_older_tag_keeps_it_and_the_next_save_restores_it(tmp_path, monkeypatch):
     import shardkit.checkpoint.atomic as atomic
-    from shardkit.errors import CheckpointError
     from shardkit.checkpoint.torch_training import resume_training, save_training
+    from shardkit.errors import CheckpointError
 
     root = tmp_path / "root"
     model, opt = _linear_and_adam(0)
@@ -228,8 +228,8 @@ def test_crash_while_resaving_an_older_tag_keeps_it_and_the_next_save_restores_i
 ])
 def test_tags_that_collide_with_internal_names_are_refused_before_anything_is_written(tmp_path, tag, why):
     """A tag named like a staging folder used to be written, then deleted by the next save."""
-    from shardkit.errors import UsageError
     from shardkit.checkpoint.torch_training import save_training
+    from shardkit.errors import UsageError
 
     root = tmp_path / "root"
     model, _ = _linear_and_adam(0)
@@ -278,8 +278,8 @@ def test_torch_short_write_error_is_recognised_as_a_full_disk(tmp_path):
 
 def test_disk_full_while_writing_the_manifest_removes_the_staging(tmp_path, monkeypatch):
     import shardkit.checkpoint.manifest as manifest
-    from shardkit.errors import CheckpointError
     from shardkit.checkpoint.torch_training import save_training
+    from shardkit.errors import CheckpointError
 
     root = tmp_path / "root"
     model, _ = _linear_and_adam(0)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.config import loading
 from shardkit.checks import check_config, check_file
+from shardkit.config import loading
 from shardkit.config.loading import MAX_NESTING, MAX_VALUES, read_config
 from shardkit.errors import ConfigError
 

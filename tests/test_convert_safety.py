@@ -168,8 +168,8 @@ def test_a_source_without_manifest_is_read_with_a_warning_and_recorded_as_unveri
 
 
 def test_library_callers_get_a_python_warning(plain, tmp_path):
-    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
     from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
+    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
 
     with pytest.warns(UnverifiedCheckpointWarning, match="cannot be verified"):
         result = consolidate_zero3(plain, tmp_path / "m.safetensors")

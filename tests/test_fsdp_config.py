@@ -1,8 +1,8 @@
 import pytest
 
-from shardkit.errors import ConfigError
 from shardkit.config.fsdp import FSDPConfig, fsdp_config_from_dict
 from shardkit.engines.fsdp import apply_fsdp
+from shardkit.errors import ConfigError
 from shardkit.harness.spawn import run_ranks
 from tests import _ranks_presets as targets
 

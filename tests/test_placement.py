@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from shardkit.config.loading import config_digest
 from shardkit.errors import PreflightError
 from shardkit.placement import collect_records
 from shardkit.placement import records as R
-from shardkit.config.loading import config_digest
 from shardkit.placement.expected import deepspeed_expected, torch_expected
 from shardkit.placement.preflight import decode, encode, preflight
 from shardkit.placement.records import PlacementRecord, RankReport, devices_match

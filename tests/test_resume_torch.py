@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from shardkit.checkpoint.manifest import seal
+from shardkit.checkpoint.torch_training import ResumeOverrideWarning, resume_training, save_training
 from shardkit.errors import CheckpointError
 from shardkit.resume.replace import replace_optimizer_state
-from shardkit.checkpoint.torch_training import ResumeOverrideWarning, resume_training, save_training
 from tests._prodigy_style import ProdigyStyle
 
 

@@ -115,7 +115,6 @@ run_ranks(targets.writes_pid_then_sleeps, 2, args=(sys.argv[1],), timeout=600, b
 
 
 def _start_parent_and_wait_for_ranks(tmp_path):
-    import os
     import subprocess
     import sys
     import time

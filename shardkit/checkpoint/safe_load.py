@@ -28,12 +28,9 @@ from __future__ import annotations
 import re
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 from shardkit.errors import CheckpointError
-
-if TYPE_CHECKING:
-    import torch
 
 #: Non-torch globals that DeepSpeed ZeRO checkpoints contain (see module docstring for provenance).
 DEEPSPEED_SAFE_GLOBALS: tuple[str, ...] = (

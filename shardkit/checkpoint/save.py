@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from shardkit.dist import all_gather_object, broadcast_object, rank_world
 from shardkit.checkpoint.atomic import (
     LATEST_NAME,
     check_tag,
@@ -23,6 +22,7 @@ from shardkit.checkpoint.atomic import (
     staging_dir,
 )
 from shardkit.checkpoint.manifest import Manifest, describe_files_distributed, write_manifest
+from shardkit.dist import all_gather_object, broadcast_object, rank_world
 from shardkit.errors import CheckpointError
 from shardkit.versions import library_versions
 

@@ -140,8 +140,8 @@ def _init_flag(section: dict[str, Any]) -> list[Finding]:
 
 
 def _file_findings(section: dict[str, Any], config_dir: Path | None, check: DeepSpeedChecker) -> list[Finding]:
-    from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
     from shardkit.config.loading import read_config
+    from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
     from shardkit.errors import ConfigError
 
     out: list[Finding] = []

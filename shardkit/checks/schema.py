@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Any, Iterator
 
-from shardkit.config.paths import guess_key, join, segment, strip_auto
+from shardkit.config.paths import guess_key, segment, strip_auto
 from shardkit.config.view import enabled
 from shardkit.findings import Finding, Severity
 

@@ -42,9 +42,9 @@ def preflight_rank(spec: RankSpec) -> dict[str, Any]:
     import torch.distributed as dist
 
     from shardkit.errors import PreflightError
+    from shardkit.harness.spawn import redirect_output
     from shardkit.models import resolve_model_factory, synthetic_batch
     from shardkit.placement.preflight import preflight
-    from shardkit.harness.spawn import redirect_output
 
     rank = dist.get_rank()
     redirect_output(Path(spec.log_dir) / f"rank{rank}.log")

@@ -117,8 +117,8 @@ def _zero3_load(engine: Any, root: str) -> str:
 def _fsdp2_run(spec: RunSpec) -> dict[str, Any]:
     import torch
 
-    from shardkit.device_rules import accelerator_device
     from shardkit.config.fsdp import fsdp_config_from_dict
+    from shardkit.device_rules import accelerator_device
     from shardkit.engines.fsdp import initialize, train_step
     from shardkit.models import tiny_llama
 

@@ -7,8 +7,8 @@ import socket
 from typing import TYPE_CHECKING, Any, Mapping
 
 from shardkit.config.loading import config_digest
-from shardkit.versions import runtime_versions
 from shardkit.placement.records import RankReport
+from shardkit.versions import runtime_versions
 
 if TYPE_CHECKING:
     import torch

@@ -26,12 +26,9 @@ import io
 import os
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardkit.errors import CheckpointError
-
-if TYPE_CHECKING:
-    import torch
 
 METADATA_NAME = ".metadata"
 

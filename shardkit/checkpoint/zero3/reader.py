@@ -488,8 +488,9 @@ def iter_params(
     of the mappings are never touched: memory stays near one parameter's tensors, whatever the
     model size. ``keys``: ``"fp32"`` (the masters) and/or optimizer state keys (``exp_avg``...).
     """
-    import torch
     from contextlib import ExitStack
+
+    import torch
 
     with ExitStack() as stack:
         parts = [stack.enter_context(ckpt.open_rank(r)) for r in range(ckpt.world_size)]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from shardkit.checkpoint.atomic import LATEST_NAME, check_tag, disk_full_named, os_errors_named
 from shardkit.checkpoint.manifest import MANIFEST_NAME, describe_files
@@ -50,8 +50,6 @@ from shardkit.checkpoint.zero3.repartition import (
 from shardkit.config.loading import config_digest
 from shardkit.errors import UsageError
 
-if TYPE_CHECKING:
-    import torch
 
 @dataclass
 class ReshardResult:
