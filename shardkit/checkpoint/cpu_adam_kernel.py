@@ -45,7 +45,8 @@ class KernelReplay:
 
 @dataclass
 class _Unit:
-    """One kernel call per optimizer step: a ZeRO-3 sub-group, in the order ``step()`` visits them."""
+    """One kernel call per optimizer step (a ZeRO-3 sub-group, or one tensor of a plain optimizer),
+    listed in the order the optimizer's ``step()`` makes the calls."""
 
     key: tuple[Any, ...]
     label: str
@@ -59,7 +60,9 @@ def restore_cpu_adam_kernel_state(target: "DeepSpeedEngine | torch.optim.Optimiz
 
     ``target``: a ZeRO-3 engine (its sub-groups are replayed in the order its optimizer step visits
     them), or a ``DeepSpeedCPUAdam`` / CPU ``FusedAdam`` used without an engine (each tensor of
-    each param group in order, as ``DeepSpeedCPUAdam.step`` calls the kernel). Call it on every
+    each param group in order, as ``DeepSpeedCPUAdam.step`` calls the kernel; ``FusedAdam`` calls
+    it once per group, which this matches when a group's tensors share one step count and dtype,
+    as DeepSpeed's flat partitions do). Call it on every
     rank after the optimizer state is loaded: ``load_zero3_checkpoint`` does; after
     ``engine.load_checkpoint`` or ``optimizer.load_state_dict`` call it yourself. Returns one entry
     per kernel replayed; empty when the optimizer keeps no such state (torch optimizers, CUDA
