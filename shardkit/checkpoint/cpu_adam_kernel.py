@@ -148,6 +148,16 @@ def _unit(inner: Any, group: dict[str, Any], step: int) -> _Unit | None:
 def _replay(units: list[_Unit]) -> list[KernelReplay]:
     done: dict[tuple[Any, ...], KernelReplay] = {}
     last: dict[tuple[Any, ...], tuple[int, tuple[float, float]]] = {}
+    # A unit whose previous unit on the same kernel has the same betas and step is skipped at every
+    # step below anyway: drop it once here, so a model with dozens of sub-groups costs one Python
+    # iteration per kernel per step, not one per sub-group per step.
+    kept: list[_Unit] = []
+    prev: dict[tuple[Any, ...], tuple[int, tuple[float, float]]] = {}
+    for u in units:
+        if prev.get(u.key) != (u.step, u.betas):
+            kept.append(u)
+        prev[u.key] = (u.step, u.betas)
+    units = kept
     for k in range(1, max((u.step for u in units), default=0) + 1):
         for u in units:
             if k > u.step:
