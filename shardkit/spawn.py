@@ -68,6 +68,17 @@ class RankResult:
         return self.exitcode == 0 and self.error is None
 
 
+def failure_line(result: RankResult) -> str:
+    """A failed rank in one line, the same in every command: ``Type: first line of the message``
+    when the target raised (just ``Type`` for an empty or blank message), else the last line of
+    what is known (killed at the timeout, died without a result), else its exit code."""
+    if result.error_type:
+        message = next((line.strip() for line in (result.error_message or "").splitlines() if line.strip()), "")
+        return f"{result.error_type}: {message}" if message else result.error_type
+    lines = [line.strip() for line in (result.error or "").splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {result.exitcode}"
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """How many ranks to start and where they run."""
@@ -128,10 +139,7 @@ def plan_ranks(
     "invalid device ordinal"); ``cpu`` runs any number of gloo ranks with the GPUs hidden.
     ``gpus`` and ``cores`` default to what this machine has (tests pass them in).
     """
-    if device not in DEVICES:
-        raise UsageError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
-    if nproc is not None and nproc < 1:
-        raise UsageError(f"--nproc {nproc}: must be at least 1")
+    _check_request(nproc, device)
     gpus = visible_gpus() if gpus is None else gpus
     if device == "gpu" and gpus == 0:
         raise UsageError(
@@ -157,6 +165,23 @@ def plan_ranks(
             "are testing scale"
         )
     return RankPlan(n, "cpu", tuple(warnings))
+
+
+def _check_request(nproc: int | None, device: str) -> None:
+    if device not in DEVICES:
+        raise UsageError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
+    if nproc is not None and nproc < 1:
+        raise UsageError(f"--nproc {nproc}: must be at least 1")
+
+
+def static_world(nproc: int | None, device: Device = "auto", *, gpus: int | None = None) -> tuple[int, bool]:
+    """(world size, on GPUs) for checks that spawn nothing (`preflight --static`): ``nproc`` is only
+    the world size the config is checked at (it may be meant for another machine), so no rank count
+    is refused here; without it, what a run here would start. ``gpus``: default this machine's."""
+    _check_request(nproc, device)
+    gpus = visible_gpus() if gpus is None else gpus
+    on_gpu = device == "gpu" or (device == "auto" and gpus > 0)
+    return (nproc if nproc is not None else default_nproc("gpu" if on_gpu else "cpu", gpus)), on_gpu
 
 
 # The parent-death signal: a catchable one, so the rank can take its whole process group (what it
