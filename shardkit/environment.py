@@ -561,6 +561,14 @@ def matching_environment_rows(
     return out
 
 
+def environment_rule_ids() -> frozenset[str]:
+    """The ``Finding.rule`` of every environment row ("known-bad:<id>"): findings about the machine
+    a config runs on, not about the config."""
+    from shardkit.versions import known_bad_table
+
+    return frozenset(f"known-bad:{row.id}" for row in known_bad_table() if row.kind == "environment")
+
+
 def environment_findings(
     cfg: Mapping[str, Any] | None = None,
     *,
