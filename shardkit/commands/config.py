@@ -89,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _accelerator_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accelerator", action=argparse.BooleanOptionalAction, default=None,
                    help="whether the run has a GPU/accelerator: sets the pin_memory default and the check the file "
-                   "must pass (default: whether this machine has one, as `shardkit preflight` decides)")
+                   "must pass (default: whether DeepSpeed picks one on this machine: DS_ACCELERATOR, else CUDA)")
 
 
 def run_has_accelerator(args: argparse.Namespace, facts: Any = None) -> bool:
