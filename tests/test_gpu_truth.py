@@ -130,10 +130,14 @@ def test_observed_cli_with_a_config_and_unknown_tensors_listed(run_cli, tmp_path
     ('{"spec": {"engine": "megatron"}}', "spec.engine"),
     ('{"spec": {"engine": "fsdp2"}, "after_init": [{"name": 3}]}', r"after_init\[0\]"),
     ("[" * 100000, "not valid JSON"),
+    (None, "FIFO"),
 ])
 def test_bad_snapshots_are_one_line_usage_errors(run_cli, tmp_path, content, message):
     path = tmp_path / "snap.json"
-    path.write_text(content)
+    if content is None:
+        os.mkfifo(path)  # would block a plain read forever
+    else:
+        path.write_text(content)
     code, _, err = run_cli("preflight", "--observed", path)
     assert code == 2
     assert str(path) in err

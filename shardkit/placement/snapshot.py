@@ -203,10 +203,11 @@ def check_record_target(path: str | Path) -> dict[str, Any] | None:
     if not target.is_file() or target.is_symlink():
         raise UsageError(f"--record {target}: exists and is not a regular file; a snapshot never replaces it "
                          "(pick a new file name)")
+    from shardkit.config_io import FileReadError, read_regular_file
+
     try:
-        with open(target, "rb") as fh:
-            data = json.loads(fh.read(64 * 1024 * 1024 + 1) or b"null")
-    except (OSError, ValueError, RecursionError):
+        data = json.loads(read_regular_file(target, 64 * 1024 * 1024) or b"null")
+    except (FileReadError, ValueError, RecursionError):
         data = None
     if not (isinstance(data, dict) and isinstance(data.get("spec"), dict) and any(isinstance(v, list) for v in data.values())):
         raise UsageError(f"--record {target}: exists and is not a placement snapshot (a config? a checkpoint?); "
