@@ -183,7 +183,8 @@ def check_output_file(output: Path, source_dir: Path, *, force: bool = False) ->
     """The path ``consolidate`` may write for ``-o output``, or a UsageError saying why not.
 
     A folder gets ``model.safetensors`` inside. Refused whatever ``force`` says: a path inside the
-    checkpoint being read or inside any checkpoint folder, a checkpoint root's ``latest``, and
+    checkpoint being read or inside any checkpoint folder (a tag folder, a staging folder, or a
+    root holding ``latest``), a checkpoint root's ``latest``, and
     anything that exists and is not a regular file (a device, fifo, folder, or a link to one; as
     root, replacing ``/dev/null`` would make it a plain file). An existing regular file is
     replaced only with ``force``; a symlink to one keeps pointing at the new file.
