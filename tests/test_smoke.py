@@ -261,3 +261,24 @@ def test_a_failed_runs_line_survives_any_message(tmp_path, message, expected):
     assert str(exc) == f"run C (resume) failed on rank 1: {expected} (log: {tmp_path / 'rank1.log'})"
     blank = RankResult(rank=0, exitcode=-9, error=" \n")
     assert str(run_failure("A", [blank], tmp_path)).startswith("run A (uninterrupted run) failed on rank 0: exit code -9 ")
+
+
+@pytest.mark.slow
+def test_files_put_in_the_keep_folder_during_the_run_leave_a_passing_smoke_with_one_warning(tmp_path):
+    keep = tmp_path / "ckpt"
+    work = tmp_path / "work"
+
+    def someone_writes_there(_ckpt: Path) -> None:  # between run B's save and the resume
+        keep.mkdir()
+        (keep / "theirs.txt").write_text("not ours")
+
+    report = run_smoke(SmokeOptions(engines=("fsdp2",), nproc=2, device="cpu", steps=2, keep_checkpoint=str(keep),
+                                    workdir=str(work), after_save=someone_writes_there), progress=False)
+    (r,) = report.results
+    assert r.ok and report.ok and r.kept_checkpoint is None
+    assert r.keep_error.startswith(f"--keep-checkpoint {keep}: could not move the checkpoint there: ")
+    assert f"it was left in {work / 'fsdp2' / 'checkpoint'}" in r.keep_error
+    assert (work / "fsdp2" / "checkpoint").is_dir() and sorted(p.name for p in keep.iterdir()) == ["theirs.txt"]
+    buf = io.StringIO()
+    print_smoke_report(report, file=buf)
+    assert "could not move the checkpoint there" in buf.getvalue() and "all passed" in buf.getvalue()
