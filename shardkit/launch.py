@@ -214,7 +214,7 @@ def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None)
     warning.
     """
     from shardkit.config_io import load_config
-    from shardkit.environment import probe_environment
+    from shardkit.environment import probe_environment, run_has_accelerator
 
     if plan.config_path is None:
         return Report(subject="launch: no config named on the script's command line")
@@ -229,7 +229,7 @@ def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None)
     facts = facts or probe_environment(plan.env)
     report = check_file(
         plan.config_path, world_size=plan.world_size, environment=facts,
-        accelerator=facts.deepspeed_accelerator != "cpu",
+        accelerator=run_has_accelerator(facts=facts),
     )
     if plan.launcher == "deepspeed" and _is_fsdp(cfg):
         report.add(
