@@ -88,6 +88,16 @@ class EnvironmentFacts:
         return "cuda" if self.has_cuda else "cpu"
 
 
+def run_has_accelerator(stated: bool | None = None, facts: EnvironmentFacts | None = None) -> bool:
+    """Whether a DeepSpeed run has an accelerator: ``stated`` (--accelerator/--no-accelerator) when
+    given, else whether DeepSpeed picks one here (``deepspeed_accelerator``: DS_ACCELERATOR, else
+    CUDA). The one answer `config`, `smoke`, `preflight`/`launch` and require_runnable_here use, so a
+    machine whose torch sees MPS/XPU, or DS_ACCELERATOR=cpu, is a CPU run for all of them alike."""
+    if stated is not None:
+        return bool(stated)
+    return (facts or probe_environment()).deepspeed_accelerator != "cpu"
+
+
 class EnvironmentCheckError(ShardkitError, RuntimeError):
     """This machine cannot run what was asked (a known-bad environment row at error level)."""
 
@@ -305,6 +315,15 @@ def _export(value: str) -> str:
     return f'export TORCH_CUDA_ARCH_LIST="{value}"' if ";" in value else f"export TORCH_CUDA_ARCH_LIST={value}"
 
 
+def arch_list_fix(value: str | None) -> str:
+    """The one fix shardkit gives for a TORCH_CUDA_ARCH_LIST DeepSpeed cannot parse (the `check`
+    finding and a failed op build both say it): the same architectures exported in 'X.Y[+PTX]'
+    form ('sm_90' -> 9.0), or, when an entry is not an architecture, what to put there."""
+    fixed = fixed_arch_list(value or "")
+    fix = _export(fixed) if fixed else "export TORCH_CUDA_ARCH_LIST=<major.minor of your GPU, e.g. 9.0 for H100>"
+    return fix + " (or unset it: DeepSpeed then builds for the visible GPUs)"
+
+
 # --- pinned (mlock'ed) memory --------------------------------------------------------------------
 
 
@@ -328,6 +347,28 @@ def nvme_param_buffer_bytes(cfg: Mapping[str, Any]) -> int | None:
     if count is None or size is None:
         return None
     return count * size * _elem_bytes(cfg)
+
+
+def nvme_optimizer_buffer_estimate(cfg: Mapping[str, Any]) -> int | None:
+    """About how many bytes DeepSpeed mlocks for ZeRO-3 NVMe optimizer swapping, at most, as far as the
+    config can say: offload_optimizer.buffer_count (4) buffers of the largest ZeRO sub-group's numel
+    in fp32 (OptimizerSwapper -> SwapBufferManager, largest_numel = max(fp16_partitioned_groups_flat_numel)).
+    The largest sub-group depends on the model; _create_fp16_sub_groups closes a group at the
+    parameter that reaches sub_group_size (1e9), so this bound is exceeded only by one partitioned
+    parameter that large. None when the optimizer is not swapped to NVMe."""
+
+    view = deepspeed_view(dict(cfg))
+    # below stage 3 an nvme optimizer offload is treated as cpu: no swap buffers
+    if view.stage != 3 or view.offload_optimizer.device != "nvme":
+        return None
+    zero = cfg.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    block = zero.get("offload_optimizer")
+    count = as_int((block if isinstance(block, dict) else {}).get("buffer_count", 4))
+    sub_group = as_int(zero.get("sub_group_size", 1_000_000_000))
+    if count is None or sub_group is None:
+        return None
+    return count * sub_group * 4
 
 
 def _human(n: int) -> str:
@@ -379,6 +420,10 @@ def condition_holds(name: str, want: Any, cfg: Mapping[str, Any] | None, run: Ru
     """One environment trigger of a table row. Config-dependent ones need a config (no config: no)."""
     facts = run.facts
     if name == "arch_list_unparseable":
+        if run.accelerator is False:
+            # a stated CPU run: DeepSpeed's CPU accelerator hands out CPU op builders, which never
+            # read TORCH_CUDA_ARCH_LIST (only CUDAOpBuilder.compute_capability_args does, PR #7977)
+            return not bool(want)
         return (deepspeed_arch_list_error(facts.torch_cuda_arch_list) is not None) == bool(want)
     if name == "cuda_build_without_driver":
         visible = facts.cuda_visible_devices
@@ -393,12 +438,11 @@ def condition_holds(name: str, want: Any, cfg: Mapping[str, Any] | None, run: Ru
     if name == "memlock_nvme":
         if cfg is None or facts.memlock_bytes is None:
             return False
+        # parameter buffers have a known size; optimizer buffers depend on the model (an estimate
+        # bounds them: a limit above both is enough, whatever the model)
         need = nvme_param_buffer_bytes(cfg)
-        view = deepspeed_view(dict(cfg))
-        # below stage 3 an nvme optimizer offload is treated as cpu: no swap buffers
-        optimizer_nvme = view.stage == 3 and view.offload_optimizer.device == "nvme"
-        # parameter buffers alone have a known size; optimizer buffers depend on the model
-        short = optimizer_nvme or (need is not None and need > facts.memlock_bytes)
+        optimizer = nvme_optimizer_buffer_estimate(cfg)
+        short = (need or 0) + (optimizer or 0) > facts.memlock_bytes
         return short == bool(want)
     if name == "memlock_native_pinning":
         if cfg is None or facts.memlock_bytes is None or facts.pin_memory_backend != "native":
@@ -417,12 +461,17 @@ def environment_finding(row: KnownBad, cfg: Mapping[str, Any] | None, run: RunEn
     if trigger == "arch_list_unparseable":
         value = facts.torch_cuda_arch_list
         error = deepspeed_arch_list_error(value)
-        fixed = fixed_arch_list(value or "")
-        fix = (_export(fixed) if fixed else "export TORCH_CUDA_ARCH_LIST=<major.minor of your GPU, e.g. 9.0 for H100>")
-        fix += " (or unset it: DeepSpeed then builds for the visible GPUs)"
-        where = "on this machine" if facts.cuda.build else "(harmless here: a CPU build of torch builds no CUDA ops)"
+        fix = arch_list_fix(value)
         if facts.cuda.build is None:
+            where = "(harmless here: a CPU build of torch builds no CUDA ops)"
             severity = Severity.WARNING
+        elif run.accelerator is None and run.cpu_run:
+            # condition_holds drops a stated CPU run; an unstated one may still be meant for a GPU
+            where = ("(harmless for a CPU run here: DeepSpeed's CPU op builders never read it; state --accelerator "
+                     "if the run is on a GPU machine)")
+            severity = Severity.WARNING
+        else:
+            where = "on this machine"
         message = (
             f"TORCH_CUDA_ARCH_LIST={value!r} {where}: deepspeed {dsv}'s JIT op builder cannot parse it and every "
             f"CUDA op build (FusedAdam at deepspeed.initialize, ...) fails with `{error}`. {row.symptom} [{sources}]"
@@ -448,15 +497,25 @@ def environment_finding(row: KnownBad, cfg: Mapping[str, Any] | None, run: RunEn
         return Finding(severity, "fp16.enabled", True, message, row.config_fix or "", f"known-bad:{row.id}")
     if trigger == "memlock_nvme":
         need = nvme_param_buffer_bytes(cfg or {})
+        optimizer = nvme_optimizer_buffer_estimate(cfg or {})
         limit = facts.memlock_bytes or 0
+        parts = []
+        if need is not None:
+            parts.append(f"this config's NVMe parameter swap buffers need {_human(need)} (offload_param.buffer_count x "
+                         "buffer_size x dtype bytes)")
+        if optimizer is not None:
+            parts.append("this config's NVMe optimizer swap buffers need an unknown size (offload_optimizer.buffer_count x the "
+                         f"largest ZeRO sub-group of the model x 4 bytes: up to about {_human(optimizer)} with this "
+                         "sub_group_size)")
         if need is not None and need > limit:
-            severity = Severity.ERROR
-        sized = (f"this config's NVMe parameter swap buffers alone need {_human(need)} (offload_param.buffer_count x "
-                 f"buffer_size x dtype bytes)" if need else "this config's NVMe swap buffers (buffer_count x the largest "
-                 "sub-group) need more than a small limit allows")
-        message = (f"ulimit -l (RLIMIT_MEMLOCK) is {_human(limit)} and {sized}: deepspeed {dsv} mlocks them. "
-                   f"{row.symptom} [{sources}]")
-        key = "zero_optimization.offload_param.device" if need is not None else "zero_optimization.offload_optimizer.device"
+            severity = Severity.ERROR  # known to fail; the unknown optimizer part stays a warning
+        else:
+            parts.append(f"so it may or may not fit: a limit of {_human((need or 0) + (optimizer or 0))} is enough "
+                         "unless one partitioned parameter is larger than sub_group_size")
+        message = (f"ulimit -l (RLIMIT_MEMLOCK) is {_human(limit)} and {'; '.join(parts)}: deepspeed {dsv} mlocks "
+                   f"them. {row.symptom} [{sources}]")
+        over = need is not None and (need > limit or optimizer is None)
+        key = "zero_optimization.offload_param.device" if over else "zero_optimization.offload_optimizer.device"
         return Finding(severity, key, "nvme", message, row.config_fix or "", f"known-bad:{row.id}")
     if trigger == "memlock_native_pinning":
         limit = facts.memlock_bytes or 0
@@ -498,6 +557,14 @@ def matching_environment_rows(
     return out
 
 
+def environment_rule_ids() -> frozenset[str]:
+    """The ``Finding.rule`` of every environment row ("known-bad:<id>"): findings about the machine
+    a config runs on, not about the config."""
+    from shardkit.versions import known_bad_table
+
+    return frozenset(f"known-bad:{row.id}" for row in known_bad_table() if row.kind == "environment")
+
+
 def environment_findings(
     cfg: Mapping[str, Any] | None = None,
     *,
@@ -534,8 +601,7 @@ def require_runnable_here(
     FSDP2 config, run here; ``accelerator``: whether the ranks use a GPU, default what this machine
     has). Raises EnvironmentCheckError with the first error's one line; returns the warnings."""
     facts = facts or probe_environment()
-    if accelerator is None:
-        accelerator = facts.deepspeed_accelerator != "cpu"
+    accelerator = run_has_accelerator(accelerator, facts)
     warnings: list[Finding] = []
     for name, cfg in configs.items():
         engine = "fsdp" if isinstance(cfg.get("fsdp"), dict) else "deepspeed"

@@ -16,11 +16,14 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 from shardkit.config.loading import is_fsdp_config, load_config
 from shardkit.errors import UsageError
 from shardkit.findings import Finding, Report, Severity
+
+if TYPE_CHECKING:
+    from shardkit.environment import EnvironmentFacts
 
 Launcher = Literal["deepspeed", "torchrun"]
 LAUNCHERS: tuple[Launcher, ...] = ("deepspeed", "torchrun")
@@ -98,6 +101,13 @@ def find_config(script_args: Sequence[str]) -> str | None:
             continue
         if not eq:
             value = args[i + 1] if i + 1 < len(args) else ""
+        if flag in PATH_ONLY_FLAGS and (not value or value.startswith("-")):
+            # a path-only flag with its path missing would otherwise launch with no config checked
+            seen = f"followed by {value!r}" if value else "with no value"
+            raise UsageError(
+                f"{flag} {seen}: it takes the config's path, so the config would go unchecked; "
+                f"pass `{flag} ds_config.json` (or `{flag}=PATH` for a path that starts with '-')"
+            )
         if not value or value.startswith("-"):
             continue
         if flag in PATH_ONLY_FLAGS or value.endswith(CONFIG_SUFFIXES) or Path(value).is_file():
@@ -194,9 +204,17 @@ def build_launch(
     )
 
 
-def check_launch_config(plan: LaunchPlan) -> Report:
+def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None) -> Report:
     """Static checks and the known-bad version table on the plan's config (an empty report when
-    the script names none). Errors mean the launch must not start."""
+    the script names none). Errors mean the launch must not start.
+
+    ``facts``: the machine the ranks run on (default: this one, read with the plan's environment,
+    so a DS_ACCELERATOR the ranks get counts). The ranks start here, so whether they have an
+    accelerator is what DeepSpeed would pick here, the same answer `require_runnable_here` uses:
+    an environment row (fp16 on a CPU-only machine) is then an error, not a "state --accelerator"
+    warning.
+    """
+    from shardkit.environment import probe_environment, run_has_accelerator
 
     if plan.config_path is None:
         return Report(subject="launch: no config named on the script's command line")
@@ -208,7 +226,11 @@ def check_launch_config(plan: LaunchPlan) -> Report:
         from shardkit.checks import check_file
     except ImportError:  # pragma: no cover - the checks ship with shardkit
         return Report(subject=plan.config_path)
-    report = check_file(plan.config_path, world_size=plan.world_size)
+    facts = facts or probe_environment(plan.env)
+    report = check_file(
+        plan.config_path, world_size=plan.world_size, environment=facts,
+        accelerator=run_has_accelerator(facts=facts),
+    )
     if plan.launcher == "deepspeed" and is_fsdp_config(cfg):
         report.add(
             Finding(

@@ -29,13 +29,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from shardkit.config.loading import config_kind, load_config
 from shardkit.config.paths import get, strip_auto
 from shardkit.config.view import deepspeed_view
 from shardkit.errors import ShardkitError, UsageError
 from shardkit.harness.smoke_rank import RunSpec, rank_run
+
+if TYPE_CHECKING:
+    from shardkit.harness.spawn import RankResult
 
 Engine = Literal["zero3", "fsdp2"]
 ENGINES: tuple[Engine, ...] = ("zero3", "fsdp2")
@@ -117,6 +120,9 @@ class EngineResult:
     """One line saying what failed, or None."""
     kept_checkpoint: str | None = None
     """Where run B's checkpoint was kept (``--keep-checkpoint``), or None when it was removed."""
+    keep_error: str | None = None
+    """Why ``--keep-checkpoint`` could not move the checkpoint there, and where it was left; None
+    when it was kept or not asked for (the smoke's verdict is unchanged: the runs passed)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -377,17 +383,41 @@ def _smoke_engine(engine: Engine, cfg: dict[str, Any], source: str, opts: SmokeO
         _compare(result)
         bar.update(task, "compared" if result.ok else "FAILED", advance=1)
         if keep is not None and result.ok:
-            keep.parent.mkdir(parents=True, exist_ok=True)
-            if keep.exists():
-                keep.rmdir()  # empty (checked before the runs)
-            shutil.move(str(ckpt), str(keep))  # manifest paths are relative: still verifiable there
-            result.kept_checkpoint = str(keep)
+            result.keep_error = keep_checkpoint(ckpt, keep)
+            result.kept_checkpoint = None if result.keep_error else str(keep)
     except _RunFailed as exc:
         result.failure = str(exc)
         bar.update(task, "FAILED")
-    if own and result.ok:
+    if own and result.ok and not result.keep_error:
         shutil.rmtree(base, ignore_errors=True)
     return result
+
+
+def keep_checkpoint(ckpt: Path, keep: Path) -> str | None:
+    """Move a passing run's checkpoint to ``keep`` (checked empty before the runs); None when it
+    moved, else one line naming ``keep``, the error and where the checkpoint still is. Files that
+    appeared in ``keep`` during the run, permissions or a full disk must not turn a passing smoke
+    into a traceback."""
+    try:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        if keep.exists():
+            keep.rmdir()  # empty before the runs; OSError if something was put there since
+        shutil.move(str(ckpt), str(keep))  # manifest paths are relative: still verifiable there
+    except OSError as exc:
+        return (f"--keep-checkpoint {keep}: could not move the checkpoint there: {exc}; it was left in "
+                f"{ckpt} (move it yourself, or free/fix {keep} and run again)")
+    return None
+
+
+def run_failure(name: str, bad: "list[RankResult]", workdir: Path) -> "_RunFailed":
+    """The one line for a run whose ranks failed: the rank that raised (over peers killed while
+    waiting for it), its exception in one line, and its log."""
+    from shardkit.harness.spawn import failure_line
+
+    first = next((r for r in bad if r.error_type), bad[0])
+    what = {"A": "uninterrupted run", "B": "run before the checkpoint", "C": "resume"}[name]
+    return _RunFailed(f"run {name} ({what}) failed on rank {first.rank}: {failure_line(first)} "
+                      f"(log: {workdir / f'rank{first.rank}.log'})")
 
 
 class _RunFailed(ShardkitError):
@@ -406,14 +436,7 @@ def _run(spec: RunSpec, opts: SmokeOptions, workdir: Path, name: str) -> list[di
     bad = [r for r in results if not r.ok]
     if not bad:
         return [r.value for r in results]
-    # Prefer a rank that raised over peers that were killed while waiting for it.
-    first = next((r for r in bad if r.error_type), bad[0])
-    what = {"A": "uninterrupted run", "B": "run before the checkpoint", "C": "resume"}[name]
-    if first.error_type:
-        detail = f"{first.error_type}: {(first.error_message or '').strip().splitlines()[0] if first.error_message else ''}"
-    else:
-        detail = (first.error or f"exit code {first.exitcode}").strip().splitlines()[-1]
-    raise _RunFailed(f"run {name} ({what}) failed on rank {first.rank}: {detail} (log: {workdir / f'rank{first.rank}.log'})")
+    raise run_failure(name, bad, workdir)
 
 
 def _compare(result: EngineResult) -> None:
@@ -475,6 +498,8 @@ def print_smoke_report(report: SmokeReport, file: Any = None) -> None:
             con.print(f"{r.engine}: rank 0 losses {', '.join(f'{x:.6f}' for x in r.losses_uninterrupted[0])} ({r.config_source} config)")
         if r.kept_checkpoint:
             con.print(f"{r.engine}: checkpoint kept in {r.kept_checkpoint} (try: shardkit verify {r.kept_checkpoint})")
+        if r.keep_error:
+            con.print(f"[yellow]warning[/] {r.engine}: {r.keep_error}")
     for r in report.results:
         if not r.ok:
             con.print(f"[bold red]FAIL[/] {r.engine}: {r.failure}")

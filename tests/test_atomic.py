@@ -302,3 +302,53 @@ def test_latest_larger_than_a_tag_is_refused_without_reading_it(tmp_path):
         fh.truncate(1 << 30)  # sparse 1 GiB
     with pytest.raises(CheckpointError, match=r"latest: more than 4096 bytes, not a tag name"):
         read_latest(tmp_path)
+
+
+def test_a_fifo_swapped_in_after_the_check_never_blocks_read_latest(tmp_path, monkeypatch):
+    from shardkit.errors import CheckpointError
+    from tests._corrupt import call_without_blocking, fifo_swapped_in_after_a_check
+
+    write_latest(tmp_path, "step3")
+    fifo_swapped_in_after_a_check(monkeypatch, tmp_path / "latest")
+    assert call_without_blocking(lambda: read_latest(tmp_path), tmp_path / "latest") == "step3"
+    # and a FIFO already there is refused, naming it, instead of being read (or taken for no pointer)
+    (tmp_path / "latest").unlink()
+    os.mkfifo(tmp_path / "latest")
+    with pytest.raises(CheckpointError, match=r"latest: is a FIFO \(named pipe\), not a regular file.*'latest' must be "
+                       r"a small text file holding one tag"):
+        call_without_blocking(lambda: read_latest(tmp_path), tmp_path / "latest")
+
+
+def test_read_regular_file_refuses_what_is_not_a_regular_file_and_caps_the_bytes(tmp_path):
+    from shardkit.config.loading import FileReadError, read_regular_file
+    from shardkit.errors import ConfigError
+
+    (tmp_path / "f").write_bytes(b"12345")
+    assert read_regular_file(tmp_path / "f", 5) == b"12345"
+    os.mkfifo(tmp_path / "pipe")
+    cases = [(tmp_path / "f", 4, "too_large", "f: more than 4 bytes"),
+             (tmp_path / "pipe", 5, "not_regular", r"pipe: is a FIFO \(named pipe\), not a regular file"),
+             (tmp_path, 5, "folder", "is a folder, not a regular file"),
+             (tmp_path / "none", 5, "missing", "none: no such file"),
+             ("/dev/zero", 5, "not_regular", "/dev/zero: is a character device, not a regular file")]
+    for path, limit, reason, message in cases:
+        with pytest.raises(FileReadError, match=message) as info:
+            read_regular_file(path, limit)
+        assert info.value.reason == reason and isinstance(info.value, ConfigError)
+
+
+@pytest.mark.parametrize("content", ["/etc", "../x", "", ".", "a/b", ".shardkit-tmp-step1"])
+def test_latest_naming_no_folder_inside_the_root_is_refused_with_the_pointer_file(tmp_path, content):
+    from shardkit.checkpoint.atomic import latest_tag
+    from shardkit.checkpoint.zero3 import resolve_tag_dir
+    from shardkit.errors import CheckpointError
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "x").mkdir()  # '../x' exists: only the check stops it
+    (root / "latest").write_text(content)
+    msg = rf"{re.escape(str(root / 'latest'))}: holds {re.escape(repr(content))}, which is not a checkpoint tag .*Write the tag of a complete checkpoint into it"
+    with pytest.raises(CheckpointError, match=msg):
+        latest_tag(root)
+    with pytest.raises(CheckpointError, match=msg):
+        resolve_tag_dir(root)

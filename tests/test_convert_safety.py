@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests import _ranks_zero3 as R
+from tests._corrupt import flip_a_byte
 
 pytestmark = pytest.mark.slow
 
@@ -58,17 +59,6 @@ def _digest(root: Path) -> dict[str, str]:
     return out
 
 
-def _flip_a_byte(f: Path) -> None:
-    """Same size, one bit different: only the sha256 can tell."""
-    size = f.stat().st_size
-    with open(f, "r+b") as fh:
-        fh.seek(size // 2)
-        b = fh.read(1)
-        fh.seek(size // 2)
-        fh.write(bytes([b[0] ^ 0x01]))
-    assert f.stat().st_size == size
-
-
 # --- item 6: consolidate -o replaces whatever is there ------------------------------------------
 
 
@@ -91,9 +81,9 @@ def test_consolidate_never_replaces_a_fifo_or_a_link_to_a_device(sealed, tmp_pat
     link.symlink_to("/dev/null")
     folder = tmp_path / "dir" / "model.safetensors"
     folder.mkdir(parents=True)  # `-o dir` means dir/model.safetensors, which is itself a folder here
-    for target, kind in ((fifo, "fifo"), (link, "character device"), (folder.parent, "folder")):
+    for target, kind in ((fifo, "a FIFO (named pipe)"), (link, "a character device"), (folder.parent, "a folder")):
         code, _, err = run_cli("consolidate", sealed, "-o", target, "--force")
-        assert code == 2 and f"exists and is a {kind}, not a regular file; consolidate only ever replaces regular " \
+        assert code == 2 and f"exists and is {kind}, not a regular file; consolidate only ever replaces regular " \
                               "files" in err, err
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert link.is_symlink() and os.readlink(link) == "/dev/null" and stat.S_ISCHR(os.stat(link).st_mode)
@@ -108,11 +98,14 @@ def test_consolidate_never_writes_into_the_source_checkpoint(sealed, run_cli):
         (sealed / TAG, "is inside the checkpoint being read"),  # a folder: <tag>/model.safetensors
         (sealed / TAG / "new" / "m.safetensors", "is inside the checkpoint being read"),
         (sealed / "latest", "is a checkpoint's 'latest' pointer"),
+        # the root (the folder holding 'latest') is a checkpoint folder too
+        (sealed / "model.safetensors", f"{sealed} is a checkpoint folder; consolidate never writes into one"),
+        (sealed / "exports" / "m.safetensors", f"{sealed} is a checkpoint folder; consolidate never writes into one"),
     ]
     for target, why in targets:
         code, _, err = run_cli("consolidate", sealed, "-o", target, "--force")
         assert code == 2 and why in err, (target, err)
-    assert _digest(sealed) == before and not (sealed / TAG / "new").exists()
+    assert _digest(sealed) == before and not (sealed / TAG / "new").exists() and not (sealed / "exports").exists()
 
 
 def test_consolidate_keeps_a_symlink_to_a_regular_file_and_replaces_its_target(sealed, tmp_path, run_cli):
@@ -132,7 +125,7 @@ def test_consolidate_keeps_a_symlink_to_a_regular_file_and_replaces_its_target(s
 
 def test_a_corrupted_source_is_refused_by_reshard_and_consolidate(sealed, tmp_path, run_cli):
     bad = sealed / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    _flip_a_byte(bad)
+    flip_a_byte(bad)
     refused = rf"refusing to read {re.escape(str(sealed / TAG))}: it fails verification: \[{bad.name}\] .*sha256 mismatch"
     code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", tmp_path / "ws3")
     assert code == 1 and re.search(refused, err), err
@@ -174,6 +167,68 @@ def test_library_callers_get_a_python_warning(plain, tmp_path):
     with pytest.warns(UnverifiedCheckpointWarning, match="cannot be verified"):
         result = consolidate_zero3(plain, tmp_path / "m.safetensors")
     assert result.verified == "none"
+
+
+# --- verified and read are the same tag folder --------------------------------------------------
+
+
+def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
+    """A concurrent save that lands right after the source was verified: a new tag (a copy with one
+    byte flipped, no manifest: never verified) and 'latest' moved to it. Returns the verified folders."""
+    import shardkit.checkpoint.verify as verify
+
+    real, checked = verify.verify_before_reading, []
+
+    def verify_then_a_save_lands(tag_dir, **kwargs):
+        result = real(tag_dir, **kwargs)
+        checked.append(Path(tag_dir))
+        shutil.copytree(root / TAG, root / "unverified", ignore=shutil.ignore_patterns("shardkit_manifest.json"))
+        flip_a_byte(root / "unverified" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        (root / "latest").write_text("unverified")
+        return result
+
+    monkeypatch.setattr(verify, "verify_before_reading", verify_then_a_save_lands)
+    return checked
+
+
+def test_reshard_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp_path, monkeypatch):
+    from shardkit.checkpoint.manifest import read_manifest
+    from shardkit.checkpoint.zero3.reshard import reshard_zero3
+
+    checked = _save_lands_after_verification(monkeypatch, sealed)
+    result = reshard_zero3(sealed, tmp_path / "ws3", 3)
+    assert checked == [sealed / TAG] and (sealed / "latest").read_text() == "unverified"
+    source = read_manifest(tmp_path / "ws3" / TAG).extra["resharded_from"]
+    assert source["path"] == str(sealed / TAG) and source["verified"] == "sha256" and result.tag == TAG
+
+
+def test_consolidate_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp_path, monkeypatch):
+    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
+
+    checked = _save_lands_after_verification(monkeypatch, sealed)
+    result = consolidate_zero3(sealed, tmp_path / "m.safetensors")
+    assert checked == [sealed / TAG] and result.tag == TAG and result.verified == "sha256"
+
+
+# --- a bad tag from the source is blamed on where it came from ----------------------------------
+
+
+def test_reshard_names_where_an_unusable_source_tag_came_from(sealed, tmp_path, run_cli):
+    """'latest' names a set-aside copy (what it does while a tag is being saved again): that name
+    cannot be reused, and the user, who never passed --tag, is told where it came from."""
+    from shardkit.checkpoint.atomic import REPLACED_MARK
+
+    copy = f"{TAG}{REPLACED_MARK}0123abcd"
+    (sealed / TAG).rename(sealed / copy)
+    (sealed / "latest").write_text(copy)
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", tmp_path / "ws3")
+    assert code == 2 and f"source tag {copy!r} (read from {sealed / 'latest'}) cannot name the new checkpoint " \
+                          "(names containing" in err and "no --tag was given" in err and "Pass --tag NAME" in err, err
+    assert "--tag '" not in err
+    code, _, err = run_cli("reshard", sealed / copy, "--world-size", "3", "-o", tmp_path / "ws3")
+    assert code == 2 and f"source tag {copy!r} (the name of the source folder {sealed / copy})" in err, err
+    code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", tmp_path / "ws3", "--tag", "fresh")
+    assert code == 0 and (tmp_path / "ws3" / "fresh").is_dir(), err
 
 
 # --- item 8: reshard -o into a folder of user files; tags that collide with internal names ------

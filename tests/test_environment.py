@@ -110,6 +110,31 @@ def test_arch_list_row_follows_the_release_and_the_torch_build():
     assert environment_findings({"fsdp": {}}, facts=facts(hopper), deepspeed_version="0.19.8", engine="fsdp") == []
 
 
+def test_arch_list_is_no_error_for_a_cpu_run_on_a_cuda_build():
+    """The Hopper image of issue 11 (CUDA torch, TORCH_CUDA_ARCH_LIST=9.0a): CPU ranks use DeepSpeed's
+    CPU op builders, which never read the variable, so `smoke --device cpu` / `check --no-accelerator`
+    run there; a GPU run is refused; an unstated run on a machine without a GPU is warned."""
+    hopper = facts({"TORCH_CUDA_ARCH_LIST": "9.0a"})
+    assert E.require_runnable_here({"zero3": ZERO3}, accelerator=False, facts=hopper) == []
+    assert environment_findings(ZERO3, facts=hopper, deepspeed_version="0.19.8", accelerator=False) == []
+    with pytest.raises(E.EnvironmentCheckError, match=r"zero3: this machine cannot run it: env:TORCH_CUDA_ARCH_LIST='9\.0a'.*"
+                       r"Fix: export TORCH_CUDA_ARCH_LIST=9\.0 "):
+        E.require_runnable_here({"zero3": ZERO3}, accelerator=True, facts=hopper)
+    no_gpu = facts({"TORCH_CUDA_ARCH_LIST": "9.0a"}, cuda=CudaProbe(build="12.8", available=False, reason="no GPU"))
+    (f,) = [f for f in environment_findings(ZERO3, facts=no_gpu, deepspeed_version="0.19.8") if f.key.endswith("ARCH_LIST")]
+    assert f.severity is Severity.WARNING and "harmless for a CPU run" in f.message and "--accelerator" in f.message
+    assert f.fix.startswith("export TORCH_CUDA_ARCH_LIST=9.0 ")
+
+
+def test_run_has_accelerator_is_deepspeeds_pick():
+    """One answer for config, smoke, preflight: DS_ACCELERATOR=cpu or no CUDA device is a CPU run."""
+    assert E.run_has_accelerator(None, facts()) is True
+    assert E.run_has_accelerator(None, facts({"DS_ACCELERATOR": "cpu"})) is False
+    assert E.run_has_accelerator(None, facts(cuda=CPU_BUILD)) is False
+    assert E.run_has_accelerator(True, facts(cuda=CPU_BUILD)) is True
+    assert E.run_has_accelerator(False, facts()) is False
+
+
 def test_versions_check_preflight_and_launch_say_so(run_cli, clean_env, tmp_path):
     clean_env.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     clean_env.setattr(E, "probe_cuda", lambda: GPU)
@@ -122,8 +147,16 @@ def test_versions_check_preflight_and_launch_say_so(run_cli, clean_env, tmp_path
     code, out, _ = run_cli("check", cfg, "--json")
     (f,) = [f for f in json.loads(out)["findings"] if f["key"] == "env:TORCH_CUDA_ARCH_LIST"]
     assert code == 1 and f["fix"].startswith("export TORCH_CUDA_ARCH_LIST=9.0")
+    import shardkit.harness.spawn
+
+    clean_env.setattr(shardkit.harness.spawn, "visible_gpus", lambda: 1)  # preflight plans GPU ranks from torch.cuda
     code, out, _ = run_cli("preflight", cfg, "--static")
     assert code == 1 and "TORCH_CUDA_ARCH_LIST" in out
+    # CPU ranks never build a CUDA op: the same machine runs `preflight --device cpu` and `check --no-accelerator`
+    code, out, _ = run_cli("preflight", cfg, "--static", "--device", "cpu")
+    assert code == 0 and "TORCH_CUDA_ARCH_LIST" not in out, out
+    code, out, _ = run_cli("check", cfg, "--no-accelerator")
+    assert code == 0 and "TORCH_CUDA_ARCH_LIST" not in out, out
     script = tmp_path / "train.py"
     script.write_text("print('never started')\n")
     code, out, err = run_cli("launch", "--dry-run", "--launcher", "torchrun", "--standalone", "--nproc_per_node", "1",
@@ -145,10 +178,27 @@ def test_nvme_swap_buffers_past_memlock_are_an_error_with_the_size():
     assert "ulimit -l unlimited" in f.fix and "--ulimit memlock=-1" in f.fix
     assert environment_findings(NVME_PARAMS, facts=facts(memlock=None), deepspeed_version="0.19.8") == []
     assert environment_findings(NVME_PARAMS, facts=facts(memlock=2 << 30), deepspeed_version="0.19.8") == []
-    # the optimizer's buffers depend on the model: any finite limit is worth a warning
+
+
+def test_nvme_optimizer_swap_size_is_unknown_so_only_a_limit_below_its_bound_warns():
+    """The optimizer's buffers depend on the model (buffer_count x largest sub-group x fp32): below
+    the bound a warning that says the size is unknown; a limit above it (1 TiB) is enough."""
     both = json.loads(json.dumps(NVME_PARAMS))
     both["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/nvme", "pin_memory": True}
-    assert rules(environment_findings(both, facts=facts(memlock=2 << 30), deepspeed_version="0.19.8"))
+    (f,) = environment_findings(both, facts=facts(memlock=2 << 30), deepspeed_version="0.19.8")
+    assert f.rule == "known-bad:ds-976-nvme-swap-memlock" and f.severity is Severity.WARNING
+    assert f.key == "zero_optimization.offload_optimizer.device"
+    assert "2.0 GiB" in f.message and "unknown size" in f.message and "up to about 14.9 GiB" in f.message
+    assert "a limit of 15.8 GiB is enough" in f.message  # 953.7 MiB params + 4 x 1e9 x 4 bytes
+    assert environment_findings(both, facts=facts(memlock=1 << 40), deepspeed_version="0.19.8") == []
+    optimizer_only = {**ZERO3, "zero_optimization": {"stage": 3, "sub_group_size": 10_000_000,
+                                                     "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}
+    assert environment_findings(optimizer_only, facts=facts(memlock=1 << 30), deepspeed_version="0.19.8") == []
+    (g,) = environment_findings(optimizer_only, facts=facts(memlock=64 << 20), deepspeed_version="0.19.8")
+    assert g.severity is Severity.WARNING and "up to about 152.6 MiB" in g.message
+    # the known parameter part past the limit stays an error
+    (h,) = environment_findings(both, facts=facts(memlock=8 << 20), deepspeed_version="0.19.8")
+    assert h.severity is Severity.ERROR and h.key == "zero_optimization.offload_param.device"
 
 
 def test_native_pinning_counts_against_memlock_torch_pinning_does_not():
@@ -324,8 +374,11 @@ def test_smoke_stops_before_any_rank_with_one_line(run_cli, clean_env, tmp_path)
 def test_smoke_refuses_an_unparseable_arch_list(clean_env):
     from shardkit.smoke import SmokeOptions, run_smoke
 
+    import shardkit.harness.spawn
+
     clean_env.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     clean_env.setattr(E, "probe_cuda", lambda: GPU)
+    clean_env.setattr(shardkit.harness.spawn, "visible_gpus", lambda: 1)  # the GPU ranks of a Hopper machine
     with pytest.raises(E.EnvironmentCheckError, match=r"TORCH_CUDA_ARCH_LIST='9\.0a'.*Fix: export TORCH_CUDA_ARCH_LIST=9\.0"):
         run_smoke(SmokeOptions(engines=("zero3",), nproc=1, steps=2), progress=False)
 

@@ -131,3 +131,73 @@ def test_stdout_output_is_pure_json(run_cli):
 def test_fsdp_generator_defaults():
     cfg = fsdp_config()
     assert cfg["fsdp"]["wrap"] == ["LlamaDecoderLayer"] and cfg["fsdp"]["pin_memory"] is False
+
+
+# --- config judges the file as the `shardkit check` it names (this machine's environment) --------
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """This machine's probes, forced: set(cuda=..., cpu_fp16=..., env) for the test's case."""
+    from shardkit import environment as E
+
+    for name in ("TORCH_CUDA_ARCH_LIST", "DS_PIN_MEMORY_BACKEND", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+
+    def force(*, cuda=E.CudaProbe(build=None, available=None), cpu_fp16=False, **env):
+        monkeypatch.setattr(E, "probe_cuda", lambda: cuda)
+        monkeypatch.setattr(E, "probe_cpu_fp16", lambda: cpu_fp16)
+        monkeypatch.setattr(E, "probe_memlock", lambda: None)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+
+    return force
+
+
+def test_config_never_claims_a_check_that_fails_on_this_machine(run_cli, machine, tmp_path):
+    """fp16 on a CPU without oneDNN fp16: `config ... --no-accelerator` used to write the file and
+    claim `passes shardkit check FILE --no-accelerator`, which then reported 1 error."""
+    machine(cpu_fp16=False)
+    out = tmp_path / "f.json"
+    code, _, err = run_cli("config", "zero3", "--precision", "fp16", "--no-accelerator", "-o", out)
+    assert code == 1 and not out.exists(), err
+    assert f"{out}: not written: `shardkit check {out} --no-accelerator` would report 1 error(s) on this machine: " \
+        "fp16.enabled=True: fp16 on a CPU run" in err
+    assert "AVX512-FP16" in err and "Fix: use bf16 on CPU runs" in err
+    # judged from the machine (no flag): the same, and it says how to state a GPU run
+    code, _, err = run_cli("config", "zero3", "--precision", "fp16", "-o", out)
+    assert code == 1 and not out.exists() and "pass --accelerator if it runs on a GPU machine" in err
+    # what it claims otherwise is what the named command says
+    code, _, err = run_cli("config", "zero3", "--precision", "fp16", "--accelerator", "-o", out)
+    assert code == 0 and f"passes `shardkit check {out} --accelerator`" in err
+    assert run_cli("check", out, "--accelerator")[0] == 0
+    machine(cpu_fp16=True)
+    code, _, err = run_cli("config", "zero3", "--precision", "fp16", "--no-accelerator", "-o", out)
+    assert code == 0 and f"passes `shardkit check {out} --no-accelerator`" in err
+    assert run_cli("check", out, "--no-accelerator")[0] == 0
+
+
+def test_config_pin_memory_follows_deepspeeds_accelerator(run_cli, machine, monkeypatch, tmp_path):
+    """The run has an accelerator exactly when DeepSpeed picks one (environment.run_has_accelerator):
+    an MPS/XPU torch (torch.accelerator says yes, DeepSpeed runs on its CPU accelerator) or
+    DS_ACCELERATOR=cpu on a GPU machine writes pin_memory false, as preflight's CPU ranks want."""
+    import torch
+
+    def pin(*argv):
+        out = tmp_path / "p.json"
+        code, _, err = run_cli("config", "zero3", "--offload-optimizer", "cpu", *argv, "-o", out)
+        assert code == 0, err
+        return json.loads(out.read_text())["zero_optimization"]["offload_optimizer"]["pin_memory"], err
+
+    from shardkit.environment import CudaProbe
+
+    gpu = CudaProbe(build="12.8", available=True, device_count=1)
+    machine()
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # an MPS or XPU machine
+    value, err = pin()
+    assert value is False and "pin_memory false because the run has no accelerator (judged from this machine" in err
+    machine(cuda=gpu)
+    assert pin()[0] is True
+    machine(cuda=gpu, DS_ACCELERATOR="cpu")
+    assert pin()[0] is False
+    assert pin("--accelerator")[0] is True

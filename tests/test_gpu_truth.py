@@ -6,6 +6,7 @@ an expectation, and any single tensor moved to another device must be named."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -129,17 +130,23 @@ def test_observed_cli_with_a_config_and_unknown_tensors_listed(run_cli, tmp_path
     ('{"spec": {"engine": "megatron"}}', "spec.engine"),
     ('{"spec": {"engine": "fsdp2"}, "after_init": [{"name": 3}]}', r"after_init\[0\]"),
     ("[" * 100000, "not valid JSON"),
+    (None, "FIFO"),
 ])
 def test_bad_snapshots_are_one_line_usage_errors(run_cli, tmp_path, content, message):
     path = tmp_path / "snap.json"
-    path.write_text(content)
+    if content is None:
+        os.mkfifo(path)  # would block a plain read forever
+    else:
+        path.write_text(content)
     code, _, err = run_cli("preflight", "--observed", path)
     assert code == 2
     assert str(path) in err
     import re
 
+    from shardkit.errors import UsageError
+
     assert re.search(message, err)
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(UsageError, match=message):
         load_snapshot(path)
 
 
@@ -230,3 +237,35 @@ def test_gpu_live_runs_are_judged_like_the_recordings(tmp_path, name):
     out = run_ranks(targets.record_spec_on_gpu, 1, args=(str(tmp_path), name, _load("specs")[name]), timeout=600, device="gpu")[0].value
     assert out["live_ok"], out["live_text"]
     assert out["judged"]["ok"] and out["judged"]["not_checked"] == [], out["judged"]
+
+
+def test_record_never_replaces_a_config_or_a_non_file(run_cli, tmp_path):
+    cfg = tmp_path / "ds_config.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}))
+    before = cfg.read_text()
+    code, _, err = run_cli("preflight", cfg, "--record", cfg)
+    assert code == 2 and "is not a placement snapshot" in err and str(cfg) in err
+    assert cfg.read_text() == before
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    code, _, err = run_cli("preflight", cfg, "--record", fifo)
+    assert code == 2 and "not a regular file" in err
+
+
+def test_observed_refuses_live_only_flags(run_cli):
+    code, _, err = run_cli("preflight", "--observed", DATA / "z3_bf16.json", "--nproc", "2", "--record", "x.json")
+    assert code == 2 and "--nproc, --record would be ignored" in err
+
+
+def test_a_new_run_never_joins_another_runs_snapshot(tmp_path):
+    from shardkit.placement.snapshot import record_snapshot
+
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "snap.json"
+    old = _load("z3_offboth_pin")  # another run's recording, with its own spec
+    path.write_text(json.dumps(old))
+    model = torch.nn.Linear(4, 4)
+    snap = record_snapshot(path, model=model, optimizer=torch.optim.AdamW(model.parameters()), phase="after_step")
+    assert snap["spec"] == {"engine": "torch"} and "after_init" not in snap  # the old run's phases are gone
+    again = record_snapshot(path, model=model, optimizer=torch.optim.AdamW(model.parameters()), phase="later")
+    assert {"after_step", "later"} <= set(again)  # same run: phases join

@@ -57,6 +57,67 @@ def test_config_is_found_in_every_spelling(script_args, expected):
     assert find_config(script_args) == expected
 
 
+@pytest.mark.parametrize("script_args, seen", [
+    (["--deepspeed_config"], "with no value"),
+    (["--deepspeed_config", "--lr", "1e-4"], "followed by '--lr'"),
+    (["--deepspeed-config="], "with no value"),
+    (["--deepspeed", "--deepspeed_config"], "with no value"),
+])
+def test_a_path_only_config_flag_without_its_path_is_a_usage_error_naming_it(script_args, seen):
+    flag = script_args[-1].rstrip("=") if len(script_args) != 3 else "--deepspeed_config"
+    with pytest.raises(UsageError, match=rf"^{flag} {seen}: it takes the config's path, so the config would go unchecked; "
+                                         rf"pass `{flag} ds_config.json`"):
+        find_config(script_args)
+
+
+def test_launch_with_a_bare_deepspeed_config_flag_starts_nothing(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    code, out, err = run_cli("launch", "--dry-run", "train.py", "--deepspeed_config")
+    assert code != 0 and "--deepspeed_config with no value" in err
+    assert "no config named" not in err and "would run" not in err
+
+
+def _fp16_config(tmp_path: Path) -> Path:
+    cfg = tmp_path / "fp16.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
+                               "zero_optimization": {"stage": 3}}))
+    return cfg
+
+
+def test_fp16_on_a_machine_without_a_gpu_stops_the_launch(tmp_path):
+    from shardkit.environment import CudaProbe, probe_environment
+    from shardkit.launch import check_launch_config
+
+    cfg = _fp16_config(tmp_path)
+    plan = build_launch(["train.py", "--deepspeed_config", str(cfg)], "deepspeed", environ={})
+    no_gpu = probe_environment({}, memlock_bytes=None, cuda=CudaProbe(build=None, available=None), cpu_fp16=False)
+    report = check_launch_config(plan, facts=no_gpu)
+    (err,) = [f for f in report.errors if f.key == "fp16.enabled"]
+    assert "fp16 on a CPU run (the run has no accelerator)" in err.message and err.fix
+    # the ranks would get a GPU here: the same config launches
+    gpu = probe_environment({}, memlock_bytes=None, cuda=CudaProbe(build="12.8", available=True, device_count=1), cpu_fp16=False)
+    assert not [f for f in check_launch_config(plan, facts=gpu).findings if f.key == "fp16.enabled"]
+    # DS_ACCELERATOR=cpu in the ranks' environment forces DeepSpeed's CPU accelerator even with a GPU
+    forced = probe_environment({"DS_ACCELERATOR": "cpu"}, memlock_bytes=None,
+                               cuda=CudaProbe(build="12.8", available=True, device_count=1), cpu_fp16=False)
+    assert [f for f in check_launch_config(plan, facts=forced).errors if f.key == "fp16.enabled"]
+
+
+def test_launch_dry_run_of_fp16_on_this_cpu_only_machine_exits_1(run_cli, tmp_path, monkeypatch):
+    from shardkit.environment import probe_cpu_fp16
+
+    if probe_cpu_fp16():
+        pytest.skip("this CPU runs fp16 (oneDNN AVX512-FP16/AMX-FP16): DeepSpeed accepts it")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    cfg = _fp16_config(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    code, out, err = run_cli("launch", "--dry-run", script, "--deepspeed_config", cfg)
+    assert code == 1 and "fp16.enabled" in out and f"not started: 1 error(s) in {cfg}" in err
+    assert "would run" not in err
+
+
 def test_module_form_and_missing_script():
     launcher_args, script, rest = split_script(["--nproc_per_node", "2", "-m", "pkg.train", "--config", "c.json"])
     assert launcher_args == ["--nproc_per_node", "2", "-m", "pkg.train"] and script == "pkg.train" and rest == ["--config", "c.json"]
@@ -135,7 +196,8 @@ def test_bad_config_stops_the_launch_before_anything_starts(run_cli, tmp_path):
     script.write_text(f"open({str(marker)!r}, 'w').write('x')\n")
     code, out, err = run_cli("launch", "--launcher", "torchrun", "--nproc_per_node", "1", script, "--deepspeed_config", cfg)
     assert code == 1
-    assert "bf16.enabled" in out and f"not started: 1 error(s) in {cfg}" in err
+    # (on a machine without a GPU fp16 is a second error)
+    assert "bf16.enabled" in out and f" error(s) in {cfg}" in err and "not started: " in err
     assert not marker.exists()
 
 

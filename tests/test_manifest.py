@@ -143,7 +143,7 @@ def test_manifest_that_is_not_a_regular_file_is_named(tmp_path):
     import os
 
     os.mkfifo(tmp_path / MANIFEST_NAME)  # reading a fifo would block forever
-    with pytest.raises(CheckpointError, match=rf"{MANIFEST_NAME}: is a fifo, not a regular file"):
+    with pytest.raises(CheckpointError, match=rf"{MANIFEST_NAME}: is a FIFO \(named pipe\), not a regular file.*Re-save"):
         read_manifest(tmp_path)
 
 
@@ -154,3 +154,13 @@ def test_what_shardkit_writes_passes_the_checks(tmp_path):
     m = seal(tag, engine="deepspeed", world_size=1, zero_stage=3, step=2, dtype="bf16", offload_optimizer="cpu",
              offload_param="none", config_digest=config_digest({"a": 1}), extra={"resharded_from": {"path": "/x"}})
     assert read_manifest(tag).to_dict() == m.to_dict()
+
+
+def test_a_fifo_swapped_in_after_the_check_never_blocks_read_manifest(tmp_path, monkeypatch):
+    from tests._corrupt import call_without_blocking, fifo_swapped_in_after_a_check
+
+    (tmp_path / "f").write_bytes(b"x")
+    seal(tmp_path, engine="torch")
+    fifo_swapped_in_after_a_check(monkeypatch, tmp_path / MANIFEST_NAME)
+    m = call_without_blocking(lambda: read_manifest(tmp_path), tmp_path / MANIFEST_NAME)
+    assert [f.path for f in m.files] == ["f"]

@@ -3,9 +3,11 @@ ZeRO-3 engine, a missing and a late rank, FSDP2, and the `shardkit preflight` co
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -232,3 +234,57 @@ def test_cli_refuses_more_ranks_than_visible_gpus_before_spawning(run_cli, tmp_p
     code, out, err = run_cli("preflight", cfg, "--nproc", "2")
     assert code == 2 and "spawning" not in out
     assert "--nproc 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "--device cpu" in err
+
+
+def test_cli_static_checks_at_any_world_size_on_a_one_gpu_machine(run_cli, tmp_path, monkeypatch):
+    import shardkit.harness.spawn
+
+    monkeypatch.setattr(shardkit.harness.spawn, "visible_gpus", lambda: 1)  # --static spawns nothing: no refusal
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(ZERO3_CLI))  # train_batch_size 2 = 1 x 1 x world 2
+    code, out, err = run_cli("preflight", cfg, "--static", "--nproc", "2")
+    assert code == 0, out + err
+    assert "asks for 2 ranks" not in err and "spawning" not in out
+    # nproc is still the world size the config is checked at
+    code, out, _ = run_cli("preflight", cfg, "--static", "--nproc", "3")
+    assert code == 1 and "train_batch_size" in out and "static checks failed" in out
+    code, _, err = run_cli("preflight", cfg, "--static", "--nproc", "0")
+    assert code == 2 and "--nproc 0: must be at least 1" in err
+
+
+def _after_preflight_results(json_path):
+    from shardkit.harness.spawn import RankResult
+
+    if json_path:  # what rank 0's preflight wrote before rank 1 died in the step
+        Path(json_path).write_text(json.dumps({"ok": True, "world_size": 2, "ranks": [{"rank": 0, "records": []}]}))
+    passed = {"rank": 0, "preflight_ok": True, "text": "placement preflight (deepspeed-zero3, 2 rank(s)): ok", "loss": 1.0}
+    return [
+        RankResult(rank=0, exitcode=0, value=passed),
+        RankResult(rank=1, exitcode=1, error="Traceback (most recent call last):\n  ...\nRuntimeError: gloo died\nmore",
+                   error_type="RuntimeError", error_message="gloo died\nsecond line"),
+    ]
+
+
+@pytest.mark.parametrize("json_arg", [None, "file", "-"])
+def test_ranks_dying_after_the_preflight_get_one_line_each_and_a_failure_json(tmp_path, json_arg):
+    from shardkit.errors import DistributedError
+    from shardkit.preflight_run import PreflightOptions, RankSpec, verdict
+    from shardkit.harness.spawn import RankPlan
+
+    out_json = {None: None, "file": str(tmp_path / "placement.json"), "-": "-"}[json_arg]
+    spec_json = str(tmp_path / "report.json") if json_arg == "-" else out_json
+    opts = PreflightOptions(config=str(tmp_path / "ds.json"), nproc=2, device="cpu", json_path=out_json)
+    spec = RankSpec({}, "deepspeed", None, 60.0, spec_json, str(tmp_path))
+    out = io.StringIO()
+    with pytest.raises(DistributedError) as info:
+        verdict(opts, RankPlan(2, "cpu"), _after_preflight_results(spec_json), spec, str(tmp_path), out)
+    msg = str(info.value)
+    assert msg.startswith("1 of 2 rank(s) failed after the preflight:\n")
+    assert f"  rank 1: RuntimeError: gloo died (log: {tmp_path / 'rank1.log'})" in msg
+    assert "Traceback" not in msg and "second line" not in msg and "more" not in msg
+    if json_arg:
+        text = Path(out_json).read_text() if json_arg == "file" else out.getvalue().split(": ok\n", 1)[1]
+        data = json.loads(text)
+        assert data["ok"] is False and data["stage"] == "ranks failed after the preflight"
+        assert [f["rank"] for f in data["failures"]] == [1] and data["failures"][0]["error"] == "RuntimeError: gloo died"
+        assert data["ranks"] == [{"rank": 0, "records": []}]  # the placement the survivors reported is kept

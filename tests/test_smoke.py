@@ -157,7 +157,27 @@ def test_hopper_arch_list_failure_names_the_op_the_deepspeed_function_and_the_fi
     assert [e["stage"] for e in events] == ["building", "failed"]
     line = op_failure_line("FusedAdamBuilder", status["FusedAdamBuilder"])
     assert line == f"DeepSpeed op FusedAdamBuilder failed to build: {cause}; TORCH_CUDA_ARCH_LIST='9.0a' has entries " \
-        'DeepSpeed cannot parse: export TORCH_CUDA_ARCH_LIST="9.0"'
+        "DeepSpeed cannot parse: export TORCH_CUDA_ARCH_LIST=9.0 (or unset it: DeepSpeed then builds for the visible GPUs)"
+
+
+@pytest.mark.parametrize("arch, fix", [
+    ("sm_90", "export TORCH_CUDA_ARCH_LIST=9.0 "),  # the old private regex left it as "sm_90", which fails again
+    ("8.0;9.0a+PTX", 'export TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX" '),
+    ("hopper", "export TORCH_CUDA_ARCH_LIST=<major.minor of your GPU"),
+])
+def test_op_failure_fix_is_the_one_check_gives(arch, fix):
+    """A failed op build and `shardkit check` name the same fix (environment.arch_list_fix), and it parses."""
+    from shardkit.engines.deepspeed import op_failure_line
+    from shardkit.environment import arch_list_fix, deepspeed_arch_list_error
+
+    error = deepspeed_arch_list_error(arch)
+    line = op_failure_line("FusedAdamBuilder", f"failed: {error} (in compute_capability_args)", {"TORCH_CUDA_ARCH_LIST": arch})
+    assert line.endswith(f"has entries DeepSpeed cannot parse: {arch_list_fix(arch)}") and fix in line, line
+    exported = fix.split("=", 1)[1].strip().strip('"')
+    assert "<" in exported or deepspeed_arch_list_error(exported) is None
+    # a build that failed for another reason is not blamed on the variable
+    other = op_failure_line("CPUAdamBuilder", "failed: CalledProcessError: ninja", {"TORCH_CUDA_ARCH_LIST": arch})
+    assert "TORCH_CUDA_ARCH_LIST" not in other
 
 
 def test_smoke_refuses_more_ranks_than_visible_gpus(run_cli, monkeypatch):
@@ -179,3 +199,86 @@ def test_keep_checkpoint_never_replaces_files(tmp_path):
     with pytest.raises(UsageError, match=r"--keep-checkpoint .*ckpt.* already exists and is not an empty folder"):
         run_smoke(SmokeOptions(engines=("fsdp2",), nproc=2, device="cpu", keep_checkpoint=str(keep)), progress=False)
     assert (keep / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- --keep-checkpoint failures, run failure lines
+
+
+def _fake_checkpoint(base: Path) -> Path:
+    ckpt = base / "checkpoint"
+    (ckpt / "step2").mkdir(parents=True)
+    (ckpt / "step2" / "shard.bin").write_bytes(b"x")
+    return ckpt
+
+
+def test_keep_checkpoint_that_cannot_move_is_one_line_and_leaves_the_checkpoint_where_it_was(tmp_path):
+    from shardkit.smoke import keep_checkpoint
+
+    ckpt = _fake_checkpoint(tmp_path / "work")
+    keep = tmp_path / "kept"
+    keep.mkdir()
+    (keep / "appeared-during-the-run.txt").write_text("someone else's")  # empty when checked, not now
+    line = keep_checkpoint(ckpt, keep)
+    assert line is not None and "\n" not in line
+    assert line.startswith(f"--keep-checkpoint {keep}: could not move the checkpoint there: ")
+    assert "Directory not empty" in line and f"it was left in {ckpt}" in line
+    assert (ckpt / "step2" / "shard.bin").read_bytes() == b"x"
+    assert (keep / "appeared-during-the-run.txt").read_text() == "someone else's"
+    # a parent that is a file (or unwritable, or a full disk): the same one line, nothing moved
+    (tmp_path / "file").write_text("")
+    line = keep_checkpoint(ckpt, tmp_path / "file" / "kept")
+    assert line is not None and f"--keep-checkpoint {tmp_path / 'file' / 'kept'}: could not move" in line
+    assert (ckpt / "step2" / "shard.bin").exists()
+    # and when it can move, it does
+    assert keep_checkpoint(ckpt, tmp_path / "new" / "kept") is None
+    assert (tmp_path / "new" / "kept" / "step2" / "shard.bin").read_bytes() == b"x" and not ckpt.exists()
+
+
+def test_a_keep_failure_is_marked_in_the_result_and_printed_as_a_warning():
+    r = EngineResult(engine="fsdp2", ok=True, exact=True, max_abs_diff=0.0, losses_uninterrupted=[[1.0, 0.5]],
+                     losses_resumed=[[1.0, 0.5]], preflight="passed",
+                     keep_error="--keep-checkpoint /k: could not move the checkpoint there: boom; it was left in /w/checkpoint")
+    from shardkit.smoke import SmokeReport
+
+    buf = io.StringIO()
+    print_smoke_report(SmokeReport(results=[r], nproc=2, steps=2), file=buf)
+    assert "fsdp2: --keep-checkpoint /k: could not move the checkpoint there: boom; it was left in /w/checkpoint" in buf.getvalue()
+    assert r.to_dict()["keep_error"].startswith("--keep-checkpoint /k")
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("  \n ", "ValueError"),  # IndexError before: a whitespace-only message has no first line
+    ("", "ValueError"),
+    ("\nsecond\nthird", "ValueError: second"),
+])
+def test_a_failed_runs_line_survives_any_message(tmp_path, message, expected):
+    from shardkit.smoke import run_failure
+    from shardkit.harness.spawn import RankResult
+
+    killed = RankResult(rank=0, exitcode=None, error="rank 0 was still running 20s after another rank failed")
+    raised = RankResult(rank=1, exitcode=1, error="Traceback ...", error_type="ValueError", error_message=message)
+    exc = run_failure("C", [killed, raised], tmp_path)
+    assert str(exc) == f"run C (resume) failed on rank 1: {expected} (log: {tmp_path / 'rank1.log'})"
+    blank = RankResult(rank=0, exitcode=-9, error=" \n")
+    assert str(run_failure("A", [blank], tmp_path)).startswith("run A (uninterrupted run) failed on rank 0: exit code -9 ")
+
+
+@pytest.mark.slow
+def test_files_put_in_the_keep_folder_during_the_run_leave_a_passing_smoke_with_one_warning(tmp_path):
+    keep = tmp_path / "ckpt"
+    work = tmp_path / "work"
+
+    def someone_writes_there(_ckpt: Path) -> None:  # between run B's save and the resume
+        keep.mkdir()
+        (keep / "theirs.txt").write_text("not ours")
+
+    report = run_smoke(SmokeOptions(engines=("fsdp2",), nproc=2, device="cpu", steps=2, keep_checkpoint=str(keep),
+                                    workdir=str(work), after_save=someone_writes_there), progress=False)
+    (r,) = report.results
+    assert r.ok and report.ok and r.kept_checkpoint is None
+    assert r.keep_error.startswith(f"--keep-checkpoint {keep}: could not move the checkpoint there: ")
+    assert f"it was left in {work / 'fsdp2' / 'checkpoint'}" in r.keep_error
+    assert (work / "fsdp2" / "checkpoint").is_dir() and sorted(p.name for p in keep.iterdir()) == ["theirs.txt"]
+    buf = io.StringIO()
+    print_smoke_report(report, file=buf)
+    assert "could not move the checkpoint there" in buf.getvalue() and "all passed" in buf.getvalue()

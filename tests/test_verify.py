@@ -231,3 +231,39 @@ def test_listed_file_that_is_a_fifo_is_not_read(tmp_path):
     rep = verify_checkpoint(tmp_path)
     assert [e.rule for e in rep.errors] == ["ckpt.file.not_regular"]
     assert "is not a regular file" in rep.errors[0].message
+
+
+def test_a_symlink_inside_the_tag_folder_cannot_lead_verify_outside_it(tmp_path):
+    """The manifest path 'sub/secret' is fine as text; 'sub' is a link to a folder outside the
+    checkpoint (it could be '/', and 'sub/etc/passwd' would be hashed)."""
+    import os
+    import shutil
+
+    root = tmp_path / "root"
+    tag = _ckpt(root)
+    (tag / "sub").mkdir()
+    (tag / "sub" / "secret").write_bytes(b"outside data")
+    seal(tag, engine="deepspeed", world_size=2, zero_stage=3, step=5)
+    outside = tmp_path / "elsewhere"
+    shutil.move(tag / "sub", outside)  # same bytes, now outside the checkpoint
+    os.symlink(outside, tag / "sub")
+    rep = verify_checkpoint(root)
+    assert [e.rule for e in rep.errors] == ["ckpt.file.outside"]
+    assert rep.errors[0].key == "sub/secret" and rep.errors[0].message.startswith(
+        f"{tag / 'sub' / 'secret'}: leads outside the checkpoint folder {tag.resolve()} (to {outside / 'secret'}")
+    with pytest.raises(CheckpointError, match=r"\[sub/secret\] .*leads outside the checkpoint folder"):
+        check_resumable(root)
+
+
+@pytest.mark.parametrize("content", ["/etc", "../elsewhere"])
+def test_latest_naming_a_folder_outside_the_root_is_an_error_not_checked(tmp_path, content, run_cli):
+    root = tmp_path / "root"
+    _ckpt(root)
+    _ckpt(tmp_path / "elsewhere_root", "step7")
+    (tmp_path / "elsewhere").symlink_to(tmp_path / "elsewhere_root" / "step7")  # a valid checkpoint out there
+    (root / "latest").write_text(content)
+    rep = verify_checkpoint(root)
+    assert [e.rule for e in rep.errors] == ["ckpt.latest.invalid"] and rep.manifest is None
+    assert f"{root / 'latest'}: holds {content!r}, which is not a checkpoint tag" in rep.errors[0].message
+    code, out, _ = run_cli("verify", root, "--json")
+    assert code == 1 and "not a checkpoint tag" in json.loads(out)["findings"][0]["message"]

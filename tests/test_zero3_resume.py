@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests import _ranks_zero3 as R
+from tests._corrupt import flip_a_byte
 
 pytestmark = pytest.mark.slow
 WORLDS = [1, 3]
@@ -102,8 +103,7 @@ def test_offload_switched_between_save_and_resume(runs):
 def test_bf16_offload_checkpoint_with_several_sub_groups_resumes_without_offload(runs):
     source = Path(runs["sources"]["bf16_offload"])
     full = _full_states(source)
-    for rank, result in enumerate(runs[3]["ranks"]):
-        got = result["bf16_offload_off"]
+    for rank, got in enumerate(runs["bf16_offload_off"]):  # its own 3-rank spawn
         assert got["optimizer"] == "FusedAdam" and got["step"] == [1.0]
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             assert torch.equal(got[key][0], _expected_partition(full[key], 3, rank)), (rank, key)
@@ -137,13 +137,7 @@ def test_corrupted_optim_file_of_the_right_size_is_refused_on_every_rank(tmp_pat
     out = tmp_path / "ws2"
     reshard_zero3(sources["fp32"], out, 2)  # a 2-rank checkpoint with a shardkit manifest
     bad = next((out / "global_step2").glob("*zero_pp_rank_1_*optim_states.pt"))
-    size = bad.stat().st_size
-    with open(bad, "r+b") as fh:
-        fh.seek(size // 2)
-        b = fh.read(1)
-        fh.seek(size // 2)
-        fh.write(bytes([b[0] ^ 0x01]))
-    assert bad.stat().st_size == size
+    flip_a_byte(bad)
     msgs = [r.value for r in run_ranks(R.load_refused, 2, args=(str(out), "fp32"), timeout=300, device="cpu")]
     assert msgs[0] == msgs[1], msgs
     assert re.match(rf"CheckpointError: cannot resume from .*\[{re.escape(bad.name)}\] .*{re.escape(bad.name)}: "

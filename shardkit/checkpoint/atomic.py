@@ -218,26 +218,56 @@ def write_latest(root: str | os.PathLike[str], tag: str, name: str = LATEST_NAME
     atomic_write_text(Path(root) / name, str(tag))
 
 def read_latest(root: str | os.PathLike[str], name: str = LATEST_NAME) -> str | None:
-    """The tag ``root/latest`` names, or None when there is no pointer."""
+    """The tag ``root/latest`` names, or None when there is no pointer (nothing there, or a folder).
+
+    Read with ``read_regular_file``: the type is checked on the open descriptor, so a FIFO or
+    device swapped in after a check is refused instead of blocking the reader."""
+    from shardkit.config.loading import FileReadError, read_regular_file
+
     p = Path(root) / name
-    if not p.is_file():
-        return None
-    with open(p, "rb") as fh:
-        data = fh.read(MAX_LATEST_BYTES + 1)
-    if len(data) > MAX_LATEST_BYTES:
-        raise CheckpointError(
-            f"{p}: more than {MAX_LATEST_BYTES} bytes, not a tag name; the pointer file is corrupted or was "
-            f"replaced. Write the tag of a complete checkpoint into it (e.g. `echo -n TAG > {p}`), or pass the "
-            "tag directory itself"
-        )
+    fix = (f"Write the tag of a complete checkpoint into it (e.g. `echo -n TAG > {p}`), or pass the tag "
+           "directory itself")
+    try:
+        data = read_regular_file(p, MAX_LATEST_BYTES)
+    except FileReadError as exc:
+        if exc.reason in ("missing", "folder"):
+            return None
+        if exc.reason == "too_large":
+            raise CheckpointError(f"{p}: more than {MAX_LATEST_BYTES} bytes, not a tag name; the pointer file is "
+                                  f"corrupted or was replaced. {fix}") from None
+        raise CheckpointError(f"{exc}; 'latest' must be a small text file holding one tag. {fix}") from None
     try:
         return data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise CheckpointError(
             f"{p}: not a tag name ({len(data)} bytes, not UTF-8 text: {data[:32]!r}); the pointer file is "
-            f"corrupted. Write the tag of a complete checkpoint into it (e.g. `echo -n TAG > {p}`), or pass "
-            "the tag directory itself"
+            f"corrupted. {fix}"
         ) from None
+
+
+def latest_tag(root: str | os.PathLike[str]) -> str | None:
+    """``read_latest`` for a reader about to open ``root/<tag>``: the tag must be one folder name
+    inside ``root`` ('/etc' or '../x' would make ``root / tag`` point anywhere), so anything else
+    raises one CheckpointError naming the pointer file, the value and the fix. None: no pointer."""
+    tag = read_latest(root)
+    if tag is None:
+        return None
+    p = Path(root) / LATEST_NAME
+    why = None
+    if not tag:
+        why = "it is empty"
+    elif tag in (".", "..") or "/" in tag or "\\" in tag or os.sep in tag or "\0" in tag:
+        why = "a tag is one folder name inside the checkpoint folder: no path separators, '.', '..' or NUL"
+    elif tag.startswith(STAGING_PREFIX):
+        why = f"names starting with {STAGING_PREFIX!r} are staging folders of saves that never completed"
+    if why is not None:
+        raise CheckpointError(
+            f"{p}: holds {tag[:200]!r}, which is not a checkpoint tag ({why}); the pointer file is corrupted or "
+            f"was edited. Write the tag of a complete checkpoint into it (e.g. `echo -n global_step100 > {p}`), "
+            "or pass the tag folder itself"
+        )
+    return tag
+
 
 def staging_dir(root: str | os.PathLike[str], tag: str) -> Path:
     """Where a save of ``tag`` is written before it is renamed into place (same on every rank)."""

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -307,25 +306,24 @@ def read_manifest(tag_dir: str | os.PathLike[str]) -> Manifest:
     """Read ``tag_dir/shardkit_manifest.json``; CheckpointError naming the file (and the field,
     the value and why, for a manifest that parses but cannot be right) when it is missing,
     malformed, too large or too deeply nested."""
+    from shardkit.config.loading import FileReadError, read_regular_file
+
     path = Path(tag_dir) / MANIFEST_NAME
-    if not path.is_file():
-        if path.exists():
-            kind = _file_kind(path)
-            raise CheckpointError(f"{path}: is a {kind}, not a regular file; a manifest is a JSON file written "
-                                  "by shardkit. Re-save the checkpoint")
-        raise CheckpointError(
-            f"{path}: no {MANIFEST_NAME}; the checkpoint is incomplete (a save was interrupted) or was not "
-            "written by shardkit. Resume from a complete checkpoint, or re-save with shardkit"
-        )
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_MANIFEST_BYTES + 1)  # never more, whatever st_size says
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc.strerror or exc}); check its "
-                              "permissions") from exc
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{path}: larger than {MAX_MANIFEST_BYTES >> 20} MiB, far more than a manifest of "
-                              "any real checkpoint; the file was replaced or corrupted. Re-save the checkpoint")
+        # the type is checked on the open descriptor: a FIFO swapped in after a check never blocks
+        raw = read_regular_file(path, MAX_MANIFEST_BYTES)
+    except FileReadError as exc:
+        if exc.reason == "missing":
+            raise CheckpointError(
+                f"{path}: no {MANIFEST_NAME}; the checkpoint is incomplete (a save was interrupted) or was not "
+                "written by shardkit. Resume from a complete checkpoint, or re-save with shardkit"
+            ) from None
+        if exc.reason == "too_large":
+            raise CheckpointError(f"{path}: larger than {MAX_MANIFEST_BYTES >> 20} MiB, far more than a manifest of "
+                                  "any real checkpoint; the file was replaced or corrupted. Re-save the checkpoint") from None
+        if exc.reason == "unreadable":
+            raise CheckpointError(f"{exc}; check its permissions") from exc
+        raise CheckpointError(f"{exc}; a manifest is a JSON file written by shardkit. Re-save the checkpoint") from None
     try:
         data = json.loads(raw.decode("utf-8"))
     except RecursionError:
@@ -341,15 +339,6 @@ def read_manifest(tag_dir: str | os.PathLike[str]) -> Manifest:
         raise CheckpointError(f"{path}: manifest JSON is nested more than {MAX_MANIFEST_DEPTH} levels deep "
                               "(shardkit writes 3); the file was replaced or corrupted. Re-save the checkpoint")
     return Manifest.from_dict(data, source=str(path))
-
-
-def _file_kind(path: Path) -> str:
-    mode = path.stat().st_mode
-    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return name
-    return "special file"
 
 
 def seal(tag_dir: str | os.PathLike[str], *, engine: str, world_size: int = 1, **facts: Any) -> Manifest:

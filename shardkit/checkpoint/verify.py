@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.atomic import LATEST_NAME, STAGING_PREFIX, os_errors_named, read_latest
+from shardkit.checkpoint.atomic import LATEST_NAME, STAGING_PREFIX, latest_tag, os_errors_named, read_latest
 from shardkit.checkpoint.manifest import (
     ENGINES,
     MANIFEST_NAME,
@@ -93,13 +93,22 @@ def resolve_checkpoint(path: str | os.PathLike[str], report: CheckpointReport) -
     if (p / MANIFEST_NAME).is_file():
         # A step folder: fine, but say when it is not the one 'latest' names (Lightning points to the parent).
         report.root, report.tag_dir = str(p.parent), str(p)
-        latest = read_latest(p.parent)
+        try:
+            latest = read_latest(p.parent)
+        except CheckpointError:
+            latest = None  # only used for the note below; the tag folder itself was passed
         if latest is not None and latest != p.name:
             report.add(Finding(Severity.INFO, LATEST_NAME, latest,
                                f"{p} is a step folder; the root's 'latest' names {latest!r}, not {p.name!r}",
                                f"pass {p.parent} to resume from the newest checkpoint", "ckpt.path.not_latest"))
         return p
-    latest = read_latest(p)
+    try:
+        latest = latest_tag(p)  # one folder name inside p: '/etc' or '../x' would check another folder
+    except CheckpointError as exc:
+        report.root = str(p)
+        report.add(_err(LATEST_NAME, None, str(exc), "write the tag of a complete checkpoint into it, or pass a tag "
+                        "directory directly", "ckpt.latest.invalid"))
+        return None
     if latest is not None:
         report.root = str(p)
         tag_dir = p / latest
@@ -208,8 +217,17 @@ def verify_checkpoint(
         return report
     report.manifest = m
     listed = {f.path for f in m.files}
+    inside = tag_dir.resolve()
     for entry in m.files:
         f = tag_dir / entry.path  # entry.path is relative, without '..' (Manifest.from_dict checks)
+        real = f.resolve()
+        if not real.is_relative_to(inside):
+            # the text of the path is checked when the manifest is read; a symlink inside the tag
+            # folder (sub -> /) still leads out of it, so where the path really goes is checked here
+            report.add(_err(entry.path, str(real), f"{f}: leads outside the checkpoint folder {inside} (to {real}, "
+                            "through a symlink); it is not read",
+                            "replace the link with the real file, or resume from another tag", "ckpt.file.outside"))
+            continue
         if f.exists() and not f.is_file():
             report.add(_err(entry.path, None, f"{f}: listed in the manifest as a file but is not a regular file "
                             "(a folder, fifo or device); it is not read",
@@ -280,6 +298,22 @@ class SourceCheck:
     """'sha256' (sizes and content), 'sizes' (hashes skipped) or 'none' (no manifest to check against)."""
     warnings: list[str]
     """What the user should know before trusting the output."""
+
+
+#: How ``source checked before reading`` reads (reshard, consolidate) for each ``SourceCheck.level``.
+CHECKED_LEVELS = {
+    "sha256": "sizes and sha256 match its manifest",
+    "sizes": "sizes match its manifest (sha256 skipped: --no-verify)",
+    "none": "not verified (no shardkit manifest)",
+}
+
+
+def warn_unverified(message: str) -> None:
+    """Default ``warn`` of the converters: an UnverifiedCheckpointWarning at the converter's caller
+    (called straight from a function wrapped by ``os_errors_named``: stacklevel 4 skips the wrapper)."""
+    import warnings
+
+    warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=4)
 
 
 def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = True) -> SourceCheck:

@@ -89,20 +89,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _accelerator_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accelerator", action=argparse.BooleanOptionalAction, default=None,
                    help="whether the run has a GPU/accelerator: sets the pin_memory default and the check the file "
-                   "must pass (default: whether this machine has one, as `shardkit preflight` decides)")
+                   "must pass (default: whether DeepSpeed picks one on this machine: DS_ACCELERATOR, else CUDA)")
 
 
-def run_has_accelerator(args: argparse.Namespace) -> bool:
-    """--accelerator / --no-accelerator, else this machine's answer (the probe preflight uses)."""
-    if getattr(args, "accelerator", None) is not None:
-        return bool(args.accelerator)
-    import torch
+def run_has_accelerator(args: argparse.Namespace, facts: Any = None) -> bool:
+    """--accelerator / --no-accelerator, else the accelerator DeepSpeed picks on this machine
+    (shardkit.environment.run_has_accelerator: DS_ACCELERATOR, else CUDA; an MPS/XPU torch or
+    DS_ACCELERATOR=cpu is a CPU run), the answer `smoke`, `launch` and `check`'s environment rows use."""
+    from shardkit.environment import run_has_accelerator as _environment_answer
 
-    return bool(torch.accelerator.is_available())
+    return _environment_answer(getattr(args, "accelerator", None), facts)
 
 
-def build_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The config dict the parsed arguments describe."""
+def build_config(args: argparse.Namespace, facts: Any = None) -> dict[str, Any]:
+    """The config dict the parsed arguments describe (``facts``: the machine judged when
+    --accelerator is not given; default: this one)."""
     from shardkit import generate
     from shardkit.checks.offload import pin_memory_for
 
@@ -136,20 +137,34 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         optimizer=args.optimizer,
         lr=args.lr,
         weight_decay=args.weight_decay,
-        pin_memory=args.pin_memory if args.pin_memory is not None else pin_memory_for(run_has_accelerator(args)),
+        pin_memory=args.pin_memory if args.pin_memory is not None else pin_memory_for(run_has_accelerator(args, facts)),
         hf_auto=args.hf_auto,
     )
 
 
-def config_command(args: argparse.Namespace) -> int:
+def config_command(args: argparse.Namespace, facts: Any = None) -> int:
+    """``facts``: the machine's EnvironmentFacts (default: probed, as `shardkit check FILE` does)."""
     from shardkit.checks import check_config
+    from shardkit.environment import environment_rule_ids, one_line, probe_environment
     from shardkit.errors import ConfigError
 
-    cfg = build_config(args)
-    accelerator = run_has_accelerator(args)
+    # The file is judged exactly as the `shardkit check FILE ...` it is said to pass: that command
+    # (check_file) probes this machine's environment, so this check does too.
+    facts = facts or probe_environment()
+    cfg = build_config(args, facts)
+    accelerator = run_has_accelerator(args, facts)
     world_size = getattr(args, "world_size", None) if args.kind != "fsdp" else None
     hf_auto = getattr(args, "hf_auto", False)
-    report = check_config(cfg, source=args.output, world_size=world_size, expect_hf_auto=hf_auto, accelerator=accelerator)
+    report = check_config(cfg, source=args.output, world_size=world_size, expect_hf_auto=hf_auto,
+                          accelerator=accelerator, environment=facts)
+    machine = [f for f in report.errors if f.rule in environment_rule_ids()]
+    if machine:  # a fine config this machine's run cannot use: say so rather than claim it passes
+        judged = ("" if getattr(args, "accelerator", None) is not None else
+                  "; the run's accelerator was judged from this machine: pass --accelerator if it runs on a GPU machine")
+        raise ConfigError(
+            f"{'nothing printed' if args.output == '-' else args.output + ': not written'}: `{check_command(args, accelerator, world_size, hf_auto)}` would report "
+            f"{len(machine)} error(s) on this machine: " + "; ".join(one_line(f) for f in machine) + judged
+        )
     if report.errors:  # a generator bug: never write a file that shardkit itself refuses
         raise ConfigError(
             "generated config fails `shardkit check`: "
@@ -164,15 +179,7 @@ def config_command(args: argparse.Namespace) -> int:
 
 def passed_message(args: argparse.Namespace, report: Any, accelerator: bool, world_size: int | None, hf_auto: bool) -> str:
     """Exactly which `shardkit check` the file passed, and what that does not cover."""
-    import shlex
-
-    flags = [args.output]
-    if world_size is not None:
-        flags += ["--world-size", str(world_size)]
-    if hf_auto:
-        flags.append("--hf-auto")
-    flags.append("--accelerator" if accelerator else "--no-accelerator")
-    command = "shardkit check " + shlex.join(flags)
+    command = check_command(args, accelerator, world_size, hf_auto)
     notes = []
     if report.warnings:
         notes.append(f"{len(report.warnings)} warning(s), shown by that command")
@@ -186,6 +193,19 @@ def passed_message(args: argparse.Namespace, report: Any, accelerator: bool, wor
         other = "--no-accelerator or --no-pin-memory for a CPU run" if accelerator else "--accelerator or --pin-memory for a GPU run"
         notes.append(f"pin_memory {str(accelerator).lower()} because the run {has} accelerator ({origin}; pass {other})")
     return f"passes `{command}`" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def check_command(args: argparse.Namespace, accelerator: bool, world_size: int | None, hf_auto: bool) -> str:
+    """The `shardkit check` command line the written file is judged by (on this machine)."""
+    import shlex
+
+    flags = [args.output]
+    if world_size is not None:
+        flags += ["--world-size", str(world_size)]
+    if hf_auto:
+        flags.append("--hf-auto")
+    flags.append("--accelerator" if accelerator else "--no-accelerator")
+    return "shardkit check " + shlex.join(flags)
 
 
 def _has_offload(args: argparse.Namespace) -> bool:

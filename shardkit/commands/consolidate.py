@@ -7,11 +7,6 @@ import sys
 
 from shardkit.commands._parser import add_command
 
-#: How ``source checked before reading`` reads for each verification level.
-_CHECKED = {"sha256": "sizes and sha256 match its manifest", "sizes": "sizes match its manifest (sha256 skipped: "
-            "--no-verify)", "none": "not verified (no shardkit manifest)"}
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
@@ -44,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def consolidate_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
+    from shardkit.checkpoint.verify import CHECKED_LEVELS
 
     result = consolidate_zero3(
         args.checkpoint, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,
@@ -52,6 +48,6 @@ def consolidate_command(args: argparse.Namespace) -> int:
     print(
         f"wrote {result.output}: {result.tensors} tensors, {result.parameters:,} parameters, "
         f"{result.bytes / 2**20:,.1f} MiB ({args.dtype}) from tag {result.tag!r} saved by "
-        f"{result.source_world_size} rank(s); source checked before reading: {_CHECKED[result.verified]}"
+        f"{result.source_world_size} rank(s); source checked before reading: {CHECKED_LEVELS[result.verified]}"
     )
     return 0

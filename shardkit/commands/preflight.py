@@ -54,9 +54,19 @@ def preflight_command(args: argparse.Namespace) -> int:
         raise UsageError(f"two configs given ({args.config} and --config {args.config_opt}): pass one")
     config = args.config or args.config_opt
     if args.observed:
+        live_only = [flag for flag, given in (("--nproc", args.nproc is not None), ("--device", args.device != "auto"),
+                                              ("--record", args.record), ("--static", args.static), ("--model", args.model))
+                     if given]
+        if live_only:
+            raise UsageError(f"--observed judges a recording offline: {', '.join(live_only)} would be ignored; "
+                             "drop them, or run the live preflight without --observed")
         return observed_command(args.observed, config, args.json)
     if not config:
         raise UsageError("preflight needs CONFIG (a DeepSpeed or FSDP2 config), or --observed SNAPSHOT to judge a recording")
+    if args.record:
+        from shardkit.placement.snapshot import check_record_target
+
+        check_record_target(args.record)  # before any rank starts: never replace a config or a checkpoint
     return run_preflight(
         PreflightOptions(
             config=config,

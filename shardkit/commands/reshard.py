@@ -7,11 +7,6 @@ import sys
 
 from shardkit.commands._parser import add_command
 
-#: How ``source checked before reading`` reads for each verification level.
-_CHECKED = {"sha256": "sizes and sha256 match its manifest", "sizes": "sizes match its manifest (sha256 skipped: "
-            "--no-verify)", "none": "not verified (no shardkit manifest)"}
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
@@ -43,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def reshard_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.zero3.reshard import reshard_zero3
+    from shardkit.checkpoint.verify import CHECKED_LEVELS
     from shardkit.errors import UsageError
 
     if args.world_size < 1:
@@ -57,7 +53,7 @@ def reshard_command(args: argparse.Namespace) -> int:
         f"{r.source_world_size} -> {r.world_size}; resume with engine.load_checkpoint({str(r.output)!r}) "
         f"on {r.world_size} rank(s)"
     )
-    print(f"source checked before reading: {_CHECKED[r.verified]}")
+    print(f"source checked before reading: {CHECKED_LEVELS[r.verified]}")
     for note in r.notes:
         print(f"note: {note}")
     return 0

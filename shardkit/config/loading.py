@@ -33,12 +33,68 @@ MAX_NESTING = 64
 # 10**9). Real configs hold under 1,000 values.
 MAX_VALUES = 200_000
 
+#: How messages name a file that is not a regular file (``stat.S_IFMT`` of its mode).
 _KINDS = {
+    stat.S_IFDIR: "a folder",
     stat.S_IFCHR: "a character device",
     stat.S_IFBLK: "a block device",
     stat.S_IFIFO: "a FIFO (named pipe)",
     stat.S_IFSOCK: "a socket",
+    stat.S_IFLNK: "a symlink",
+    stat.S_IFREG: "a regular file",
 }
+
+
+def file_kind(mode: int) -> str:
+    """What a file of stat mode ``mode`` is, as messages say it: 'a FIFO (named pipe)', 'a folder'..."""
+    return _KINDS.get(stat.S_IFMT(mode), "a special file")
+
+
+class FileReadError(ConfigError):
+    """``read_regular_file`` refused or could not read a file; the message names the path and why.
+
+    ``reason`` lets a caller put its own fix after the message: 'missing', 'folder', 'not_regular'
+    (a device, FIFO or socket), 'too_large' or 'unreadable' (permissions, I/O error)."""
+
+    def __init__(self, path: Path, reason: str, message: str):
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
+def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of ``path``, at most ``limit`` of them, read only from a regular file, or FileReadError.
+
+    O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; the type is
+    then checked on the open descriptor, so nothing swapped in between a stat and the open (a
+    FIFO, a device) is ever read. The bytes actually read are capped: ``st_size`` is 0 for
+    devices and /proc files whatever they stream."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise FileReadError(p, "missing", f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise FileReadError(p, "folder", f"{p}: is a folder, not a regular file") from None
+    except OSError as exc:
+        raise FileReadError(p, "unreadable", f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise FileReadError(p, "folder", f"{p}: is a folder, not a regular file")
+        if not stat.S_ISREG(mode):
+            raise FileReadError(p, "not_regular", f"{p}: is {file_kind(mode)}, not a regular file (a device or "
+                                "pipe can stream without end, so shardkit never reads one)")
+        os.set_blocking(fd, True)  # a regular file: reads are plain reads again
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(limit + 1)  # bytes actually read, never trusting st_size
+    except OSError as exc:
+        raise FileReadError(p, "unreadable", f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise FileReadError(p, "too_large", f"{p}: more than {limit} bytes")
+    return raw
 
 
 @dataclass
@@ -60,7 +116,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
 def read_config(path: str | Path) -> LoadedConfig:
     """Like load_config, keeping what parsing noticed (duplicate keys)."""
     p = Path(path)
-    raw = _read_regular_file(p)
+    raw = _read_config_bytes(p)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -73,41 +129,21 @@ def read_config(path: str | Path) -> LoadedConfig:
     return parse_config(text, source=str(p))
 
 
-def _read_regular_file(p: Path) -> bytes:
-    """The file's bytes, at most MAX_CONFIG_BYTES of them, from a regular file only.
-
-    O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; the type is
-    then checked on the open descriptor (no window between a stat and the open)."""
+def _read_config_bytes(p: Path) -> bytes:
+    """read_regular_file with MAX_CONFIG_BYTES, each refusal followed by what to do about it."""
     try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such file. Check the path (relative paths are from {Path.cwd()}).") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{p}: is a directory, not a config file. Pass the JSON/YAML file inside it.") from None
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot be read ({exc.strerror or exc}). Check its permissions.") from exc
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise ConfigError(f"{p}: is a directory, not a config file. Pass the JSON/YAML file inside it.")
-        if not stat.S_ISREG(mode):
-            kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-            raise ConfigError(
-                f"{p}: is {kind}, not a regular file; shardkit reads configs only from regular files "
-                "(a device or pipe can stream without end). Save the config to a file and pass that."
-            )
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)  # bytes actually read, never trusting st_size
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot be read ({exc.strerror or exc}). Check its permissions.") from exc
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(
-            f"{p}: more than {MAX_CONFIG_BYTES} bytes is too large for a config file (limit {MAX_CONFIG_BYTES}). "
-            "Is this a checkpoint or a data file?"
-        )
-    return raw
+        return read_regular_file(p, MAX_CONFIG_BYTES)
+    except FileReadError as exc:
+        if exc.reason == "folder":
+            raise ConfigError(f"{p}: is a directory, not a config file. Pass the JSON/YAML file inside it.") from None
+        if exc.reason == "too_large":
+            raise ConfigError(f"{p}: more than {MAX_CONFIG_BYTES} bytes is too large for a config file (limit "
+                              f"{MAX_CONFIG_BYTES}). Is this a checkpoint or a data file?") from None
+        fix = {
+            "missing": f"Check the path (relative paths are from {Path.cwd()}).",
+            "not_regular": "shardkit reads configs only from regular files: save the config to a file and pass that.",
+        }.get(exc.reason, "Check its permissions.")
+        raise ConfigError(f"{exc}. {fix}") from exc
 
 
 def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -161,9 +160,13 @@ def op_failure_line(name: str, status: str, environ: Mapping[str, str] | None = 
     line = f"DeepSpeed op {name} failed to build: {cause}"
     env = os.environ if environ is None else environ
     arch = env.get("TORCH_CUDA_ARCH_LIST")
-    if arch and "invalid literal for int()" in cause:
-        # DeepSpeed 0.19.x sorts TORCH_CUDA_ARCH_LIST entries with int(): torch's own '9.0a' (set by
-        # many Hopper images) fails there; plain 'major.minor' entries build.
-        plain = ";".join(dict.fromkeys(re.sub(r"^(\d+\.\d+)[A-Za-z]+", r"\1", cc) for cc in re.split(r"[;\s]+", arch.strip()) if cc))
-        line += f"; TORCH_CUDA_ARCH_LIST={arch!r} has entries DeepSpeed cannot parse: export TORCH_CUDA_ARCH_LIST=\"{plain}\""
+    # DeepSpeed >= 0.19.0 sorts TORCH_CUDA_ARCH_LIST entries with int() (PR #7977): torch's own '9.0a'
+    # (many Hopper images) or 'sm_90' fail there. The cause is that only when the build failed with
+    # exactly the error shardkit's replay of DeepSpeed's parser predicts; the fix is the same one
+    # `shardkit check` gives (environment.arch_list_fix: 'sm_90' -> 9.0).
+    from shardkit.environment import arch_list_fix, deepspeed_arch_list_error
+
+    error = deepspeed_arch_list_error(arch)
+    if arch and error and error in cause:
+        line += f"; TORCH_CUDA_ARCH_LIST={arch!r} has entries DeepSpeed cannot parse: {arch_list_fix(arch)}"
     return line

@@ -68,6 +68,17 @@ class RankResult:
         return self.exitcode == 0 and self.error is None
 
 
+def failure_line(result: RankResult) -> str:
+    """A failed rank in one line, the same in every command: ``Type: first line of the message``
+    when the target raised (just ``Type`` for an empty or blank message), else the last line of
+    what is known (killed at the timeout, died without a result), else its exit code."""
+    if result.error_type:
+        message = next((line.strip() for line in (result.error_message or "").splitlines() if line.strip()), "")
+        return f"{result.error_type}: {message}" if message else result.error_type
+    lines = [line.strip() for line in (result.error or "").splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {result.exitcode}"
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """How many ranks to start and where they run."""
@@ -128,10 +139,7 @@ def plan_ranks(
     "invalid device ordinal"); ``cpu`` runs any number of gloo ranks with the GPUs hidden.
     ``gpus`` and ``cores`` default to what this machine has (tests pass them in).
     """
-    if device not in DEVICES:
-        raise UsageError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
-    if nproc is not None and nproc < 1:
-        raise UsageError(f"--nproc {nproc}: must be at least 1")
+    _check_request(nproc, device)
     gpus = visible_gpus() if gpus is None else gpus
     if device == "gpu" and gpus == 0:
         raise UsageError(
@@ -159,34 +167,75 @@ def plan_ranks(
     return RankPlan(n, "cpu", tuple(warnings))
 
 
+def _check_request(nproc: int | None, device: str) -> None:
+    if device not in DEVICES:
+        raise UsageError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
+    if nproc is not None and nproc < 1:
+        raise UsageError(f"--nproc {nproc}: must be at least 1")
+
+
+def static_world(nproc: int | None, device: Device = "auto", *, gpus: int | None = None) -> tuple[int, bool]:
+    """(world size, on GPUs) for checks that spawn nothing (`preflight --static`): ``nproc`` is only
+    the world size the config is checked at (it may be meant for another machine), so no rank count
+    is refused here; without it, what a run here would start. ``gpus``: default this machine's."""
+    _check_request(nproc, device)
+    gpus = visible_gpus() if gpus is None else gpus
+    on_gpu = device == "gpu" or (device == "auto" and gpus > 0)
+    return (nproc if nproc is not None else default_nproc("gpu" if on_gpu else "cpu", gpus)), on_gpu
+
+
+# The parent-death signal: a catchable one, so the rank can take its whole process group (what it
+# started: a JIT build, DataLoader workers) down with it. SIGKILL would end the rank at once and
+# orphan its children, since they are in the rank's group, not the parent's.
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+
+
 def _die_with_parent(parent_pid: int) -> None:
-    """End this rank (and its process group) when the process that spawned it dies, however it died.
+    """End this rank and its process group when the process that spawned it dies, however it died.
 
     The rank is its own session leader (os.setsid), so a SIGKILL of the parent, or a SIGTERM it had
     no time to pass on, would otherwise leave it running and holding memory (and GPUs) forever.
+    The kernel sends PARENT_DEATH_SIGNAL the moment the parent exits (Linux prctl); its handler
+    kills the rank's group. A watchdog thread does the same where prctl is missing, where the
+    target replaced the handler, or where the main thread is stuck in C code and cannot run it.
     """
-    try:  # Linux: the kernel sends SIGKILL the moment the parent exits, even from SIGKILL
+    rank_pid = os.getpid()
+
+    def kill_group(signum: int, _frame: Any) -> None:
+        if os.getpid() != rank_pid:
+            # a forked child of the rank inherited this handler (a DataLoader worker SIGTERMed by
+            # its own loader): it dies alone, as it would have without us
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _kill_own_group()
+
+    signal.signal(PARENT_DEATH_SIGNAL, kill_group)  # before prctl: the signal may come at once
+    try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        libc.prctl(pr_set_pdeathsig, int(PARENT_DEATH_SIGNAL), 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
     def watch() -> None:
-        # Fallback where prctl is missing, and the part that also stops what the rank started
-        # (a JIT build, DataLoader workers) when the parent vanishes: kill the whole group.
         while os.getppid() == parent_pid:
             time.sleep(0.2)
-        try:
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        finally:
-            os._exit(1)
+        _kill_own_group()
 
     threading.Thread(target=watch, name="shardkit-parent-watchdog", daemon=True).start()
+
+
+def _kill_own_group() -> None:
+    """SIGKILL this rank's process group (the rank is its leader), the rank last of all."""
+    try:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(1)
 
 
 def _resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:
@@ -392,8 +441,11 @@ class _ForwardSignals:
             return  # signal handlers can only be set there; the ranks still die with this process
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous = signal.getsignal(sig)
-            if previous is signal.SIG_IGN:
-                continue  # this process ignores it (nohup): so do the ranks
+            if previous is signal.SIG_IGN or previous is None:
+                # SIG_IGN: this process ignores it (nohup), so do the ranks. None: a handler set
+                # from C, which Python cannot put back (signal.signal(sig, None) is a TypeError):
+                # leave it in place rather than lose it.
+                continue
             self.previous[sig] = previous
             signal.signal(sig, self._forward)
 

@@ -98,14 +98,17 @@ class ObservedReport:
 
 def load_snapshot(path: str | Path) -> dict[str, Any]:
     """Read a snapshot file; any problem is a UsageError naming the file and what is wrong."""
+    from shardkit.config.loading import FileReadError, read_regular_file
+
     p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"--observed {p}: no such file (a snapshot written by `shardkit preflight --record` "
-                         "or one of tests/data/gpu_truth/*.json)")
-    if p.stat().st_size > _MAX_BYTES:
-        raise UsageError(f"--observed {p}: {p.stat().st_size} bytes is not a snapshot (limit {_MAX_BYTES})")
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        raw = read_regular_file(p, _MAX_BYTES)
+    except FileReadError as exc:
+        hint = (" (a snapshot written by `shardkit preflight --record` or one of tests/data/gpu_truth/*.json)"
+                if exc.reason == "missing" else "")
+        raise UsageError(f"--observed {exc}{hint}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise UsageError(f"--observed {p}: not valid JSON ({str(exc)[:120]}); expected a snapshot object") from None
     problem = _shape_problem(data)

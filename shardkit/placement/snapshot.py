@@ -178,15 +178,39 @@ def record_snapshot(
     from shardkit.checkpoint.atomic import atomic_open
 
     target = Path(path)
-    snap: dict[str, Any] = {}
-    if target.is_file():
-        try:
-            snap = json.loads(target.read_text())
-        except ValueError:
-            snap = {}
-    if not isinstance(snap, dict) or "spec" not in snap:
-        snap = snapshot_header(name or target.stem, engine, model=model, optimizer=optimizer, config=config, device=device)
+    existing = check_record_target(target)
+    head = snapshot_header(name or target.stem, engine, model=model, optimizer=optimizer, config=config, device=device)
+    # A later phase joins the snapshot of the same run (same spec and rank); "after_init" or another
+    # run's file starts afresh, so phases of two runs are never judged under one spec.
+    same_run = existing is not None and phase != "after_init" and all(
+        existing.get(k) == head[k] for k in ("spec", "rank", "world_size", "compute_device"))
+    snap = existing if same_run else head
     snap[phase] = record_phase(engine, model=model, optimizer=optimizer)
     with atomic_open(target, "w") as f:
         json.dump(snap, f, indent=1)
     return snap
+
+
+def check_record_target(path: str | Path) -> dict[str, Any] | None:
+    """Refuse a ``--record`` target that is not ours to replace: anything but a missing path or an
+    earlier snapshot (a config file, a checkpoint, a device). Returns the earlier snapshot, if any."""
+    import json
+
+    from shardkit.errors import UsageError
+
+    target = Path(path)
+    if not target.exists() and not target.is_symlink():
+        return None
+    if not target.is_file() or target.is_symlink():
+        raise UsageError(f"--record {target}: exists and is not a regular file; a snapshot never replaces it "
+                         "(pick a new file name)")
+    from shardkit.config.loading import FileReadError, read_regular_file
+
+    try:
+        data = json.loads(read_regular_file(target, 64 * 1024 * 1024) or b"null")
+    except (FileReadError, ValueError, RecursionError):
+        data = None
+    if not (isinstance(data, dict) and isinstance(data.get("spec"), dict) and any(isinstance(v, list) for v in data.values())):
+        raise UsageError(f"--record {target}: exists and is not a placement snapshot (a config? a checkpoint?); "
+                         "shardkit replaces only earlier snapshots: pick a new file name or remove it")
+    return data

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 from shardkit.checkpoint.atomic import LATEST_NAME, STAGING_PREFIX, atomic_open, disk_full_named, os_errors_named
 from shardkit.checkpoint.safe_load import _ITEMSIZE, read_structure
-from shardkit.checkpoint.verify import UnverifiedCheckpointWarning, verify_before_reading
+from shardkit.checkpoint.verify import verify_before_reading, warn_unverified
 from shardkit.checkpoint.zero3.reader import (
     FP32,
     Zero3Checkpoint,
@@ -34,6 +34,7 @@ from shardkit.checkpoint.zero3.reader import (
     open_zero3_checkpoint,
     resolve_tag_dir,
 )
+from shardkit.config.loading import file_kind
 from shardkit.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:
@@ -120,12 +121,14 @@ def consolidate_zero3(
     out = check_output_file(Path(output), source_dir, force=force)
     checked = verify_before_reading(source_dir, checksums=verify)
     for note in checked.warnings:
-        (warn or _warn)(note)
+        (warn or warn_unverified)(note)
     # The common case (fp32 out, no buffers, no frozen parameters) never imports torch: the files
-    # are parsed by read_structure and every byte is copied file to file.
-    ckpt = open_zero3_checkpoint(checkpoint, torch_free=dtype == "fp32")
+    # are parsed by read_structure and every byte is copied file to file. The tag folder that was
+    # verified is opened, not ``checkpoint`` again: a save between the two could move 'latest'
+    # to a tag nobody verified.
+    ckpt = open_zero3_checkpoint(source_dir, torch_free=dtype == "fp32")
     if ckpt.torch_free and (ckpt.model_state.get("buffer_names") or (include_frozen and ckpt.frozen_param_shapes)):
-        ckpt = open_zero3_checkpoint(checkpoint)
+        ckpt = open_zero3_checkpoint(source_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     small = {} if ckpt.torch_free else _small_tensors(ckpt, out_name, include_frozen)
@@ -176,32 +179,18 @@ def consolidate_zero3(
     return ConsolidateResult(out, len(entries), n_params, total, ckpt.world_size, ckpt.tag, checked.level)
 
 
-def _warn(message: str) -> None:
-    import warnings
-
-
-    warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=4)  # past os_errors_named
-
-
 #: Files whose presence makes a folder a checkpoint (tag) folder: shardkit's completion marker and
 #: the rank-0 files DeepSpeed writes. Nothing is ever written inside such a folder.
 _CHECKPOINT_MARKERS = ("shardkit_manifest.json", "zero_pp_rank_0_mp_rank_00_model_states.pt",
                        "mp_rank_00_model_states.pt")
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return name
-    return "special file"
-
-
 def check_output_file(output: Path, source_dir: Path, *, force: bool = False) -> Path:
     """The path ``consolidate`` may write for ``-o output``, or a UsageError saying why not.
 
     A folder gets ``model.safetensors`` inside. Refused whatever ``force`` says: a path inside the
-    checkpoint being read or inside any checkpoint folder, a checkpoint root's ``latest``, and
+    checkpoint being read or inside any checkpoint folder (a tag folder, a staging folder, or a
+    root holding ``latest``), a checkpoint root's ``latest``, and
     anything that exists and is not a regular file (a device, fifo, folder, or a link to one; as
     root, replacing ``/dev/null`` would make it a plain file). An existing regular file is
     replaced only with ``force``; a symlink to one keeps pointing at the new file.
@@ -213,13 +202,16 @@ def check_output_file(output: Path, source_dir: Path, *, force: bool = False) ->
     if real == src or real.is_relative_to(src):
         raise UsageError(f"-o {output}: {real} is inside the checkpoint being read ({source_dir}); writing there "
                          "would change the checkpoint. Write the weights to another folder")
-    for folder in real.parents:
-        if folder.name.startswith(STAGING_PREFIX) or any((folder / m).exists() for m in _CHECKPOINT_MARKERS):
-            raise UsageError(f"-o {output}: {folder} is a checkpoint folder; consolidate never writes into one. "
-                             "Write the weights to another folder")
     if real.name == LATEST_NAME and (real.parent == src.parent or (real.parent / LATEST_NAME).is_file()):
         raise UsageError(f"-o {output}: {real} is a checkpoint's '{LATEST_NAME}' pointer; replacing it would "
                          "break resuming from that folder. Choose another file name")
+    for folder in real.parents:
+        # a root (the folder holding 'latest') is a checkpoint folder too: its next save's cleanup
+        # and DeepSpeed's loaders treat whatever is in it as theirs
+        if (folder.name.startswith(STAGING_PREFIX) or any((folder / m).exists() for m in _CHECKPOINT_MARKERS)
+                or os.path.lexists(folder / LATEST_NAME)):
+            raise UsageError(f"-o {output}: {folder} is a checkpoint folder; consolidate never writes into one. "
+                             "Write the weights to another folder")
     if not os.path.lexists(out):
         return out
     try:
@@ -229,7 +221,7 @@ def check_output_file(output: Path, source_dir: Path, *, force: bool = False) ->
                          "remove the link") from None
     if not stat.S_ISREG(mode):
         link = f" (a symlink to {real})" if out.is_symlink() else ""
-        raise UsageError(f"-o {output}{link}: exists and is a {_kind(mode)}, not a regular file; consolidate only "
+        raise UsageError(f"-o {output}{link}: exists and is {file_kind(mode)}, not a regular file; consolidate only "
                          "ever replaces regular files. Pass a file path")
     if not force:
         raise UsageError(f"-o {output}: {out} already exists; pass --force to replace it, or choose another name")

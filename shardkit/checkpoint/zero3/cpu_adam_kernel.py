@@ -45,7 +45,8 @@ class KernelReplay:
 
 @dataclass
 class _Unit:
-    """One kernel call per optimizer step: a ZeRO-3 sub-group, in the order ``step()`` visits them."""
+    """One kernel call per optimizer step (a ZeRO-3 sub-group, or one tensor of a plain optimizer),
+    listed in the order the optimizer's ``step()`` makes the calls."""
 
     key: tuple[Any, ...]
     label: str
@@ -59,7 +60,9 @@ def restore_cpu_adam_kernel_state(target: "DeepSpeedEngine | torch.optim.Optimiz
 
     ``target``: a ZeRO-3 engine (its sub-groups are replayed in the order its optimizer step visits
     them), or a ``DeepSpeedCPUAdam`` / CPU ``FusedAdam`` used without an engine (each tensor of
-    each param group in order, as ``DeepSpeedCPUAdam.step`` calls the kernel). Call it on every
+    each param group in order, as ``DeepSpeedCPUAdam.step`` calls the kernel; ``FusedAdam`` calls
+    it once per group, which this matches when a group's tensors share one step count and dtype,
+    as DeepSpeed's flat partitions do). Call it on every
     rank after the optimizer state is loaded: ``load_zero3_checkpoint`` does; after
     ``engine.load_checkpoint`` or ``optimizer.load_state_dict`` call it yourself. Returns one entry
     per kernel replayed; empty when the optimizer keeps no such state (torch optimizers, CUDA
@@ -145,6 +148,16 @@ def _unit(inner: Any, group: dict[str, Any], step: int) -> _Unit | None:
 def _replay(units: list[_Unit]) -> list[KernelReplay]:
     done: dict[tuple[Any, ...], KernelReplay] = {}
     last: dict[tuple[Any, ...], tuple[int, tuple[float, float]]] = {}
+    # A unit whose previous unit on the same kernel has the same betas and step is skipped at every
+    # step below anyway: drop it once here, so a model with dozens of sub-groups costs one Python
+    # iteration per kernel per step, not one per sub-group per step.
+    kept: list[_Unit] = []
+    prev: dict[tuple[Any, ...], tuple[int, tuple[float, float]]] = {}
+    for u in units:
+        if prev.get(u.key) != (u.step, u.betas):
+            kept.append(u)
+        prev[u.key] = (u.step, u.betas)
+    units = kept
     for k in range(1, max((u.step for u in units), default=0) + 1):
         for u in units:
             if k > u.step:

@@ -308,7 +308,7 @@ def resolve_tag_dir(path: str | Path) -> tuple[Path, str]:
         raise CheckpointError(
             f"{p}: is a file, expected a DeepSpeed checkpoint folder (the one holding 'latest') or a tag folder"
         )
-    from shardkit.checkpoint.atomic import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, read_latest
+    from shardkit.checkpoint.atomic import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, latest_tag
 
     if p.name.startswith(STAGING_PREFIX):
         # the same rule as verify.resolve_checkpoint: a staging folder is never loaded
@@ -319,8 +319,8 @@ def resolve_tag_dir(path: str | Path) -> tuple[Path, str]:
     if any(_RANK_FILE.match(f.name) for f in p.iterdir() if f.is_file()):
         return p, p.name
     latest = p / LATEST_NAME
-    if latest.is_file():
-        tag = read_latest(p) or ""
+    tag = latest_tag(p)  # one folder name inside p, or a CheckpointError naming the pointer file
+    if tag is not None:
         tag_dir = p / tag
         if not tag_dir.is_dir():
             raise CheckpointError(

@@ -33,7 +33,7 @@ from shardkit.checkpoint.manifest import MANIFEST_NAME, describe_files
 from shardkit.checkpoint.safe_load import safe_torch_load
 from shardkit.checkpoint.save import atomic_checkpoint
 from shardkit.checkpoint.stream import stream_save
-from shardkit.checkpoint.verify import verify_before_reading
+from shardkit.checkpoint.verify import verify_before_reading, warn_unverified
 from shardkit.checkpoint.zero3.reader import (
     MODEL_FILE,
     OPTIM_FILE,
@@ -95,9 +95,9 @@ def reshard_zero3(
     ``output/<tag>`` is replaced only with ``force=True``. ``warn`` receives what the user should
     know before trusting the result (default: ``warnings.warn``).
     """
-    warn = warn or _warn
+    warn = warn or warn_unverified
     source_dir, source_tag = resolve_tag_dir(checkpoint)
-    tag = check_tag(tag if tag is not None else source_tag)
+    tag = check_tag(tag) if tag is not None else _source_tag_as_new_tag(checkpoint, source_dir, source_tag)
     root = Path(output)
     final = root / tag
     check_output_root(root, tag, source_dir, force=force)
@@ -105,7 +105,9 @@ def reshard_zero3(
     for note in checked.warnings:
         warn(note)
     verified = checked.level
-    ckpt = open_zero3_checkpoint(checkpoint)
+    # the tag folder that was verified, not ``checkpoint`` again: a save in between could move
+    # 'latest' to a tag nobody verified, and the new manifest would say "verified": "sha256"
+    ckpt = open_zero3_checkpoint(source_dir)
     layout = plan_layout(ckpt, world_size, sub_group_size)
 
     # Real DeepSpeed objects (loss scaler, ZeroStageEnum) are re-saved, so resolve them for real.
@@ -153,10 +155,22 @@ def reshard_zero3(
     )
 
 
-def _warn(message: str) -> None:
-    from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
+def _source_tag_as_new_tag(checkpoint: str | Path, source_dir: Path, source_tag: str) -> str:
+    """The source's tag, reused for the output when no ``--tag`` was given, or a UsageError that
+    names where that tag came from (the user never typed it) and says to pass ``--tag``."""
+    from shardkit.checkpoint.atomic import tag_problem
 
-    warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=4)  # past os_errors_named
+    why = tag_problem(source_tag)
+    if why is None:
+        return source_tag
+    given = Path(checkpoint).resolve()
+    # a root or its 'latest' file: the tag was read from 'latest'; a tag folder or a rank file: its folder name
+    if given != source_dir.resolve() and given.parent != source_dir.resolve():
+        origin = f"read from {source_dir.parent / LATEST_NAME}"
+    else:
+        origin = f"the name of the source folder {source_dir}"
+    raise UsageError(f"source tag {source_tag!r} ({origin}) cannot name the new checkpoint ({why}); no --tag was "
+                     "given, so the source's tag would be reused. Pass --tag NAME, e.g. --tag global_step100")
 
 
 def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = False) -> None:
