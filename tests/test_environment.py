@@ -372,9 +372,8 @@ def test_smoke_stops_before_any_rank_with_one_line(run_cli, clean_env, tmp_path)
 
 
 def test_smoke_refuses_an_unparseable_arch_list(clean_env):
-    from shardkit.smoke import SmokeOptions, run_smoke
-
     import shardkit.harness.spawn
+    from shardkit.smoke import SmokeOptions, run_smoke
 
     clean_env.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     clean_env.setattr(E, "probe_cuda", lambda: GPU)

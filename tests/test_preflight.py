@@ -268,8 +268,8 @@ def _after_preflight_results(json_path):
 @pytest.mark.parametrize("json_arg", [None, "file", "-"])
 def test_ranks_dying_after_the_preflight_get_one_line_each_and_a_failure_json(tmp_path, json_arg):
     from shardkit.errors import DistributedError
-    from shardkit.preflight_run import PreflightOptions, RankSpec, verdict
     from shardkit.harness.spawn import RankPlan
+    from shardkit.preflight_run import PreflightOptions, RankSpec, verdict
 
     out_json = {None: None, "file": str(tmp_path / "placement.json"), "-": "-"}[json_arg]
     spec_json = str(tmp_path / "report.json") if json_arg == "-" else out_json

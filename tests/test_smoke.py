@@ -252,8 +252,8 @@ def test_a_keep_failure_is_marked_in_the_result_and_printed_as_a_warning():
     ("\nsecond\nthird", "ValueError: second"),
 ])
 def test_a_failed_runs_line_survives_any_message(tmp_path, message, expected):
-    from shardkit.smoke import run_failure
     from shardkit.harness.spawn import RankResult
+    from shardkit.smoke import run_failure
 
     killed = RankResult(rank=0, exitcode=None, error="rank 0 was still running 20s after another rank failed")
     raised = RankResult(rank=1, exitcode=1, error="Traceback ...", error_type="ValueError", error_message=message)

@@ -7,6 +7,7 @@ import sys
 
 from shardkit.commands._parser import add_command
 
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
@@ -38,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def consolidate_command(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
     from shardkit.checkpoint.verify import CHECKED_LEVELS
+    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
 
     result = consolidate_zero3(
         args.checkpoint, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,

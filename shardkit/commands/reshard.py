@@ -7,6 +7,7 @@ import sys
 
 from shardkit.commands._parser import add_command
 
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
@@ -37,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def reshard_command(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.zero3.reshard import reshard_zero3
     from shardkit.checkpoint.verify import CHECKED_LEVELS
+    from shardkit.checkpoint.zero3.reshard import reshard_zero3
     from shardkit.errors import UsageError
 
     if args.world_size < 1:
