@@ -41,7 +41,8 @@ def test_the_timeout_also_kills_what_a_rank_started(tmp_path):
     import os
 
     pid_file = tmp_path / "child.pid"
-    run_ranks(targets.leaves_a_child, 1, args=(str(pid_file),), timeout=5, backend="gloo", raise_on_error=False)
+    # long enough for a loaded CI machine to start the rank (it sleeps an hour, so the timeout fires)
+    run_ranks(targets.leaves_a_child, 1, args=(str(pid_file),), timeout=20, backend="gloo", raise_on_error=False)
     child = int(pid_file.read_text())
     for _ in range(50):
         try:
