@@ -340,7 +340,7 @@ def test_read_regular_file_refuses_what_is_not_a_regular_file_and_caps_the_bytes
 @pytest.mark.parametrize("content", ["/etc", "../x", "", ".", "a/b", ".shardkit-tmp-step1"])
 def test_latest_naming_no_folder_inside_the_root_is_refused_with_the_pointer_file(tmp_path, content):
     from shardkit.checkpoint.atomic import latest_tag
-    from shardkit.checkpoint.zero3 import resolve_tag_dir
+    from shardkit.checkpoint.zero3.reader import resolve_tag_dir
     from shardkit.errors import CheckpointError
 
     root = tmp_path / "root"

@@ -187,7 +187,12 @@ def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
         (root / "latest").write_text("unverified")
         return result
 
-    monkeypatch.setattr(verify, "verify_before_reading", verify_then_a_save_lands)
+    import shardkit.checkpoint.zero3.consolidate as consolidate
+    import shardkit.checkpoint.zero3.reshard as reshard
+
+    # the converters import it at module level: patch the name they call, too
+    for module in (verify, reshard, consolidate):
+        monkeypatch.setattr(module, "verify_before_reading", verify_then_a_save_lands)
     return checked
 
 
