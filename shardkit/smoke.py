@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 Engine = Literal["zero3", "fsdp2"]
 ENGINES: tuple[Engine, ...] = ("zero3", "fsdp2")
 
-# Presets shipped in the package (shardkit/ds_configs/, package data, so an installed wheel has them
-# too; the checkout's top-level ds_configs/ links there); the first one present wins, generated
-# configs otherwise.
+# Presets shipped in the package (shardkit/ds_configs/ links to the checkout's ds_configs/ and is
+# package data, so an installed wheel has them too); the first one present wins, generated configs
+# otherwise.
 PRESET_CANDIDATES: dict[str, tuple[str, ...]] = {
     "zero3": ("zero3.json",),
     "fsdp2": ("fsdp2_full_shard.json",),
