@@ -1,0 +1,32 @@
+"""What a conversion wrote, carried and could not carry: one record for both directions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ConvertResult:
+    """Returned by ``convert_zero3_to_dcp`` and ``convert_dcp_to_zero3``."""
+
+    output: Path
+    """The new checkpoint root (holds ``latest``)."""
+    tag: str
+    source_engine: str
+    """'zero3' or 'fsdp2'."""
+    target_engine: str
+    world_size: int
+    """Ranks the output is written for (DCP output: any world size loads it; the source's is kept here)."""
+    source_world_size: int
+    params: int
+    """Parameters carried (trainable and frozen)."""
+    bytes: int
+    """Bytes written."""
+    carried: list[str] = field(default_factory=list)
+    """What was carried, by name ('fp32 masters', 'exp_avg', 'step', 'buffers', 'client_state.epoch' ...)."""
+    not_carried: list[str] = field(default_factory=list)
+    """What the source held that the output does not, each with why (never dropped silently)."""
+    notes: list[str] = field(default_factory=list)
+    verified: str = "sha256"
+    """How the source was checked before it was read: 'sha256', 'sizes' or 'none' (no manifest)."""
