@@ -1,0 +1,87 @@
+"""`shardkit convert SRC --to fsdp2|zero3 -o OUT`: a checkpoint of one engine for the other, optimizer state included."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardkit.commands._parser import add_command
+
+TARGETS = ("fsdp2", "zero3")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = add_command(
+        sub,
+        "convert",
+        help="convert a ZeRO-3 checkpoint to FSDP2 (DCP) or back, with fp32 masters and Adam state",
+        example="shardkit convert checkpoints/ --to fsdp2 -o fsdp_ckpt/",
+        description=(
+            "--to fsdp2: read a DeepSpeed ZeRO-3 checkpoint (fp32 masters, Adam exp_avg/exp_avg_sq, step, "
+            "param-group hyperparameters, buffers, JSON client state) and write a DCP checkpoint that "
+            "shardkit's load_fsdp_checkpoint resumes at any world size, with or without CPU offload. "
+            "--to zero3 --world-size N: the reverse, per-rank files DeepSpeed's plain load_checkpoint accepts "
+            "at N ranks. What cannot be carried (loss scaler, LR scheduler, optimizers other than Adam/AdamW, "
+            "MoE experts, tensor-parallel checkpoints) is refused or reported by name. The source is first "
+            "checked against its shardkit manifest (sizes and sha256; --no-verify: sizes only); the output is "
+            "an atomic shardkit checkpoint with a manifest."
+        ),
+    )
+    p.add_argument("source", metavar="SRC", help="checkpoint folder (with 'latest') or tag folder")
+    p.add_argument("--to", required=True, choices=TARGETS, help="engine of the new checkpoint")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="new checkpoint folder (gets OUT/<tag>/ and OUT/latest)")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="--to zero3 only: data-parallel ranks of the resuming DeepSpeed run")
+    p.add_argument("--tag", default=None, help="tag of the new checkpoint (default: the source tag)")
+    p.add_argument("--adam-w-mode", choices=("on", "off"), default=None,
+                   help="--to fsdp2, for a client optimizer the checkpoint does not name: decoupled weight decay "
+                        "(AdamW, on) or L2 (Adam, off); needed only when weight_decay is not 0")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
+    p.add_argument("--no-verify", action="store_true",
+                   help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
+    p.set_defaults(func=convert_command)
+
+
+def convert_command(args: argparse.Namespace) -> int:
+    from shardkit.checkpoint.verify import CHECKED_LEVELS
+    from shardkit.errors import UsageError
+
+    def warn(message: str) -> None:
+        print(f"shardkit convert: warning: {message}", file=sys.stderr)
+
+    if args.to == "fsdp2":
+        if args.world_size is not None:
+            raise UsageError(f"--world-size {args.world_size} with --to fsdp2: a DCP checkpoint loads at any world "
+                             "size, so there is nothing to choose; drop --world-size")
+        from shardkit.checkpoint.convert.zero3_to_dcp import convert_zero3_to_dcp
+
+        adam_w = None if args.adam_w_mode is None else args.adam_w_mode == "on"
+        r = convert_zero3_to_dcp(args.source, args.output, tag=args.tag, force=args.force,
+                                 verify=not args.no_verify, warn=warn, adam_w_mode=adam_w)
+        resume = f"load_fsdp_checkpoint(model, optimizer, {str(r.output)!r}) at any world size"
+    else:
+        if args.world_size is None:
+            raise UsageError("--to zero3 needs --world-size N: DeepSpeed's plain load_checkpoint only takes "
+                             "the per-rank files of its own world size; pass the resuming run's rank count")
+        if args.world_size < 1:
+            raise UsageError(f"--world-size {args.world_size}: must be at least 1")
+        if args.adam_w_mode is not None:
+            raise UsageError(f"--adam-w-mode {args.adam_w_mode} with --to zero3: the FSDP2 checkpoint's param "
+                             "groups already record decoupled_weight_decay; drop --adam-w-mode")
+        # imported here: the reverse direction lives in its own module (and only that module imports it)
+        from shardkit.checkpoint.convert.dcp_to_zero3 import convert_dcp_to_zero3
+
+        r = convert_dcp_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
+                                 force=args.force, verify=not args.no_verify, warn=warn)
+        resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"
+    print(f"wrote {r.output / r.tag}: {r.source_engine} -> {r.target_engine}, {r.params} parameters, "
+          f"{r.bytes / 2**20:,.1f} MiB; resume with {resume}")
+    print(f"source checked before reading: {CHECKED_LEVELS[r.verified]}")
+    if r.carried:
+        print(f"carried: {', '.join(r.carried)}")
+    for line in r.not_carried:
+        print(f"not carried: {line}")
+    for note in r.notes:
+        print(f"note: {note}")
+    return 0
