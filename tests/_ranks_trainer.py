@@ -6,9 +6,17 @@ holding `global_stepN/`, `latest`, `trainer_state.json`, `rng_state_<rank>.pth`.
 
     torchrun --standalone --nproc_per_node 2 tests/_ranks_trainer.py --out OUT --max-steps 4
         [--save-steps 2] [--resume OUT/checkpoint-2] [--engine zero3|fsdp2] [--result FILE]
-        [--callback]
+        [--callback] [--dump-loaded DIR] [--fault unmanaged] [--fp16]
 
 Prints nothing special; rank 0 writes --result (JSON: global_step, losses, world_size) when given.
+--dump-loaded DIR: every rank writes DIR/rank<r>.pt with what the resumed engine holds right after
+the Trainer loaded the checkpoint (its fp32 partitions and Adam state, ZeRO-3 only) and its torch
+CPU RNG state at the first step (after the Trainer restored rng_state_<r>.pth, if it had one).
+--perturb-rng: rank r draws r+1 numbers when training begins, so the rng_state_<r>.pth files it saves
+differ by rank (this model has no dropout: otherwise every rank's torch RNG stays identical).
+--fault unmanaged: a callback given to Trainer(callbacks=...) adds `fault_head` (an nn.Linear) to the
+model at on_train_begin, after deepspeed.initialize: ZeRO-3 never partitions it (the fault the
+preflight must name). --fp16: fp16=True with `"fp16": {"enabled": "auto"}` (the Trainer fills it).
 Every run sees the same synthetic data (row i is seeded by i), so runs are repeatable.
 """
 
@@ -74,12 +82,69 @@ def training_args(ns: argparse.Namespace) -> Any:
         save_steps=ns.save_steps, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
         learning_rate=1e-3, weight_decay=0.01, seed=0, data_seed=0,
     )
+    if ns.fp16:
+        kw["fp16"] = True
     if ns.engine == "zero3":
         kw["deepspeed"] = zero3_config()
+        if ns.fp16:
+            kw["deepspeed"]["fp16"] = {"enabled": "auto"}
     else:
         kw["fsdp"] = "full_shard"
         kw["fsdp_config"] = {"version": 2}
     return TrainingArguments(**kw)
+
+
+def dump_loaded_callback(trainer: Any, out: str) -> Any:
+    """A TrainerCallback writing what this rank's engine loaded (see --dump-loaded)."""
+    from transformers import TrainerCallback
+
+    class DumpLoaded(TrainerCallback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.loaded: dict[str, Any] | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            # after _prepare_for_training: deepspeed_load_checkpoint has run
+            opt = trainer.model_wrapped.optimizer  # DeepSpeedZeroOptimizer_Stage3
+            flats = opt.fp32_partitioned_groups_flat
+            self.loaded = {
+                "global_step": state.global_step,
+                "fp32": [f.detach().clone() for f in flats],
+                "state": [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.optimizer.state[f].items()}
+                          for f in flats],
+            }
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if self.loaded is None or "rng_cpu" in self.loaded:
+                return
+            # the Trainer restores rng_state_<rank>.pth just before the first step of a resumed epoch
+            self.loaded["rng_cpu"] = torch.random.get_rng_state()
+            os.makedirs(out, exist_ok=True)
+            torch.save(self.loaded, os.path.join(out, f"rank{os.environ.get('RANK', '0')}.pt"))
+
+    return DumpLoaded()
+
+
+def add_module_after_engine() -> Any:
+    """A TrainerCallback that adds `fault_head` to the model once the engine exists (--fault)."""
+    from transformers import TrainerCallback
+
+    class AddModuleAfterEngine(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            # trainer.model is the engine's module: the new Linear is created outside zero.Init
+            model.fault_head = torch.nn.Linear(32, 8)
+
+    return AddModuleAfterEngine()
+
+
+def perturb_rng_callback() -> Any:
+    """A TrainerCallback giving each rank its own torch RNG state (see --perturb-rng)."""
+    from transformers import TrainerCallback
+
+    class PerturbRng(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            torch.rand(int(os.environ.get("RANK", "0")) + 1)
+
+    return PerturbRng()
 
 
 def main() -> None:
@@ -93,13 +158,23 @@ def main() -> None:
     p.add_argument("--engine", choices=["zero3", "fsdp2"], default="zero3")
     p.add_argument("--result", default=None)
     p.add_argument("--callback", action="store_true", help="add shardkit's PreflightCallback")
+    p.add_argument("--dump-loaded", default=None, metavar="DIR", help="write what each rank loaded on resume")
+    p.add_argument("--perturb-rng", action="store_true", help="make each rank's saved RNG state differ")
+    p.add_argument("--fault", choices=["unmanaged"], default=None, help="add a module after the engine is built")
+    p.add_argument("--fp16", action="store_true", help='fp16=True, DeepSpeed "fp16": {"enabled": "auto"}')
     ns = p.parse_args()
 
-    trainer = Trainer(model=tiny_llama(), args=training_args(ns), train_dataset=SyntheticTokens())
+    # callbacks given here run before any added later (and before the one `shardkit launch` adds)
+    callbacks = [add_module_after_engine()] if ns.fault else None
+    trainer = Trainer(model=tiny_llama(), args=training_args(ns), train_dataset=SyntheticTokens(), callbacks=callbacks)
     if ns.callback:
         from shardkit.integrations.hf import PreflightCallback
 
         trainer.add_callback(PreflightCallback())
+    if ns.dump_loaded:
+        trainer.add_callback(dump_loaded_callback(trainer, ns.dump_loaded))
+    if ns.perturb_rng:
+        trainer.add_callback(perturb_rng_callback())
     trainer.train(resume_from_checkpoint=ns.resume)
     if ns.result and int(os.environ.get("RANK", "0")) == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "existing FILE is replaced only with --force."
         ),
     )
-    p.add_argument("checkpoint", metavar="CKPT", help="DeepSpeed checkpoint folder (with 'latest') or tag folder")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="DeepSpeed checkpoint folder (with 'latest') or tag folder; a Trainer checkpoint-N or output_dir")
     p.add_argument("-o", "--output", required=True, metavar="FILE",
                    help="output .safetensors file (a folder gets model.safetensors inside)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
@@ -39,11 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def consolidate_command(args: argparse.Namespace) -> int:
+    from shardkit.checkpoint.trainer import resolve_source
     from shardkit.checkpoint.verify import CHECKED_LEVELS
     from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
 
+    # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
+    source = resolve_source(args.checkpoint, lambda m: print(f"note: {m}"))
     result = consolidate_zero3(
-        args.checkpoint, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,
+        source, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,
         verify=not args.no_verify, warn=lambda m: print(f"shardkit consolidate: warning: {m}", file=sys.stderr),
     )
     print(

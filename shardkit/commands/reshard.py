@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from shardkit.commands._parser import add_command
+
+if TYPE_CHECKING:
+    from shardkit.checkpoint.trainer import TrainerCheckpoint
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,12 +24,17 @@ def register(sub: argparse._SubParsersAction) -> None:
             "step and hyperparameters kept. Resume with engine.load_checkpoint(OUT) as usual: no "
             "'load_universal', no conversion step. Memory stays near one output tensor. The source is first "
             "checked against its shardkit manifest (sizes and sha256; --no-verify: sizes only); OUT must be "
-            "new, empty, or a shardkit checkpoint folder, and an existing OUT/<tag> is replaced only with --force."
+            "new, empty, or a shardkit checkpoint folder, and an existing OUT/<tag> is replaced only with --force. "
+            "A Hugging Face Trainer checkpoint-N folder (or its output_dir: the newest checkpoint-N) is resharded "
+            "whole: OUT is the new checkpoint-N folder for Trainer.train(resume_from_checkpoint=OUT), holding the "
+            "resharded global_stepN/, the Trainer's files and the RNG files of the ranks that still exist."
         ),
     )
-    p.add_argument("checkpoint", metavar="CKPT", help="DeepSpeed checkpoint folder (with 'latest') or tag folder")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="DeepSpeed checkpoint folder (with 'latest') or tag folder; a Trainer checkpoint-N or output_dir")
     p.add_argument("--world-size", type=int, required=True, metavar="M", help="data-parallel ranks of the resuming run")
-    p.add_argument("-o", "--output", required=True, metavar="OUT", help="new checkpoint folder (gets OUT/<tag>/ and OUT/latest)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="new checkpoint folder (gets OUT/<tag>/ and OUT/latest; for a Trainer source, the new checkpoint-N)")
     p.add_argument("--tag", default=None, help="tag of the new checkpoint (default: the source tag)")
     p.add_argument("--sub-group-size", type=int, default=None, metavar="N",
                    help="zero_optimization.sub_group_size of the resuming run (default: the saved config's, else 1e9)")
@@ -46,6 +55,11 @@ def reshard_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--world-size {args.world_size}: must be at least 1")
     if args.sub_group_size is not None and args.sub_group_size < 1:
         raise UsageError(f"--sub-group-size {args.sub_group_size}: must be at least 1")
+    from shardkit.checkpoint.trainer import locate_trainer_checkpoint
+
+    trainer_checkpoint = locate_trainer_checkpoint(args.checkpoint)
+    if trainer_checkpoint is not None:
+        return _reshard_trainer(args, trainer_checkpoint)
     r = reshard_zero3(args.checkpoint, args.output, args.world_size, tag=args.tag,
                       sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
                       verify=not args.no_verify, warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
@@ -56,5 +70,30 @@ def reshard_command(args: argparse.Namespace) -> int:
     )
     print(f"source checked before reading: {CHECKED_LEVELS[r.verified]}")
     for note in r.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint") -> int:
+    """A Hugging Face Trainer checkpoint-N (or output_dir): -o is the new checkpoint-N folder."""
+    from shardkit.checkpoint.trainer import reshard_trainer_checkpoint
+    from shardkit.checkpoint.verify import CHECKED_LEVELS
+
+    if source.note():
+        print(f"note: {source.note()}")
+    t = reshard_trainer_checkpoint(source, args.output, args.world_size, tag=args.tag,
+                                   sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
+                                   verify=not args.no_verify,
+                                   warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
+    r = t.reshard
+    print(
+        f"wrote {t.folder}: Trainer checkpoint with {r.tag}/ ({len(r.files)} files, {r.bytes / 2**20:,.1f} MiB), world "
+        f"size {r.source_world_size} -> {r.world_size}; resume with Trainer.train(resume_from_checkpoint="
+        f"{str(t.folder)!r}) on {r.world_size} rank(s)"
+    )
+    print(f"copied unchanged: {', '.join(t.copied) or 'nothing'}; RNG files: "
+          f"{', '.join(b for _, b in t.rng.copies) or 'none'}")
+    print(f"source checked before reading: {CHECKED_LEVELS[r.verified]}")
+    for note in t.notes:
         print(f"note: {note}")
     return 0

@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Check a checkpoint written by shardkit: every file present with its recorded size and sha256, "
             "every rank file the world size needs, and (when given) the engine and world size of the run "
-            "that will resume it. CKPT is the root holding 'latest' or one tag directory. "
+            "that will resume it. CKPT is the root holding 'latest' or one tag directory; a Hugging Face Trainer "
+            "checkpoint-N folder is such a root, and a Trainer output_dir is checked at its newest checkpoint-N. "
             "Exit 0: resumable; 1: problems found; 2: usage error."
         ),
     )
@@ -31,14 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shardkit.checkpoint.trainer import verify_trainer_checkpoint
     from shardkit.checkpoint.verify import verify_checkpoint
     from shardkit.errors import UsageError
     from shardkit.render import print_report, write_json
 
     if args.world_size is not None and args.world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
-    report = verify_checkpoint(args.checkpoint, world_size=args.world_size, engine=args.engine,
-                               checksums=not args.no_checksum)
+    kw = dict(world_size=args.world_size, engine=args.engine, checksums=not args.no_checksum)
+    # a Trainer checkpoint-N or output_dir (None: not Trainer-shaped, the plain rules apply)
+    report = verify_trainer_checkpoint(args.checkpoint, **kw) or verify_checkpoint(args.checkpoint, **kw)
     if args.json:
         write_json(report.to_dict(), None)
     else:
