@@ -46,7 +46,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self._callbacks = dict(callbacks)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        callback = self._callbacks.pop(fullname, None)
+        # Not popped here: importlib.util.find_spec("deepspeed") (accelerate's and transformers'
+        # is_deepspeed_available probe) asks the finders too, then throws the spec away; popping
+        # on that probe would leave the real import unwatched. Popped when the module executes.
+        callback = self._callbacks.get(fullname)
         if callback is None:
             return None
         for finder in sys.meta_path:
@@ -64,6 +67,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             original(module)
+            if self._callbacks.pop(fullname, None) is None:
+                return  # another spec of the same name already ran it
             try:
                 callback(module)
             except Exception as exc:  # a hook problem must never break the user's import
