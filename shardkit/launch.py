@@ -1,9 +1,10 @@
 """`shardkit launch`: check the config a training script will use, then start the real launcher.
 
 ``build_launch`` turns the command line into a :class:`LaunchPlan` (the argv of the real
-``deepspeed`` or ``torchrun`` launcher, with every argument passed through untouched, and the
-environment the ranks get); ``check_launch_config`` runs the static checks and the version table
-on the config the script will read; ``run_launch`` starts the argv (a list, never a shell string)
+``deepspeed``, ``torchrun`` or ``accelerate launch`` launcher, with every argument passed through
+untouched, and the environment the ranks get); ``check_launch_config`` runs the static checks and
+the version table on the config the script will read (for accelerate: the Accelerate config with
+its command-line overrides, see :mod:`shardkit.launch_accelerate`); ``run_launch`` starts the argv (a list, never a shell string)
 and returns its exit status. Tests assert on the plan without spawning anything.
 """
 
@@ -24,9 +25,10 @@ from shardkit.findings import Finding, Report, Severity
 
 if TYPE_CHECKING:
     from shardkit.environment import EnvironmentFacts
+    from shardkit.launch_accelerate import AccelerateRun
 
-Launcher = Literal["deepspeed", "torchrun"]
-LAUNCHERS: tuple[Launcher, ...] = ("deepspeed", "torchrun")
+Launcher = Literal["deepspeed", "torchrun", "accelerate"]
+LAUNCHERS: tuple[Launcher, ...] = ("deepspeed", "torchrun", "accelerate")
 
 # Script arguments that name the config, in the spellings users have: DeepSpeed's own
 # add_config_arguments (--deepspeed_config; --deepspeed is a flag there), the HF Trainer
@@ -67,6 +69,8 @@ class LaunchPlan:
     """Things worth saying before the launch (a --config that is not an engine config ...)."""
     is_module: bool = False
     """The script is a module run with -m/--module (no file to check)."""
+    accelerate: AccelerateRun | None = None
+    """--launcher accelerate: the Accelerate config the run reads, with the command line's overrides."""
 
 
 def split_script(args: Sequence[str]) -> tuple[list[str], str, list[str]]:
@@ -159,18 +163,21 @@ def infer_world_size(launcher: Launcher, launcher_args: Sequence[str]) -> int | 
     return per_node * nodes if per_node else None
 
 
+_MODULES = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.launch"}
+
+
 def launcher_command(launcher: Launcher) -> list[str]:
-    """The real launcher's executable: the console script next to this Python when there is one
-    (so the ranks use this environment), else ``python -m`` its module."""
-    name = "deepspeed" if launcher == "deepspeed" else "torchrun"
-    beside = Path(sys.executable).with_name(name)
+    """The real launcher's command: the console script next to this Python when there is one
+    (so the ranks use this environment), else ``python -m`` its module (for accelerate:
+    ``accelerate launch`` / ``python -m accelerate.commands.launch``)."""
+    sub = ["launch"] if launcher == "accelerate" else []
+    beside = Path(sys.executable).with_name(launcher)
     if beside.is_file() and os.access(beside, os.X_OK):
-        return [str(beside)]
-    found = shutil.which(name)
+        return [str(beside), *sub]
+    found = shutil.which(launcher)
     if found:
-        return [found]
-    module = "deepspeed.launcher.runner" if launcher == "deepspeed" else "torch.distributed.run"
-    return [sys.executable, "-m", module]
+        return [found, *sub]
+    return [sys.executable, "-m", _MODULES[launcher]]
 
 
 def build_launch(
@@ -183,6 +190,8 @@ def build_launch(
     """The plan for ``[launcher args] script.py [script args]``; nothing is checked or started."""
     if launcher not in LAUNCHERS:
         raise UsageError(f"--launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
+    if launcher == "accelerate":
+        return _build_accelerate(args, preflight=preflight, environ=environ)
     launcher_args, script, script_args = split_script(args)
     is_module = launcher_args[-2:] in (["-m", script], ["--module", script])
     config_path = find_config(script_args)
@@ -204,6 +213,33 @@ def build_launch(
     )
 
 
+def _build_accelerate(args: Sequence[str], *, preflight: bool, environ: dict[str, str] | None) -> LaunchPlan:
+    """The plan for ``accelerate launch [accelerate args] script.py [script args]``. The Accelerate
+    config is read here (ConfigError: missing, unreadable, malformed): the world size is in it."""
+    from shardkit.launch_accelerate import load_run, parse_accelerate_args
+
+    env = dict(os.environ if environ is None else environ)
+    run = load_run(parse_accelerate_args(args, env))
+    if preflight:
+        from shardkit.autopreflight import rank_env
+
+        # accelerate launch runs torch's elastic agent in its own process (torch.distributed.run.run)
+        # with os.environ plus its ACCELERATE_* variables, so the ranks inherit this environment
+        env = rank_env(env, run.config_file)
+    return LaunchPlan(
+        launcher="accelerate",
+        argv=[*launcher_command("accelerate"), *args],
+        env=env,
+        script=run.script,
+        script_args=run.script_args,
+        config_path=run.config_file,
+        world_size=run.world_size,
+        preflight=preflight,
+        is_module=run.is_module,
+        accelerate=run,
+    )
+
+
 def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None) -> Report:
     """Static checks and the known-bad version table on the plan's config (an empty report when
     the script names none). Errors mean the launch must not start.
@@ -216,6 +252,8 @@ def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None)
     """
     from shardkit.environment import probe_environment, run_has_accelerator
 
+    if plan.accelerate is not None:
+        return _check_accelerate(plan, plan.accelerate, facts)
     if plan.config_path is None:
         return Report(subject="launch: no config named on the script's command line")
     cfg = load_config(plan.config_path)  # ConfigError: missing, empty, malformed
@@ -239,6 +277,30 @@ def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None)
                 "use `shardkit launch --launcher torchrun ...` for FSDP2 scripts", rule="launch.launcher-kind",
             )
         )
+    return report
+
+
+def _check_accelerate(plan: LaunchPlan, run: AccelerateRun, facts: EnvironmentFacts | None) -> Report:
+    """The Accelerate config the ranks get (file + command-line overrides): the Accelerate rules
+    (its DeepSpeed section or file with the DeepSpeed rules), plus what accelerate would refuse or drop."""
+    from shardkit.checks import check_config
+    from shardkit.environment import probe_environment, run_has_accelerator
+    from shardkit.launch_accelerate import launch_findings
+
+    facts = facts or probe_environment(plan.env)
+    accelerator = run_has_accelerator(facts=facts)
+    source = run.config_file or "accelerate launch (no config file: accelerate's defaults and the command line)"
+    kind = run.effective.get("distributed_type")
+    report = Report(subject=source)
+    if kind in ("DEEPSPEED", "FSDP"):
+        report = check_config(
+            run.effective, source=source, world_size=plan.world_size, environment=facts, accelerator=accelerator,
+            duplicate_keys=run.loaded.duplicate_keys if run.loaded else (),
+            config_dir=Path(run.config_file).parent if run.config_file else None,
+        )
+    else:
+        plan.notes.append(f"distributed_type {kind or 'NO'}: no DeepSpeed or FSDP settings to check")
+    report.extend(launch_findings(run, accelerator=accelerator))
     return report
 
 

@@ -1,4 +1,5 @@
-"""`shardkit launch`: static checks + version table on the script's config, then the real launcher."""
+"""`shardkit launch`: static checks + version table on the script's config (or the Accelerate
+config an `accelerate launch` run reads), then the real launcher."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from typing import Any, Sequence
 
 from shardkit.commands._parser import add_command
 
-USAGE = "shardkit launch [--launcher deepspeed|torchrun] [--no-preflight] [--dry-run] [launcher args] script.py [script args]"
+USAGE = (
+    "shardkit launch [--launcher deepspeed|torchrun|accelerate] [--no-preflight] [--dry-run] [launcher args] "
+    "script.py [script args]"
+)
 
 
 class _PassThroughParser(argparse.ArgumentParser):
@@ -40,10 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "launch",
-        help="check the script's config, then start deepspeed/torchrun with a placement preflight on every rank",
+        help="check the script's config, then start deepspeed/torchrun/accelerate with a placement preflight on every rank",
         example="shardkit launch --launcher torchrun --nproc_per_node 2 train.py --deepspeed_config ds_config.json",
         description=(
-            "Finds the config the script will use (--deepspeed_config/--deepspeed/--config, also NAME=PATH), runs "
+            "Finds the config the script will use (--deepspeed_config/--deepspeed/--config, also NAME=PATH; with "
+            "--launcher accelerate the Accelerate config from --config_file or accelerate's default location, with "
+            "the command line's overrides), runs "
             "`shardkit check` and the known-bad version table on it (errors stop the launch, exit 1), then starts "
             "the real launcher with every argument passed through untouched. Unless --no-preflight, each rank "
             "runs the placement preflight before its first optimizer step (no change to the script); a failing "
@@ -52,7 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.__class__ = _PassThroughParser
     p.usage = USAGE
-    p.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed", help="the real launcher (default: deepspeed)")
+    p.add_argument(
+        "--launcher", choices=["deepspeed", "torchrun", "accelerate"], default="deepspeed",
+        help="the real launcher (default: deepspeed); accelerate runs `accelerate launch [accelerate args] script.py ...`",
+    )
     p.add_argument("--no-preflight", action="store_true", help="do not run the placement preflight in the ranks")
     p.add_argument("--dry-run", action="store_true", help="check the config and print the launcher command, start nothing")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="launcher arguments, the script, and its arguments")
