@@ -1,0 +1,321 @@
+"""Hugging Face Trainer checkpoints, for real: a transformers.Trainer with a DeepSpeed ZeRO-3 config
+trains on 2 CPU ranks and saves checkpoint-2 and checkpoint-4; `shardkit reshard` writes
+checkpoint-2 for 3 ranks; a Trainer on 3 ranks resumes it with resume_from_checkpoint and trains
+to max_steps. The engine holds, right after the Trainer loaded it, the resharded fp32 masters and
+Adam moments bit for bit; RNG files follow their ranks; verify and consolidate take the
+checkpoint-N folder and the output_dir; Trainer folders without a DeepSpeed checkpoint are refused
+with one message naming them.
+
+The two Trainer runs (about 25 s each on an idle 2-core machine) happen once per session, shared by
+pytest-xdist workers through a file lock (xdist's recipe, as in test_preflight).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardkit.checkpoint.trainer import plan_rng_files
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "_ranks_trainer.py"
+TRAINER_TIMEOUT = 300
+
+
+def _tail(log: Path, n: int = 3000) -> str:
+    return log.read_text(errors="replace")[-n:] if log.is_file() else "(no log)"
+
+
+def _torchrun(nproc: int, args: list[str], log: Path) -> None:
+    """One real Trainer run under torchrun, killed with all its ranks after TRAINER_TIMEOUT."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            str(SCRIPT), *args]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        try:
+            code = proc.wait(timeout=TRAINER_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"Trainer run timed out after {TRAINER_TIMEOUT}s: {argv}\n{_tail(log)}") from None
+    if code != 0:
+        raise AssertionError(f"Trainer run failed (exit {code}): {argv}\n{_tail(log)}")
+
+
+def _cli(*argv: Any) -> tuple[int, str, str]:
+    from shardkit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _build(base: Path) -> dict[str, Any]:
+    src, new, resumed, dump = base / "src", base / "new" / "checkpoint-2", base / "resumed", base / "dump"
+    # --perturb-rng: each rank's saved torch RNG differs, so a test can tell which file a rank loaded
+    _torchrun(2, ["--out", str(src), "--max-steps", "4", "--save-steps", "2", "--perturb-rng",
+                  "--result", str(base / "src.json")], base / "src.log")
+    code, out, err = _cli("reshard", src / "checkpoint-2", "--world-size", "3", "-o", new)
+    if code != 0:
+        raise AssertionError(f"shardkit reshard failed ({code}): {out}{err}")
+    _torchrun(3, ["--out", str(resumed), "--max-steps", "4", "--save-steps", "2", "--resume", str(new),
+                  "--dump-loaded", str(dump), "--result", str(base / "resumed.json")], base / "resumed.log")
+    return {"base": str(base), "reshard_out": out, "reshard_err": err,
+            "src": json.loads((base / "src.json").read_text()),
+            "resumed": json.loads((base / "resumed.json").read_text())}
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> dict[str, Any]:
+    """The real Trainer runs: source at 2 ranks, reshard to 3, resume at 3 (shared by xdist workers)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    base, done, failed = root / "trainer_ckpt", root / "trainer_ckpt.json", root / "trainer_ckpt.failed"
+    with FileLock(str(done) + ".lock"):
+        if failed.is_file():  # built and failed once: report it again instead of paying for it again
+            raise AssertionError(failed.read_text())
+        if not done.is_file():
+            shutil.rmtree(base, ignore_errors=True)
+            base.mkdir()
+            try:
+                done.write_text(json.dumps(_build(base)))
+            except BaseException as exc:
+                failed.write_text(f"{type(exc).__name__}: {exc}")
+                raise
+    data = json.loads(done.read_text())
+    data["base"] = Path(data["base"])
+    return data
+
+
+def _optim(tag_dir: Path, rank: int) -> dict[str, Any]:
+    f = tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return torch.load(f, weights_only=False)["optimizer_state_dict"]
+
+
+def test_reshard_writes_a_whole_checkpoint_n(runs):
+    base = runs["base"]
+    src, new = base / "src" / "checkpoint-2", base / "new" / "checkpoint-2"
+    names = sorted(p.name for p in new.iterdir())
+    assert names == ["config.json", "generation_config.json", "global_step2", "latest", "rng_state_0.pth",
+                     "rng_state_1.pth", "trainer_state.json", "training_args.bin", "zero_to_fp32.py",
+                     "zero_to_torch.py"]
+    assert (new / "latest").read_text() == "global_step2"
+    ranks = sorted(p.name for p in (new / "global_step2").glob("zero_pp_rank_*"))
+    assert len(ranks) == 6 and "zero_pp_rank_2_mp_rank_00_optim_states.pt" in ranks
+    for name in ("trainer_state.json", "training_args.bin", "config.json", "rng_state_0.pth", "rng_state_1.pth"):
+        assert (new / name).read_bytes() == (src / name).read_bytes(), name
+    # staged beside the output and renamed: nothing else was left in its parent
+    assert sorted(p.name for p in new.parent.iterdir()) == ["checkpoint-2"]
+    out = runs["reshard_out"]
+    assert "world size 2 -> 3" in out and f"resume_from_checkpoint={str(new)!r}" in out
+    assert "no RNG state for rank(s) 2" in out and "4 samples" in out and "it is 6" in out
+    assert "no shardkit_manifest.json" in runs["reshard_err"]  # the Trainer's own save has no manifest
+
+
+def test_trainer_resumes_at_three_ranks_with_the_optimizer_state(runs):
+    base = runs["base"]
+    new_tag = base / "new" / "checkpoint-2" / "global_step2"
+    src, resumed = runs["src"], runs["resumed"]
+    assert resumed["world_size"] == 3 and resumed["global_step"] == 4
+    # trainer_state.json carried over: the log history of steps 1-2 is the source run's, then 2 new steps
+    assert len(resumed["losses"]) == 4 and resumed["losses"][:2] == src["losses"][:2]
+    assert all(math.isfinite(x) for x in resumed["losses"][2:])
+    for rank in range(3):
+        loaded = torch.load(base / "dump" / f"rank{rank}.pt", weights_only=False)
+        saved = _optim(new_tag, rank)
+        assert loaded["global_step"] == 2
+        assert len(loaded["fp32"]) == len(saved["fp32_flat_groups"])
+        for i, flat in enumerate(loaded["fp32"]):
+            assert torch.equal(flat, saved["fp32_flat_groups"][i]), (rank, i)
+            state = saved["optimizer_state_dict"]["state"][i]
+            assert int(loaded["state"][i]["step"]) == int(state["step"]) == 2
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(loaded["state"][i][key], state[key]), (rank, i, key)
+    # the comparison can fail: rank 0's partition is not rank 1's
+    assert not torch.equal(torch.load(base / "dump" / "rank0.pt", weights_only=False)["fp32"][0][:100],
+                           _optim(new_tag, 1)["fp32_flat_groups"][0][:100])
+    # and the resumed run saved its own 3-rank checkpoint at max_steps
+    assert len(list((base / "resumed" / "checkpoint-4" / "global_step4").glob("*optim_states.pt"))) == 3
+
+
+def test_rng_files_follow_their_ranks(runs):
+    base = runs["base"]
+    new = base / "new" / "checkpoint-2"
+    saved = [torch.load(new / f"rng_state_{r}.pth", weights_only=False)["cpu"] for r in (0, 1)]
+    assert not torch.equal(saved[0], saved[1])  # --perturb-rng made them differ, so the checks below can fail
+    at_first_step = [torch.load(base / "dump" / f"rank{r}.pt", weights_only=False)["rng_cpu"] for r in range(3)]
+    assert torch.equal(at_first_step[0], saved[0]) and torch.equal(at_first_step[1], saved[1])
+    # rank 2 had no file: it kept the RNG the Trainer seeded it with, not another rank's stream
+    assert not torch.equal(at_first_step[2], saved[0]) and not torch.equal(at_first_step[2], saved[1])
+
+
+def test_fp32_masters_consolidated_from_source_and_resharded_are_bit_identical(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    base = runs["base"]
+    code, out, err = _cli("consolidate", base / "src" / "checkpoint-2", "-o", tmp_path / "src.safetensors")
+    assert code == 0, err
+    code, out, err = _cli("consolidate", base / "new" / "checkpoint-2", "-o", tmp_path / "new.safetensors")
+    assert code == 0, err
+    assert "sizes and sha256 match its manifest" in out
+    a, b = load_file(tmp_path / "src.safetensors"), load_file(tmp_path / "new.safetensors")
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_output_dir_resolves_to_the_newest_checkpoint(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    src = runs["base"] / "src"
+    code, out, err = _cli("consolidate", src, "-o", tmp_path / "dir.safetensors")
+    assert code == 0, err
+    assert f"{src} is a Trainer output_dir: using checkpoint-4" in out and "also there: checkpoint-2" in out
+    code, _, err = _cli("consolidate", src / "checkpoint-4", "-o", tmp_path / "four.safetensors")
+    assert code == 0, err
+    a, b = load_file(tmp_path / "dir.safetensors"), load_file(tmp_path / "four.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+    code, out, _ = _cli("verify", src, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["tag_dir"] == str(src / "checkpoint-4" / "global_step4")
+    rules = {f["rule"] for f in report["findings"]}
+    assert rules == {"ckpt.trainer.newest", "ckpt.manifest.missing"}
+
+
+def test_verify_on_checkpoint_folders(runs):
+    base = runs["base"]
+    src, new = base / "src" / "checkpoint-2", base / "new" / "checkpoint-2"
+    # the Trainer's own save: no manifest, said as for any plain DeepSpeed checkpoint (exit 1)
+    code, out, _ = _cli("verify", src, "--json", "--world-size", "3")
+    report = json.loads(out)
+    assert code == 1
+    by_rule = {f["rule"]: f for f in report["findings"]}
+    assert "no shardkit_manifest.json" in by_rule["ckpt.manifest.missing"]["message"]
+    assert "no RNG state for rank(s) 2" in by_rule["ckpt.trainer.rng"]["message"]
+    # the resharded one: complete, for 3 ranks, refused for 2 with the Trainer-shaped fix
+    code, out, err = _cli("verify", new, "--world-size", "3")
+    assert code == 0, out + err
+    code, out, _ = _cli("verify", new, "--world-size", "2", "--json")
+    findings = json.loads(out)["findings"]
+    assert code == 1
+    mismatch = next(f for f in findings if f["rule"] == "ckpt.world_size.mismatch")
+    assert f"shardkit reshard {new} --world-size 2 -o NEW/checkpoint-2" in mismatch["fix"]
+
+
+def test_output_folder_rules_and_atomicity(runs, tmp_path):
+    base = runs["base"]
+    src = base / "src" / "checkpoint-2"
+    # -o the source itself, or a Trainer output_dir
+    code, _, err = _cli("reshard", src, "--world-size", "3", "-o", src)
+    assert code == 2 and "is, holds or lies inside the checkpoint being read" in err
+    code, _, err = _cli("reshard", src, "--world-size", "3", "-o", base / "resumed")
+    assert code == 2 and "is a Trainer output_dir" in err and str(base / "resumed" / "checkpoint-2") in err
+    # a non-empty folder of other files is never replaced
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    code, _, err = _cli("reshard", src, "--world-size", "3", "-o", other)
+    assert code == 2 and "is not a Trainer checkpoint written by shardkit" in err
+    assert (other / "notes.txt").read_text() == "mine"
+    # a resharded one only with --force, and then whole
+    out = tmp_path / "ws1" / "checkpoint-2"
+    code, stdout, err = _cli("reshard", src, "--world-size", "1", "-o", out)
+    assert code == 0, err
+    assert sorted(p.name for p in out.glob("rng_state*")) == ["rng_state.pth"]
+    assert (out / "rng_state.pth").read_bytes() == (src / "rng_state_0.pth").read_bytes()
+    assert "rng_state_0.pth -> rng_state.pth" in stdout and "rng_state_1.pth" in stdout
+    code, _, err = _cli("reshard", src, "--world-size", "3", "-o", out)
+    assert code == 2 and "pass --force" in err
+    code, _, err = _cli("reshard", src, "--world-size", "3", "-o", out, "--force")
+    assert code == 0, err
+    assert len(list((out / "global_step2").glob("*optim_states.pt"))) == 3
+    assert not (out / "rng_state.pth").exists() and (out / "rng_state_1.pth").is_file()
+    # a tag the Trainer would not find
+    code, _, err = _cli("reshard", src, "--world-size", "3", "-o", tmp_path / "t" / "checkpoint-2", "--tag", "mytag")
+    assert code == 2 and "deepspeed_load_checkpoint" in err
+    # a source that breaks mid-way (a truncated rank file; no manifest to catch it first) leaves nothing behind
+    broken = tmp_path / "broken" / "checkpoint-2"
+    shutil.copytree(src, broken)
+    f = broken / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    target = tmp_path / "fromBroken" / "checkpoint-2"
+    code, _, err = _cli("reshard", broken, "--world-size", "3", "-o", target)
+    assert code == 1, err
+    assert list(target.parent.iterdir()) == []
+
+
+def test_trainer_folders_without_deepspeed_are_refused_by_name(runs, tmp_path):
+    src = runs["base"] / "src" / "checkpoint-2"
+    # a checkpoint-N whose DeepSpeed save is missing (save_only_model, or an interrupted save)
+    no_ds = tmp_path / "out" / "checkpoint-2"
+    shutil.copytree(src, no_ds, ignore=shutil.ignore_patterns("global_step*", "latest"))
+    for argv in (["reshard", no_ds, "--world-size", "3", "-o", tmp_path / "x"],
+                 ["consolidate", no_ds, "-o", tmp_path / "x.safetensors"]):
+        code, _, err = _cli(*argv)
+        assert code == 1 and f"{no_ds}: a Hugging Face Trainer checkpoint without a DeepSpeed checkpoint" in err
+        assert "save_only_model" in err
+    code, out, _ = _cli("verify", no_ds, "--json")
+    (finding,) = json.loads(out)["findings"]
+    assert code == 1 and finding["rule"] == "ckpt.trainer.no_deepspeed"
+    assert finding["message"].startswith(f"{no_ds}: a Hugging Face Trainer checkpoint without a DeepSpeed checkpoint")
+    # the output_dir holding it: the newest checkpoint is named
+    code, _, err = _cli("consolidate", no_ds.parent, "-o", tmp_path / "y.safetensors")
+    assert code == 1 and f"the newest checkpoint of the output_dir {no_ds.parent}" in err
+    # a DDP/one-process checkpoint (optimizer.pt + model.safetensors, as the Trainer writes without DeepSpeed)
+    (no_ds / "optimizer.pt").write_bytes(b"")
+    (no_ds / "model.safetensors").write_bytes(b"")
+    code, _, err = _cli("reshard", no_ds, "--world-size", "3", "-o", tmp_path / "z")
+    assert code == 1 and "saved without DeepSpeed" in err and "nothing to reshard" in err
+    # an output_dir without any checkpoint-N
+    empty_run = tmp_path / "run"
+    empty_run.mkdir()
+    shutil.copy2(src / "training_args.bin", empty_run / "training_args.bin")
+    code, _, err = _cli("reshard", empty_run, "--world-size", "3", "-o", tmp_path / "w")
+    assert code == 1 and f"{empty_run}: looks like a Hugging Face Trainer output_dir" in err
+    assert "holds no checkpoint-N folder" in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()
+
+
+@pytest.mark.parametrize(
+    ("names", "world", "copies", "dropped", "absent"),
+    [
+        (["rng_state_0.pth", "rng_state_1.pth"], 3, [("rng_state_0.pth", "rng_state_0.pth"),
+                                                     ("rng_state_1.pth", "rng_state_1.pth")], [], [2]),
+        (["rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth"], 2,
+         [("rng_state_0.pth", "rng_state_0.pth"), ("rng_state_1.pth", "rng_state_1.pth")], ["rng_state_2.pth"], []),
+        (["rng_state_0.pth", "rng_state_1.pth"], 1, [("rng_state_0.pth", "rng_state.pth")], ["rng_state_1.pth"], []),
+        (["rng_state.pth", "trainer_state.json"], 2, [("rng_state.pth", "rng_state_0.pth")], [], [1]),
+        (["trainer_state.json"], 2, [], [], []),  # saved without RNG files: nothing to say per rank
+    ],
+)
+def test_rng_plan(names, world, copies, dropped, absent):
+    plan = plan_rng_files(names, world)
+    assert list(plan.copies) == copies and list(plan.dropped) == dropped and list(plan.absent) == absent
+    notes = " ".join(plan.notes(world))
+    for name in dropped:
+        assert name in notes
+    if absent:
+        assert f"no RNG state for rank(s) {', '.join(map(str, absent))}" in notes
