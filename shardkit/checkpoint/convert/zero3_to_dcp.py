@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import queue
+import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -141,8 +142,11 @@ def convert_zero3_to_dcp(
         # world_size=1: one process wrote it (one chunk per tensor); loading at N ranks is a reshard
         with atomic_checkpoint(root, tag, engine="fsdp2", world_size=1, step=step, dtype="float32",
                                config_digest=config_digest(ckpt.ds_config or None), extra=extra) as save:
-            dcp.save(state, storage_writer=_bucketed_writer(save.path), planner=_lazy_planner(producers),
-                     no_dist=True)
+            with warnings.catch_warnings():
+                # no_dist=True is the intent here (one offline writer), not a missing process group
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(state, storage_writer=_bucketed_writer(save.path), planner=_lazy_planner(producers),
+                         no_dist=True)
     final = root / tag
     return ConvertResult(
         output=root, tag=tag, source_engine="zero3", target_engine="fsdp2", world_size=ckpt.world_size,
@@ -255,6 +259,7 @@ def _plan(ckpt: Zero3Checkpoint, optim0: dict[str, Any], adam_w_mode: bool | Non
     plan = _Plan(names=names, groups=[], steps=steps, notes=names.notes())
     _optimizer_checks(ckpt, plan)
     defaults = _torch_group_defaults()
+    dropped_by_value: dict[str, list[int]] = {}
     for i, g in enumerate(ckpt.param_groups):
         group = dict(defaults)
         dropped = []
@@ -271,8 +276,10 @@ def _plan(ckpt: Zero3Checkpoint, optim0: dict[str, Any], adam_w_mode: bool | Non
         group["params"] = [names.fsdp_name(s.name) for s in ckpt.slots if s.param_group == i]
         plan.groups.append(group)
         if dropped:
-            plan.notes.append(f"param_groups[{i}]: {', '.join(dropped)} not written (DeepSpeed optimizer keys with "
-                              f"no torch counterpart: {'; '.join(_GROUP_KEYS_WITHOUT_TORCH_MEANING.values())})")
+            dropped_by_value.setdefault(", ".join(dropped), []).append(i)
+    for dropped_keys, indices in dropped_by_value.items():
+        plan.notes.append(f"param_groups {indices}: {dropped_keys} not written (DeepSpeed optimizer keys with no "
+                          f"torch counterpart: {'; '.join(f'{k}: {v}' for k, v in _GROUP_KEYS_WITHOUT_TORCH_MEANING.items())})")
     hyper = sorted({k for g in ckpt.param_groups for k in g if k not in _GROUP_KEYS_WITHOUT_TORCH_MEANING})
     plan.carried = [f"fp32 masters ({len(ckpt.slots)} trainable)", *ADAM_STATE_KEYS, "step",
                     f"param_groups x{len(plan.groups)} ({', '.join(hyper)})"]
