@@ -159,6 +159,13 @@ def test_trainer_resumes_at_three_ranks_with_the_optimizer_state(runs):
                            _optim(new_tag, 1)["fp32_flat_groups"][0][:100])
     # and the resumed run saved its own 3-rank checkpoint at max_steps
     assert len(list((base / "resumed" / "checkpoint-4" / "global_step4").glob("*optim_states.pt"))) == 3
+    # the LR scheduler (inside DeepSpeed's model states) went on from step 2, as in the uninterrupted run:
+    # a fresh one would give step 3 the first step's rate
+    def rates(run: str) -> list[float]:
+        state = json.loads((base / run / "checkpoint-4" / "trainer_state.json").read_text())
+        return [h["learning_rate"] for h in state["log_history"] if "learning_rate" in h]
+
+    assert rates("resumed") == rates("src") and len(set(rates("src"))) == 4
 
 
 def test_rng_files_follow_their_ranks(runs):
