@@ -6,7 +6,7 @@ holding `global_stepN/`, `latest`, `trainer_state.json`, `rng_state_<rank>.pth`.
 
     torchrun --standalone --nproc_per_node 2 tests/_ranks_trainer.py --out OUT --max-steps 4
         [--save-steps 2] [--resume OUT/checkpoint-2] [--engine zero3|fsdp2] [--result FILE]
-        [--callback] [--dump-loaded DIR] [--fault unmanaged] [--fp16]
+        [--callback] [--dump-loaded DIR] [--fault unmanaged] [--fp16] [--gpu]
 
 Prints nothing special; rank 0 writes --result (JSON: global_step, losses, world_size) when given.
 --dump-loaded DIR: every rank writes DIR/rank<r>.pt with what the resumed engine holds right after
@@ -17,6 +17,7 @@ differ by rank (this model has no dropout: otherwise every rank's torch RNG stay
 --fault unmanaged: a callback given to Trainer(callbacks=...) adds `fault_head` (an nn.Linear) to the
 model at on_train_begin, after deepspeed.initialize: ZeRO-3 never partitions it (the fault the
 preflight must name). --fp16: fp16=True with `"fp16": {"enabled": "auto"}` (the Trainer fills it).
+--gpu: train on the GPUs (use_cpu=False; the default is CPU ranks).
 Every run sees the same synthetic data (row i is seeded by i), so runs are repeatable.
 """
 
@@ -79,7 +80,7 @@ def training_args(ns: argparse.Namespace) -> Any:
 
     kw: dict[str, Any] = dict(
         output_dir=ns.out, per_device_train_batch_size=2, max_steps=ns.max_steps,
-        save_steps=ns.save_steps, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+        save_steps=ns.save_steps, logging_steps=1, report_to=[], use_cpu=not ns.gpu, bf16=False,
         learning_rate=1e-3, weight_decay=0.01, seed=0, data_seed=0,
     )
     if ns.fp16:
@@ -162,6 +163,7 @@ def main() -> None:
     p.add_argument("--perturb-rng", action="store_true", help="make each rank's saved RNG state differ")
     p.add_argument("--fault", choices=["unmanaged"], default=None, help="add a module after the engine is built")
     p.add_argument("--fp16", action="store_true", help='fp16=True, DeepSpeed "fp16": {"enabled": "auto"}')
+    p.add_argument("--gpu", action="store_true", help="use_cpu=False: train on the GPUs")
     ns = p.parse_args()
 
     # callbacks given here run before any added later (and before the one `shardkit launch` adds)

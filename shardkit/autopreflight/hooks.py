@@ -15,7 +15,12 @@ Nothing is imported at interpreter start-up: a meta-path watcher waits for the s
   preflight also checks the state of the optimizer that belongs to the model (case 1: a resumed
   optimizer state left on the CPU);
 - a wrapper around ``deepspeed.initialize`` that remembers engines, so a DeepSpeed run is checked
-  through the engine (ZeRO partitions, fp32 masters, offload) rather than as a plain module.
+  through the engine (ZeRO partitions, fp32 masters, offload) rather than as a plain module;
+- a wrapper around ``transformers.Trainer.__init__`` that adds shardkit's PreflightCallback
+  (shardkit.integrations.hf): it checks the Trainer's config once the "auto" values are filled and
+  runs the preflight at ``on_train_begin``, after the Trainer built the engine and optimizer and
+  loaded any checkpoint. It claims the one preflight (:func:`claim`), so the torch hooks never run
+  it a second time.
 
 All hooks are removed once the preflight has run; later steps pay nothing.
 """
@@ -26,9 +31,12 @@ import importlib.abc
 import os
 import sys
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from shardkit.autopreflight.env import DEFAULT_TIMEOUT_S, ENV_CONFIG, ENV_FAILED_DIR, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
+
+LAUNCH_SKIP_HINT = "relaunch with `shardkit launch --no-preflight` to skip the check"
+"""How a failure message tells a `shardkit launch` user to skip the check."""
 
 
 class _State:
@@ -80,7 +88,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Install the import watchers (or the hooks at once for modules already imported)."""
-    callbacks: dict[str, Callable[[Any], None]] = {"torch": _install_torch_hooks, "deepspeed": _wrap_deepspeed_initialize}
+    callbacks: dict[str, Callable[[Any], None]] = {
+        "torch": _install_torch_hooks,
+        "deepspeed": _wrap_deepspeed_initialize,
+        "transformers.trainer": _wrap_trainer_init,
+    }
     for name in list(callbacks):
         if name in sys.modules:
             callbacks.pop(name)(sys.modules[name])
@@ -119,6 +131,26 @@ def _wrap_deepspeed_initialize(deepspeed: Any) -> None:
     deepspeed.initialize = initialize
 
 
+def _wrap_trainer_init(trainer_module: Any) -> None:
+    """Every HF Trainer built in this rank gets shardkit's PreflightCallback (unless the script
+    added one): the Trainer builds its DeepSpeed engine / FSDP model inside ``train()``, and the
+    callback runs the preflight there with the Trainer's own objects and its filled config."""
+    trainer_cls = trainer_module.Trainer
+    original = trainer_cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            from shardkit.integrations.hf import inject_preflight_callback
+
+            inject_preflight_callback(self)
+        except Exception as exc:  # the torch hooks stay as the fallback
+            print(f"shardkit autopreflight: PreflightCallback not added to the Trainer ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    trainer_cls.__init__ = __init__
+
+
 def _on_forward(module: Any, args: Any) -> None:
     if _State.done:
         return
@@ -153,42 +185,81 @@ def _on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def _run(module: Any, optimizer: Any = None) -> None:
     """Run the preflight once; on failure stop this rank with EXIT_CODE (every rank fails alike)."""
+    claim()
+    kwargs = _preflight_arguments(module, optimizer)
+    what = "DeepSpeed engine" if "engine" in kwargs else type(kwargs.get("model")).__name__
+    if kwargs.get("optimizer") is not None:
+        what += " + optimizer"
+    run_or_exit(kwargs, what)
+
+
+def claim() -> bool:
+    """Mark the one automatic preflight of this process as taken and remove the torch hooks.
+
+    False when it was already taken: the HF Trainer's PreflightCallback and the torch hooks then
+    never both run it (the callback claims it at ``on_train_begin``, before the first forward)."""
+    if _State.done:
+        return False
     _State.done = True
     _remove_hooks()
+    return True
+
+
+def run_or_exit(
+    kwargs: dict[str, Any],
+    what: str,
+    when: str = "before the first optimizer step",
+    skip_hint: str = LAUNCH_SKIP_HINT,
+    timeout: float | None = None,
+    json_path: str | None = None,
+) -> Any:
+    """``shardkit.preflight(**kwargs)`` with the launch's timeout and JSON path; rank 0 prints one
+    summary line when it passes. On failure every rank prints why and exits with EXIT_CODE (rank 0
+    has printed the table), leaving the marker `shardkit launch` names the failed ranks from."""
     from shardkit.errors import PreflightError
 
-    kwargs = _preflight_arguments(module, optimizer)
     rank = os.environ.get("RANK", "?")
     try:
         from shardkit.placement.preflight import preflight
 
-        report = preflight(**kwargs, timeout=float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)), json_path=os.environ.get(ENV_JSON))
-        if rank == "0":
-            ranks = getattr(report, "ranks", None) or []
-            tensors = sum(len(getattr(r, "records", ())) for r in ranks)
-            what = "DeepSpeed engine" if "engine" in kwargs else type(kwargs.get("model")).__name__
-            print(
-                f"shardkit autopreflight: placement preflight passed on {len(ranks)} rank(s), {tensors} tensors "
-                f"({what}{' + optimizer' if kwargs.get('optimizer') is not None else ''}) before the first optimizer step",
-                file=sys.stderr,
-                flush=True,
-            )
+        report = preflight(**kwargs, timeout=preflight_timeout(timeout), json_path=json_path or os.environ.get(ENV_JSON))
     except PreflightError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "placement preflight failed"
         where = "the table above" if rank == "0" else "rank 0's output"
+        stop_rank(rank, f"placement preflight failed {when}", first, where, skip_hint)
+    except ImportError as exc:
+        print(f"shardkit autopreflight: rank {rank}: preflight unavailable ({exc}); continuing", file=sys.stderr)
+        return None
+    if rank in ("0", "?"):
+        ranks = getattr(report, "ranks", None) or []
+        tensors = sum(len(getattr(r, "records", ())) for r in ranks)
         print(
-            f"shardkit autopreflight: rank {rank}: placement preflight failed before the first optimizer step: {first}\n"
-            f"shardkit autopreflight: rank {rank}: stopping (exit {EXIT_CODE}); see {where}. "
-            "Fix the placement, or relaunch with `shardkit launch --no-preflight` to skip the check.",
+            f"shardkit autopreflight: placement preflight passed on {len(ranks)} rank(s), {tensors} tensors ({what}) {when}",
             file=sys.stderr,
             flush=True,
         )
-        sys.stdout.flush()
-        _leave_failure_marker(rank, first)
-        # os._exit: atexit handlers can block in a collective the other ranks never join.
-        os._exit(EXIT_CODE)
-    except ImportError as exc:
-        print(f"shardkit autopreflight: rank {rank}: preflight unavailable ({exc}); continuing", file=sys.stderr)
+    return report
+
+
+def preflight_timeout(given: float | None = None) -> float:
+    """``given``, else SHARDKIT_AUTOPREFLIGHT_TIMEOUT, else the default (ranks arrive at different times)."""
+    return float(given if given is not None else os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+
+
+def stop_rank(rank: str, what_failed: str, first_line: str, where: str, skip_hint: str = LAUNCH_SKIP_HINT) -> NoReturn:
+    """End this rank with EXIT_CODE after one line saying what failed and why (the same on every
+    rank); ``first_line`` (the cause) goes into the marker `shardkit launch` summarizes."""
+    print(
+        f"shardkit autopreflight: rank {rank}: {what_failed}: {first_line}\n"
+        f"shardkit autopreflight: rank {rank}: stopping (exit {EXIT_CODE}); see {where}. "
+        f"Fix it, or {skip_hint}.",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    _leave_failure_marker(rank, first_line)
+    # os._exit: atexit handlers can block in a collective the other ranks never join.
+    os._exit(EXIT_CODE)
 
 
 def _leave_failure_marker(rank: str, first_line: str) -> None:
