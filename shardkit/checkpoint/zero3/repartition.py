@@ -1,6 +1,10 @@
 """A ZeRO-3 checkpoint's state at another world size, built rank by rank: the target layout
 (sub-groups as ZeRO-3 builds them at the new size), each new rank's flat partitions, model-states
 and optimizer-states dicts. ``reshard`` writes them to files; ``resume`` loads them in-process.
+
+A new rank's flat tensor is a run of byte ranges of the source rank files plus zero padding
+(``partition_segments``): ``reshard`` copies those ranges file to file through one buffer instead
+of building the tensor.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from shardkit.checkpoint.safe_load import safe_torch_load
-from shardkit.checkpoint.stream import LazyTensor
+from shardkit.checkpoint.stream import LazyTensor, Segment
 from shardkit.checkpoint.zero3.layout import (
     DEFAULT_SUB_GROUP_SIZE,
     client_state_keys,
@@ -217,8 +221,14 @@ def client_state_note(ckpt: Zero3Checkpoint, world_size: int) -> str | None:
             "positions, RNG) must be rebuilt by the training script")
 
 
-def optim_state_for_rank(ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, optim0: dict[str, Any]) -> dict[str, Any]:
-    """Rank ``rank``'s optim_states dict with lazy tensors (produced when written or materialized)."""
+def optim_state_for_rank(
+    ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, optim0: dict[str, Any], *, source: "SourceBytes | None" = None
+) -> dict[str, Any]:
+    """Rank ``rank``'s optim_states dict with lazy tensors (produced when written or materialized).
+
+    With ``source`` (``source_bytes(ckpt)``) the lazy tensors also carry their ``Segment``s, so
+    ``stream_save`` copies them file to file without building them.
+    """
     import torch
 
     src = optim0["optimizer_state_dict"]
@@ -233,7 +243,8 @@ def optim_state_for_rank(ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int,
         new_entry: dict[str, Any] = {}
         for k, v in entry.items():
             if k in ckpt.state_keys:
-                new_entry[k] = LazyTensor(layout.sub_group_numel(j), v.dtype, _producer(ckpt, layout, rank, j, k, v.dtype))
+                new_entry[k] = LazyTensor(layout.sub_group_numel(j), v.dtype, _producer(ckpt, layout, rank, j, k, v.dtype),
+                                          _segments(source, ckpt, layout, rank, j, k, v.dtype))
             else:
                 new_entry[k] = copy.deepcopy(v)
         state[j] = new_entry
@@ -243,7 +254,8 @@ def optim_state_for_rank(ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int,
         new_group["params"] = [j for j, owner in enumerate(layout.sub_group_param_group) if owner == g]
         param_groups.append(new_group)
     fp32 = [
-        LazyTensor(layout.sub_group_numel(j), torch.float32, _producer(ckpt, layout, rank, j, FP32, torch.float32))
+        LazyTensor(layout.sub_group_numel(j), torch.float32, _producer(ckpt, layout, rank, j, FP32, torch.float32),
+                   _segments(source, ckpt, layout, rank, j, FP32, torch.float32))
         for j in range(len(layout.sub_groups))
     ]
     osd: dict[str, Any] = {}
@@ -264,3 +276,81 @@ def optim_state_for_rank(ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int,
 
 def _producer(ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, j: int, key: str, dtype: "torch.dtype") -> Callable[[], "torch.Tensor"]:
     return lambda: build_partition(ckpt, layout, rank, j, key, dtype)
+
+
+@dataclass(frozen=True)
+class SourceBytes:
+    """Where every source rank's flat tensors lie in its optim file (for file-to-file copies)."""
+
+    paths: list[str]
+    """Source rank ``r``'s optim file."""
+    start: dict[tuple[int, str, int], int]
+    """``(source rank, key, source sub-group)`` -> byte offset of that flat tensor's first element."""
+    dtype: dict[tuple[str, int], "torch.dtype"]
+    """``(key, source sub-group)`` -> element type (the same on every rank)."""
+
+
+def source_bytes(ckpt: Zero3Checkpoint) -> SourceBytes | None:
+    """The byte offsets of every source flat tensor, or None when any is unknown (the reader could
+    not tie a mapped tensor to its zip record): callers then build tensors in memory instead."""
+    start: dict[tuple[int, str, int], int] = {}
+    dtype: dict[tuple[str, int], Any] = {}
+    firsts = {s.sub_group: s for s in ckpt.slots if s.offset == 0}
+    for rank in range(ckpt.world_size):
+        with ckpt.open_rank(rank) as part:
+            for j, slot in firsts.items():
+                for key in (FP32, *ckpt.state_keys):
+                    try:
+                        t = part.flat(key, j)
+                    except CheckpointError:
+                        continue  # no optimizer state for this sub-group (never stepped): nothing to copy
+                    at = part.byte_offset(slot, key)
+                    if at is None or dtype.setdefault((key, j), t.dtype) != t.dtype:
+                        return None
+                    start[(rank, key, j)] = at
+    return SourceBytes([str(p) for p in ckpt.optim_files], start, dtype)
+
+
+def partition_segments(
+    ckpt: Zero3Checkpoint, layout: TargetLayout, source: SourceBytes, rank: int, sub_group: int, key: str
+) -> list[Segment] | None:
+    """New rank ``rank``'s flat ``key`` tensor of ``sub_group`` as source byte ranges and zero runs
+    (adjacent ranges merged), or None when a piece's source offset or dtype is not known."""
+    segs: list[Segment] = []
+
+    def add(path: str | None, offset: int, nbytes: int) -> None:
+        last = segs[-1] if segs else None
+        if last is not None and last.path == path and (path is None or last.offset + last.nbytes == offset):
+            segs[-1] = Segment(path, last.offset, last.nbytes + nbytes)
+        else:
+            segs.append(Segment(path, offset, nbytes))
+
+    for tp in layout.sub_groups[sub_group]:
+        src = tp.source
+        dtype = source.dtype.get((key, src.sub_group))
+        if dtype is None:
+            return None
+        size = dtype.itemsize
+        lo, hi = tp.rank_range(rank)
+        for s in range(ckpt.world_size):
+            s_lo, s_hi = src.rank_range(s)
+            a, b = max(lo, s_lo), min(hi, s_hi)
+            if b > a:
+                base = source.start.get((s, key, src.sub_group))
+                if base is None:
+                    return None
+                add(source.paths[s], base + (src.offset + a - s_lo) * size, (b - a) * size)
+        if tp.partition_numel > hi - lo:
+            add(None, 0, (tp.partition_numel - (hi - lo)) * size)
+    return segs
+
+
+def _segments(
+    source: SourceBytes | None, ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, j: int, key: str, dtype: "torch.dtype"
+) -> Callable[[], list[Segment]] | None:
+    if source is None:
+        return None
+    if any(source.dtype.get((key, tp.source.sub_group)) != dtype for tp in layout.sub_groups[j]):
+        return None  # a type change needs the in-memory path (build_partition converts)
+    segs = partition_segments(ckpt, layout, source, rank, j, key)
+    return None if segs is None else (lambda: segs)

@@ -16,35 +16,42 @@ saved, so the plain ``load_checkpoint`` takes them unchanged:
 - ``dp_world_size``/``partition_count`` become M, ``param_shapes`` follow the new sub-groups, and
   frozen parameter fragments are repartitioned too.
 
-Memory stays near one output tensor: each rank file is written with torch's own zip writer, and
-every tensor record is produced (from memory-mapped source rank files, one at a time) only when
-it is written.
+Speed and memory: each new rank's flat tensors are byte ranges of the source rank files plus
+zero padding, copied file to file through one 1 MiB buffer per worker (``stream.stream_save``
+writes torch's zip format itself); several rank files are written at once by threads, each hashed
+(sha256, for the manifest) and crc'd as its bytes are written and fsynced by its worker, so
+nothing is read back. When neither the world size nor the sub-groups change, the rank files are
+copied byte for byte instead.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from shardkit.checkpoint.atomic import LATEST_NAME, check_tag, disk_full_named, os_errors_named
-from shardkit.checkpoint.manifest import MANIFEST_NAME, describe_files
+from shardkit.checkpoint.atomic import LATEST_NAME, check_tag, disk_full_named, fsync_file, os_errors_named
+from shardkit.checkpoint.manifest import MANIFEST_NAME, FileEntry
 from shardkit.checkpoint.safe_load import safe_torch_load
 from shardkit.checkpoint.save import atomic_checkpoint
-from shardkit.checkpoint.stream import stream_save
+from shardkit.checkpoint.stream import WrittenFile, copy_file_hashed, stream_save
 from shardkit.checkpoint.verify import verify_before_reading, warn_unverified
 from shardkit.checkpoint.zero3.reader import (
     MODEL_FILE,
     OPTIM_FILE,
+    Zero3Checkpoint,
     full_frozen_params,
     open_zero3_checkpoint,
     resolve_tag_dir,
 )
 from shardkit.checkpoint.zero3.repartition import (
+    TargetLayout,
     client_state_note,
     model_state_for_rank,
     optim_state_for_rank,
     plan_layout,
+    source_bytes,
 )
 from shardkit.config.loading import config_digest
 from shardkit.errors import UsageError
@@ -66,6 +73,8 @@ class ReshardResult:
     """Things the user should know (client_state taken from rank 0 ...)."""
     verified: str = "sha256"
     """How the source was checked before it was read: 'sha256', 'sizes' (--no-verify) or 'none' (no manifest)."""
+    copied_unchanged: bool = False
+    """Same world size and sub-groups as the source: the rank files were copied byte for byte."""
 
 
 @os_errors_named("resharding the checkpoint")
@@ -80,6 +89,7 @@ def reshard_zero3(
     force: bool = False,
     verify: bool = True,
     warn: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> ReshardResult:
     """Write ``checkpoint`` repartitioned for ``world_size`` ranks under ``output/<tag>`` + ``output/latest``.
 
@@ -109,38 +119,22 @@ def reshard_zero3(
     ckpt = open_zero3_checkpoint(source_dir)
     layout = plan_layout(ckpt, world_size, sub_group_size)
 
-    # Real DeepSpeed objects (loss scaler, ZeroStageEnum) are re-saved, so resolve them for real.
-    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True, real_deepspeed_objects=True)
-    frozen = full_frozen_params(ckpt)
-    prefix = "bf16_" if ckpt.optim_files[0].name.startswith("bf16_") else ""
-    written = []
+    unchanged = _layout_unchanged(ckpt, layout)
     facts = dict(
         world_size=world_size, step=ckpt.model_state.get("global_steps"), zero_stage=3, dtype=ckpt.precision,
         config_digest=config_digest(ckpt.ds_config or None),
         extra={"resharded_from": {"path": str(ckpt.tag_dir), "world_size": ckpt.world_size,
-                                  "ds_version": ckpt.ds_version, "verified": verified}},
+                                  "ds_version": ckpt.ds_version, "verified": verified,
+                                  "copied_unchanged": unchanged}},
     )
     outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
+    jobs = _copy_jobs(ckpt) if unchanged else _reshard_jobs(ckpt, layout)
     with atomic_checkpoint(root, tag, engine="deepspeed", manifest=manifest, **facts) as save:
-        staged = save.path
-        hasher = _BackgroundHasher(staged) if manifest else None
-        try:
-            for rank in range(world_size):
-                model_path = staged / MODEL_FILE.format(rank=rank)
-                with disk_full_named(model_path, outcome):
-                    _save_small(model_state_for_rank(ckpt, layout, rank, frozen), model_path)
-                optim_path = staged / OPTIM_FILE.format(prefix=prefix, rank=rank)
-                with disk_full_named(optim_path, outcome):
-                    stream_save(optim_state_for_rank(ckpt, layout, rank, optim0), optim_path)
-                written += [model_path, optim_path]
-                if hasher:
-                    hasher.add(model_path, optim_path)
-            if hasher:
-                save.known_files = hasher.entries()
-        finally:
-            if hasher:
-                hasher.close()  # before the staging folder is removed on failure
-    files = [final / p.name for p in written]
+        entries = _write_files(save.path, jobs, outcome, workers)
+        if manifest:
+            save.known_files = entries
+    written = [name for name, _ in jobs]
+    files = [final / name for name in written]
     return ReshardResult(
         output=root,
         tag=tag,
@@ -151,6 +145,7 @@ def reshard_zero3(
         manifest=final / MANIFEST_NAME if manifest else None,
         notes=[n for n in (client_state_note(ckpt, world_size),) if n],
         verified=verified,
+        copied_unchanged=unchanged,
     )
 
 
@@ -229,38 +224,81 @@ def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = F
                              "or --tag NEW_TAG to write beside it")
 
 
-def _save_small(obj: Any, path: Path) -> None:
-    import torch
-
-    torch.save(obj, path)
+#: A job: the rank file's name, and the function that writes it to a path and returns its digest.
+_Job = tuple[str, Callable[[Path], WrittenFile]]
 
 
-class _BackgroundHasher:
-    """sha256 of each finished file on a worker thread while the next file is produced.
-
-    hashlib releases the GIL on large buffers, so on a 2-core machine hashing overlaps writing
-    instead of re-reading all files at the end (what ``manifest.seal`` would do).
-    """
-
-    def __init__(self, tag_dir: Path):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.tag_dir = tag_dir
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-sha256")
-        self._futures: dict[str, Any] = {}
-
-    def add(self, *paths: Path) -> None:
-        for p in paths:
-            rel = p.relative_to(self.tag_dir).as_posix()
-            self._futures[rel] = self._pool.submit(describe_files, self.tag_dir, [rel])
-
-    def entries(self) -> list[Any]:
-        out = [e for f in self._futures.values() for e in f.result()]
-        self._pool.shutdown()
-        return sorted(out, key=lambda e: e.path)
-
-    def close(self) -> None:
-        """Stop hashing (queued files are dropped); waits for the file being hashed."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+def default_workers(files: int) -> int:
+    """Threads writing rank files at once: one per core this process may run on, at least 2 (a
+    worker waiting in fsync leaves its core to another), at most 8 (past that the disk, not the
+    CPU, is the limit) and never more than there are files. Each holds one CHUNK_BYTES buffer."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(files, max(2, cores), 8))
 
 
+def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
+    """True when the new layout is the source's own: same world size, same sub-groups and offsets."""
+    if layout.world_size != ckpt.world_size or layout.sub_group_param_group != ckpt.sub_group_param_group:
+        return False
+    new = [(j, tp.source.name, tp.offset) for j, params in enumerate(layout.sub_groups) for tp in params]
+    return new == [(s.sub_group, s.name, s.offset) for s in ckpt.slots]
+
+
+def _copy_jobs(ckpt: Zero3Checkpoint) -> list[_Job]:
+    # Copies, never hard links: DeepSpeed's torch.save opens a rank file with O_TRUNC and rewrites it
+    # in place when a run saves the same tag again, so a link would let the source run change the
+    # resharded checkpoint under its manifest (and the other way round). The bytes are read anyway
+    # (the manifest needs their sha256), so copy_file_range would save nothing on a filesystem
+    # without reflinks (ext4).
+    return [(src.name, lambda out, src=src: copy_file_hashed(src, out))
+            for src in [*ckpt.optim_files, *ckpt.model_files]]
+
+
+def _reshard_jobs(ckpt: Zero3Checkpoint, layout: TargetLayout) -> list[_Job]:
+    # Real DeepSpeed objects (loss scaler, ZeroStageEnum) are re-saved, so resolve them for real.
+    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True, real_deepspeed_objects=True)
+    frozen = full_frozen_params(ckpt)
+    prefix = "bf16_" if ckpt.optim_files[0].name.startswith("bf16_") else ""
+    # None when a tensor's file offset is unknown: tensors are then built in memory, one per worker
+    source = source_bytes(ckpt)
+
+    def optim(rank: int) -> Callable[[Path], WrittenFile]:
+        return lambda out: stream_save(optim_state_for_rank(ckpt, layout, rank, optim0, source=source), out)
+
+    def model(rank: int) -> Callable[[Path], WrittenFile]:
+        return lambda out: stream_save(model_state_for_rank(ckpt, layout, rank, frozen), out)
+
+    ranks = range(layout.world_size)
+    # the large files first, so the small ones fill the gaps at the end
+    return ([(OPTIM_FILE.format(prefix=prefix, rank=r), optim(r)) for r in ranks]
+            + [(MODEL_FILE.format(rank=r), model(r)) for r in ranks])
+
+
+def _write_files(staged: Path, jobs: list[_Job], outcome: str, workers: int | None) -> list[FileEntry]:
+    """Run the jobs on a thread pool; every file is fsynced by its worker and described by the
+    digest computed while it was written. The first failure cancels the queued jobs and is raised
+    after the running ones stop (the caller then removes the staging folder)."""
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    def run(name: str, write: Callable[[Path], WrittenFile]) -> FileEntry:
+        path = staged / name
+        with disk_full_named(path, outcome):
+            digest = write(path)
+            fsync_file(path)
+        return FileEntry(name, digest.size, digest.sha256)
+
+    n = workers if workers is not None else default_workers(len(jobs))
+    if n < 1:
+        raise UsageError(f"workers={n}: must be at least 1 (threads writing rank files at once)")
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="shardkit-reshard") as pool:
+        futures = [pool.submit(run, name, write) for name, write in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            f.cancel()  # only the queued ones: leaving the block waits for the running writers
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
