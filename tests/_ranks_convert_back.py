@@ -1,0 +1,78 @@
+"""Rank targets for the FSDP2 -> ZeRO-3 conversion tests (spawned processes import them by name).
+
+The FSDP2 side is ``tests._ranks_ckpt.fsdp_train_save_continue`` (2 steps, save ``step2``, 2 more
+steps; GLOBAL_BATCH rows per step split over the ranks). The ZeRO-3 side here loads the converted
+files with DeepSpeed's plain ``engine.load_checkpoint`` at its own world size, reports this rank's
+flat partitions right after the load, continues on the same global batches, and saves (a checkpoint
+DeepSpeed itself wrote: the start of the ZeRO-3 -> FSDP2 -> ZeRO-3 round trip).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests._ranks_ckpt import GLOBAL_BATCH, SEQ_LEN
+
+
+def ds_config(world_size: int, offload: bool) -> dict[str, Any]:
+    """The resuming ZeRO-3 run: AdamW like the FSDP2 run (lr 1e-3, weight decay 0.01), no clipping
+    (the FSDP2 steps do not clip), the same global batch at any world size dividing GLOBAL_BATCH."""
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world_size,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "steps_per_print": 10_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _global_step(engine, step: int) -> float:
+    from shardkit.engines.deepspeed import train_step
+    from shardkit.models import synthetic_batch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = synthetic_batch(engine.module.config.vocab_size, GLOBAL_BATCH, SEQ_LEN, step, rank=0)
+    per = GLOBAL_BATCH // world
+    t = torch.tensor([train_step(engine, rows[rank * per:(rank + 1) * per])], dtype=torch.float32)
+    dist.all_reduce(t)
+    return float(t.item()) / world
+
+
+def load_and_continue(ckpt: str, offload: bool, start: int, steps: int, save_to: str) -> dict[str, Any]:
+    """Plain ``engine.load_checkpoint(ckpt)``; this rank's state right after it; ``steps`` more steps
+    (after ``restore_cpu_adam_kernel_state``, as the README tells plain-load users); save to ``save_to``."""
+    from shardkit.checkpoint.zero3.cpu_adam_kernel import restore_cpu_adam_kernel_state
+    from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
+    from shardkit.engines.deepspeed import initialize
+    from shardkit.models import tiny_llama
+
+    world = dist.get_world_size()
+    engine = initialize(tiny_llama("tiny", seed=1), ds_config(world, offload))  # other init: the load must overwrite it
+    path, client = engine.load_checkpoint(ckpt)
+    if path is None:
+        raise RuntimeError(f"engine.load_checkpoint({ckpt!r}) loaded nothing")
+    opt = engine.optimizer
+    out: dict[str, Any] = {"fp32": [], "exp_avg": [], "exp_avg_sq": [], "step": []}
+    for flat in opt.fp32_partitioned_groups_flat:
+        st = opt.optimizer.state[flat]
+        out["fp32"].append(flat.detach().cpu().clone())
+        out["exp_avg"].append(st["exp_avg"].detach().cpu().clone())
+        out["exp_avg_sq"].append(st["exp_avg_sq"].detach().cpu().clone())
+        out["step"].append(st["step"])
+    out["param_shapes"] = [[(n, tuple(s)) for n, s in g.items()] for g in engine._get_zero_param_shapes()]
+    out["optimizer"] = type(opt.optimizer).__name__
+    out["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    out["global_steps"] = engine.global_steps
+    out["client"] = {k: client[k] for k in ("epoch", "sample") if k in client}
+    out["kernel_replays"] = len(restore_cpu_adam_kernel_state(engine))
+    out["losses"] = [_global_step(engine, s) for s in range(start, start + steps)]
+    save_deepspeed_checkpoint(engine, save_to, tag=f"global_step{start + steps}")
+    return out
