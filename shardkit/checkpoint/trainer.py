@@ -101,6 +101,7 @@ def _no_deepspeed_message(p: Path, picked_from: Path | None) -> str:
             "keeps only the weights) or was interrupted. Pass a checkpoint-N folder saved with the optimizer state")
 
 
+@os_errors_named("reading the checkpoint folder")
 def locate_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint | None:
     """The Trainer checkpoint ``path`` designates, or None when ``path`` is not Trainer-shaped (a
     plain DeepSpeed root or tag folder, a file, a missing path: the callers' own rules apply).
