@@ -159,11 +159,19 @@ start() {
     while [ "$waited" -lt "$START_TIMEOUT" ]; do
         state="$(node_state || true)"
         [ "$state" = idle ] && break
+        if [ "$waited" -ge 3 ]; then  # both have written their pid files by now; a dead one never comes back
+            local dead=""
+            for d in slurmctld slurmd; do [ -n "$(pid_of "$STATE_DIR/run/$d.pid")" ] || dead="$dead $d"; done
+            if [ -n "$dead" ]; then
+                state="${state:-no answer}; exited:$dead"
+                break
+            fi
+        fi
         sleep 1
         waited=$((waited + 1))
     done
     if [ "$state" != idle ]; then
-        say "the node is not idle after ${START_TIMEOUT}s (sinfo says: ${state:-no answer}); logs follow"
+        say "the node is not idle after ${waited}s (sinfo says: ${state:-no answer}); logs follow"
         show_logs
         stop_daemons
         exit 3
@@ -171,6 +179,13 @@ start() {
     say "cluster up in ${waited}s: $(sinfo -h -N -o '%N %t cpus=%c mem=%mMB partition=%P' | head -n 1)" \
         "($(slurmctld -V))"
     say "use it with: export SLURM_CONF=$CONF"
+    local node
+    node="$(sinfo -h -N -o '%N' | head -n 1)"
+    if command -v getent >/dev/null 2>&1 && ! getent hosts "$node" >/dev/null 2>&1; then
+        # the daemons use 127.0.0.1, but a job's MASTER_ADDR is the node's name (as on a real cluster)
+        say "warning: this node's name '$node' does not resolve (getent hosts $node), so neither will" \
+            "the MASTER_ADDR of launch/slurm_multinode.sbatch; add '127.0.0.1 $node' to /etc/hosts"
+    fi
 }
 
 stop_daemons() {

@@ -129,8 +129,10 @@ def _submit(env: dict[str, str], folder: Path, script: Path, ds_config: str, *sc
         "DEVICE": "cpu", "NPROC_PER_NODE": "2", "SCRIPT": str(script), "DS_CONFIG": ds_config,
         "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SHARDKIT_AUTOPREFLIGHT_JSON": str(report),
     }
+    # 2 CPUs for the launcher and its ranks, or all the node has (a 1-CPU runner could never start it)
+    node_cpus = int(_run(["sinfo", "-h", "-N", "-o", "%c"], env, 30).stdout.split()[0])
     r = _run(
-        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2", "--time=10",
+        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={min(2, node_cpus)}", "--time=10",
          f"--chdir={folder}", f"--output={folder}/job-%j.out", str(TEMPLATE), *script_args],
         job_env, 60,
     )
@@ -203,6 +205,23 @@ def test_a_module_replaced_after_init_fails_the_job_with_exit_3(cluster: dict[st
     assert (job.state, job.exit_code) == ("FAILED", "3:0"), job.output[-4000:]
     assert "shardkit launch: placement preflight failed on rank(s) [0, 1] of 2 before the first optimizer step" in job.output
     assert "out_head.weight" in job.output and "trained" not in job.output
+
+
+@pytest.mark.slurm
+def test_a_second_cluster_on_the_same_ports_exits_3_with_the_daemons_logs(cluster: dict[str, str]):
+    state = Path(tempfile.mkdtemp(prefix="sk-slurm-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    env = {**cluster, "SHARDKIT_SLURM_DIR": str(state), "SLURM_CONF": str(state / "slurm.conf")}
+    try:
+        r = _run(["bash", str(CLUSTER), "start"], env, 90)
+        assert r.returncode == 3, r.stdout
+        assert "the node is not idle after" in r.stdout and "exited: slurmctld slurmd); logs follow" in r.stdout
+        assert "Address already in use" in r.stdout  # from the daemons' logs, printed with the failure
+        assert _live_daemons(state) == {}  # its munged was stopped with the rest
+    finally:
+        _run(["bash", str(CLUSTER), "stop"], env, 60)
+        for pid in _live_daemons(state).values():
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- no cluster needed
