@@ -35,7 +35,12 @@ PARADIGMS: dict[str, str] = {
     "use_megatron_lm": "MEGATRON_LM",
 }
 # Parser destinations that are not config values.
-_NOT_CONFIG = {"config_file", "training_script", "training_script_args", "help", "cpu", *PARADIGMS}
+_NOT_CONFIG = {
+    "config_file", "training_script", "training_script_args", "help", "cpu", "module", "no_python", "quiet", *PARADIGMS,
+}
+# Old top-level keys ClusterConfig.process_config still converts (fp16 -> mixed_precision, dynamo_backend
+# -> dynamo_config) before it refuses unknown keys.
+_LEGACY_KEYS = {"fp16", "dynamo_backend"}
 # DeepSpeedPlugin reads these from the environment; with deepspeed_config_file they must not come
 # from the YAML (DeepSpeedPlugin._deepspeed_config_checks; mixed_precision counts when the YAML sets it).
 _FILE_CLASH = "mixed_precision"
@@ -235,11 +240,13 @@ def launch_findings(run: AccelerateRun, *, accelerator: bool | None) -> list[Fin
 
 
 def _unknown_keys(file_cfg: Mapping[str, Any]) -> list[Finding]:
-    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
 
     groups = _groups(_parser())
     out: list[Finding] = []
-    top = set(ClusterConfig.__dataclass_fields__)
+    # load_config_from_file picks the class by compute_environment, then from_yaml_file refuses extra keys
+    kind = SageMakerConfig if file_cfg.get("compute_environment") == "AMAZON_SAGEMAKER" else ClusterConfig
+    top = set(kind.__dataclass_fields__) | _LEGACY_KEYS
     for key in file_cfg:
         if key not in top:
             out.append(_unknown(str(key), file_cfg[key], str(key), top, "accelerate launch refuses the file ('had unknown keys')"))

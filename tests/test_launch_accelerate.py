@@ -179,6 +179,29 @@ def test_a_bad_accelerate_yaml_stops_the_launch_naming_the_key(run_cli, no_defau
     assert not marker.exists()
 
 
+def test_files_accelerate_itself_writes_or_still_reads_have_no_unknown_keys(no_default_config, zero3_json):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.config.default import write_basic_config
+
+    write_basic_config(mixed_precision="no", save_location=str(no_default_config / "basic.yaml"))
+    full = ClusterConfig(
+        compute_environment="LOCAL_MACHINE", distributed_type="DEEPSPEED", mixed_precision=None, use_cpu=False, debug=False,
+        num_processes=2, deepspeed_config={"deepspeed_config_file": str(zero3_json), "zero3_init_flag": False},
+    )
+    full.to_yaml_file(str(no_default_config / "full.yaml"))
+    # the old top-level fp16 key: ClusterConfig.process_config converts it before refusing unknown keys
+    legacy = _yaml(no_default_config / "legacy.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: MULTI_GPU
+        fp16: false
+        num_processes: 2
+        """)
+    for name in ("basic.yaml", "full.yaml", legacy.name):
+        report = check_launch_config(build_launch(["--config_file", name, "train.py"], "accelerate"))
+        assert not [f for f in report.findings if f.rule == "accelerate-unknown-key"], (name, report.findings)
+        assert report.ok, (name, report.errors)
+
+
 def test_the_deepspeed_json_the_yaml_names_is_checked_with_the_deepspeed_rules(run_cli, no_default_config):
     # offload_param at stage 2: DeepSpeed ignores it silently (the offload the user asked for never happens)
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
