@@ -210,6 +210,11 @@ def test_output_dir_resolves_to_the_newest_checkpoint(runs, tmp_path):
     assert code == 1 and report["tag_dir"] == str(src / "checkpoint-4" / "global_step4")
     rules = {f["rule"] for f in report["findings"]}
     assert rules == {"ckpt.trainer.newest", "ckpt.manifest.missing"}
+    # convert --to fsdp2 takes it too: fp32 masters and moments of checkpoint-4 into a DCP checkpoint
+    code, out, err = _cli("convert", src, "--to", "fsdp2", "-o", tmp_path / "dcp")
+    assert code == 0, err
+    assert "using checkpoint-4" in out and "wrote" in out and "exp_avg_sq" in out
+    assert (tmp_path / "dcp" / "latest").read_text() == "global_step4"
 
 
 def test_verify_on_checkpoint_folders(runs):
@@ -280,7 +285,8 @@ def test_trainer_folders_without_deepspeed_are_refused_by_name(runs, tmp_path):
     no_ds = tmp_path / "out" / "checkpoint-2"
     shutil.copytree(src, no_ds, ignore=shutil.ignore_patterns("global_step*", "latest"))
     for argv in (["reshard", no_ds, "--world-size", "3", "-o", tmp_path / "x"],
-                 ["consolidate", no_ds, "-o", tmp_path / "x.safetensors"]):
+                 ["consolidate", no_ds, "-o", tmp_path / "x.safetensors"],
+                 ["convert", no_ds, "--to", "fsdp2", "-o", tmp_path / "x"]):
         code, _, err = _cli(*argv)
         assert code == 1 and f"{no_ds}: a Hugging Face Trainer checkpoint without a DeepSpeed checkpoint" in err
         assert "save_only_model" in err

@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "an atomic shardkit checkpoint with a manifest."
         ),
     )
-    p.add_argument("source", metavar="SRC", help="checkpoint folder (with 'latest') or tag folder")
+    p.add_argument("source", metavar="SRC",
+                   help="checkpoint folder (with 'latest') or tag folder; for --to fsdp2 also a Trainer checkpoint-N or output_dir")
     p.add_argument("--to", required=True, choices=TARGETS, help="engine of the new checkpoint")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="new checkpoint folder (gets OUT/<tag>/ and OUT/latest)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
@@ -55,9 +56,12 @@ def convert_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--world-size {args.world_size} with --to fsdp2: a DCP checkpoint loads at any world "
                              "size, so there is nothing to choose; drop --world-size")
         from shardkit.checkpoint.convert.zero3_to_dcp import convert_zero3_to_dcp
+        from shardkit.checkpoint.trainer import resolve_source
 
         adam_w = None if args.adam_w_mode is None else args.adam_w_mode == "on"
-        r = convert_zero3_to_dcp(args.source, args.output, tag=args.tag, force=args.force,
+        # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
+        source = resolve_source(args.source, lambda m: print(f"note: {m}"))
+        r = convert_zero3_to_dcp(source, args.output, tag=args.tag, force=args.force,
                                  verify=not args.no_verify, warn=warn, adam_w_mode=adam_w)
         resume = f"load_fsdp_checkpoint(model, optimizer, {str(r.output)!r}) at any world size"
     else:
