@@ -230,10 +230,18 @@ def test_a_second_cluster_on_the_same_ports_exits_3_with_the_daemons_logs(cluste
 @pytest.mark.parametrize("nproc", ["", "0", "two"])
 def test_the_template_without_a_rank_count_stops_naming_the_fix(nproc: str):
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_GPUS_ON_NODE", "NPROC_PER_NODE")}
-    r = _run(["bash", str(TEMPLATE)], {**env, "NPROC_PER_NODE": nproc}, 30)
+    r = _run(["bash", str(TEMPLATE)], {**env, "NPROC_PER_NODE": nproc, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}, 30)
     assert r.returncode == 2, r.stdout
     assert (f"slurm_multinode.sbatch: NPROC_PER_NODE='{nproc}' (SLURM_GPUS_ON_NODE=''): cannot tell how many ranks "
             "to start per node; request GPUs (--gpus-per-node=N) or set NPROC_PER_NODE=N (with DEVICE=cpu for CPU ranks)") in r.stdout
+
+
+def test_the_template_outside_a_slurm_job_says_to_submit_it():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = _run(["bash", str(TEMPLATE)], {**env, "NPROC_PER_NODE": "2"}, 30)
+    assert r.returncode == 2, r.stdout
+    assert ("slurm_multinode.sbatch: not inside a Slurm job (SLURM_JOB_ID='', SLURM_JOB_NODELIST=''): "
+            "submit it with `sbatch launch/slurm_multinode.sbatch`") in r.stdout
 
 
 def test_the_cluster_script_names_its_modes():
