@@ -240,6 +240,16 @@ def _build_accelerate(args: Sequence[str], *, preflight: bool, environ: dict[str
     )
 
 
+def names_hf_trainer_config(plan: LaunchPlan) -> bool:
+    """The config came as ``--deepspeed PATH``: the HF Trainer's spelling (TrainingArguments via
+    HfArgumentParser; DeepSpeed's own ``--deepspeed`` takes no value), so the Trainer fills its
+    "auto" values and the ranks' PreflightCallback (shardkit.integrations.hf) checks them filled."""
+    args, path = plan.script_args, plan.config_path
+    return path is not None and any(
+        a == f"--deepspeed={path}" or (a == "--deepspeed" and args[i + 1 : i + 2] == [path]) for i, a in enumerate(args)
+    )
+
+
 def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None) -> Report:
     """Static checks and the known-bad version table on the plan's config (an empty report when
     the script names none). Errors mean the launch must not start.
@@ -267,7 +277,7 @@ def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None)
     facts = facts or probe_environment(plan.env)
     report = check_file(
         plan.config_path, world_size=plan.world_size, environment=facts,
-        accelerator=run_has_accelerator(facts=facts),
+        accelerator=run_has_accelerator(facts=facts), expect_hf_auto=names_hf_trainer_config(plan),
     )
     if plan.launcher == "deepspeed" and is_fsdp_config(cfg):
         report.add(

@@ -12,6 +12,7 @@ one-callback-per-Trainer rule with a real single-process Trainer (no DeepSpeed).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -80,8 +81,6 @@ def test_shardkit_launch_injects_the_callback_into_an_unmodified_trainer_script(
     assert r.stderr.count(summary) == 1, _both(r)
     assert "stage3_gather_16bit_weights_on_model_save" in r.stderr
     # training itself is unaffected: both steps ran and logged a loss
-    import json
-
     assert json.loads(result.read_text())["global_step"] == 2
     assert r.stdout.count("'loss'") == 2, _both(r)
 
@@ -225,3 +224,23 @@ def test_one_callback_per_trainer_and_a_meta_tensor_raises_with_its_name(tmp_pat
     with pytest.raises(PreflightError, match=r"fault_buf[\s\S]*meta"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def test_launch_accepts_auto_values_in_a_config_given_to_the_trainer_as_deepspeed_path(tmp_path):
+    # `--deepspeed PATH` is the HF Trainer's spelling: the Trainer fills "auto" and the ranks'
+    # callback checks the filled values; `--deepspeed_config PATH` goes to deepspeed.initialize as is
+    from shardkit.environment import probe_environment
+    from shardkit.launch import build_launch, check_launch_config
+
+    cfg = tmp_path / "ds_hf.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+                               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                               "train_batch_size": "auto", "bf16": {"enabled": "auto"}}))
+    facts = probe_environment({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}, memlock_bytes=None, cpu_fp16=False)
+    for spelling in (["--deepspeed", str(cfg)], [f"--deepspeed={cfg}"]):
+        plan = build_launch(["--nproc_per_node", "2", "train.py", *spelling], "torchrun", environ={})
+        report = check_launch_config(plan, facts)
+        assert not [f for f in report.findings if f.rule == "auto-value"], spelling
+    plan = build_launch(["--nproc_per_node", "2", "train.py", "--deepspeed", "--deepspeed_config", str(cfg)], "torchrun", environ={})
+    auto = [f for f in check_launch_config(plan, facts).errors if f.rule == "auto-value"]
+    assert len(auto) == 1 and "train_micro_batch_size_per_gpu" in auto[0].message
