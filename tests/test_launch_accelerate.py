@@ -234,6 +234,20 @@ def test_a_command_line_override_is_checked_too(run_cli, no_default_config):
     assert "deepspeed_config.offload_param_device" in [f.key for f in check_launch_config(plan).errors]
 
 
+def test_without_a_config_file_the_command_line_settings_are_checked(run_cli, no_default_config):
+    script, marker = _marker_script(no_default_config)
+    code, out, err = run_cli("launch", "--dry-run", "--launcher", "accelerate", "--use_deepspeed", "--zero_stage", "2",
+                             "--offload_param_device", "cpu", "--num_processes", "2", script)
+    assert code == 1 and "not started: 1 error(s) in accelerate's command-line settings (no config file)" in err
+    code, out, err = run_cli("launch", "--dry-run", "--launcher", "accelerate", "--use_deepspeed", "--zero_stage", "3",
+                             "--num_processes", "2", script)
+    assert code == 0 and "accelerate's command-line settings (no config file) checked; " in err and "would run" in err
+    # nothing at all: accelerate's defaults (one process, no engine settings), said before the launch
+    code, out, err = run_cli("launch", "--dry-run", "--launcher", "accelerate", script)
+    assert code == 0 and "distributed_type NO: no DeepSpeed or FSDP settings to check" in err
+    assert not marker.exists()
+
+
 def test_accelerate_fsdp2_settings_are_checked_with_the_fsdp_rules(no_default_config):
     from shardkit.cli import main
     from shardkit.environment import CudaProbe, probe_environment

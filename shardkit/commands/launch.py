@@ -80,14 +80,17 @@ def launch_command(args: argparse.Namespace) -> int:
         print(f"shardkit launch: not started: {why}", file=sys.stderr)
         return 1
     report = check_launch_config(plan)
-    if plan.config_path is not None and report.findings:
+    # accelerate without a config file: its command-line settings were checked all the same
+    checked_something = plan.config_path is not None or plan.accelerate is not None
+    if checked_something and report.findings:
         print_report(report)
     for note in plan.notes:
         print(f"shardkit launch: {note}", file=sys.stderr)
+    subject = plan.config_path or "accelerate's command-line settings (no config file)"
     if not report.ok:
-        print(f"shardkit launch: not started: {len(report.errors)} error(s) in {plan.config_path}", file=sys.stderr)
+        print(f"shardkit launch: not started: {len(report.errors)} error(s) in {subject}", file=sys.stderr)
         return 1
-    checked = f"{plan.config_path} checked" if plan.config_path else "no config named"
+    checked = f"{subject} checked" if checked_something else "no config named"
     preflight = "placement preflight on every rank" if plan.preflight else "no preflight"
     if args.dry_run:
         print(f"shardkit launch: {checked}; {preflight}; would run: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
