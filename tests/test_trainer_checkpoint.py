@@ -265,6 +265,10 @@ def test_output_folder_rules_and_atomicity(runs, tmp_path):
     assert code == 0, err
     assert len(list((out / "global_step2").glob("*optim_states.pt"))) == 3
     assert not (out / "rng_state.pth").exists() and (out / "rng_state_1.pth").is_file()
+    # the tag folder alone: a plain DeepSpeed reshard, with a warning naming the checkpoint-N to pass instead
+    code, _, err = _cli("reshard", src / "global_step2", "--world-size", "3", "-o", tmp_path / "plain")
+    assert code == 0 and f"Pass {src} to write a checkpoint-N" in err
+    assert not (tmp_path / "plain" / "trainer_state.json").exists()
     # a tag the Trainer would not find
     code, _, err = _cli("reshard", src, "--world-size", "3", "-o", tmp_path / "t" / "checkpoint-2", "--tag", "mytag")
     assert code == 2 and "deepspeed_load_checkpoint" in err
@@ -295,8 +299,10 @@ def test_trainer_folders_without_deepspeed_are_refused_by_name(runs, tmp_path):
     assert code == 1 and finding["rule"] == "ckpt.trainer.no_deepspeed"
     assert finding["message"].startswith(f"{no_ds}: a Hugging Face Trainer checkpoint without a DeepSpeed checkpoint")
     # the output_dir holding it: the newest checkpoint is named
+    shutil.copytree(src, no_ds.parent / "checkpoint-1")  # an older complete one is named, not silently used
     code, _, err = _cli("consolidate", no_ds.parent, "-o", tmp_path / "y.safetensors")
     assert code == 1 and f"the newest checkpoint of the output_dir {no_ds.parent}" in err
+    assert "Older checkpoints there: checkpoint-1" in err
     # a DDP/one-process checkpoint (optimizer.pt + model.safetensors, as the Trainer writes without DeepSpeed)
     (no_ds / "optimizer.pt").write_bytes(b"")
     (no_ds / "model.safetensors").write_bytes(b"")

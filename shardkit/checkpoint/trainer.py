@@ -123,7 +123,8 @@ def locate_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint | None:
     if found:
         newest = found[-1][1]
         if not (newest / LATEST_NAME).exists() and not _deepspeed_tags(newest):
-            raise CheckpointError(_no_deepspeed_message(newest, p))
+            older = f". Older checkpoints there: {', '.join(d.name for _, d in found[:-1])}" if found[:-1] else ""
+            raise CheckpointError(_no_deepspeed_message(newest, p) + older)
         return TrainerCheckpoint(newest, picked_from=p, others=tuple(d.name for _, d in found[:-1]))
     if (p / TRAINER_STATE).is_file() or CHECKPOINT_DIR.match(p.name):
         if _deepspeed_tags(p):
@@ -137,6 +138,15 @@ def locate_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint | None:
             "a run shorter than save_steps, or one saved only with trainer.save_model(), has none. Pass a "
             "checkpoint-N folder, or a DeepSpeed checkpoint folder holding 'latest'"
         )
+    return None
+
+
+def trainer_folder_of_tag(path: str | Path) -> Path | None:
+    """The Trainer ``checkpoint-N`` holding ``path`` when ``path`` is its ``global_stepN`` tag folder
+    (resharding that alone leaves the Trainer's files behind), else None."""
+    p = Path(path)
+    if p.is_dir() and p.name.startswith(DEEPSPEED_TAG_PREFIX) and (p.parent / TRAINER_STATE).is_file():
+        return p.parent
     return None
 
 

@@ -55,11 +55,16 @@ def reshard_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--world-size {args.world_size}: must be at least 1")
     if args.sub_group_size is not None and args.sub_group_size < 1:
         raise UsageError(f"--sub-group-size {args.sub_group_size}: must be at least 1")
-    from shardkit.checkpoint.trainer import locate_trainer_checkpoint
+    from shardkit.checkpoint.trainer import locate_trainer_checkpoint, trainer_folder_of_tag
 
     trainer_checkpoint = locate_trainer_checkpoint(args.checkpoint)
     if trainer_checkpoint is not None:
         return _reshard_trainer(args, trainer_checkpoint)
+    parent = trainer_folder_of_tag(args.checkpoint)
+    if parent is not None:
+        print(f"shardkit reshard: warning: {args.checkpoint} is the DeepSpeed tag folder of the Trainer checkpoint "
+              f"{parent}: {args.output} gets the DeepSpeed files only (no trainer_state.json, no RNG files). Pass "
+              f"{parent} to write a checkpoint-N that Trainer.train(resume_from_checkpoint=...) resumes", file=sys.stderr)
     r = reshard_zero3(args.checkpoint, args.output, args.world_size, tag=args.tag,
                       sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
                       verify=not args.no_verify, warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
