@@ -188,20 +188,28 @@ def effective_config(file_cfg: dict[str, Any] | None, overrides: Mapping[str, An
                 # With a DeepSpeed config file, these fill only its "auto" entries (DeepSpeedPlugin
                 # fill_match(must_match=False)); they are no YAML field, so no clash either.
                 continue
-            cfg.setdefault("deepspeed_config", {})[dest] = value
+            _set(cfg, "deepspeed_config", dest, _plain(value, numbers=False))
         elif dest in fsdp_dests:
-            cfg.setdefault("fsdp_config", {})[dest] = _plain(value)
+            _set(cfg, "fsdp_config", dest, _plain(value, numbers=True))
         else:
             cfg[dest] = value
     return cfg
 
 
-def _plain(value: Any) -> Any:
-    """accelerate's FSDP options arrive as strings ("true", "2"); the YAML holds bools and ints."""
+def _set(cfg: dict[str, Any], section: str, key: str, value: Any) -> None:
+    """cfg[section][key] = value; a section that is not a mapping is left as it is (the checks refuse it)."""
+    block = cfg.setdefault(section, {})
+    if isinstance(block, dict):
+        block[key] = value
+
+
+def _plain(value: Any, *, numbers: bool) -> Any:
+    """accelerate's string-typed options ("true", "2": --zero3_init_flag, --fsdp_version ...) as the
+    YAML holds them (bools, ints)."""
     if isinstance(value, str):
         if value.lower() in ("true", "false"):
             return value.lower() == "true"
-        if value.isdigit():
+        if numbers and value.isdigit():
             return int(value)
     return value
 

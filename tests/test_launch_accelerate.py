@@ -125,6 +125,9 @@ def test_command_line_overrides_land_where_accelerate_puts_them():
     # with a DeepSpeed config file, --zero_stage only fills the file's "auto" entries: not a YAML clash
     with_file = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "ds.json"}}
     assert effective_config(with_file, {"zero_stage": 3})["deepspeed_config"] == {"deepspeed_config_file": "ds.json"}
+    # string-typed flags become what the YAML would hold; a section that is not a mapping is left for the checks
+    assert effective_config({}, {"use_deepspeed": True, "zero3_init_flag": "true"})["deepspeed_config"] == {"zero3_init_flag": True}
+    assert effective_config({"deepspeed_config": "oops"}, {"zero_stage": 3})["deepspeed_config"] == "oops"
 
 
 def test_usage_errors_name_the_problem(no_default_config):
