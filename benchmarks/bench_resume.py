@@ -7,7 +7,13 @@ Builds a ZeRO-3 bf16 AdamW checkpoint of the ~160M-parameter Llama (hidden 768, 
   + DeepSpeed's plain ``load_checkpoint``, vs shardkit's in-process ``load_zero3_checkpoint``
   (no conversion at all);
 - full fp32 weights: DeepSpeed's ``zero_to_fp32.py --safe_serialization`` vs ``shardkit consolidate``;
-- ``cp -r`` of the checkpoint folder: the floor any tool that reads and writes it all must pay.
+- ``cp -r`` of the checkpoint folder: the floor any tool that reads and writes it all must pay (and
+  ``cp -r`` + fsync of every copied file, the floor for a copy that survives a crash, as reshard's does);
+- ``shardkit reshard`` at the source's own world size (nothing changes: a hashed byte copy);
+- ``shardkit convert`` both ways (ZeRO-3 -> FSDP2 DCP, and that DCP -> ZeRO-3 at 3 ranks, then
+  DeepSpeed's plain ``load_checkpoint``), against what a user has without it: consolidate to full
+  weights (``zero_to_fp32.py``; torch's ``dcp_to_torch_save``) and load those, losing the optimizer
+  state. Skipped when ``shardkit.checkpoint.convert`` is not installed.
 
 Every step runs in its own process tree; peak RSS is the largest *sum* of the RSS of the process
 and all its descendants (workers, ranks), sampled from /proc every 20 ms, or the largest VmHWM
@@ -112,6 +118,13 @@ def _resume_main(method: str, ckpt: str, result: str) -> None:
 
     res = run_ranks(rank_resume, RESUME_WORLD, args=(method, ckpt), timeout=1500)
     Path(result).write_text(json.dumps([r.value for r in res]))
+
+
+def _convert_to_zero3_main(source: str, out: str) -> None:
+    from shardkit.checkpoint.convert.dcp_to_zero3 import convert_dcp_to_zero3
+
+    # the resuming run's config (bf16, sub_group_size default): the files must match its engine
+    convert_dcp_to_zero3(source, out, world_size=RESUME_WORLD, ds_config=ds_config(RESUME_WORLD))
 
 
 def _save_main(out: str) -> None:
@@ -254,6 +267,12 @@ def run(workdir: Path) -> dict[str, Any]:
     # floor
     results["copy"] = measure("cp -r checkpoint", ["cp", "-r", str(ckpt), str(fresh(workdir / "copy"))], inputs=ckpt)
     shutil.rmtree(workdir / "copy", ignore_errors=True)
+    # coreutils `sync FILE...` fsyncs those files (not the whole machine's dirty pages)
+    copy = fresh(workdir / "copy")
+    results["copy_fsync"] = measure("cp -r checkpoint + fsync", ["sh", "-c", f'cp -r "{ckpt}" "{copy}" && find "{copy}" -type f -exec sync {{}} +'], inputs=ckpt)
+    shutil.rmtree(copy, ignore_errors=True)
+    # what every python tool below pays before it reads a byte
+    results["imports"] = measure("python -c 'import torch, deepspeed'", _py("-c", "import torch, deepspeed"), env)
 
     # consolidate
     z2f = fresh(workdir / "zero_to_fp32_out")
@@ -285,28 +304,72 @@ def run(workdir: Path) -> dict[str, Any]:
     resharded = fresh(workdir / "resharded")
     results["reshard"] = measure("shardkit reshard", _py("-m", "shardkit", "reshard", str(ckpt), "--world-size",
                                                           str(RESUME_WORLD), "-o", str(resharded)), env, inputs=ckpt)
+    results["reshard_bytes"] = _dir_bytes(resharded / tag_dir.name)
     results["resume_resharded"] = resume("reshard + plain load_checkpoint", "plain", resharded)
     shutil.rmtree(resharded, ignore_errors=True)
+    same = fresh(workdir / "resharded_same")
+    results["reshard_same"] = measure("shardkit reshard (same world size)", _py("-m", "shardkit", "reshard", str(ckpt), "--world-size",
+                                                                              str(SAVE_WORLD), "-o", str(same)), env, inputs=ckpt)
+    shutil.rmtree(same, ignore_errors=True)
     results["resume_inprocess"] = resume("shardkit load_zero3_checkpoint", "shardkit_inprocess", ckpt)
+    if _have_convert():
+        results.update(convert_rows(workdir, ckpt, env, resume))
     return results
+
+
+def _have_convert() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(f"shardkit.checkpoint.convert.{m}") is not None for m in ("zero3_to_dcp", "dcp_to_zero3"))
+
+
+def convert_rows(workdir: Path, ckpt: Path, env: dict[str, str], resume: Any) -> dict[str, Any]:
+    """``shardkit convert`` both ways, and the full-weights route a user has without it."""
+    this = str(Path(__file__).resolve())
+    out: dict[str, Any] = {}
+    dcp = workdir / "dcp"
+    shutil.rmtree(dcp, ignore_errors=True)
+    out["convert_to_dcp"] = measure("shardkit convert --to fsdp2", _py("-m", "shardkit", "convert", str(ckpt), "--to", "fsdp2",
+                                                                       "-o", str(dcp)), env, inputs=ckpt)
+    dcp_tag = dcp / (dcp / "latest").read_text().strip()
+    full = workdir / "dcp_full.pt"
+    out["dcp_to_torch_save"] = measure("torch dcp_to_torch_save", _py("-m", "torch.distributed.checkpoint.format_utils",
+                                                                       "dcp_to_torch", str(dcp_tag), str(full)), env, inputs=dcp)
+    full.unlink(missing_ok=True)
+    back = workdir / "zero3_back"
+    shutil.rmtree(back, ignore_errors=True)
+    out["convert_to_zero3"] = measure("shardkit convert --to zero3", _py(this, "_convert_to_zero3", str(dcp), str(back)), env, inputs=dcp)
+    shutil.rmtree(dcp, ignore_errors=True)
+    out["resume_converted"] = resume("convert round trip + plain load_checkpoint", "plain", back)
+    shutil.rmtree(back, ignore_errors=True)
+    return out
 
 
 def table(r: dict[str, Any]) -> str:
     mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    rate = lambda nbytes, m: nbytes / 2**20 / m.wall_s  # noqa: E731  MiB/s
     optim = r["optim_file_bytes"]
     uc_total = r["ds_to_universal"].wall_s + r["resume_universal"].extra["load_s"]
     rs_total = r["reshard"].wall_s + r["resume_resharded"].extra["load_s"]
     ip_total = r["resume_inprocess"].extra["load_s"]
+    cp, cps, rs = rate(r["ckpt_bytes"], r["copy"]), rate(r["ckpt_bytes"], r["copy_fsync"]), rate(r["reshard_bytes"], r["reshard"])
+    same = rate(r["ckpt_bytes"], r["reshard_same"])
+    row = lambda label, m, note="": f"| {label} | {m.wall_s:.1f} | {mib(m.peak_rss)} | {m.processes} | {note} |"  # noqa: E731
     rows = [
         "| step | wall (s) | peak RSS (MiB) | processes | vs DeepSpeed |",
         "|---|---:|---:|---:|---|",
-        f"| floor: `cp -r` checkpoint ({mib(r['ckpt_bytes'])} MiB) | {r['copy'].wall_s:.1f} | {mib(r['copy'].peak_rss)} | {r['copy'].processes} | |",
-        f"| DeepSpeed `zero_to_fp32.py --safe_serialization` | {r['zero_to_fp32'].wall_s:.1f} | {mib(r['zero_to_fp32'].peak_rss)} | {r['zero_to_fp32'].processes} | 1x |",
-        f"| `shardkit consolidate` (bytes equal: {r['consolidate_equal']}) | {r['consolidate'].wall_s:.1f} | {mib(r['consolidate'].peak_rss)} | {r['consolidate'].processes} | "
-        f"{r['zero_to_fp32'].wall_s / r['consolidate'].wall_s:.1f}x faster, {r['consolidate'].peak_rss / r['zero_to_fp32'].peak_rss:.2f}x the RSS |",
-        f"| DeepSpeed `ds_to_universal` (conversion) | {r['ds_to_universal'].wall_s:.1f} | {mib(r['ds_to_universal'].peak_rss)} | {r['ds_to_universal'].processes} | 1x; RSS {r['ds_to_universal'].peak_rss / optim:.2f}x one optim file |",
-        f"| `shardkit reshard` (conversion) | {r['reshard'].wall_s:.1f} | {mib(r['reshard'].peak_rss)} | {r['reshard'].processes} | "
-        f"{r['ds_to_universal'].wall_s / r['reshard'].wall_s:.1f}x faster; RSS {r['reshard'].peak_rss / optim:.2f}x one optim file ({mib(optim)} MiB) |",
+        row(f"floor: `cp -r` checkpoint ({mib(r['ckpt_bytes'])} MiB)", r["copy"], f"{cp:,.0f} MiB/s"),
+        row("floor: `cp -r` + fsync of every file", r["copy_fsync"], f"{cps:,.0f} MiB/s"),
+        row("fixed cost of every Python tool below: `import torch, deepspeed`", r["imports"]),
+        row("DeepSpeed `zero_to_fp32.py --safe_serialization`", r["zero_to_fp32"], "1x"),
+        row(f"`shardkit consolidate` (bytes equal: {r['consolidate_equal']})", r["consolidate"],
+            f"{r['zero_to_fp32'].wall_s / r['consolidate'].wall_s:.1f}x faster, {r['consolidate'].peak_rss / r['zero_to_fp32'].peak_rss:.2f}x the RSS"),
+        row("DeepSpeed `ds_to_universal` (conversion)", r["ds_to_universal"], f"1x; RSS {r['ds_to_universal'].peak_rss / optim:.2f}x one optim file"),
+        row(f"`shardkit reshard` {SAVE_WORLD} -> {RESUME_WORLD} ranks (conversion)", r["reshard"],
+            f"{r['ds_to_universal'].wall_s / r['reshard'].wall_s:.1f}x faster; RSS {r['reshard'].peak_rss / optim:.2f}x one optim file "
+            f"({mib(optim)} MiB); {rs:,.0f} MiB/s = **{rs / cp:.0%} of `cp -r`**, {rs / cps:.0%} of `cp -r` + fsync"),
+        row(f"`shardkit reshard` {SAVE_WORLD} -> {SAVE_WORLD} (nothing changes: hashed byte copy)", r["reshard_same"],
+            f"{same:,.0f} MiB/s = {same / cp:.0%} of `cp -r`, {same / cps:.0%} of `cp -r` + fsync"),
         f"| 3-rank `load_checkpoint` with `load_universal` | {r['resume_universal'].extra['load_s']:.1f} | {mib(r['resume_universal'].peak_rss)} | {r['resume_universal'].processes} | 1x |",
         f"| 3-rank plain `load_checkpoint` of the resharded files | {r['resume_resharded'].extra['load_s']:.1f} | {mib(r['resume_resharded'].peak_rss)} | {r['resume_resharded'].processes} | "
         f"{r['resume_universal'].extra['load_s'] / r['resume_resharded'].extra['load_s']:.1f}x faster |",
@@ -316,7 +379,8 @@ def table(r: dict[str, Any]) -> str:
         f"| **end to end, shardkit reshard** + plain load | {rs_total:.1f} | | | **{uc_total / rs_total:.1f}x faster** |",
         f"| **end to end, shardkit in-process** load | {ip_total:.1f} | | | **{uc_total / ip_total:.1f}x faster** |",
     ]
-    digests = {k: r[k].extra["digest"] for k in ("resume_universal", "resume_resharded", "resume_inprocess")}
+    keys = ["resume_universal", "resume_resharded", "resume_inprocess"] + (["resume_converted"] if "resume_converted" in r else [])
+    digests = {k: r[k].extra["digest"] for k in keys}
     engine = max(r[k].extra["engine_s"] for k in digests)
     rows.append("")
     rows.append(
@@ -325,13 +389,38 @@ def table(r: dict[str, Any]) -> str:
         f"whole resume processes incl. spawn and engine build: universal {r['resume_universal'].wall_s:.0f} s, "
         f"resharded {r['resume_resharded'].wall_s:.0f} s, in-process {r['resume_inprocess'].wall_s:.0f} s."
     )
+    if "convert_to_dcp" in r:
+        rows += ["", convert_table(r)]
     return "\n".join(rows)
+
+
+def convert_table(r: dict[str, Any]) -> str:
+    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    z2f, to_dcp, d2t, to_z3 = r["zero_to_fp32"], r["convert_to_dcp"], r["dcp_to_torch_save"], r["convert_to_zero3"]
+    load = r["resume_converted"].extra["load_s"]
+    same = r["resume_converted"].extra["digest"] == r["resume_resharded"].extra["digest"]
+    lost = "weights only: **optimizer state lost** (fp32 masters, Adam moments, step)"
+    return "\n".join([
+        "| conversion | wall (s) | peak RSS (MiB) | what the resuming run gets |",
+        "|---|---:|---:|---|",
+        f"| ZeRO-3 -> FSDP2, today: DeepSpeed `zero_to_fp32.py` (full weights) then load them | {z2f.wall_s:.1f} | {mib(z2f.peak_rss)} | {lost} |",
+        f"| ZeRO-3 -> FSDP2: `shardkit convert --to fsdp2` (DCP) | {to_dcp.wall_s:.1f} | {mib(to_dcp.peak_rss)} | "
+        f"everything: fp32 masters, Adam moments, step, param groups ({z2f.wall_s / to_dcp.wall_s:.2f}x the speed of zero_to_fp32) |",
+        f"| FSDP2 -> ZeRO-3, today: torch `dcp_to_torch_save` (one full file) then load the weights | {d2t.wall_s:.1f} | {mib(d2t.peak_rss)} | "
+        f"{lost}: DeepSpeed's load_checkpoint cannot take the file, only its weights can be loaded into the module |",
+        f"| FSDP2 -> ZeRO-3: `shardkit convert --to zero3 --world-size {RESUME_WORLD}` | {to_z3.wall_s:.1f} | {mib(to_z3.peak_rss)} | "
+        f"everything, loaded by DeepSpeed's plain `load_checkpoint` in {load:.1f} s; rank-0 state after the round trip "
+        f"ZeRO-3 -> DCP -> ZeRO-3 {'identical to' if same else 'DIFFERENT from'} the resharded load ({d2t.wall_s / to_z3.wall_s:.2f}x the speed of dcp_to_torch_save) |",
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_save":
         _save_main(argv[1])
+        return 0
+    if argv and argv[0] == "_convert_to_zero3":
+        _convert_to_zero3_main(argv[1], argv[2])
         return 0
     if argv and argv[0] == "_resume":
         _resume_main(argv[1], argv[2], argv[3])
