@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("shardkit.config",),
     ("shardkit.versions", "shardkit.device_rules", "shardkit.environment", "shardkit.generate", "shardkit.models"),
     ("shardkit.checks", "shardkit.checkpoint", "shardkit.placement", "shardkit.resume", "shardkit.engines"),
-    ("shardkit.harness", "shardkit.autopreflight", "shardkit.launch", "shardkit.launch_accelerate", "shardkit.smoke", "shardkit.preflight_run"),
+    ("shardkit.harness", "shardkit.autopreflight", "shardkit.integrations", "shardkit.launch", "shardkit.launch_accelerate", "shardkit.smoke", "shardkit.preflight_run"),
     ("shardkit.commands",),
     ("shardkit.cli", "shardkit.__main__", "shardkit"),
 ]

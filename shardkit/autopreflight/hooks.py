@@ -30,21 +30,10 @@ from __future__ import annotations
 import importlib.abc
 import os
 import sys
-import weakref
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
-from shardkit.autopreflight.env import DEFAULT_TIMEOUT_S, ENV_CONFIG, ENV_FAILED_DIR, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
-
-LAUNCH_SKIP_HINT = "relaunch with `shardkit launch --no-preflight` to skip the check"
-"""How a failure message tells a `shardkit launch` user to skip the check."""
-
-
-class _State:
-    done = False
-    handles: list[Any] = []
-    optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
-    engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
-    original_optimizer_init: Callable[..., Any] | None = None
+from shardkit.autopreflight.env import ENV_CONFIG
+from shardkit.autopreflight.run import HookState, claim, run_or_exit
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -104,14 +93,14 @@ def _install_torch_hooks(torch: Any) -> None:
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
-    _State.handles.append(register_module_forward_pre_hook(_on_forward))
-    _State.handles.append(register_optimizer_step_pre_hook(_on_step))
+    HookState.handles.append(register_module_forward_pre_hook(_on_forward))
+    HookState.handles.append(register_optimizer_step_pre_hook(_on_step))
     original = Optimizer.__init__
-    _State.original_optimizer_init = original
+    HookState.original_optimizer_init = original
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        _State.optimizers.add(self)
+        HookState.optimizers.add(self)
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     Optimizer.__init__ = __init__  # type: ignore[method-assign]
@@ -123,7 +112,7 @@ def _wrap_deepspeed_initialize(deepspeed: Any) -> None:
     def initialize(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         engine = result[0] if isinstance(result, tuple) else result
-        _State.engines.add(engine)
+        HookState.engines.add(engine)
         return result
 
     initialize.__wrapped__ = original  # type: ignore[attr-defined]
@@ -152,7 +141,7 @@ def _wrap_trainer_init(trainer_module: Any) -> None:
 
 
 def _on_forward(module: Any, args: Any) -> None:
-    if _State.done:
+    if HookState.done:
         return
     import torch
 
@@ -162,12 +151,12 @@ def _on_forward(module: Any, args: Any) -> None:
         return  # a parameter-free module (torchvision transforms are nn.Modules) is not the model
     if torch.utils.data.get_worker_info() is not None:
         return  # a DataLoader worker inherits the environment but never trains
-    if module in _State.engines:
+    if module in HookState.engines:
         _run(module)
         return
-    if _State.engines:
+    if HookState.engines:
         return  # a submodule (or helper) forward of a DeepSpeed run; the engine's own forward comes first
-    if not _State.optimizers:
+    if not HookState.optimizers:
         return  # no optimizer yet: nothing is being trained (cheap exit for helper forwards before it)
     if not any(p.requires_grad for p in module.parameters()):
         return  # a frozen helper (VAE, text encoder) left in training mode: checking it would hide the model
@@ -179,7 +168,7 @@ def _on_forward(module: Any, args: Any) -> None:
 
 
 def _on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if not _State.done:
+    if not HookState.done:
         _run(None, optimizer)
 
 
@@ -193,93 +182,12 @@ def _run(module: Any, optimizer: Any = None) -> None:
     run_or_exit(kwargs, what)
 
 
-def claim() -> bool:
-    """Mark the one automatic preflight of this process as taken and remove the torch hooks.
-
-    False when it was already taken: the HF Trainer's PreflightCallback and the torch hooks then
-    never both run it (the callback claims it at ``on_train_begin``, before the first forward)."""
-    if _State.done:
-        return False
-    _State.done = True
-    _remove_hooks()
-    return True
-
-
-def run_or_exit(
-    kwargs: dict[str, Any],
-    what: str,
-    when: str = "before the first optimizer step",
-    skip_hint: str = LAUNCH_SKIP_HINT,
-    timeout: float | None = None,
-    json_path: str | None = None,
-) -> Any:
-    """``shardkit.preflight(**kwargs)`` with the launch's timeout and JSON path; rank 0 prints one
-    summary line when it passes. On failure every rank prints why and exits with EXIT_CODE (rank 0
-    has printed the table), leaving the marker `shardkit launch` names the failed ranks from."""
-    from shardkit.errors import PreflightError
-
-    rank = os.environ.get("RANK", "?")
-    try:
-        from shardkit.placement.preflight import preflight
-
-        report = preflight(**kwargs, timeout=preflight_timeout(timeout), json_path=json_path or os.environ.get(ENV_JSON))
-    except PreflightError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "placement preflight failed"
-        where = "the table above" if rank == "0" else "rank 0's output"
-        stop_rank(rank, f"placement preflight failed {when}", first, where, skip_hint)
-    except ImportError as exc:
-        print(f"shardkit autopreflight: rank {rank}: preflight unavailable ({exc}); continuing", file=sys.stderr)
-        return None
-    if rank in ("0", "?"):
-        ranks = getattr(report, "ranks", None) or []
-        tensors = sum(len(getattr(r, "records", ())) for r in ranks)
-        print(
-            f"shardkit autopreflight: placement preflight passed on {len(ranks)} rank(s), {tensors} tensors ({what}) {when}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return report
-
-
-def preflight_timeout(given: float | None = None) -> float:
-    """``given``, else SHARDKIT_AUTOPREFLIGHT_TIMEOUT, else the default (ranks arrive at different times)."""
-    return float(given if given is not None else os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
-
-
-def stop_rank(rank: str, what_failed: str, first_line: str, where: str, skip_hint: str = LAUNCH_SKIP_HINT) -> NoReturn:
-    """End this rank with EXIT_CODE after one line saying what failed and why (the same on every
-    rank); ``first_line`` (the cause) goes into the marker `shardkit launch` summarizes."""
-    print(
-        f"shardkit autopreflight: rank {rank}: {what_failed}: {first_line}\n"
-        f"shardkit autopreflight: rank {rank}: stopping (exit {EXIT_CODE}); see {where}. "
-        f"Fix it, or {skip_hint}.",
-        file=sys.stderr,
-        flush=True,
-    )
-    sys.stdout.flush()
-    _leave_failure_marker(rank, first_line)
-    # os._exit: atexit handlers can block in a collective the other ranks never join.
-    os._exit(EXIT_CODE)
-
-
-def _leave_failure_marker(rank: str, first_line: str) -> None:
-    """Tell `shardkit launch` this rank failed the preflight (it prints the summary last)."""
-    folder = os.environ.get(ENV_FAILED_DIR)
-    if not folder:
-        return
-    try:
-        with open(os.path.join(folder, f"rank{rank}"), "w", encoding="utf-8") as fh:
-            fh.write(first_line + "\n")
-    except OSError as exc:  # the summary is a convenience; the exit code still says it
-        print(f"shardkit autopreflight: rank {rank}: cannot leave a failure marker in {folder} ({exc})", file=sys.stderr)
-
-
 def _preflight_arguments(module: Any, optimizer: Any) -> dict[str, Any]:
-    engine = module if module is not None and module in _State.engines else None
+    engine = module if module is not None and module in HookState.engines else None
     if engine is None and optimizer is not None:
-        engine = next((e for e in _State.engines if getattr(e, "optimizer", None) is optimizer), None)
-    if engine is None and module is None and len(_State.engines) == 1:
-        engine = next(iter(_State.engines))
+        engine = next((e for e in HookState.engines if getattr(e, "optimizer", None) is optimizer), None)
+    if engine is None and module is None and len(HookState.engines) == 1:
+        engine = next(iter(HookState.engines))
     if engine is not None:
         return {"engine": engine}
     if optimizer is None and module is not None:
@@ -295,7 +203,7 @@ def _optimizer_for(module: Any) -> Any:
     """The newest optimizer holding any of ``module``'s parameters (None when there is none yet)."""
     params = {id(p) for p in module.parameters()}
     found = None
-    for opt in list(_State.optimizers):
+    for opt in list(HookState.optimizers):
         if any(id(p) in params for group in opt.param_groups for p in group["params"]):
             found = opt
     return found
@@ -315,12 +223,3 @@ def _fsdp_config() -> dict[str, Any] | None:
         return None
 
 
-def _remove_hooks() -> None:
-    for handle in _State.handles:
-        handle.remove()
-    _State.handles.clear()
-    if _State.original_optimizer_init is not None:
-        from torch.optim.optimizer import Optimizer
-
-        Optimizer.__init__ = _State.original_optimizer_init  # type: ignore[method-assign]
-        _State.original_optimizer_init = None

@@ -120,7 +120,7 @@ class PreflightCallback(TrainerCallback):
             return  # engine or optimizer not built yet: on_step_begin comes before the first forward
         self._pending = False
         from shardkit.autopreflight import enabled
-        from shardkit.autopreflight.hooks import claim
+        from shardkit.autopreflight.run import claim
 
         # In a `shardkit launch` rank the torch hooks stand by too: the first to claim runs it.
         if not claim() and enabled():
@@ -131,11 +131,11 @@ class PreflightCallback(TrainerCallback):
         self.ran += 1
         when = "before the first optimizer step (after the Trainer built the engine and optimizer)"
         if self.on_failure == "exit":
-            from shardkit.autopreflight.hooks import run_or_exit
+            from shardkit.autopreflight.run import run_or_exit
 
             run_or_exit(kwargs, what, when, _skip_hint(), self.timeout, self.json_path)
             return
-        from shardkit.autopreflight.hooks import preflight_timeout
+        from shardkit.autopreflight.run import preflight_timeout
         from shardkit.placement.preflight import preflight
 
         report = preflight(**kwargs, timeout=preflight_timeout(self.timeout), json_path=self.json_path)
@@ -165,7 +165,7 @@ class PreflightCallback(TrainerCallback):
             from shardkit.errors import ConfigError
 
             raise ConfigError(f"{report.subject}: {len(report.errors)} error(s) {stage}; first: {first}")
-        from shardkit.autopreflight.hooks import stop_rank
+        from shardkit.autopreflight.run import stop_rank
 
         _rank0_has_printed(rank)
         where = "the findings above" if rank in ("0", "?") else "rank 0's output"
@@ -369,6 +369,6 @@ def _rank() -> str:
 
 def _skip_hint() -> str:
     from shardkit.autopreflight import enabled
-    from shardkit.autopreflight.hooks import LAUNCH_SKIP_HINT
+    from shardkit.autopreflight.run import LAUNCH_SKIP_HINT
 
     return LAUNCH_SKIP_HINT if enabled() else "remove the PreflightCallback to skip the check"
