@@ -1,0 +1,251 @@
+"""`shardkit convert --to zero3` (issue 9): an FSDP2 (DCP) checkpoint written at 2 ranks becomes the
+per-rank files of a DeepSpeed ZeRO-3 run at 1 rank (FusedAdam) and at 3 ranks (CPU offload:
+DeepSpeedCPUAdam, zero-padded partitions), loaded by DeepSpeed's plain ``engine.load_checkpoint``.
+
+One multi-rank setup per module: the FSDP2 run (2 ranks: 2 steps, save, 2 more steps as the
+reference), then one spawn per target world size that loads, reports its flat partitions right
+after the load, continues 2 steps and saves with DeepSpeed (the start of the round trip
+ZeRO-3 -> FSDP2 -> ZeRO-3, converted in this process).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardkit.checkpoint.convert.dcp_to_zero3 import convert_dcp_to_zero3
+from shardkit.checkpoint.safe_load import safe_torch_load
+from shardkit.errors import CheckpointError, UsageError
+from tests import _ranks_ckpt as C
+from tests import _ranks_convert_back as B
+
+pytestmark = pytest.mark.slow
+
+WORLDS = (1, 3)
+OFFLOAD = {1: False, 3: True}
+OPTIMIZER = {1: "FusedAdam", 3: "DeepSpeedCPUAdam"}
+LOSS_RTOL_AFTER_UPDATE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Any]:
+    from shardkit.harness.spawn import run_ranks
+
+    base = tmp_path_factory.mktemp("convert_back")
+    src = base / "fsdp"
+    ref = run_ranks(C.fsdp_train_save_continue, 2, args=(str(src), str(base / "model.safetensors")), timeout=300,
+                    device="cpu")[0].value
+    out: dict[str, Any] = {"base": base, "src": src, "ref": ref, "result": {}, "seconds": {}, "loaded": {}}
+    for n in WORLDS:
+        dst = base / f"zero3_ws{n}"
+        t0 = time.perf_counter()
+        out["result"][n] = convert_dcp_to_zero3(src, dst, world_size=n, ds_config=B.ds_config(n, OFFLOAD[n]))
+        out["seconds"][n] = time.perf_counter() - t0
+        ranks = run_ranks(B.load_and_continue, n, args=(str(dst), OFFLOAD[n], 2, 2, str(base / f"saved_ws{n}")),
+                          timeout=400, device="cpu")
+        out["loaded"][n] = [r.value for r in ranks]
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int32)
+
+
+def _assemble(ranks: list[dict[str, Any]], key: str) -> dict[str, torch.Tensor]:
+    """Full tensors per parameter from every rank's flat partitions (ZeRO-3's layout: ceil(numel/N)
+    elements per rank in param_shapes order); also checks the padding is zero."""
+    n = len(ranks)
+    out = {}
+    for j, params in enumerate(ranks[0]["param_shapes"]):
+        offset = 0
+        for name, shape in params:
+            numel = math.prod(shape)
+            part = math.ceil(numel / n)
+            pieces = []
+            for r, rank in enumerate(ranks):
+                lo, hi = min(r * part, numel), min((r + 1) * part, numel)
+                flat = rank[key][j]
+                pieces.append(flat[offset:offset + hi - lo])
+                assert not flat[offset + hi - lo:offset + part].any(), f"{name}: rank {r} padding not zero"
+            out[name] = torch.cat(pieces).view(shape)
+            offset += part
+        assert all(rank[key][j].numel() == offset for rank in ranks)
+    return out
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_plain_load_checkpoint_restores_every_tensor_bit_for_bit(runs, n):
+    ranks, ref = runs["loaded"][n], runs["ref"]["state"]
+    names = [name for group in ranks[0]["param_shapes"] for name, _ in group]
+    assert names == list(ref["model"])  # model.parameters() order: what ZeRO-3 lays out
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        got = _assemble(ranks, key)
+        for name in names:
+            want = ref["model"][name] if key == "fp32" else ref["optim"]["state"][name][key]
+            assert torch.equal(_bits(got[name]), _bits(want)), f"{key} of {name} at {n} rank(s)"
+    for rank in ranks:
+        assert rank["step"] == [2] and rank["global_steps"] == 2
+        assert rank["optimizer"] == OPTIMIZER[n]
+        assert rank["client"] == {"epoch": 0, "sample": 12}  # the FSDP2 save's extra, as client_state
+        assert rank["kernel_replays"] >= 1  # the CPU Adam kernel got its beta powers back
+        group = rank["groups"][0]
+        assert (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.01)
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_loss_curve_continues(runs, n):
+    # Step 2 (the first after the load) sees the restored weights: only the forward's reduction
+    # order differs from the FSDP2 run (micro-batches of 6/n rows; measured: rel 8e-8).
+    # Step 3 follows one update by DeepSpeed's ZeRO-3 Adam instead of torch's AdamW. The two
+    # engines differ by themselves: from the same initial weights, with no conversion anywhere,
+    # ZeRO-3 (FusedAdam, CPU) and torch AdamW reach rel 3.2e-5 apart by their 4th step on this model
+    # (measured), and 4.7e-5 here. Hence 1e-4 at step 3; the tight checks are the bit-exact state
+    # above and the agreement of the two ZeRO-3 runs below.
+    got = runs["loaded"][n][0]["losses"]
+    want = runs["ref"]["losses"]
+    assert got[0] == pytest.approx(want[0], rel=1e-6), (got, want)
+    assert got[1] == pytest.approx(want[1], rel=LOSS_RTOL_AFTER_UPDATE), (got, want)
+    assert all(r["losses"] == got for r in runs["loaded"][n])
+
+
+def test_both_zero3_runs_continue_alike(runs):
+    # 1 rank with FusedAdam and 3 ranks with CPU offload (DeepSpeedCPUAdam, other partitions, other
+    # files) continue from their own converted files on the same curve: rel 5e-8 measured.
+    one, three = runs["loaded"][1][0]["losses"], runs["loaded"][3][0]["losses"]
+    assert three == pytest.approx(one, rel=1e-6), (one, three)
+
+
+def test_result_manifest_and_verify(runs):
+    from shardkit.checkpoint.verify import check_resumable
+
+    for n in WORLDS:
+        r = runs["result"][n]
+        root = r.output
+        assert (root / "latest").read_text() == "step2" and r.tag == "step2"
+        assert (r.source_engine, r.target_engine, r.world_size, r.source_world_size) == ("fsdp2", "zero3", n, 2)
+        assert r.verified == "sha256" and r.params == 21
+        files = sorted(p.name for p in (root / r.tag).glob("*.pt"))
+        assert len(files) == 2 * n and r.bytes == sum((root / r.tag / f).stat().st_size for f in files)
+        assert {"fp32 masters", "exp_avg", "exp_avg_sq", "step", "client_state.epoch"} <= set(r.carried)
+        assert r.not_carried == []
+        assert any(f"{OPTIMIZER[n]}'s format" in note for note in r.notes)
+        assert any("restore_cpu_adam_kernel_state" in note for note in r.notes)
+        report = check_resumable(root, world_size=n, engine="deepspeed")
+        m = report.manifest
+        assert m.world_size == n and m.step == 2 and m.zero_stage == 3
+        assert m.extra["converted_from"]["engine"] == "fsdp2"
+        ms = safe_torch_load(root / r.tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        assert ms["dp_world_size"] == n and ms["ds_config"] == B.ds_config(n, OFFLOAD[n])
+        assert ms["global_samples"] == 2 * C.GLOBAL_BATCH and ms["buffer_names"] == []
+        assert all(t.numel() == 0 for t in ms["module"].values())  # ZeRO-3 placeholders
+
+
+def _leaves(obj: Any, path: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items() for k, v in _leaves(value, f"{path}.{key}").items()}
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, torch.Tensor)) for v in obj):
+        return {k: v for i, value in enumerate(obj) for k, v in _leaves(value, f"{path}[{i}]").items()}
+    return {path: obj}
+
+
+def test_round_trip_zero3_fsdp2_zero3_is_tensor_equal(runs, tmp_path):
+    """DeepSpeed's own save at 3 ranks (offload) -> FSDP2 (DCP) -> ZeRO-3 at 3 ranks: every tensor of
+    every file equal in bits, and every other entry equal too."""
+    from shardkit.checkpoint.convert.zero3_to_dcp import convert_zero3_to_dcp
+
+    first = runs["base"] / "saved_ws3"
+    tag = "global_step4"
+    ds_cfg = safe_torch_load(first / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")["ds_config"]
+    convert_zero3_to_dcp(first, tmp_path / "dcp")
+    r = convert_dcp_to_zero3(tmp_path / "dcp", tmp_path / "back", world_size=3, ds_config=ds_cfg)
+    assert r.tag == tag
+    names = sorted(p.name for p in (first / tag).glob("*.pt"))
+    assert names == sorted(p.name for p in (tmp_path / "back" / tag).glob("*.pt")) and len(names) == 6
+    identical = []
+    for name in names:
+        a = _leaves(safe_torch_load(first / tag / name))
+        b = _leaves(safe_torch_load(tmp_path / "back" / tag / name))
+        assert a.keys() == b.keys(), (name, a.keys() ^ b.keys())
+        for key, va in a.items():
+            vb = b[key]
+            if isinstance(va, torch.Tensor):
+                assert va.dtype == vb.dtype and va.shape == vb.shape, f"{name}{key}"
+                assert torch.equal(va.view(torch.uint8) if va.numel() else va, vb.view(torch.uint8) if vb.numel() else vb), f"{name}{key}"
+            else:
+                assert repr(va) == repr(vb), f"{name}{key}: {va!r} != {vb!r}"
+        if (first / tag / name).read_bytes() == (tmp_path / "back" / tag / name).read_bytes():
+            identical.append(name)
+    # the files themselves: see README "Convert" for why they are not byte-identical
+    runs["identical_files"] = identical
+
+
+# --- refusals: each names what failed, the value, why and the fix (in-process, no ranks) ----------
+
+
+def _cfg(**changes: Any) -> dict[str, Any]:
+    cfg = B.ds_config(2, False)
+    for path, value in changes.items():
+        node = cfg
+        *parents, last = path.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return cfg
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (_cfg(optimizer__type="SGD"), r"optimizer\.type is 'SGD': only Adam/AdamW state .* use a config with optimizer\.type 'AdamW'"),
+    (_cfg(fp16={"enabled": True}), r"fp16\.enabled is true: .*loss scaler.* Resume in bf16 or fp32"),
+    (_cfg(zero_optimization={"stage": 2}), r"zero_optimization\.stage is 2: --to zero3 writes ZeRO-3 files"),
+    (_cfg(zero_optimization__sub_group_size=0), r"sub_group_size is 0: not a positive integer"),
+    (_cfg(optimizer__type="Adam", optimizer__params={"adam_w_mode": False, "weight_decay": 0.01}),
+     r"param_groups\[0\] was trained with AdamW \(decoupled_weight_decay=True\), weight_decay 0\.01, but the target "
+     r"config builds Adam with L2 weight decay\. Set ds_config optimizer\.type to AdamW"),
+], ids=["sgd", "fp16", "stage2", "sub_group_size", "adam-l2"])
+def test_refuses_configs_it_cannot_serve(runs, tmp_path, cfg, match):
+    with pytest.raises(UsageError, match=match):
+        convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=2, ds_config=cfg)
+    assert not (tmp_path / "out" / "latest").exists()
+
+
+def test_refuses_bad_sources_and_arguments(runs, tmp_path):
+    src = runs["src"]
+    with pytest.raises(UsageError, match=r"--world-size 0: must be a whole number from 1 to"):
+        convert_dcp_to_zero3(src, tmp_path / "a", world_size=0)
+    with pytest.raises(UsageError, match=r"is a DeepSpeed ZeRO checkpoint .* not an FSDP2 \(DCP\) one; .*shardkit reshard"):
+        convert_dcp_to_zero3(runs["result"][1].output, tmp_path / "b", world_size=2)
+    with pytest.raises(CheckpointError, match=r"does not exist"):
+        convert_dcp_to_zero3(tmp_path / "missing", tmp_path / "c", world_size=2)
+    with pytest.raises(UsageError, match=r"unknown option\(s\) \['sub_group'\]"):
+        convert_dcp_to_zero3(src, tmp_path / "d", world_size=2, sub_group=5)
+    bad = tmp_path / "corrupt"
+    shutil.copytree(src, bad)
+    f = bad / "step2" / "__1_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[200] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"refusing to read .*__1_0\.distcp.*sha256"):
+        convert_dcp_to_zero3(bad, tmp_path / "e", world_size=2)
+    done = convert_dcp_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000)
+    assert any("sub-group(s) at sub_group_size 5000" in note for note in done.notes)
+    with pytest.raises(UsageError, match=r"already holds checkpoint 'step2' .* pass --force"):
+        convert_dcp_to_zero3(src, tmp_path / "f", world_size=2)
+    shapes = safe_torch_load(tmp_path / "f" / "step2" / "zero_pp_rank_1_mp_rank_00_model_states.pt")["param_shapes"]
+    assert len(shapes) > 1  # split as DeepSpeed splits at sub_group_size 5000
+
+
+def test_cli_convert_to_zero3(runs, tmp_path, capsys):
+    from shardkit.cli import main
+
+    assert main(["convert", str(runs["src"]), "--to", "zero3", "--world-size", "2", "-o", str(tmp_path / "cli")]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp2 -> zero3, 21 parameters" in out and "engine.load_checkpoint" in out
+    assert sorted(p.name for p in (tmp_path / "cli" / "step2").glob("*.pt")) == [
+        f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(2) for kind in ("model", "optim")]
+    assert Path(tmp_path / "cli" / "latest").read_text() == "step2"
