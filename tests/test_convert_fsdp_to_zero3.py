@@ -167,7 +167,6 @@ def test_round_trip_zero3_fsdp2_zero3_is_tensor_equal(runs, tmp_path):
     assert r.tag == tag
     names = sorted(p.name for p in (first / tag).glob("*.pt"))
     assert names == sorted(p.name for p in (tmp_path / "back" / tag).glob("*.pt")) and len(names) == 6
-    identical = []
     for name in names:
         a = _leaves(safe_torch_load(first / tag / name))
         b = _leaves(safe_torch_load(tmp_path / "back" / tag / name))
@@ -179,10 +178,9 @@ def test_round_trip_zero3_fsdp2_zero3_is_tensor_equal(runs, tmp_path):
                 assert torch.equal(va.view(torch.uint8) if va.numel() else va, vb.view(torch.uint8) if vb.numel() else vb), f"{name}{key}"
             else:
                 assert repr(va) == repr(vb), f"{name}{key}: {va!r} != {vb!r}"
-        if (first / tag / name).read_bytes() == (tmp_path / "back" / tag / name).read_bytes():
-            identical.append(name)
-    # the files themselves: see README "Convert" for why they are not byte-identical
-    runs["identical_files"] = identical
+    # The files themselves are not byte-identical (README "Convert"): DeepSpeed's module state dict
+    # carries torch's per-module `_metadata` (versions), which a converter without the module cannot
+    # rebuild and load_checkpoint never reads; and the pickles memoize equal tuples differently.
 
 
 # --- refusals: each names what failed, the value, why and the fix (in-process, no ranks) ----------
