@@ -124,6 +124,7 @@ def fsdp_resume_continue(root: str, cpu_offload: bool) -> dict[str, Any] | None:
     )
     from shardkit.config.fsdp import fsdp_config_from_dict
     from shardkit.engines.fsdp import apply_fsdp, train_step
+    from shardkit.errors import CheckpointError
 
     cfg = fsdp_config_from_dict({"fsdp": {"wrap": ["LlamaDecoderLayer"], "mixed_precision": "none",
                                           "cpu_offload": cpu_offload, "pin_memory": False}, "train": {"clip": CLIP}})
@@ -132,8 +133,14 @@ def fsdp_resume_continue(root: str, cpu_offload: bool) -> dict[str, Any] | None:
     report = load_fsdp_checkpoint(m, opt, root)
     snapshot = {"model": full_model_state_dict(m), "optim": full_optimizer_state_dict(m, opt)}
     losses = [_mean(train_step(m, opt, _rows(s), cfg)) for s in range(SAVE_STEPS, SAVE_STEPS + RESUME_STEPS)]
+    one_group = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    try:  # one group where two were saved: the norms would silently take group 0's lr and decay
+        load_fsdp_checkpoint(m, one_group, root)
+        one_group_error = ""
+    except CheckpointError as exc:
+        one_group_error = str(exc)
     if dist.get_rank() != 0:
         return None
     return {"state": snapshot, "losses": losses, "step": report.manifest.step, "user": report.manifest.extra["user"],
-            "findings": [f.rule for f in report.findings],
+            "findings": [f.rule for f in report.findings], "one_group_error": one_group_error,
             "groups": [{k: g[k] for k in ("lr", "weight_decay", "decoupled_weight_decay")} for g in opt.param_groups]}

@@ -78,6 +78,9 @@ def test_state_equals_the_source_bit_for_bit_after_loading(source, resumed):
     assert source[1]["groups"] == list(C.GROUPS)
     assert got["step"] == C.SAVE_STEPS and got["user"] == C.CLIENT_STATE
     assert got["findings"] == ([] if world == 1 else ["ckpt.world_size.reshard"])
+    # an optimizer with other param groups is refused, not silently given group 0's hyperparameters
+    assert "the checkpoint's optimizer has 2 param group(s), this optimizer 1" in got["one_group_error"]
+    assert "Build the optimizer with the same 2 group(s)" in got["one_group_error"]
 
 
 def test_loss_curve_continues_the_uninterrupted_zero3_run(source, resumed):

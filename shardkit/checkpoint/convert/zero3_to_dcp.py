@@ -291,6 +291,10 @@ def _plan(ckpt: Zero3Checkpoint, optim0: dict[str, Any], adam_w_mode: bool | Non
     for dropped_keys, indices in dropped_by_value.items():
         plan.notes.append(f"param_groups {indices}: {dropped_keys} not written (DeepSpeed optimizer keys with no "
                           f"torch counterpart: {'; '.join(f'{k}: {v}' for k, v in _GROUP_KEYS_WITHOUT_TORCH_MEANING.items())})")
+    layout = "; ".join(f"[{i}] {len(g['params'])} params, lr={g['lr']}, weight_decay={g['weight_decay']}"
+                       for i, g in enumerate(plan.groups))
+    plan.notes.append(f"param groups written: {layout}. Build the resuming optimizer with the same groups over "
+                      "the same (trainable) parameters: torch's load_state_dict refuses groups of other sizes")
     hyper = sorted({k for g in ckpt.param_groups for k in g if k not in _GROUP_KEYS_WITHOUT_TORCH_MEANING})
     plan.carried = [f"fp32 masters ({len(ckpt.slots)} trainable)", *ADAM_STATE_KEYS, "step",
                     f"param_groups x{len(plan.groups)} ({', '.join(hyper)})"]

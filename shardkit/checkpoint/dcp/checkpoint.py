@@ -96,6 +96,8 @@ def load_fsdp_checkpoint(
     if optimizer is not None and OPTIM_KEY not in saved_keys:
         raise CheckpointError(f"{report.tag_dir}: saved without optimizer state, but an optimizer was passed; "
                               "pass optimizer=None to load the model only")
+    if optimizer is not None:
+        _check_param_group_count(report.tag_dir, optimizer)
     # The templates are this run's own shards: dcp.load fills them in place, reading from the
     # saved shards whatever world size wrote them. (get_state_dict also creates the optimizer's
     # state with a zero-lr step when it is empty, so there is somewhere to load into.)
@@ -112,6 +114,25 @@ def load_fsdp_checkpoint(
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY], options=opts)
     return report
+
+
+def _check_param_group_count(tag_dir: str | os.PathLike[str], optimizer: "torch.optim.Optimizer") -> None:
+    """DCP fills this run's param groups by index (``optim.param_groups.<i>.<key>``): with fewer
+    groups than were saved, the parameters of the groups left out would silently train with another
+    group's lr and weight decay (seen with a converted 2-group ZeRO-3 checkpoint). Count the saved
+    groups in ``.metadata`` and refuse a mismatch."""
+    from shardkit.checkpoint.dcp.safe_load import METADATA_NAME, read_dcp_metadata
+
+    prefix = f"{OPTIM_KEY}.param_groups."
+    keys = read_dcp_metadata(Path(tag_dir) / METADATA_NAME).state_dict_metadata
+    saved = len({k[len(prefix):].split(".", 1)[0] for k in keys if k.startswith(prefix)})
+    if saved and saved != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{tag_dir}: the checkpoint's optimizer has {saved} param group(s), this optimizer "
+            f"{len(optimizer.param_groups)}; loading would give the parameters of the groups that do not match another "
+            f"group's lr and weight decay (DCP fills param groups by index). Build the optimizer with the same {saved} "
+            "group(s) over the same parameters (shardkit convert prints them)"
+        )
 
 
 def _storage_ptrs(tensors: Any) -> set[int]:
