@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 FP32 = "fp32"
 """Pseudo state key: the fp32 masters (the FSDP2 parameters themselves)."""
 
-BATCH_BYTES = 256 * 2**20
+BATCH_BYTES = 64 * 2**20
 """Full source tensors read per ``dcp.load`` call while a partition is produced (bounds memory)."""
 
 MAX_WORLD_SIZE = 2**20
@@ -287,8 +287,13 @@ def _check_config(cfg: dict[str, Any] | None) -> tuple[int, str]:
     return int(value), precision
 
 
-def _plan(src: _DcpSource) -> _Plan:
-    """Classify the source's model keys (trainable, frozen, tied alias, buffer) and collect its Adam state."""
+def _plan(src: _DcpSource, buffer_names: list[str] | None = None) -> _Plan:
+    """Classify the source's model keys (trainable, frozen, tied alias, buffer) and collect its Adam state.
+
+    ``buffer_names``: the buffers, when the manifest names them (``extra.buffers``, or
+    ``extra.converted_from.buffer_names`` from a ZeRO-3 conversion); otherwise a model key outside
+    the optimizer that is not a tied alias is a frozen parameter when FSDP2 sharded it (several
+    chunks) and a buffer when not."""
     model: list[str] = []
     state: dict[str, dict[str, str]] = {}
     group_keys: dict[int, list[str]] = {}
@@ -368,7 +373,7 @@ def _plan(src: _DcpSource) -> _Plan:
         owner = _tied_owner(src, fqn, trainable_by_shape.get((tuple(m.size), m.properties.dtype), []))
         if owner is not None:
             plan.aliases[fqn] = owner
-        elif len(m.chunks) > 1:
+        elif (fqn not in buffer_names) if buffer_names is not None else len(m.chunks) > 1:
             plan.frozen.append(_Param(fqn, tuple(m.size), m.properties.dtype))
         else:
             plan.buffers.append(fqn)
@@ -378,7 +383,7 @@ def _plan(src: _DcpSource) -> _Plan:
     frozen_outside = [p.fqn for p in plan.frozen if p.fqn not in plan.param_group_of]
     if frozen_outside:
         plan.notes.append(f"frozen (sharded by FSDP2, not in the optimizer): {frozen_outside}")
-    if plan.buffers:
+    if plan.buffers and buffer_names is None:
         plan.notes.append(f"buffers (one unsharded copy, not in the optimizer): {plan.buffers}; a frozen parameter "
                           "saved from one rank looks the same and would be refused by load_checkpoint as a size mismatch")
     # frozen parameters in the module's parameters() order, as DeepSpeed lists them
@@ -461,10 +466,6 @@ def _target_groups(plan: _Plan, opt: TargetOptimizer, cfg: dict[str, Any] | None
                                         "keys (set them in the resuming run if they matter)")
         out.append(new)
     return out
-
-
-def _lazy(numel: int, dtype: "torch.dtype", produce: Callable[[], "torch.Tensor"]) -> LazyTensor:
-    return LazyTensor(numel, dtype, produce)
 
 
 def _partition(src: _DcpSource, layout: TargetLayout, j: int, rank: int, key: str) -> "torch.Tensor":
@@ -562,7 +563,9 @@ def convert_dcp_to_zero3(
                          "checkpoints (a ZeRO-3 checkpoint at another world size: `shardkit reshard`)")
 
     src = _DcpSource(tag_dir)
-    plan = _plan(src)
+    extra = manifest.extra if manifest is not None else {}
+    hint = extra.get("buffers", (extra.get("converted_from") or {}).get("buffer_names"))
+    plan = _plan(src, [str(n) for n in hint] if isinstance(hint, list) else None)
     decoupled = [bool(g.get("decoupled_weight_decay", False)) for g in plan.groups]
     opt = target_optimizer(cfg, all(decoupled))
     groups = _target_groups(plan, opt, cfg, tag_dir)
@@ -597,27 +600,8 @@ def convert_dcp_to_zero3(
         else:
             client[k] = v
 
-    import deepspeed
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    prefix = "bf16_" if precision == "bf16" else ""
-    module_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    buffers = src.load([f"{MODEL_KEY}.{n}" for n in plan.buffers]) if plan.buffers else {}
-    frozen_full = src.load([f"{MODEL_KEY}.{p.fqn}" for p in plan.frozen]) if plan.frozen else {}
-    trainable_names = {p.fqn for p in plan.trainable} | {p.fqn for p in plan.frozen} | set(plan.aliases)
-    module: OrderedDict[str, Any] = OrderedDict()
-    for n in plan.model_keys:
-        # a partitioned ZeRO-3 module's state_dict holds an empty tensor per parameter
-        module[n] = torch.empty(0, dtype=module_dtype) if n in trainable_names else buffers[f"{MODEL_KEY}.{n}"]
-    param_shapes = [OrderedDict((tp.source.name, torch.Size(tp.source.shape)) for tp in params) for params in layout.sub_groups]
-    owners: dict[int, list[int]] = {}
-    for j, g in enumerate(layout.sub_group_param_group):
-        owners.setdefault(g, []).append(j)
-    for g, group in enumerate(groups):
-        group["params"] = owners.get(g, [])
-    ds_version = deepspeed.__version__
-
+    out = _Writer(src=src, plan=plan, layout=layout, opt=opt, groups=groups, sub_steps=sub_steps,
+                  precision=precision, global_steps=global_steps, counters=counters, client=client, cfg=record_cfg)
     facts = dict(world_size=world_size, step=global_steps, zero_stage=3, dtype=precision,
                  config_digest=config_digest(record_cfg),
                  extra={"converted_from": {"path": str(tag_dir), "engine": "fsdp2",
@@ -626,48 +610,13 @@ def convert_dcp_to_zero3(
     outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
     written: list[str] = []
     with atomic_checkpoint(root, tag, engine="deepspeed", **facts) as save:
-        staged = save.path
         for rank in range(world_size):
-            model_sd: dict[str, Any] = dict(
-                module=module, buffer_names=list(plan.buffers), optimizer=None, param_shapes=param_shapes,
-                frozen_param_shapes=OrderedDict((p.fqn, torch.Size(p.shape)) for p in plan.frozen),
-                shared_params=dict(plan.aliases),
-                frozen_param_fragments=OrderedDict(
-                    (p.fqn, repartition_frozen(frozen_full[f"{MODEL_KEY}.{p.fqn}"].to(module_dtype), world_size, rank))
-                    for p in plan.frozen),
-                lr_scheduler=counters.get("lr_scheduler"), data_sampler=None, random_ltd=None,
-                skipped_steps=counters["skipped_steps"], global_steps=global_steps)
-            if "global_samples" in counters:
-                model_sd["global_samples"] = counters["global_samples"]
-            # the rest in _common_checkpoint_state's order, client state last (state.update(client_state))
-            model_sd.update(dp_world_size=world_size, mp_world_size=1,
-                            checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1},
-                            ds_config=record_cfg, ds_version=ds_version, **client)
-            model_path = staged / MODEL_FILE.format(rank=rank)
+            model_path = save.path / MODEL_FILE.format(rank=rank)
             with disk_full_named(model_path, outcome):
-                torch.save(model_sd, model_path)
-            state: dict[int, dict[str, Any]] = {}
-            for j in range(len(layout.sub_groups)):
-                n = layout.sub_group_numel(j)
-                raw_step = sub_steps[j][1]
-                st: dict[str, Any] = {"step": raw_step.detach().clone().reshape(()) if opt.step_as_tensor
-                                      else sub_steps[j][0]}
-                for key in ADAM_STATE_KEYS:
-                    st[key] = _lazy(n, torch.float32, _producer(src, layout, j, rank, key))
-                state[j] = st
-            osd = {
-                "zero_stage": ZeroStageEnum.weights,
-                "loss_scaler": LossScaler(1.0),
-                "dynamic_loss_scale": False,
-                "overflow": False,
-                "partition_count": world_size,
-                "optimizer_state_dict": {"state": state, "param_groups": groups},
-                "fp32_flat_groups": [_lazy(layout.sub_group_numel(j), torch.float32, _producer(src, layout, j, rank, FP32))
-                                     for j in range(len(layout.sub_groups))],
-            }
-            optim_path = staged / OPTIM_FILE.format(prefix=prefix, rank=rank)
+                torch.save(out.model_states(rank), model_path)
+            optim_path = save.path / OPTIM_FILE.format(prefix="bf16_" if precision == "bf16" else "", rank=rank)
             with disk_full_named(optim_path, outcome):
-                stream_save({"optimizer_state_dict": osd, "ds_config": record_cfg, "ds_version": ds_version}, optim_path)
+                stream_save(out.optim_states(rank), optim_path)
             written += [model_path.name, optim_path.name]
     final = root / tag
     carried = ["fp32 masters", "exp_avg", "exp_avg_sq", "step", "param_groups (lr, betas, eps, weight_decay)"]
@@ -689,6 +638,82 @@ def convert_dcp_to_zero3(
         source_world_size=manifest.world_size if manifest is not None else 0,
         params=len(plan.trainable) + len(plan.frozen), bytes=sum((final / f).stat().st_size for f in written),
         carried=carried, not_carried=plan.not_carried, notes=notes, verified=checked.level)
+
+
+class _Writer:
+    """Each output rank's two dicts, in the key order DeepSpeed 0.19.8 writes them."""
+
+    def __init__(self, *, src: _DcpSource, plan: _Plan, layout: TargetLayout, opt: TargetOptimizer,
+                 groups: list[dict[str, Any]], sub_steps: list[tuple[int, Any]], precision: str, global_steps: int,
+                 counters: dict[str, Any], client: dict[str, Any], cfg: dict[str, Any]):
+        import deepspeed
+        import torch
+
+        self.src, self.plan, self.layout, self.opt, self.sub_steps = src, plan, layout, opt, sub_steps
+        self.global_steps, self.counters, self.client, self.cfg = global_steps, counters, client, cfg
+        self.ds_version = deepspeed.__version__
+        self.module_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        buffers = src.load([f"{MODEL_KEY}.{n}" for n in plan.buffers]) if plan.buffers else {}
+        self.frozen_full = src.load([f"{MODEL_KEY}.{p.fqn}" for p in plan.frozen]) if plan.frozen else {}
+        params = {p.fqn for p in plan.trainable} | {p.fqn for p in plan.frozen} | set(plan.aliases)
+        # a partitioned ZeRO-3 module's state_dict holds an empty tensor per parameter, buffers whole
+        self.module: OrderedDict[str, Any] = OrderedDict(
+            (n, torch.empty(0, dtype=self.module_dtype) if n in params else buffers[f"{MODEL_KEY}.{n}"])
+            for n in plan.model_keys)
+        self.param_shapes = [OrderedDict((tp.source.name, torch.Size(tp.source.shape)) for tp in sub)
+                             for sub in layout.sub_groups]
+        owners: dict[int, list[int]] = {}
+        for j, g in enumerate(layout.sub_group_param_group):
+            owners.setdefault(g, []).append(j)
+        self.groups = [{**group, "params": owners.get(g, [])} for g, group in enumerate(groups)]
+
+    def model_states(self, rank: int) -> dict[str, Any]:
+        """``DeepSpeedEngine._common_checkpoint_state`` (+ client state, last, as ``state.update``)."""
+        import torch
+
+        plan, n = self.plan, self.layout.world_size
+        sd: dict[str, Any] = dict(
+            module=self.module, buffer_names=list(plan.buffers), optimizer=None, param_shapes=self.param_shapes,
+            frozen_param_shapes=OrderedDict((p.fqn, torch.Size(p.shape)) for p in plan.frozen),
+            shared_params=dict(plan.aliases),
+            frozen_param_fragments=OrderedDict(
+                (p.fqn, repartition_frozen(self.frozen_full[f"{MODEL_KEY}.{p.fqn}"].to(self.module_dtype), n, rank))
+                for p in plan.frozen),
+            lr_scheduler=self.counters.get("lr_scheduler"), data_sampler=None, random_ltd=None,
+            skipped_steps=self.counters["skipped_steps"], global_steps=self.global_steps)
+        if "global_samples" in self.counters:
+            sd["global_samples"] = self.counters["global_samples"]
+        sd.update(dp_world_size=n, mp_world_size=1, checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1},
+                  ds_config=self.cfg, ds_version=self.ds_version, **self.client)
+        return sd
+
+    def optim_states(self, rank: int) -> dict[str, Any]:
+        """``_save_zero_checkpoint``'s dict around ``DeepSpeedZeroOptimizer_Stage3._rigid_state_dict``,
+        with the flat tensors produced only when ``stream_save`` writes them."""
+        import torch
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        layout = self.layout
+        state: dict[int, dict[str, Any]] = {}
+        for j in range(len(layout.sub_groups)):
+            count, raw = self.sub_steps[j]
+            st: dict[str, Any] = {"step": raw.detach().clone().reshape(()) if self.opt.step_as_tensor else count}
+            for key in ADAM_STATE_KEYS:
+                st[key] = LazyTensor(layout.sub_group_numel(j), torch.float32, _producer(self.src, layout, j, rank, key))
+            state[j] = st
+        osd = {
+            "zero_stage": ZeroStageEnum.weights,
+            "loss_scaler": LossScaler(1.0),  # bf16/fp32: DeepSpeed's static scale of 1 (fp16 is refused)
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "partition_count": layout.world_size,
+            "optimizer_state_dict": {"state": state, "param_groups": self.groups},
+            "fp32_flat_groups": [LazyTensor(layout.sub_group_numel(j), torch.float32,
+                                            _producer(self.src, layout, j, rank, FP32))
+                                 for j in range(len(layout.sub_groups))],
+        }
+        return {"optimizer_state_dict": osd, "ds_config": self.cfg, "ds_version": self.ds_version}
 
 
 def _producer(src: _DcpSource, layout: TargetLayout, j: int, rank: int, key: str) -> Callable[[], "torch.Tensor"]:
