@@ -188,6 +188,20 @@ def test_other_optimizers_and_amsgrad_are_refused_by_name(source, tmp_path):
         convert_zero3_to_dcp(src, tmp_path / "out", warn=lambda m: None)
 
 
+def test_state_that_is_not_adams_is_refused_by_name(source, tmp_path):
+    """A client optimizer keeping only a momentum (Lion-style): refused, not written without its second moment."""
+    src = _plain_copy(source[0], tmp_path / "src")
+
+    def momentum_only(sd):
+        for entry in sd["optimizer_state_dict"]["optimizer_state_dict"]["state"].values():
+            del entry["exp_avg_sq"]
+
+    _edit(src / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt", momentum_only)
+    with pytest.raises(CheckpointError, match=r"optimizer.state \(per-element keys \['exp_avg'\]\): Adam/AdamW keeps "
+                       r"exactly \['exp_avg', 'exp_avg_sq'\]. Fix: convert a checkpoint saved after at least one step"):
+        convert_zero3_to_dcp(src, tmp_path / "out", warn=lambda m: None)
+
+
 def test_client_optimizer_with_weight_decay_needs_adam_w_mode(source, tmp_path, run_cli):
     src = _plain_copy(source[0], tmp_path / "src")
     _edit(src / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt", lambda sd: sd["ds_config"].pop("optimizer"))
