@@ -46,9 +46,11 @@ def _global_step(engine, step: int) -> float:
     return float(t.item()) / world
 
 
-def load_and_continue(ckpt: str, offload: bool, start: int, steps: int, save_to: str) -> dict[str, Any]:
+def load_and_continue(ckpt: str, offload: bool, start: int, steps: int, save_to: str,
+                      named: str | None = None) -> dict[str, Any]:
     """Plain ``engine.load_checkpoint(ckpt)``; this rank's state right after it; ``steps`` more steps
-    (after ``restore_cpu_adam_kernel_state``, as the README tells plain-load users); save to ``save_to``."""
+    (after ``restore_cpu_adam_kernel_state``, as the README tells plain-load users); save to ``save_to``.
+    ``named``: then, in the same process, ``load_named(named)`` (saves a spawn)."""
     from shardkit.checkpoint.zero3.cpu_adam_kernel import restore_cpu_adam_kernel_state
     from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
     from shardkit.engines.deepspeed import initialize
@@ -75,4 +77,48 @@ def load_and_continue(ckpt: str, offload: bool, start: int, steps: int, save_to:
     out["kernel_replays"] = len(restore_cpu_adam_kernel_state(engine))
     out["losses"] = [_global_step(engine, s) for s in range(start, start + steps)]
     save_deepspeed_checkpoint(engine, save_to, tag=f"global_step{start + steps}")
+    if named is not None:
+        out["named"] = load_named(named)
     return out
+
+
+def named_dcp(root: str) -> dict[str, Any]:
+    """In this process, no FSDP: tests/_ranks_convert.py's model (tied embeddings, a frozen norm, two
+    param groups) trained 2 steps with torch AdamW, the frozen norm inside group 0 as
+    ``model.parameters()``-built optimizers hold it (never stepped: no state), saved by
+    ``save_fsdp_checkpoint`` (a plain module's state dict: one chunk per tensor). Returns the state."""
+    from shardkit.checkpoint.dcp.checkpoint import save_fsdp_checkpoint
+    from shardkit.models import synthetic_batch
+    from tests import _ranks_convert as N
+
+    m = N.model()
+    groups = N.param_groups(m)
+    groups[0]["params"] = [*groups[0]["params"], m.get_parameter(N.FROZEN)]
+    opt = torch.optim.AdamW(groups)
+    for step in range(2):
+        rows = synthetic_batch(512, N.GLOBAL_BATCH, N.SEQ_LEN, step, rank=0)
+        m(input_ids=rows, labels=rows).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    save_fsdp_checkpoint(m, opt, root, step=2)
+    by_param = {p: n for n, p in m.named_parameters()}
+    return {"params": {n: p.detach().clone() for n, p in m.named_parameters()},
+            "state": {by_param[p]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}}
+
+
+def load_named(ckpt: str) -> dict[str, Any] | None:
+    """tests/_ranks_convert.py's model and param groups under ZeRO-3 at this world size: plain
+    ``load_checkpoint``, then DeepSpeed's own full fp32 masters, moments and frozen weights."""
+    import deepspeed
+
+    from tests import _ranks_convert as N
+
+    m = N.model()
+    engine, *_ = deepspeed.initialize(model=m, model_parameters=N.param_groups(m), config=N.ds_config(dist.get_world_size()))
+    path, _ = engine.load_checkpoint(ckpt)
+    if path is None:
+        raise RuntimeError(f"engine.load_checkpoint({ckpt!r}) loaded nothing")
+    state = N._ds_full_state(engine)
+    state["tied"] = engine.module.lm_head.weight is engine.module.model.embed_tokens.weight
+    state["groups"] = [{k: g[k] for k in ("lr", "weight_decay")} for g in engine.optimizer.optimizer.param_groups]
+    return state if dist.get_rank() == 0 else None

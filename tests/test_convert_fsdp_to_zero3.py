@@ -23,6 +23,7 @@ from shardkit.checkpoint.convert.dcp_to_zero3 import convert_dcp_to_zero3
 from shardkit.checkpoint.safe_load import safe_torch_load
 from shardkit.errors import CheckpointError, UsageError
 from tests import _ranks_ckpt as C
+from tests import _ranks_convert as N
 from tests import _ranks_convert_back as B
 
 pytestmark = pytest.mark.slow
@@ -42,12 +43,17 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     ref = run_ranks(C.fsdp_train_save_continue, 2, args=(str(src), str(base / "model.safetensors")), timeout=300,
                     device="cpu")[0].value
     out: dict[str, Any] = {"base": base, "src": src, "ref": ref, "result": {}, "seconds": {}, "loaded": {}}
+    # names: tied embeddings, a frozen norm, two param groups (one process, no FSDP), for 3 ranks
+    out["named_ref"] = B.named_dcp(str(base / "named_dcp"))
+    out["named_result"] = convert_dcp_to_zero3(base / "named_dcp", base / "named_zero3", world_size=3,
+                                               ds_config=N.ds_config(3))
     for n in WORLDS:
         dst = base / f"zero3_ws{n}"
         t0 = time.perf_counter()
         out["result"][n] = convert_dcp_to_zero3(src, dst, world_size=n, ds_config=B.ds_config(n, OFFLOAD[n]))
         out["seconds"][n] = time.perf_counter() - t0
-        ranks = run_ranks(B.load_and_continue, n, args=(str(dst), OFFLOAD[n], 2, 2, str(base / f"saved_ws{n}")),
+        named = str(base / "named_zero3") if n == 3 else None
+        ranks = run_ranks(B.load_and_continue, n, args=(str(dst), OFFLOAD[n], 2, 2, str(base / f"saved_ws{n}"), named),
                           timeout=400, device="cpu")
         out["loaded"][n] = [r.value for r in ranks]
     return out
@@ -119,6 +125,28 @@ def test_both_zero3_runs_continue_alike(runs):
     # files) continue from their own converted files on the same curve: rel 5e-8 measured.
     one, three = runs["loaded"][1][0]["losses"], runs["loaded"][3][0]["losses"]
     assert three == pytest.approx(one, rel=1e-6), (one, three)
+
+
+def test_tied_frozen_and_param_groups_load_bit_for_bit(runs):
+    """Tied embeddings become shared_params, the frozen norm (in the optimizer, never stepped) a
+    frozen parameter, each param group keeps its lr and weight decay; DeepSpeed's own full-state API
+    after a plain load at 3 ranks returns the torch run's values bit for bit."""
+    ref, got, r = runs["named_ref"], runs["loaded"][3][0]["named"], runs["named_result"]
+    ms = safe_torch_load(r.output / r.tag / "zero_pp_rank_2_mp_rank_00_model_states.pt")
+    assert ms["shared_params"] == {N.TIED[0]: N.TIED[1]}
+    assert list(ms["frozen_param_shapes"]) == [N.FROZEN]
+    assert [name for group in ms["param_shapes"] for name in group] == [
+        n for n in ref["params"] if n != N.FROZEN and "layernorm" not in n] + [n for n in ref["params"] if "layernorm" in n]
+    assert got["tied"] and got["steps"] == [2.0]
+    assert got["groups"] == [dict(g) for g in N.GROUPS]
+    assert torch.equal(_bits(got["frozen"][N.FROZEN]), _bits(ref["params"][N.FROZEN]))
+    assert set(got["fp32"]) == {n for n in ref["params"] if n != N.FROZEN}
+    for name, value in got["fp32"].items():
+        assert torch.equal(_bits(value), _bits(ref["params"][name])), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(got[key][name]), _bits(ref["state"][name][key])), f"{key} of {name}"
+    assert any("no Adam state and are written as frozen" in note and N.FROZEN in note for note in r.notes)
+    assert any("tied weights" in note and N.TIED[0] in note for note in r.notes)
 
 
 def test_result_manifest_and_verify(runs):
