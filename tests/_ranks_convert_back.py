@@ -9,6 +9,7 @@ DeepSpeed itself wrote: the start of the ZeRO-3 -> FSDP2 -> ZeRO-3 round trip).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -100,7 +101,9 @@ def named_dcp(root: str) -> dict[str, Any]:
         m(input_ids=rows, labels=rows).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    save_fsdp_checkpoint(m, opt, root, step=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process (intended)
+        save_fsdp_checkpoint(m, opt, root, step=2)
     by_param = {p: n for n, p in m.named_parameters()}
     return {"params": {n: p.detach().clone() for n, p in m.named_parameters()},
             "state": {by_param[p]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}}

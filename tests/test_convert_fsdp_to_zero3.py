@@ -11,6 +11,7 @@ ZeRO-3 -> FSDP2 -> ZeRO-3, converted in this process).
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -267,9 +268,20 @@ def test_refuses_bad_sources_and_arguments(runs, tmp_path):
 
 
 def test_cli_convert_to_zero3(runs, tmp_path, capsys):
+    import json
+
     from shardkit.cli import main
 
-    assert main(["convert", str(runs["src"]), "--to", "zero3", "--world-size", "2", "-o", str(tmp_path / "cli")]) == 0
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({**B.ds_config(2, True), "bf16": {"enabled": True}}))
+    argv = ["convert", str(runs["src"]), "--to", "zero3", "--world-size", "2", "-o", str(tmp_path / "cli")]
+    assert main([*argv, "--ds-config", str(cfg), "--tag", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "note: param groups written in DeepSpeedCPUAdam's format" in out
+    assert (tmp_path / "cli" / "bf16" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    assert main(["convert", str(runs["src"]), "--to", "fsdp2", "-o", str(tmp_path / "x"), "--ds-config", str(cfg)]) == 2
+    assert re.search(r"--ds-config .* with --to fsdp2: .*drop --ds-config", capsys.readouterr().err)
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "fsdp2 -> zero3, 21 parameters" in out and "engine.load_checkpoint" in out
     assert sorted(p.name for p in (tmp_path / "cli" / "step2").glob("*.pt")) == [

@@ -37,6 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adam-w-mode", choices=("on", "off"), default=None,
                    help="--to fsdp2, for a client optimizer the checkpoint does not name: decoupled weight decay "
                         "(AdamW, on) or L2 (Adam, off); needed only when weight_decay is not 0")
+    p.add_argument("--ds-config", default=None, metavar="FILE",
+                   help="--to zero3 only: the resuming run's DeepSpeed config (sub_group_size, bf16, offload decide "
+                        "the files' layout and param-group format; recorded as ds_config). Default: DeepSpeed's "
+                        "defaults (fp32, FusedAdam)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
     p.add_argument("--no-verify", action="store_true",
@@ -55,6 +59,9 @@ def convert_command(args: argparse.Namespace) -> int:
         if args.world_size is not None:
             raise UsageError(f"--world-size {args.world_size} with --to fsdp2: a DCP checkpoint loads at any world "
                              "size, so there is nothing to choose; drop --world-size")
+        if args.ds_config is not None:
+            raise UsageError(f"--ds-config {args.ds_config} with --to fsdp2: the ZeRO-3 checkpoint records its own "
+                             "config; drop --ds-config")
         from shardkit.checkpoint.convert.zero3_to_dcp import convert_zero3_to_dcp
         from shardkit.checkpoint.trainer import resolve_source
 
@@ -77,7 +84,7 @@ def convert_command(args: argparse.Namespace) -> int:
         from shardkit.checkpoint.convert.dcp_to_zero3 import convert_dcp_to_zero3
 
         r = convert_dcp_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
-                                 force=args.force, verify=not args.no_verify, warn=warn)
+                                 force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config)
         resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"
     print(f"wrote {r.output / r.tag}: {r.source_engine} -> {r.target_engine}, {r.params} parameters, "
           f"{r.bytes / 2**20:,.1f} MiB; resume with {resume}")

@@ -235,7 +235,7 @@ def resolve_dcp_tag_dir(path: str | os.PathLike[str]) -> Path:
 def _read_ds_config(ds_config: str | os.PathLike[str] | dict[str, Any] | None) -> dict[str, Any] | None:
     if ds_config is None or isinstance(ds_config, dict):
         return ds_config
-    return load_config(ds_config)
+    return load_config(Path(ds_config))
 
 
 def target_optimizer(cfg: dict[str, Any] | None, source_adam_w: bool) -> TargetOptimizer:
@@ -602,7 +602,7 @@ def convert_dcp_to_zero3(
 
     out = _Writer(src=src, plan=plan, layout=layout, opt=opt, groups=groups, sub_steps=sub_steps,
                   precision=precision, global_steps=global_steps, counters=counters, client=client, cfg=record_cfg)
-    facts = dict(world_size=world_size, step=global_steps, zero_stage=3, dtype=precision,
+    facts: dict[str, Any] = dict(world_size=world_size, step=global_steps, zero_stage=3, dtype=precision,
                  config_digest=config_digest(record_cfg),
                  extra={"converted_from": {"path": str(tag_dir), "engine": "fsdp2",
                                            "world_size": manifest.world_size if manifest else None,
