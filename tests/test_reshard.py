@@ -168,3 +168,30 @@ def test_each_rank_keeps_its_own_client_state_at_the_same_world_size(sources, tm
     assert got == [100, 101] and same.notes == []
     other = reshard_zero3(src, tmp_path / "ws3", 3)
     assert len(other.notes) == 1 and re.search(r"client_state \['data_position'\] comes from rank 0's file", other.notes[0])
+
+
+def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(sources, tmp_path):
+    """Nothing changes, so nothing is rebuilt: fresh copies (never links: a run re-saving the
+    source tag rewrites its files in place), hashed while copied."""
+    from shardkit.checkpoint.manifest import read_manifest, sha256_file
+
+    src = open_zero3_checkpoint(sources["fp32"])
+    same = reshard_zero3(sources["fp32"], tmp_path / "ws2", 2, workers=3)
+    assert same.copied_unchanged and read_manifest(same.output / same.tag).extra["resharded_from"]["copied_unchanged"]
+    entries = {e.path: e for e in read_manifest(same.output / same.tag).files}
+    for f in [*src.optim_files, *src.model_files]:
+        copy = same.output / same.tag / f.name
+        assert copy.read_bytes() == f.read_bytes() and copy.stat().st_ino != f.stat().st_ino and f.stat().st_nlink == 1
+        assert entries[f.name].sha256 == sha256_file(f) and entries[f.name].size == f.stat().st_size
+    # another sub_group_size at the same world size is a real repartition
+    other = reshard_zero3(sources["bf16_offload"], tmp_path / "sg", 2, sub_group_size=10**9, workers=1)
+    assert not other.copied_unchanged and len(open_zero3_checkpoint(other.output).sub_group_numel) == 1
+
+
+def test_default_workers_follow_the_cores_and_the_files():
+    from shardkit.checkpoint.zero3.reshard import default_workers
+
+    assert default_workers(1) == 1
+    assert 2 <= default_workers(100) <= 8
+    with pytest.raises(UsageError, match=r"workers=0: must be at least 1"):
+        reshard_zero3("/nonexistent", "/tmp/x", 2, workers=0)

@@ -14,6 +14,7 @@ data behind an ``FB`` padding field, data descriptors, zip64 end records), so th
 
 from __future__ import annotations
 
+import copyreg
 import ctypes
 import hashlib
 import io
@@ -137,15 +138,39 @@ def stream_save(obj: Any, path: str | Path, *, chunk_bytes: int = CHUNK_BYTES, f
 
 
 def _pickle_with_records(obj: Any) -> tuple[bytes, dict[str, Any]]:
-    """``data.pkl`` as torch pickles it, and the storages it references in persistent-id order."""
+    """``data.pkl`` as torch pickles it, and the storages it references in persistent-id order.
+
+    Python's own pickler (``pickle._Pickler``), not the C one: it lets ``save_global`` write the
+    DeepSpeed class names of ``safe_load``'s inert stand-ins (``ZeroStageEnum``, ``LossScaler``)
+    without importing DeepSpeed, which costs a reshard more than copying its bytes. The opcodes are
+    the C pickler's (same protocol, memo and order); the pickle is a few KB (tensors are records).
+    """
     import torch
     from torch.serialization import location_tag
+
+    from shardkit.checkpoint.safe_load import DeepSpeedObjectStub
 
     storage_types = torch.storage._dtype_to_storage_type_map()
     keys: dict[int, str] = {}
     records: dict[str, Any] = {}
 
-    class _Pickler(pickle.Pickler):
+    class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+        def reducer_override(self, o: Any) -> Any:
+            if isinstance(o, DeepSpeedObjectStub):
+                # what the real object's own reduce gives: Enum -> REDUCE cls(value); a plain
+                # object -> NEWOBJ cls() then BUILD with its attributes
+                state = {k: v for k, v in vars(o).items() if k != "args"}
+                return (copyreg.__newobj__, (type(o), *o.args), state) if state else (type(o), o.args)
+            return NotImplemented
+
+        def save_global(self, o: Any, name: str | None = None) -> None:
+            if isinstance(o, type) and issubclass(o, DeepSpeedObjectStub) and o.deepspeed_name:
+                module, attr = o.deepspeed_name.rsplit(".", 1)
+                self.write(pickle.GLOBAL + f"{module}\n{attr}\n".encode())
+                self.memoize(o)
+                return
+            super().save_global(o, name)
+
         def persistent_id(self, o: Any) -> Any:
             if isinstance(o, _LazyStorage):
                 key = keys.setdefault(id(o), str(len(keys)))

@@ -104,6 +104,8 @@ def reshard_zero3(
     ``output/<tag>`` is replaced only with ``force=True``. ``warn`` receives what the user should
     know before trusting the result (default: ``warnings.warn``).
     """
+    if workers is not None and workers < 1:
+        raise UsageError(f"workers={workers}: must be at least 1 (threads writing rank files at once)")
     warn = warn or warn_unverified
     source_dir, source_tag = resolve_tag_dir(checkpoint)
     tag = check_tag(tag) if tag is not None else _source_tag_as_new_tag(checkpoint, source_dir, source_tag)
@@ -258,8 +260,9 @@ def _copy_jobs(ckpt: Zero3Checkpoint) -> list[_Job]:
 
 
 def _reshard_jobs(ckpt: Zero3Checkpoint, layout: TargetLayout) -> list[_Job]:
-    # Real DeepSpeed objects (loss scaler, ZeroStageEnum) are re-saved, so resolve them for real.
-    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True, real_deepspeed_objects=True)
+    # DeepSpeed objects (loss scaler, ZeroStageEnum) stay safe_load's inert stand-ins: stream_save
+    # writes them back under their DeepSpeed names, so DeepSpeed (seconds to import) is never imported
+    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True)
     frozen = full_frozen_params(ckpt)
     prefix = "bf16_" if ckpt.optim_files[0].name.startswith("bf16_") else ""
     # None when a tensor's file offset is unknown: tensors are then built in memory, one per worker
@@ -291,8 +294,6 @@ def _write_files(staged: Path, jobs: list[_Job], outcome: str, workers: int | No
         return FileEntry(name, digest.size, digest.sha256)
 
     n = workers if workers is not None else default_workers(len(jobs))
-    if n < 1:
-        raise UsageError(f"workers={n}: must be at least 1 (threads writing rank files at once)")
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="shardkit-reshard") as pool:
         futures = [pool.submit(run, name, write) for name, write in jobs]
         wait(futures, return_when=FIRST_EXCEPTION)

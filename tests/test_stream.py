@@ -1,0 +1,120 @@
+"""shardkit's streaming torch-zip writer: the bytes torch.save writes, hashed while written, lazy
+tensors copied from byte ranges of other files through a small buffer."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardkit.checkpoint.stream import LazyTensor, Segment, copy_file_hashed, stream_save
+
+SID = ".data/serialization_id"  # random per save in torch too
+
+
+def _state() -> dict:
+    base = torch.arange(100, dtype=torch.int64)
+    return {
+        "fp32": torch.randn(10),
+        "bf16": torch.ones(3, dtype=torch.bfloat16),
+        "empty": torch.empty(0),
+        "views": [base[3:7], base[10:20]],  # one storage, saved once
+        "nested": {"step": 5, "lr": 1e-3, "t": torch.zeros(2, 3)},
+    }
+
+
+def test_the_file_is_torch_saves_record_for_record(tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "mine").mkdir()
+    sd = _state()
+    torch.save(sd, tmp_path / "torch" / "x.pt")
+    stream_save(sd, tmp_path / "mine" / "x.pt")
+    ref, mine = zipfile.ZipFile(tmp_path / "torch" / "x.pt"), zipfile.ZipFile(tmp_path / "mine" / "x.pt")
+    a, b = ref.infolist(), mine.infolist()
+    assert [i.filename for i in a] == [i.filename for i in b]
+    for x, y in zip(a, b):
+        # same offsets (alignment padding), flags (data descriptors, none for empty records), extras
+        assert (x.header_offset, x.file_size, x.flag_bits, x.extra) == (y.header_offset, y.file_size, y.flag_bits, y.extra), x.filename
+        if not x.filename.endswith(SID):
+            assert ref.read(x) == mine.read(y) and x.CRC == y.CRC, x.filename
+    assert (tmp_path / "torch" / "x.pt").stat().st_size == (tmp_path / "mine" / "x.pt").stat().st_size
+    assert mine.testzip() is None  # every crc32 is right
+    for mmap in (False, True):
+        loaded = torch.load(tmp_path / "mine" / "x.pt", mmap=mmap, weights_only=True)
+        assert torch.equal(loaded["fp32"], sd["fp32"]) and torch.equal(loaded["views"][1], sd["views"][1])
+        assert loaded["views"][0].untyped_storage().data_ptr() == loaded["views"][1].untyped_storage().data_ptr()
+        assert loaded["nested"]["step"] == 5 and loaded["empty"].numel() == 0
+
+
+def test_the_returned_digest_is_the_sha256_of_the_bytes_on_disk(tmp_path):
+    written = stream_save(_state(), tmp_path / "x.pt")
+    data = (tmp_path / "x.pt").read_bytes()
+    assert written.size == len(data) and written.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_lazy_segments_are_copied_from_other_files_and_zero_runs(tmp_path):
+    src = torch.randn(1000)
+    (tmp_path / "src.bin").write_bytes(b"header" + src.numpy().tobytes())
+    path = str(tmp_path / "src.bin")
+    segs = [Segment(path, 6, 400), Segment(None, 0, 40), Segment(path, 406, 3600)]
+    lazy = LazyTensor(1010, torch.float32, lambda: torch.zeros(0), lambda: segs)
+    # a 96-byte buffer: every segment crosses buffer boundaries
+    written = stream_save({"t": lazy, "n": 3}, tmp_path / "x.pt", chunk_bytes=96)
+    assert zipfile.ZipFile(tmp_path / "x.pt").testzip() is None
+    assert written.sha256 == hashlib.sha256((tmp_path / "x.pt").read_bytes()).hexdigest()
+    t = torch.load(tmp_path / "x.pt", weights_only=True)["t"]
+    assert torch.equal(t[:100], src[:100]) and not t[100:110].any() and torch.equal(t[110:], src[100:])
+
+
+def test_segments_must_add_up_and_a_short_source_is_named(tmp_path):
+    (tmp_path / "src.bin").write_bytes(bytes(100))
+    path = str(tmp_path / "src.bin")
+    wrong = LazyTensor(10, torch.float32, lambda: torch.zeros(0), lambda: [Segment(path, 0, 36)])
+    with pytest.raises(RuntimeError, match=r"record data/0: segments hold 36 bytes, expected 40"):
+        stream_save({"t": wrong}, tmp_path / "a.pt")
+    short = LazyTensor(30, torch.float32, lambda: torch.zeros(0), lambda: [Segment(path, 0, 120)])
+    with pytest.raises(OSError, match=rf"{path}: ended at byte 100, 20 bytes short of the tensor data"):
+        stream_save({"t": short}, tmp_path / "b.pt")
+
+
+def test_a_lazy_tensor_without_segments_is_produced_whole(tmp_path):
+    lazy = LazyTensor(4, torch.float32, lambda: torch.arange(4, dtype=torch.float32))
+    stream_save([lazy], tmp_path / "x.pt")
+    assert torch.equal(torch.load(tmp_path / "x.pt", weights_only=True)[0], torch.arange(4, dtype=torch.float32))
+
+
+def test_copy_file_hashed_is_a_new_file_never_a_link(tmp_path):
+    src = tmp_path / "a.pt"
+    src.write_bytes(os.urandom(3 << 20) + b"tail")
+    written = copy_file_hashed(src, tmp_path / "b.pt", chunk_bytes=1 << 20)
+    copy = tmp_path / "b.pt"
+    assert copy.read_bytes() == src.read_bytes() and written.size == src.stat().st_size
+    assert written.sha256 == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert copy.stat().st_ino != src.stat().st_ino and src.stat().st_nlink == 1
+    with pytest.raises(FileExistsError):
+        copy_file_hashed(src, copy)  # never overwrites
+    assert Path(copy).read_bytes() == src.read_bytes()
+
+
+def test_deepspeed_stand_ins_are_written_back_under_deepspeeds_names(tmp_path):
+    """A reshard never imports DeepSpeed: the loss scaler and ZeroStageEnum read as safe_load's inert
+    stand-ins pickle to the same opcodes the real objects do."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from shardkit.checkpoint.safe_load import DeepSpeedObjectStub, safe_torch_load
+
+    real = {"zero_stage": ZeroStageEnum(3), "loss_scaler": LossScaler(scale=4.0), "t": torch.ones(2)}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    torch.save(real, tmp_path / "a" / "x.pt")
+    stubs = safe_torch_load(tmp_path / "a" / "x.pt")
+    assert isinstance(stubs["loss_scaler"], DeepSpeedObjectStub)
+    stream_save(stubs, tmp_path / "b" / "x.pt")
+    assert zipfile.ZipFile(tmp_path / "a" / "x.pt").read("x/data.pkl") == zipfile.ZipFile(tmp_path / "b" / "x.pt").read("x/data.pkl")
+    back = safe_torch_load(tmp_path / "b" / "x.pt", real_deepspeed_objects=True)
+    assert back["zero_stage"] is ZeroStageEnum(3) and vars(back["loss_scaler"]) == vars(real["loss_scaler"])
