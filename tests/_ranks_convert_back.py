@@ -48,10 +48,10 @@ def _global_step(engine, step: int) -> float:
 
 
 def load_and_continue(ckpt: str, offload: bool, start: int, steps: int, save_to: str,
-                      named: str | None = None) -> dict[str, Any]:
+                      named: str | None = None, bf16: str | None = None) -> dict[str, Any]:
     """Plain ``engine.load_checkpoint(ckpt)``; this rank's state right after it; ``steps`` more steps
     (after ``restore_cpu_adam_kernel_state``, as the README tells plain-load users); save to ``save_to``.
-    ``named``: then, in the same process, ``load_named(named)`` (saves a spawn)."""
+    ``named``/``bf16``: then, in the same process, ``load_named(named)`` / ``load_bf16(bf16)`` (saves spawns)."""
     from shardkit.checkpoint.zero3.cpu_adam_kernel import restore_cpu_adam_kernel_state
     from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
     from shardkit.engines.deepspeed import initialize
@@ -80,6 +80,28 @@ def load_and_continue(ckpt: str, offload: bool, start: int, steps: int, save_to:
     save_deepspeed_checkpoint(engine, save_to, tag=f"global_step{start + steps}")
     if named is not None:
         out["named"] = load_named(named)
+    if bf16 is not None:
+        out["bf16"] = load_bf16(bf16)
+    return out
+
+
+def load_bf16(ckpt: str) -> dict[str, Any]:
+    """A bf16 ZeRO-3 engine (``bf16_`` optim files, bf16 module): plain load; its fp32 flats and moments."""
+    from shardkit.engines.deepspeed import initialize
+    from shardkit.models import tiny_llama
+
+    engine = initialize(tiny_llama("tiny", seed=1), {**ds_config(dist.get_world_size(), False), "bf16": {"enabled": True}})
+    path, _ = engine.load_checkpoint(ckpt)
+    if path is None:
+        raise RuntimeError(f"engine.load_checkpoint({ckpt!r}) loaded nothing")
+    opt = engine.optimizer
+    out: dict[str, Any] = {"fp32": [], "exp_avg": [], "exp_avg_sq": []}
+    for flat in opt.fp32_partitioned_groups_flat:
+        out["fp32"].append(flat.detach().cpu().clone())
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key].append(opt.optimizer.state[flat][key].detach().cpu().clone())
+    out["param_shapes"] = [[(n, tuple(s)) for n, s in g.items()] for g in engine._get_zero_param_shapes()]
+    out["module_dtype"] = str(next(engine.module.parameters()).dtype)
     return out
 
 

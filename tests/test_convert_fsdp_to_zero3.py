@@ -54,8 +54,12 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         out["result"][n] = convert_dcp_to_zero3(src, dst, world_size=n, ds_config=B.ds_config(n, OFFLOAD[n]))
         out["seconds"][n] = time.perf_counter() - t0
         named = str(base / "named_zero3") if n == 3 else None
-        ranks = run_ranks(B.load_and_continue, n, args=(str(dst), OFFLOAD[n], 2, 2, str(base / f"saved_ws{n}"), named),
-                          timeout=400, device="cpu")
+        bf16 = None
+        if n == 1:  # a bf16 engine too: bf16_ file names, bf16 module placeholders, fp32 masters
+            bf16 = str(base / "zero3_bf16")
+            convert_dcp_to_zero3(src, bf16, world_size=1, ds_config={**B.ds_config(1, False), "bf16": {"enabled": True}})
+        ranks = run_ranks(B.load_and_continue, n, args=(str(dst), OFFLOAD[n], 2, 2, str(base / f"saved_ws{n}"), named,
+                                                        bf16), timeout=400, device="cpu")
         out["loaded"][n] = [r.value for r in ranks]
     return out
 
@@ -126,6 +130,16 @@ def test_both_zero3_runs_continue_alike(runs):
     # files) continue from their own converted files on the same curve: rel 5e-8 measured.
     one, three = runs["loaded"][1][0]["losses"], runs["loaded"][3][0]["losses"]
     assert three == pytest.approx(one, rel=1e-6), (one, three)
+
+
+def test_bf16_engine_loads_the_fp32_masters_bit_for_bit(runs):
+    got, ref = runs["loaded"][1][0]["bf16"], runs["ref"]["state"]
+    assert got["module_dtype"] == "torch.bfloat16"
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        full = _assemble([got], key)
+        for name, value in full.items():
+            want = ref["model"][name] if key == "fp32" else ref["optim"]["state"][name][key]
+            assert torch.equal(_bits(value), _bits(want)), f"{key} of {name} (bf16 engine)"
 
 
 def test_tied_frozen_and_param_groups_load_bit_for_bit(runs):
