@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests._ranks_ckpt import GLOBAL_BATCH, SEQ_LEN
+from tests._ranks_zero3 import _local_fp32_state
 
 
 def ds_config(world_size: int, offload: bool) -> dict[str, Any]:
@@ -63,13 +64,7 @@ def load_and_continue(ckpt: str, offload: bool, start: int, steps: int, save_to:
     if path is None:
         raise RuntimeError(f"engine.load_checkpoint({ckpt!r}) loaded nothing")
     opt = engine.optimizer
-    out: dict[str, Any] = {"fp32": [], "exp_avg": [], "exp_avg_sq": [], "step": []}
-    for flat in opt.fp32_partitioned_groups_flat:
-        st = opt.optimizer.state[flat]
-        out["fp32"].append(flat.detach().cpu().clone())
-        out["exp_avg"].append(st["exp_avg"].detach().cpu().clone())
-        out["exp_avg_sq"].append(st["exp_avg_sq"].detach().cpu().clone())
-        out["step"].append(st["step"])
+    out = _local_fp32_state(engine)
     out["param_shapes"] = [[(n, tuple(s)) for n, s in g.items()] for g in engine._get_zero_param_shapes()]
     out["optimizer"] = type(opt.optimizer).__name__
     out["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
@@ -94,12 +89,7 @@ def load_bf16(ckpt: str) -> dict[str, Any]:
     path, _ = engine.load_checkpoint(ckpt)
     if path is None:
         raise RuntimeError(f"engine.load_checkpoint({ckpt!r}) loaded nothing")
-    opt = engine.optimizer
-    out: dict[str, Any] = {"fp32": [], "exp_avg": [], "exp_avg_sq": []}
-    for flat in opt.fp32_partitioned_groups_flat:
-        out["fp32"].append(flat.detach().cpu().clone())
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[key].append(opt.optimizer.state[flat][key].detach().cpu().clone())
+    out = _local_fp32_state(engine)
     out["param_shapes"] = [[(n, tuple(s)) for n, s in g.items()] for g in engine._get_zero_param_shapes()]
     out["module_dtype"] = str(next(engine.module.parameters()).dtype)
     return out

@@ -26,6 +26,7 @@ from shardkit.errors import CheckpointError, UsageError
 from tests import _ranks_ckpt as C
 from tests import _ranks_convert as N
 from tests import _ranks_convert_back as B
+from tests._corrupt import flip_a_byte
 
 pytestmark = pytest.mark.slow
 
@@ -267,10 +268,7 @@ def test_refuses_bad_sources_and_arguments(runs, tmp_path):
         convert_dcp_to_zero3(src, tmp_path / "d", world_size=2, sub_group=5)
     bad = tmp_path / "corrupt"
     shutil.copytree(src, bad)
-    f = bad / "step2" / "__1_0.distcp"
-    data = bytearray(f.read_bytes())
-    data[200] ^= 0x01
-    f.write_bytes(bytes(data))
+    flip_a_byte(bad / "step2" / "__1_0.distcp")
     with pytest.raises(CheckpointError, match=r"refusing to read .*__1_0\.distcp.*sha256"):
         convert_dcp_to_zero3(bad, tmp_path / "e", world_size=2)
     done = convert_dcp_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000)
