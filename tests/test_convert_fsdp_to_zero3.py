@@ -22,7 +22,7 @@ import torch
 
 from shardkit.checkpoint.convert.dcp_to_zero3 import convert_dcp_to_zero3
 from shardkit.checkpoint.safe_load import safe_torch_load
-from shardkit.errors import CheckpointError, UsageError
+from shardkit.errors import CheckpointError, ConfigError, UsageError
 from tests import _ranks_ckpt as C
 from tests import _ranks_convert as N
 from tests import _ranks_convert_back as B
@@ -249,7 +249,8 @@ def _cfg(**changes: Any) -> dict[str, Any]:
     (_cfg(optimizer__type="Adam", optimizer__params={"adam_w_mode": False, "weight_decay": 0.01}),
      r"param_groups\[0\] was trained with AdamW \(decoupled_weight_decay=True\), weight_decay 0\.01, but the target "
      r"config builds Adam with L2 weight decay\. Set ds_config optimizer\.type to AdamW"),
-], ids=["sgd", "fp16", "stage2", "sub_group_size", "adam-l2"])
+    (_cfg(bf16={"enabled": "auto"}), r"bf16\.enabled is 'auto': it decides the files' names .* set it explicitly"),
+], ids=["sgd", "fp16", "stage2", "sub_group_size", "adam-l2", "bf16-auto"])
 def test_refuses_configs_it_cannot_serve(runs, tmp_path, cfg, match):
     with pytest.raises(UsageError, match=match):
         convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=2, ds_config=cfg)
@@ -264,6 +265,8 @@ def test_refuses_bad_sources_and_arguments(runs, tmp_path):
         convert_dcp_to_zero3(runs["result"][1].output, tmp_path / "b", world_size=2)
     with pytest.raises(CheckpointError, match=r"does not exist"):
         convert_dcp_to_zero3(tmp_path / "missing", tmp_path / "c", world_size=2)
+    with pytest.raises(ConfigError, match=r"missing\.json"):
+        convert_dcp_to_zero3(src, tmp_path / "c2", world_size=2, ds_config=tmp_path / "missing.json")
     with pytest.raises(UsageError, match=r"unknown option\(s\) \['sub_group'\]"):
         convert_dcp_to_zero3(src, tmp_path / "d", world_size=2, sub_group=5)
     bad = tmp_path / "corrupt"

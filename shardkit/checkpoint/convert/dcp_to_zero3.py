@@ -273,6 +273,11 @@ def _check_config(cfg: dict[str, Any] | None) -> tuple[int, str]:
     if stage != 3:
         raise UsageError(f"ds_config zero_optimization.stage is {stage!r}: --to zero3 writes ZeRO-3 files; pass the "
                          "config of the resuming ZeRO-3 run (stage 3)")
+    for key in ("bf16.enabled", "fp16.enabled", "zero_optimization.offload_optimizer.device"):
+        if get(cfg, key) == "auto":
+            raise UsageError(f"ds_config {key} is 'auto': it decides the files' names and param-group format, and only "
+                             "the HF Trainer fills it in at launch. Pass the config with the value the run uses "
+                             "(the Trainer's filled-in config, or set it explicitly)")
     if get(cfg, "fp16.enabled", False) is True:
         raise UsageError("ds_config fp16.enabled is true: an fp16 ZeRO-3 run needs a loss scaler state, which an FSDP2 "
                          "checkpoint does not hold (loss_scaler cannot be carried). Resume in bf16 or fp32 (bf16.enabled "
