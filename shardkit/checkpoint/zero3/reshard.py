@@ -230,15 +230,17 @@ def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = F
 _Job = tuple[str, Callable[[Path], WrittenFile]]
 
 
-def default_workers(files: int) -> int:
-    """Threads writing rank files at once: one per core this process may run on, at least 2 (a
-    worker waiting in fsync leaves its core to another), at most 8 (past that the disk, not the
-    CPU, is the limit) and never more than there are files. Each holds one CHUNK_BYTES buffer."""
+def default_workers(rank_files: int) -> int:
+    """Threads writing rank files at once: one per new rank's optimizer file (a file is hashed front
+    to back, so it is one thread's work; with fewer threads than files the last file runs alone
+    while cores idle), at least one per core, at most 8 unless there are more cores (past that the
+    disk, not the CPU, is the limit). Every step releases the GIL and each thread holds one
+    CHUNK_BYTES buffer, so more threads than cores cost nothing but a time slice."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(files, max(2, cores), 8))
+    return max(1, min(rank_files, max(cores, 8)))
 
 
 def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
@@ -293,7 +295,7 @@ def _write_files(staged: Path, jobs: list[_Job], outcome: str, workers: int | No
             fsync_file(path)
         return FileEntry(name, digest.size, digest.sha256)
 
-    n = workers if workers is not None else default_workers(len(jobs))
+    n = workers if workers is not None else default_workers(sum(name.endswith("optim_states.pt") for name, _ in jobs) or len(jobs))
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="shardkit-reshard") as pool:
         futures = [pool.submit(run, name, write) for name, write in jobs]
         wait(futures, return_when=FIRST_EXCEPTION)
