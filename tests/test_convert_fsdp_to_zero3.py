@@ -302,3 +302,35 @@ def test_cli_convert_to_zero3(runs, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "cli" / "step2").glob("*.pt")) == [
         f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(2) for kind in ("model", "optim")]
     assert Path(tmp_path / "cli" / "latest").read_text() == "step2"
+
+
+def test_direct_slices_and_dcp_load_write_the_same_tensors(runs, tmp_path, monkeypatch):
+    """Partitions are cut from the .distcp files directly (dcp_slices); a chunk layout it does not
+    take falls back to load_dcp_state. Both give the same bits (the fixture's files are direct)."""
+    from shardkit.checkpoint.convert import dcp_slices
+
+    monkeypatch.setattr(dcp_slices.DcpSlices, "chunks", lambda self, key: None)
+    r = convert_dcp_to_zero3(runs["src"], tmp_path / "via_dcp", world_size=3, ds_config=B.ds_config(3, True))
+    direct = runs["result"][3]
+    for rank in range(3):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        a = _leaves(safe_torch_load(direct.output / direct.tag / name))
+        b = _leaves(safe_torch_load(r.output / r.tag / name))
+        tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
+        assert len(tensors) == 3 and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in tensors)
+
+
+def test_direct_slices_refuse_what_they_cannot_read(runs):
+    from shardkit.checkpoint.convert.dcp_slices import DcpSlices
+    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
+
+    tag_dir = runs["src"] / "step2"
+    slices = DcpSlices(tag_dir, read_dcp_metadata(tag_dir / ".metadata"))
+    try:
+        assert slices.chunks("model.lm_head.weight") is not None  # FSDP2's two dim-0 slabs
+        assert slices.chunks("optim.state.lm_head.weight.step") is None  # a 0-dim tensor
+        assert slices.chunks("optim.param_groups.0.lr") is None  # not a tensor
+        out = torch.empty(10, dtype=torch.float64)
+        assert not slices.read_into("model.lm_head.weight", 0, out)  # another dtype: caller loads it
+    finally:
+        slices.close()

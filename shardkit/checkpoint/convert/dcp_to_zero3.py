@@ -42,12 +42,14 @@ import math
 import os
 import warnings
 from collections import OrderedDict
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable
 
 from shardkit.checkpoint.atomic import LATEST_NAME, check_tag, disk_full_named, latest_tag, os_errors_named
+from shardkit.checkpoint.convert.dcp_slices import DcpSlices
 from shardkit.checkpoint.convert.names import ADAM_STATE_KEYS, ADAM_TYPES, MODEL_KEY, OPTIM_KEY
 from shardkit.checkpoint.convert.result import ConvertResult
 from shardkit.checkpoint.dcp.safe_load import METADATA_NAME, load_dcp_state, read_dcp_metadata
@@ -155,6 +157,8 @@ class _DcpSource:
                 "(dcp.save of {'model': ..., 'optim': ...} with the default planner). Save it with shardkit")
         self.paths: dict[str, tuple[Any, ...]] = {k: tuple(planner[k]) for k in keys}
         self.bytes_read = 0
+        self.slices = DcpSlices(tag_dir, self.md)
+        """Element ranges read straight from the .distcp files where the layout allows (dcp_slices)."""
 
     def tensor_meta(self, key: str) -> Any:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -475,7 +479,9 @@ def _target_groups(plan: _Plan, opt: TargetOptimizer, cfg: dict[str, Any] | None
 
 def _partition(src: _DcpSource, layout: TargetLayout, j: int, rank: int, key: str) -> "torch.Tensor":
     """Rank ``rank``'s flat ``key`` tensor (fp32) of sub-group ``j``: each parameter's
-    ``ceil(numel / N)`` slice in layout order, the last rank's tail zero-padded."""
+    ``ceil(numel / N)`` slice in layout order, the last rank's tail zero-padded. Slices are read
+    straight from the files (``DcpSlices``); tensors it cannot read so are loaded whole through
+    ``load_dcp_state`` in batches."""
     import torch
 
     params = layout.sub_groups[j]
@@ -494,7 +500,7 @@ def _partition(src: _DcpSource, layout: TargetLayout, j: int, rank: int, key: st
     for tp in params:
         lo, hi = tp.rank_range(rank)
         out.narrow(0, tp.offset + (hi - lo), tp.partition_numel - (hi - lo)).zero_()
-        if hi > lo:
+        if hi > lo and not src.slices.read_into(_source_key(tp.source.name, key), lo, out.narrow(0, tp.offset, hi - lo)):
             batch.append(tp)
             size += tp.source.numel * 4
             if size >= BATCH_BYTES:
@@ -614,7 +620,7 @@ def convert_dcp_to_zero3(
                                            "verified": checked.level}})
     outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
     written: list[str] = []
-    with atomic_checkpoint(root, tag, engine="deepspeed", **facts) as save:
+    with atomic_checkpoint(root, tag, engine="deepspeed", **facts) as save, closing(src.slices):
         for rank in range(world_size):
             model_path = save.path / MODEL_FILE.format(rank=rank)
             with disk_full_named(model_path, outcome):
