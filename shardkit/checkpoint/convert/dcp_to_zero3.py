@@ -22,10 +22,12 @@ the FSDP2 optimizer was built from ``model.parameters()``, which is the order De
 ``_rigid_load_state_dict`` copies flat tensors without looking at names, so that order is what
 makes the load right; the tests compare every parameter after a real load.
 
-The source's tensors are read through ``load_dcp_state`` (restricted ``.metadata`` unpickler,
-``weights_only`` bytes) one batch of parameters at a time, while each output file is written
-(``stream_save``): memory stays near one rank's largest flat tensor plus one batch. Each rank's
-partitions are cut from full parameters, so the source is read once per output rank.
+The metadata is read through the restricted ``.metadata`` unpickler; each output rank's slices
+are read with ``os.preadv`` straight from the ``.distcp`` files into the flat tensor being written
+(``dcp_slices``, which checks each chunk's zip/pickle layout first), while each output file is
+written (``stream_save``): memory stays near one rank's largest flat tensor, and every source byte
+is read once. A chunk layout it does not take is loaded whole through ``load_dcp_state``
+(``weights_only`` bytes) in ``BATCH_BYTES`` batches.
 
 Bit-exactness: fp32 masters, ``exp_avg``, ``exp_avg_sq`` and ``step`` are copied bit for bit
 (float32 sources; other dtypes are upcast and said so). What the files cannot hold: DeepSpeed's CPU
