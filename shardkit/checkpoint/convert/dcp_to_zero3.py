@@ -22,12 +22,13 @@ the FSDP2 optimizer was built from ``model.parameters()``, which is the order De
 ``_rigid_load_state_dict`` copies flat tensors without looking at names, so that order is what
 makes the load right; the tests compare every parameter after a real load.
 
-The metadata is read through the restricted ``.metadata`` unpickler; each output rank's slices
-are read with ``os.preadv`` straight from the ``.distcp`` files into the flat tensor being written
-(``dcp_slices``, which checks each chunk's zip/pickle layout first), while each output file is
-written (``stream_save``): memory stays near one rank's largest flat tensor, and every source byte
-is read once. A chunk layout it does not take is loaded whole through ``load_dcp_state``
-(``weights_only`` bytes) in ``BATCH_BYTES`` batches.
+The metadata is read through the restricted ``.metadata`` unpickler. Each output rank's flat
+tensors are byte ranges of the ``.distcp`` files plus zero runs (``dcp_slices`` checks each chunk's
+zip/pickle layout first), copied by ``stream_save`` through one 1 MiB buffer and hashed as they
+are written, one thread per rank file: every source byte is read once, nothing is built in memory,
+and the manifest needs no second read. A chunk layout ``dcp_slices`` does not take (or a dtype
+other than float32) is loaded whole through ``load_dcp_state`` (``weights_only`` bytes) in
+``BATCH_BYTES`` batches, one rank after another.
 
 Bit-exactness: fp32 masters, ``exp_avg``, ``exp_avg_sq`` and ``step`` are copied bit for bit
 (float32 sources; other dtypes are upcast and said so). What the files cannot hold: DeepSpeed's CPU
@@ -55,14 +56,14 @@ from shardkit.checkpoint.convert.dcp_slices import DcpSlices
 from shardkit.checkpoint.convert.names import ADAM_STATE_KEYS, ADAM_TYPES, MODEL_KEY, OPTIM_KEY
 from shardkit.checkpoint.convert.result import ConvertResult
 from shardkit.checkpoint.dcp.safe_load import METADATA_NAME, load_dcp_state, read_dcp_metadata
-from shardkit.checkpoint.manifest import MANIFEST_NAME, read_manifest
+from shardkit.checkpoint.manifest import MANIFEST_NAME, FileEntry, read_manifest
 from shardkit.checkpoint.save import atomic_checkpoint
-from shardkit.checkpoint.stream import LazyTensor, stream_save
+from shardkit.checkpoint.stream import LazyTensor, Segment, stream_save
 from shardkit.checkpoint.verify import verify_before_reading, warn_unverified
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, DEFAULT_SUB_GROUP_SIZE
 from shardkit.checkpoint.zero3.reader import MODEL_FILE, OPTIM_FILE, ParamSlot
 from shardkit.checkpoint.zero3.repartition import TargetLayout, plan_layout, repartition_frozen
-from shardkit.checkpoint.zero3.reshard import check_output_root
+from shardkit.checkpoint.zero3.reshard import check_output_root, default_workers
 from shardkit.config.loading import config_digest, load_config
 from shardkit.config.paths import get
 from shardkit.errors import CheckpointError, UsageError
@@ -621,16 +622,31 @@ def convert_dcp_to_zero3(
                                            "world_size": manifest.world_size if manifest else None,
                                            "verified": checked.level}})
     outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
-    written: list[str] = []
+    prefix = "bf16_" if precision == "bf16" else ""
+
+    def write_rank(staged: Path, rank: int) -> list[FileEntry]:
+        entries = []
+        for name, produce in ((MODEL_FILE.format(rank=rank), out.model_states),
+                              (OPTIM_FILE.format(prefix=prefix, rank=rank), out.optim_states)):
+            with disk_full_named(staged / name, outcome):
+                # hashed as written: the manifest needs no second read of the output
+                digest = stream_save(produce(rank), staged / name)
+            entries.append(FileEntry(name, digest.size, digest.sha256))
+        return entries
+
+    # Byte-range copies release the GIL (preadv, crc32, sha256, write): one thread per rank file
+    # (reshard's rule). Tensors that need dcp.load are produced one rank after another.
+    workers = default_workers(world_size) if out.all_segments() else 1
     with atomic_checkpoint(root, tag, engine="deepspeed", **facts) as save, closing(src.slices):
-        for rank in range(world_size):
-            model_path = save.path / MODEL_FILE.format(rank=rank)
-            with disk_full_named(model_path, outcome):
-                torch.save(out.model_states(rank), model_path)
-            optim_path = save.path / OPTIM_FILE.format(prefix="bf16_" if precision == "bf16" else "", rank=rank)
-            with disk_full_named(optim_path, outcome):
-                stream_save(out.optim_states(rank), optim_path)
-            written += [model_path.name, optim_path.name]
+        if workers > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-convert") as pool:
+                results = list(pool.map(lambda r: write_rank(save.path, r), range(world_size)))
+        else:
+            results = [write_rank(save.path, r) for r in range(world_size)]
+        save.known_files = [e for entries in results for e in entries]
+        written = [e.path for e in save.known_files]
     final = root / tag
     carried = ["fp32 masters", "exp_avg", "exp_avg_sq", "step", "param_groups (lr, betas, eps, weight_decay)"]
     if plan.buffers:
@@ -703,7 +719,6 @@ class _Writer:
     def optim_states(self, rank: int) -> dict[str, Any]:
         """``_save_zero_checkpoint``'s dict around ``DeepSpeedZeroOptimizer_Stage3._rigid_state_dict``,
         with the flat tensors produced only when ``stream_save`` writes them."""
-        import torch
         from deepspeed.runtime.fp16.loss_scaler import LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
 
@@ -713,7 +728,7 @@ class _Writer:
             count, raw = self.sub_steps[j]
             st: dict[str, Any] = {"step": raw.detach().clone().reshape(()) if self.opt.step_as_tensor else count}
             for key in ADAM_STATE_KEYS:
-                st[key] = LazyTensor(layout.sub_group_numel(j), torch.float32, _producer(self.src, layout, j, rank, key))
+                st[key] = self._lazy(j, rank, key)
             state[j] = st
         osd = {
             "zero_stage": ZeroStageEnum.weights,
@@ -722,11 +737,40 @@ class _Writer:
             "overflow": False,
             "partition_count": layout.world_size,
             "optimizer_state_dict": {"state": state, "param_groups": self.groups},
-            "fp32_flat_groups": [LazyTensor(layout.sub_group_numel(j), torch.float32,
-                                            _producer(self.src, layout, j, rank, FP32))
-                                 for j in range(len(layout.sub_groups))],
+            "fp32_flat_groups": [self._lazy(j, rank, FP32) for j in range(len(layout.sub_groups))],
         }
         return {"optimizer_state_dict": osd, "ds_config": self.cfg, "ds_version": self.ds_version}
+
+    def all_segments(self) -> bool:
+        """Every flat tensor of every rank is a list of byte ranges (no ``dcp.load`` needed)."""
+        return all(self._lazy(j, r, key).segments is not None for r in range(self.layout.world_size)
+                   for j in range(len(self.layout.sub_groups)) for key in (FP32, *ADAM_STATE_KEYS))
+
+    def _lazy(self, j: int, rank: int, key: str) -> LazyTensor:
+        """Rank ``rank``'s flat ``key`` tensor of sub-group ``j``, written later by ``stream_save``:
+        as byte ranges of the ``.distcp`` files and zero runs when every slice is float32 there
+        (copied through one 1 MiB buffer, never built), else produced by ``_partition``."""
+        import torch
+
+        segments: list[Segment] = []
+        for tp in self.layout.sub_groups[j]:
+            lo, hi = tp.rank_range(rank)
+            source = _source_key(tp.source.name, key)
+            chunks = self.src.slices.chunks(source) if hi > lo else []
+            meta = self.src.tensor_meta(source)
+            if chunks is None or meta is None or meta.properties.dtype != torch.float32:
+                segments = []
+                break
+            for ch in chunks:
+                a, b = max(lo, ch.start), min(hi, ch.start + ch.numel)
+                if b > a:
+                    segments.append(Segment(str(ch.file), ch.data_offset + (a - ch.start) * 4, (b - a) * 4))
+            if tp.partition_numel > hi - lo:
+                segments.append(Segment(None, 0, (tp.partition_numel - (hi - lo)) * 4))
+        else:
+            return LazyTensor(self.layout.sub_group_numel(j), torch.float32,
+                              _producer(self.src, self.layout, j, rank, key), segments=lambda: segments)
+        return LazyTensor(self.layout.sub_group_numel(j), torch.float32, _producer(self.src, self.layout, j, rank, key))
 
 
 def _producer(src: _DcpSource, layout: TargetLayout, j: int, rank: int, key: str) -> Callable[[], "torch.Tensor"]:
