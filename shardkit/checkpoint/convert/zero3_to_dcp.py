@@ -140,7 +140,11 @@ def convert_zero3_to_dcp(
     extra = {"format": "torch.distributed.checkpoint", "keys": [MODEL_KEY, OPTIM_KEY], "user": plan.user,
              "converted_from": {"engine": "deepspeed", "zero_stage": 3, "path": str(ckpt.tag_dir),
                                 "world_size": ckpt.world_size, "ds_version": ckpt.ds_version,
-                                "precision": ckpt.precision, "verified": checked.level, **plan.deepspeed}}
+                                "precision": ckpt.precision, "verified": checked.level,
+                                # which model keys are buffers: a frozen parameter written by one
+                                # process looks like a buffer otherwise (--to zero3 reads this)
+                                "buffer_names": [plan.names.fsdp_name(b) for b in ckpt.buffers()],
+                                **plan.deepspeed}}
     step = ckpt.model_state.get("global_steps")
     with ExitStack() as stack:
         parts = [stack.enter_context(ckpt.open_rank(r)) for r in range(ckpt.world_size)]

@@ -63,8 +63,12 @@ def save_fsdp_checkpoint(
         state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
     else:
         state = {MODEL_KEY: get_model_state_dict(model)}
+    # Buffers named: `shardkit convert --to zero3` must tell a frozen parameter from a buffer, and
+    # in a 1-rank save both are one unsplit tensor.
+    buffers = [n for n, _ in model.named_buffers() if n in state[MODEL_KEY]]
     facts = dict(step=step, dtype=_param_dtype(model), config_digest=config_digest(config),
-                 extra={"format": "torch.distributed.checkpoint", "keys": sorted(state), "user": extra or {}})
+                 extra={"format": "torch.distributed.checkpoint", "keys": sorted(state), "user": extra or {},
+                        "buffers": buffers})
     with atomic_checkpoint(root, tag, engine="fsdp2", **facts) as save:
         dcp.save(state, checkpoint_id=str(save.path))
     return save.final
