@@ -112,6 +112,52 @@ def test_result_and_manifest_say_what_was_carried(source, converted):
     assert r.bytes == sum(f.stat().st_size for f in (out / TAG).iterdir())
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_written_like_dcp_save_and_read_straight_from_the_files(converted, tmp_path):
+    """The tensors are streamed into their own .distcp files by byte-range copies, not written by
+    DCP's FileSystemWriter: the .metadata must be what dcp.save writes for the same state (field by
+    field, only the files and offsets differ), every tensor must be what torch's own reader reads,
+    and every tensor must be readable straight from its file by dcp_slices (convert --to zero3's
+    fast path, which otherwise falls back to dcp.load without saying so)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, _load_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from shardkit.checkpoint.convert.dcp_slices import DcpSlices
+    from shardkit.checkpoint.convert.zero3_to_dcp import _torch_group_defaults
+    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
+
+    out, _, _ = converted
+    tag_dir = out / TAG
+    state: dict = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(tag_dir)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)  # torch's own reader, every item (our own test output: unrestricted is fine)
+    ref_dir = tmp_path / "dcp_save"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(ref_dir)), no_dist=True)
+    ours, ref = read_dcp_metadata(tag_dir / ".metadata"), read_dcp_metadata(ref_dir / ".metadata")
+    assert ours.state_dict_metadata == ref.state_dict_metadata and ours.planner_data == ref.planner_data
+    assert ours.version == ref.version and set(ours.storage_data) == set(ref.storage_data)
+    assert type(ours.storage_meta) is type(ref.storage_meta)
+    # one file per big tensor, the small items (param-group values, step) together in __0_0
+    files = {info.relative_path for info in ours.storage_data.values()}
+    assert "__0_0.distcp" in files and len(files) > 20
+    slices = DcpSlices(tag_dir, ours)
+    try:
+        keys = [k for k, m in ours.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata) and len(m.size)]
+        assert keys and [k for k in keys if slices.chunks(k) is None] == []
+        flat = {f"model.{k}": v for k, v in state["model"].items() if v.dim()}
+        flat.update({f"optim.state.{fqn}.{k}": v for fqn, entry in state["optim"]["state"].items()
+                     for k, v in entry.items() if v.dim()})
+        assert sorted(flat) == sorted(keys)
+        for key, value in flat.items():
+            got = torch.empty(value.numel(), dtype=value.dtype)
+            assert slices.read_into(key, 0, got) and torch.equal(got.view(torch.uint8), value.reshape(-1).view(torch.uint8))
+    finally:
+        slices.close()
+    # the group defaults come from the constructors' signatures (an instance imports torch._dynamo)
+    assert _torch_group_defaults() == dict(torch.optim.AdamW([torch.zeros(1)]).defaults)
+
+
 # --- the CLI -------------------------------------------------------------------------------------
 
 
