@@ -305,6 +305,15 @@ def test_name_map_strips_module_prefix_only_when_every_name_has_it():
         build_name_map(["x.w"], {"a": "b"})
 
 
+def test_name_map_drops_only_whole_wrapper_components():
+    # _get_fqns skips whole module names; a user's module merely containing one keeps its name
+    m = build_name_map(["my_orig_mod.weight", "a._fsdp_wrapped_module.b._checkpoint_wrapped_module.w",
+                        "x_checkpoint_wrapped_module.w"])
+    assert m.fsdp_name("my_orig_mod.weight") == "my_orig_mod.weight"
+    assert m.fsdp_name("a._fsdp_wrapped_module.b._checkpoint_wrapped_module.w") == "a.b.w"
+    assert m.fsdp_name("x_checkpoint_wrapped_module.w") == "x_checkpoint_wrapped_module.w"
+
+
 def test_round_trip_with_frozen_tied_and_two_groups_is_tensor_equal(source, converted, tmp_path):
     """ZeRO-3 (tied embeddings, a frozen parameter outside the optimizer, two param groups) -> FSDP2
     -> ZeRO-3 at the source's world size: every tensor in every rank file equal in bits. The DCP was

@@ -6,6 +6,7 @@ the cluster (not root, no apt-get, the install failed, the daemons did not come 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,10 +34,14 @@ START_TIMEOUT_S = 240
 JOB_TIMEOUT_S = 240
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: every socket stays bound until all are chosen, so the kernel cannot
+    hand the same port out twice."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -72,11 +77,12 @@ def cluster() -> Iterator[dict[str, str]]:
     # /tmp, short: the munge socket lives in the state folder (a socket path has ~100 characters),
     # and munged wants every folder above it searchable by all (pytest's tmp folders are 0700).
     state = Path(tempfile.mkdtemp(prefix="sk-slurm-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    ctld_port, slurmd_port = _free_ports(2)
     env = {
         **os.environ,
         "SHARDKIT_SLURM_DIR": str(state),
-        "SHARDKIT_SLURM_CTLD_PORT": str(_free_port()),
-        "SHARDKIT_SLURM_SLURMD_PORT": str(_free_port()),
+        "SHARDKIT_SLURM_CTLD_PORT": str(ctld_port),
+        "SHARDKIT_SLURM_SLURMD_PORT": str(slurmd_port),
         "SHARDKIT_SLURM_START_TIMEOUT": "60",
         "SLURM_CONF": str(state / "slurm.conf"),
     }
@@ -269,3 +275,12 @@ def test_the_cluster_script_without_slurm_and_no_install_exits_2_saying_how_to_g
     else:
         assert ("munged slurmctld slurmd sbatch not installed and SHARDKIT_SLURM_INSTALL=0; "
                 "install them with `apt-get install -y slurm-wlm munge`") in r.stdout
+
+
+def test_the_template_guards_every_array_that_can_be_empty():
+    # bash <= 4.3 (RHEL/CentOS 7 login nodes) calls an empty "${a[@]}" unbound under set -u; such
+    # arrays must expand as ${a[@]+"${a[@]}"}. `step` always holds --kill-on-bad-exit and --nodes.
+    text = TEMPLATE.read_text()
+    never_empty = {"step"}
+    bare = [m.group(1) for m in re.finditer(r'(?<!\+)"\$\{(\w+)\[@\]\}"', text) if m.group(1) not in never_empty]
+    assert not bare, f"unguarded expansions of arrays that can be empty: {bare}"

@@ -30,8 +30,8 @@ from shardkit.errors import CheckpointError
 DEEPSPEED_PREFIX = "module."
 """What DeepSpeed's names carry when the model was wrapped before ``deepspeed.initialize``."""
 
-TORCH_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-"""Segments ``torch.distributed.checkpoint.state_dict`` drops from FQNs (``_get_fqns``)."""
+TORCH_WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+"""Dotted components ``torch.distributed.checkpoint.state_dict`` drops from FQNs (``_get_fqns``)."""
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 """Per-element optimizer state both engines' Adam/AdamW keep (``step`` is per parameter in torch)."""
@@ -44,10 +44,11 @@ OPTIM_KEY = "optim"
 
 
 def strip_wrapper_segments(name: str) -> str:
-    """``_orig_mod.layer.weight`` -> ``layer.weight``: the FQN ``get_state_dict`` would use."""
-    for seg in TORCH_WRAPPER_SEGMENTS:
-        name = name.replace(seg, "")
-    return name
+    """``_orig_mod.layer.weight`` -> ``layer.weight``: the FQN ``get_state_dict`` would use.
+
+    Only whole dotted components equal to a wrapper name go (as ``_get_fqns`` skips whole module
+    names): ``my_orig_mod.weight`` is a user's module and stays as it is."""
+    return ".".join(part for part in name.split(".") if part not in TORCH_WRAPPER_SEGMENTS)
 
 
 def dcp_model_key(fqn: str) -> str:
