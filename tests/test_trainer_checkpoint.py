@@ -338,3 +338,14 @@ def test_rng_plan(names, world, copies, dropped, absent):
         assert name in notes
     if absent:
         assert f"no RNG state for rank(s) {', '.join(map(str, absent))}" in notes
+
+
+def test_a_stray_one_process_rng_file_gets_its_own_note():
+    # rng_state.pth beside per-rank files (a 1-process run saved into the same folder): its "rank"
+    # is not beyond the new world size, so the dropped-rank reason would be false
+    plan = plan_rng_files(["rng_state.pth", "rng_state_0.pth", "rng_state_1.pth"], 2)
+    assert plan.dropped == () and plan.stray == ("rng_state.pth",) and plan.absent == ()
+    notes = plan.notes(2)
+    assert not any("RNG state dropped" in n for n in notes)
+    assert any(n.startswith("RNG state not carried: rng_state.pth (the one-process RNG file, which only a 1-process "
+                            "run reads") for n in notes), notes

@@ -172,6 +172,8 @@ class RngPlan:
     """Source files no rank of the new run reads (their rank does not exist there)."""
     absent: tuple[int, ...]
     """New ranks with no file: the Trainer keeps the RNG it seeded them with."""
+    stray: tuple[str, ...] = ()
+    """``rng_state.pth`` beside per-rank files (a one-process run saved into the same folder): not copied."""
 
     def notes(self, world_size: int) -> list[str]:
         out = []
@@ -183,6 +185,10 @@ class RngPlan:
         if self.dropped:
             out.append(f"RNG state dropped: {', '.join(self.dropped)} (their ranks do not exist at world size "
                        f"{world_size}; no rank would read them)")
+        if self.stray:
+            out.append(f"RNG state not carried: {', '.join(self.stray)} (the one-process RNG file, which only a "
+                       "1-process run reads; it lies beside per-rank rng_state_<rank>.pth files, which are the "
+                       "ones this checkpoint's ranks saved and the ones carried)")
         if self.absent:
             ranks = ", ".join(str(r) for r in self.absent)
             out.append(
@@ -215,7 +221,7 @@ def plan_rng_files(names: Iterable[str], world_size: int) -> RngPlan:
     dropped = tuple(by_rank[r] for r in sorted(by_rank) if r >= world_size)
     stray = (_RNG_SINGLE,) if _RNG_SINGLE in names and by_rank.get(0) != _RNG_SINGLE else ()
     absent = tuple(r for r in range(world_size) if r not in by_rank) if by_rank else ()
-    return RngPlan(copies, dropped + stray, absent)
+    return RngPlan(copies, dropped, absent, stray)
 
 
 @dataclass
@@ -271,7 +277,7 @@ def check_output_folder(output: Path, source: Path, *, force: bool) -> None:
 
 def _copy_trainer_files(src: Path, staged: Path, tags: set[str], rng: RngPlan) -> tuple[list[str], list[str]]:
     """Copy what the Trainer saved beside its DeepSpeed root; returns (copied, not carried)."""
-    rng_names = {a for a, _ in rng.copies} | set(rng.dropped)
+    rng_names = {a for a, _ in rng.copies} | set(rng.dropped) | set(rng.stray)
     copied, skipped = [], []
     for e in sorted(src.iterdir(), key=lambda e: e.name):
         name = e.name
