@@ -15,7 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Sequence
 
@@ -71,6 +71,9 @@ class LaunchPlan:
     """The script is a module run with -m/--module (no file to check)."""
     accelerate: AccelerateRun | None = None
     """--launcher accelerate: the Accelerate config the run reads, with the command line's overrides."""
+    script_config_path: str | None = None
+    """--launcher accelerate: a config the script names itself (``accelerate launch train.py
+    --deepspeed ds.json``, the HF Trainer recipe); checked beside the Accelerate config."""
 
 
 def split_script(args: Sequence[str]) -> tuple[list[str], str, list[str]]:
@@ -220,6 +223,10 @@ def _build_accelerate(args: Sequence[str], *, preflight: bool, environ: dict[str
 
     env = dict(os.environ if environ is None else environ)
     run = load_run(parse_accelerate_args(args, env))
+    kind = run.effective.get("distributed_type")
+    notes = [] if kind in ("DEEPSPEED", "FSDP") else [
+        f"distributed_type {kind or 'NO'}: no DeepSpeed or FSDP settings to check in the Accelerate config"
+    ]
     if preflight:
         from shardkit.autopreflight import rank_env
 
@@ -237,14 +244,16 @@ def _build_accelerate(args: Sequence[str], *, preflight: bool, environ: dict[str
         preflight=preflight,
         is_module=run.is_module,
         accelerate=run,
+        script_config_path=find_config(run.script_args),
+        notes=notes,
     )
 
 
-def names_hf_trainer_config(plan: LaunchPlan) -> bool:
+def names_hf_trainer_config(script_args: Sequence[str], path: str | None) -> bool:
     """The config came as ``--deepspeed PATH``: the HF Trainer's spelling (TrainingArguments via
     HfArgumentParser; DeepSpeed's own ``--deepspeed`` takes no value), so the Trainer fills its
     "auto" values and the ranks' PreflightCallback (shardkit.integrations.hf) checks them filled."""
-    args, path = plan.script_args, plan.config_path
+    args = list(script_args)
     return path is not None and any(
         a == f"--deepspeed={path}" or (a == "--deepspeed" and args[i + 1 : i + 2] == [path]) for i, a in enumerate(args)
     )
@@ -260,25 +269,17 @@ def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None)
     an environment row (fp16 on a CPU-only machine) is then an error, not a "state --accelerator"
     warning.
     """
-    from shardkit.environment import probe_environment, run_has_accelerator
+    from shardkit.environment import probe_environment
 
     if plan.accelerate is not None:
         return _check_accelerate(plan, plan.accelerate, facts)
     if plan.config_path is None:
         return Report(subject="launch: no config named on the script's command line")
-    cfg = load_config(plan.config_path)  # ConfigError: missing, empty, malformed
-    if isinstance(cfg, dict) and not (_ENGINE_KEYS & set(cfg)):
-        plan.notes.append(f"{plan.config_path} is not a DeepSpeed or shardkit FSDP2 config; not checked")
-        return Report(subject=plan.config_path)
-    try:
-        from shardkit.checks import check_file
-    except ImportError:  # pragma: no cover - the checks ship with shardkit
-        return Report(subject=plan.config_path)
     facts = facts or probe_environment(plan.env)
-    report = check_file(
-        plan.config_path, world_size=plan.world_size, environment=facts,
-        accelerator=run_has_accelerator(facts=facts), expect_hf_auto=names_hf_trainer_config(plan),
-    )
+    checked = _check_script_config(plan, plan.config_path, facts)
+    if checked is None:
+        return Report(subject=plan.config_path)
+    report, cfg = checked
     if plan.launcher == "deepspeed" and is_fsdp_config(cfg):
         report.add(
             Finding(
@@ -288,6 +289,34 @@ def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None)
             )
         )
     return report
+
+
+def _check_script_config(plan: LaunchPlan, path: str, facts: EnvironmentFacts) -> tuple[Report, object] | None:
+    """The config the script names on its own command line, checked with the `shardkit check`
+    rules (None, with a note, when it is not an engine config); "auto" is accepted when the script
+    got it as ``--deepspeed PATH`` (the HF Trainer fills it), and a note says so."""
+    from shardkit.checks import check_file
+    from shardkit.config.paths import auto_paths
+    from shardkit.environment import run_has_accelerator
+
+    cfg = load_config(path)  # ConfigError: missing, empty, malformed
+    if isinstance(cfg, dict) and not (_ENGINE_KEYS & set(cfg)):
+        plan.notes.append(f"{path} is not a DeepSpeed or shardkit FSDP2 config; not checked")
+        return None
+    hf_auto = names_hf_trainer_config(plan.script_args, path)
+    autos = auto_paths(cfg) if hf_auto and isinstance(cfg, dict) else []
+    if autos:
+        shown = ", ".join(autos[:3]) + (f" (+{len(autos) - 3} more)" if len(autos) > 3 else "")
+        plan.notes.append(
+            f'{path}: "auto" accepted in {shown} because `--deepspeed PATH` is the HF Trainer\'s flag (the Trainer '
+            "fills them; its PreflightCallback checks them filled). A script that is not a Trainer and passes this file "
+            'to deepspeed.initialize must fill them itself: DeepSpeed drops "auto" silently and uses its defaults'
+        )
+    report = check_file(
+        path, world_size=plan.world_size, environment=facts, accelerator=run_has_accelerator(facts=facts),
+        expect_hf_auto=hf_auto,
+    )
+    return report, cfg
 
 
 def _check_accelerate(plan: LaunchPlan, run: AccelerateRun, facts: EnvironmentFacts | None) -> Report:
@@ -300,18 +329,33 @@ def _check_accelerate(plan: LaunchPlan, run: AccelerateRun, facts: EnvironmentFa
     facts = facts or probe_environment(plan.env)
     accelerator = run_has_accelerator(facts=facts)
     source = run.config_file or "accelerate launch (no config file: accelerate's defaults and the command line)"
-    kind = run.effective.get("distributed_type")
     report = Report(subject=source)
-    if kind in ("DEEPSPEED", "FSDP"):
+    if run.effective.get("distributed_type") in ("DEEPSPEED", "FSDP"):
         report = check_config(
             run.effective, source=source, world_size=plan.world_size, environment=facts, accelerator=accelerator,
             duplicate_keys=run.loaded.duplicate_keys if run.loaded else (),
             config_dir=Path(run.config_file).parent if run.config_file else None,
         )
-    else:
-        plan.notes.append(f"distributed_type {kind or 'NO'}: no DeepSpeed or FSDP settings to check")
     report.extend(launch_findings(run, accelerator=accelerator))
+    script_cfg = plan.script_config_path
+    if script_cfg is not None and not _same_file(script_cfg, _section_file(run)):
+        # `accelerate launch train.py --deepspeed ds.json`: the Trainer hands this file to
+        # deepspeed.initialize, whatever the YAML says; its findings carry the file's name
+        checked = _check_script_config(plan, script_cfg, facts)
+        if checked is not None:
+            report.extend(replace(f, key=f"{script_cfg}:{f.key}") for f in checked[0].findings)
     return report
+
+
+def _section_file(run: AccelerateRun) -> str | None:
+    """The DeepSpeed JSON the Accelerate config names (deepspeed_config.deepspeed_config_file)."""
+    section = run.effective.get("deepspeed_config")
+    value = section.get("deepspeed_config_file") if isinstance(section, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _same_file(a: str, b: str | None) -> bool:
+    return b is not None and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def run_launch(plan: LaunchPlan) -> int:

@@ -68,6 +68,9 @@ class AccelerateRun:
     """The file as parsed (None: no file; accelerate's built-in defaults)."""
     effective: dict[str, Any] = field(default_factory=dict)
     """The file with the command-line overrides applied, in the file's shape."""
+    option_groups: dict[str, set[str]] = field(default_factory=dict)
+    """accelerate's option destinations by argument group, from the parser built once per launch
+    (building it imports accelerate's launch machinery: ~0.1 s each time)."""
 
     @property
     def world_size(self) -> int | None:
@@ -127,7 +130,7 @@ def parse_accelerate_args(args: Sequence[str], environ: Mapping[str, str]) -> Ac
     parser.error = error  # type: ignore[method-assign,assignment]
     ns = parser.parse_args(args)
     script_args = list(ns.training_script_args)
-    own = args[: len(args) - len(script_args) - 1]
+    own = _before_script(args, str(ns.training_script), script_args)
     overrides = {dest: getattr(ns, dest) for dest in sorted(getattr(ns, "nondefault", set())) if dest not in ("help",)}
     for flag in ("cpu", *PARADIGMS):
         if getattr(ns, flag, False):
@@ -149,8 +152,19 @@ def parse_accelerate_args(args: Sequence[str], environ: Mapping[str, str]) -> Ac
     return AccelerateRun(
         accelerate_args=own, script=str(ns.training_script), script_args=script_args,
         is_module=bool(ns.module or ns.no_python), overrides=overrides, config_file=config_file,
-        config_source=source,
+        config_source=source, option_groups=_groups(parser),
     )
+
+
+def _before_script(args: list[str], script: str, script_args: list[str]) -> list[str]:
+    """accelerate's own options: everything before the training script. Sliced at the script's
+    index, not counted back from the end: argparse drops a ``--`` separator (before or after the
+    script) from what it hands over, so the lengths do not add up when one was given."""
+    for i in range(len(args) - 1, -1, -1):
+        if args[i] == script and args[i + 1 :] in (script_args, ["--", *script_args]):
+            own = args[:i]
+            return own[:-1] if own[-1:] == ["--"] else own
+    return args[: len(args) - len(script_args) - 1]  # pragma: no cover - argparse found the script in args
 
 
 def load_run(run: AccelerateRun) -> AccelerateRun:
@@ -161,17 +175,19 @@ def load_run(run: AccelerateRun) -> AccelerateRun:
             run.loaded = read_config(run.config_file)
         except ConfigError as exc:
             raise ConfigError(f"the Accelerate config ({run.config_source}) cannot be used: {exc}") from exc
-    run.effective = effective_config(run.loaded.data if run.loaded else None, run.overrides)
+    run.effective = effective_config(run.loaded.data if run.loaded else None, run.overrides, run.option_groups)
     return run
 
 
-def effective_config(file_cfg: dict[str, Any] | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
+def effective_config(
+    file_cfg: dict[str, Any] | None, overrides: Mapping[str, Any], groups: Mapping[str, set[str]] | None = None
+) -> dict[str, Any]:
     """The Accelerate config the ranks get: ``file_cfg`` with the command line's explicit options
-    applied, the way _validate_launch_command applies them."""
+    applied, the way _validate_launch_command applies them. ``groups``: :func:`_groups` of
+    accelerate's parser (built here when not given)."""
     cfg = copy.deepcopy(file_cfg) if file_cfg else {}
     cfg.setdefault("compute_environment", "LOCAL_MACHINE")  # ClusterConfig.process_config's default
-    parser = _parser()
-    groups = _groups(parser)
+    groups = groups if groups is not None else _groups(_parser())
     deepspeed_dests = groups.get("DeepSpeed Arguments", set())
     fsdp_dests = groups.get("FSDP Arguments", set())
     paradigm = next((PARADIGMS[f] for f in PARADIGMS if overrides.get(f)), None)
@@ -223,7 +239,7 @@ def launch_findings(run: AccelerateRun, *, accelerator: bool | None) -> list[Fin
     """What `accelerate launch` would refuse or silently drop in this run's config, and its FSDP2
     settings under shardkit's FSDP2 rules. ``accelerator``: whether the ranks have one."""
     file_cfg = run.loaded.data if run.loaded else {}
-    out = _unknown_keys(file_cfg)
+    out = _unknown_keys(file_cfg, run.option_groups or _groups(_parser()))
     section = _section(run.effective, "deepspeed_config")
     if (
         run.effective.get("distributed_type") == "DEEPSPEED"
@@ -247,10 +263,9 @@ def launch_findings(run: AccelerateRun, *, accelerator: bool | None) -> list[Fin
     return out
 
 
-def _unknown_keys(file_cfg: Mapping[str, Any]) -> list[Finding]:
+def _unknown_keys(file_cfg: Mapping[str, Any], groups: Mapping[str, set[str]]) -> list[Finding]:
     from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
 
-    groups = _groups(_parser())
     out: list[Finding] = []
     # load_config_from_file picks the class by compute_environment, then from_yaml_file refuses extra keys
     kind = SageMakerConfig if file_cfg.get("compute_environment") == "AMAZON_SAGEMAKER" else ClusterConfig

@@ -139,6 +139,88 @@ def test_usage_errors_name_the_problem(no_default_config):
         build_launch(["--use_deepspeed", "--use_fsdp", "train.py"], "accelerate")
 
 
+def test_a_double_dash_separator_is_not_taken_for_an_accelerate_option(no_default_config):
+    # argparse drops a `--` before or after the script from what it hands over: slicing by the
+    # count of script arguments took the script itself (or the `--`) for one of accelerate's options
+    from shardkit.launch_accelerate import parse_accelerate_args
+
+    for args, script_args in (
+        (["--num_processes", "2", "train.py", "--", "--lr", "1"], ["--lr", "1"]),
+        (["--num_processes", "2", "--", "train.py", "--lr", "1"], ["--lr", "1"]),
+        (["--num_processes", "2", "train.py", "train.py"], ["train.py"]),
+    ):
+        run = parse_accelerate_args(args, os.environ)
+        assert (run.accelerate_args, run.script, run.script_args) == (["--num_processes", "2"], "train.py", script_args), args
+
+
+def test_accelerates_parser_is_built_once_per_launch(no_default_config, zero3_json, monkeypatch):
+    import accelerate.commands.launch as acc_launch
+
+    built: list[int] = []
+    original = acc_launch.launch_command_parser
+
+    def counting(*a, **kw):
+        built.append(1)
+        return original(*a, **kw)
+
+    monkeypatch.setattr(acc_launch, "launch_command_parser", counting)
+    cfg = _deepspeed_yaml(no_default_config, zero3_json)
+    plan = build_launch(["--config_file", str(cfg), "--zero_stage", "3", "train.py"], "accelerate")
+    check_launch_config(plan)
+    assert len(built) == 1
+    assert plan.notes == []  # the plan's notes are settled when it is built, not by the check
+
+
+def test_a_trainer_scripts_own_deepspeed_json_is_checked_too(run_cli, no_default_config):
+    # the usual HF recipe: `accelerate launch train.py --deepspeed ds.json`: the Trainer hands that
+    # file to deepspeed.initialize whatever the YAML says; its "auto" values are the Trainer's to fill
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+          "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    (no_default_config / "ds_hf.json").write_text(json.dumps(ds))
+    script, marker = _marker_script(no_default_config)
+    args = ["--num_processes", "2", str(script), "--deepspeed", "ds_hf.json"]
+    plan = build_launch(args, "accelerate")
+    assert plan.script_config_path == "ds_hf.json"
+    report = check_launch_config(plan)
+    assert [(f.key, f.rule) for f in report.errors] == [("ds_hf.json:zero_optimization.offload_param.device", "offload-param-stage")]
+    assert not [f for f in report.findings if f.rule == "auto-value"]
+    (note,) = [n for n in plan.notes if '"auto" accepted' in n]
+    assert "train_micro_batch_size_per_gpu" in note and "`--deepspeed PATH` is the HF Trainer's flag" in note
+    assert "not a Trainer and passes this file to deepspeed.initialize must fill them itself" in note
+    code, out, err = run_cli("launch", "--dry-run", "--launcher", "accelerate", *args)
+    assert code == 1 and "offload_param" in out and "would run" not in err and not marker.exists()
+    # the same file named by the YAML too: checked once, under the YAML's rules
+    cfg = _deepspeed_yaml(no_default_config, "ds_hf.json")
+    both = check_launch_config(build_launch(["--config_file", str(cfg), str(script), "--deepspeed", "ds_hf.json"], "accelerate"))
+    assert [f.key for f in both.errors].count("ds_hf.json:zero_optimization.offload_param.device") == 1
+
+
+def test_the_yaml_keys_accelerate_refuses_beside_a_deepspeed_file_are_accelerates_own_list(no_default_config):
+    # DeepSpeedPlugin._deepspeed_config_checks keeps the list in a local variable (not importable):
+    # pin shardkit's copy (checks/accelerate_deepspeed.TO_DEEPSPEED + mixed_precision) to the
+    # installed accelerate's source, so an accelerate release that changes it fails here
+    import ast
+    import inspect
+
+    from accelerate.utils.dataclasses import DeepSpeedPlugin
+
+    from shardkit.checks.accelerate_deepspeed import TO_DEEPSPEED
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(DeepSpeedPlugin._deepspeed_config_checks)))
+    names = next(n for n in ast.walk(tree) if isinstance(n, ast.List) and n.elts and isinstance(n.elts[0], ast.Constant))
+    refused = {str(e.value).replace("ACCELERATE_", "").replace("DEEPSPEED_", "").lower() for e in names.elts}
+    assert refused == set(TO_DEEPSPEED) | {"mixed_precision"}
+    # and the launch names every one of them found in the YAML
+    (no_default_config / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}))
+    cfg = no_default_config / "acc.yaml"
+    cfg.write_text("distributed_type: DEEPSPEED\nnum_processes: 2\nmixed_precision: bf16\ndeepspeed_config:\n"
+                   "  deepspeed_config_file: ds.json\n" + "".join(f"  {k}: 1\n" for k in sorted(TO_DEEPSPEED)))
+    clash = [f for f in check_launch_config(build_launch(["--config_file", str(cfg), "train.py"], "accelerate")).errors
+             if f.rule == "accelerate-config-file-clash"]
+    named = " ".join(f.message + f.key for f in clash)
+    assert all(k in named for k in [*TO_DEEPSPEED, "mixed_precision"]), named
+
+
 def test_an_unusable_config_file_is_one_clear_error(no_default_config):
     with pytest.raises(ConfigError, match=r"^the Accelerate config \(--config_file\) cannot be used: nope.yaml: no such file"):
         build_launch(["--config_file", "nope.yaml", "train.py"], "accelerate")
@@ -247,7 +329,7 @@ def test_without_a_config_file_the_command_line_settings_are_checked(run_cli, no
     assert code == 0 and "accelerate's command-line settings (no config file) checked; " in err and "would run" in err
     # nothing at all: accelerate's defaults (one process, no engine settings), said before the launch
     code, out, err = run_cli("launch", "--dry-run", "--launcher", "accelerate", script)
-    assert code == 0 and "distributed_type NO: no DeepSpeed or FSDP settings to check" in err
+    assert code == 0 and "distributed_type NO: no DeepSpeed or FSDP settings to check in the Accelerate config" in err
     assert not marker.exists()
 
 
