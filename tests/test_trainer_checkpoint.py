@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -349,3 +350,41 @@ def test_a_stray_one_process_rng_file_gets_its_own_note():
     assert not any("RNG state dropped" in n for n in notes)
     assert any(n.startswith("RNG state not carried: rng_state.pth (the one-process RNG file, which only a 1-process "
                             "run reads") for n in notes), notes
+
+
+def test_staging_folders_of_killed_reshards_are_removed_and_live_ones_kept(tmp_path):
+    from shardkit.checkpoint.trainer import _staging_folder, remove_stale_staging
+
+    final = tmp_path / "run" / "checkpoint-2"
+    final.parent.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is no longer running
+    host = socket.gethostname()
+    names = {
+        "killed": f".shardkit-tmp-checkpoint-2-{gone.pid}@{host}-deadbeef",
+        "running": _staging_folder(final).name,  # this process: alive
+        "other_host": f".shardkit-tmp-checkpoint-2-{gone.pid}@not-{host}-deadbeef",
+        "other_name": f".shardkit-tmp-checkpoint-20-{gone.pid}@{host}-deadbeef",
+        "no_owner": ".shardkit-tmp-checkpoint-2-deadbeef",
+    }
+    for n in names.values():
+        (final.parent / n).mkdir()
+        (final.parent / n / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 10)
+    assert remove_stale_staging(final) == [names["killed"]]
+    assert sorted(p.name for p in final.parent.iterdir()) == sorted(v for k, v in names.items() if k != "killed")
+
+
+def test_a_no_manifest_trainer_checkpoint_is_not_replaced_even_with_force(tmp_path):
+    from shardkit.checkpoint.trainer import check_output_folder
+    from shardkit.errors import UsageError
+
+    src, out = tmp_path / "src" / "checkpoint-2", tmp_path / "new" / "checkpoint-2"
+    for d in (src, out):
+        (d / "global_step2").mkdir(parents=True)
+        (d / "trainer_state.json").write_text("{}")
+        (d / "latest").write_text("global_step2")
+    with pytest.raises(UsageError, match=r"holds a Trainer checkpoint without a shardkit manifest \(trainer_state.json "
+                                         r"and 'latest', no <tag>/shardkit_manifest.json\): a Trainer's own save or a "
+                                         r"reshard written with --no-manifest\..* never replaced, even with --force"):
+        check_output_folder(out, src, force=True)
+    assert (out / "trainer_state.json").is_file()

@@ -18,8 +18,10 @@ names the new ``checkpoint-N``, exactly as for a plain DeepSpeed root it names w
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
+import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,6 +268,13 @@ def check_output_folder(output: Path, source: Path, *, force: bool) -> None:
     if _checkpoint_dirs(output):
         raise UsageError(f"-o {output}: is a Trainer output_dir (it holds checkpoint-N folders); -o names the new "
                          f"checkpoint folder itself, e.g. -o {output / source.name}")
+    if not _is_shardkit_trainer_checkpoint(output) and (output / TRAINER_STATE).is_file() and (output / LATEST_NAME).is_file():
+        raise UsageError(
+            f"-o {output}: holds a Trainer checkpoint without a shardkit manifest ({TRAINER_STATE} and "
+            f"'{LATEST_NAME}', no <tag>/{MANIFEST_NAME}): a Trainer's own save or a reshard written with "
+            "--no-manifest. Nothing in it shows shardkit wrote it, and a Trainer's own checkpoint-N has the same "
+            "files, so it is never replaced, even with --force (only manifested reshards are). Pass a new folder, "
+            "or delete this one yourself if it is a --no-manifest reshard you no longer need")
     if not _is_shardkit_trainer_checkpoint(output):
         shown = entries[:5] + (["..."] if len(entries) > 5 else [])
         raise UsageError(f"-o {output}: folder is not empty and is not a Trainer checkpoint written by shardkit (it "
@@ -315,6 +324,48 @@ def _batch_note(tag_dir: Path, source_world: int, world_size: int) -> str | None
             "position is approximate when the global batch changes")
 
 
+#: what follows ``<STAGING_PREFIX><name>-`` in a staging folder's name: the writer's pid@host and a nonce
+_STAGING_OWNER = re.compile(r"^(\d+)@(.+)-[0-9a-f]{8}$")
+
+
+def _staging_folder(final: Path) -> Path:
+    """Where ``final`` is assembled: a hidden sibling naming its writer, so a later run can tell a
+    killed writer's leftover (``remove_stale_staging``) from a reshard still running beside it."""
+    return final.parent / f"{STAGING_PREFIX}{final.name}-{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def remove_stale_staging(final: Path) -> list[str]:
+    """Remove the staging folders of ``final`` left by killed reshards (SIGKILL, OOM, node loss skip
+    the ``except`` that removes them; each is as big as the checkpoint, often inside the user's
+    output_dir). ``remove_stale_saves`` may assume one writer per checkpoint root; ``final.parent``
+    is any folder, so only a folder whose writer process is gone goes: same host, pid no longer
+    running. Folders of other hosts (a shared filesystem) or without an owner are left. Returns the
+    names removed."""
+    prefix = f"{STAGING_PREFIX}{final.name}-"
+    if not final.parent.is_dir():
+        return []
+    host, removed = socket.gethostname(), []
+    for e in final.parent.iterdir():
+        if not e.name.startswith(prefix) or e.is_symlink() or not e.is_dir():
+            continue
+        m = _STAGING_OWNER.match(e.name[len(prefix):])
+        if m is None or m.group(2) != host or _process_alive(int(m.group(1))):
+            continue
+        shutil.rmtree(e, ignore_errors=True)
+        removed.append(e.name)
+    return sorted(removed)
+
+
 @os_errors_named("resharding the Trainer checkpoint")
 def reshard_trainer_checkpoint(
     source: TrainerCheckpoint,
@@ -351,7 +402,8 @@ def reshard_trainer_checkpoint(
     check_output_folder(final, src, force=force)
     rng = plan_rng_files([e.name for e in src.iterdir() if e.is_file()], world_size)
     final.parent.mkdir(parents=True, exist_ok=True)
-    staged = final.parent / f"{STAGING_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    leftovers = remove_stale_staging(final)
+    staged = _staging_folder(final)
     try:
         r = reshard_zero3(src, staged, world_size, tag=new_tag, sub_group_size=sub_group_size, manifest=manifest,
                           verify=verify, warn=warn)
@@ -366,6 +418,9 @@ def reshard_trainer_checkpoint(
         manifest=(final / r.tag / MANIFEST_NAME) if r.manifest else None,
     )
     notes = [*rng.notes(world_size)]
+    if leftovers:
+        notes.append(f"removed the staging folder(s) of killed earlier reshards to {final.name} (their process is "
+                     f"gone): {', '.join(leftovers)}")
     if skipped:
         notes.append(f"not carried into {final}: {'; '.join(skipped)}")
     if not CHECKPOINT_DIR.match(final.name):
