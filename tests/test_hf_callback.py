@@ -245,7 +245,7 @@ def test_launch_accepts_auto_values_in_a_config_given_to_the_trainer_as_deepspee
         (note,) = plan.notes
         assert note.startswith(f'{cfg}: "auto" accepted in train_micro_batch_size_per_gpu, gradient_accumulation_steps, '
                                "train_batch_size (+1 more) because `--deepspeed PATH` is the HF Trainer's flag")
-        assert "a script that is not a Trainer and passes this file to deepspeed.initialize must fill them" in note.lower()
+        assert "A script that is not a Trainer and passes this file to deepspeed.initialize must fill them" in note
     plan = build_launch(["--nproc_per_node", "2", "train.py", "--deepspeed", "--deepspeed_config", str(cfg)], "torchrun", environ={})
     auto = [f for f in check_launch_config(plan, facts).errors if f.rule == "auto-value"]
     assert len(auto) == 1 and "train_micro_batch_size_per_gpu" in auto[0].message
