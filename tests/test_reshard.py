@@ -196,3 +196,57 @@ def test_default_workers_follow_the_cores_and_the_files():
     assert default_workers(100) == max(8, len(os.sched_getaffinity(0)))
     with pytest.raises(UsageError, match=r"workers=0: must be at least 1"):
         reshard_zero3("/nonexistent", "/tmp/x", 2, workers=0)
+
+
+def test_tensors_built_in_memory_are_written_one_file_at_a_time(sources, tmp_path, monkeypatch):
+    """Without byte offsets (source_bytes None) each tensor is built whole in memory: one writer
+    thread, so the peak stays one sub-group partition as with the serial writer. The bytes are the
+    same either way."""
+    import shardkit.checkpoint.zero3.reshard as reshard
+
+    seen: list[int] = []
+    real = reshard.write_parallel
+    monkeypatch.setattr(reshard, "write_parallel", lambda jobs, workers, **kw: (seen.append(workers), real(jobs, workers, **kw))[1])
+    copied = reshard_zero3(sources["fp32"], tmp_path / "copied", 3)
+    monkeypatch.setattr(reshard, "source_bytes", lambda ckpt: None)
+    built = reshard_zero3(sources["fp32"], tmp_path / "built", 3)
+    assert seen == [3, 1]
+    for a, b in zip(_flats(copied.output / copied.tag), _flats(built.output / built.tag)):
+        assert all(torch.equal(x, y) for x, y in zip(a["fp32_flat_groups"], b["fp32_flat_groups"]))
+
+
+def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifest(sources, tmp_path, monkeypatch):
+    """Same layout: the rank files are copied byte for byte and hashed as copied. A file changed
+    between verification and copy (a run re-saving the tag) no longer matches the manifest it was
+    verified against: refused, naming the file and both digests, and nothing is left behind."""
+    import shutil
+
+    import shardkit.checkpoint.zero3.reshard as reshard
+    from shardkit.checkpoint.manifest import read_manifest, seal, sha256_file
+    from tests._corrupt import flip_a_byte
+
+    root = tmp_path / "src"
+    shutil.copytree(sources["fp32"], root)
+    tag_dir = open_zero3_checkpoint(root).tag_dir
+    seal(tag_dir, engine="deepspeed", world_size=2, zero_stage=3)
+    victim = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    verified = {e.path: e.sha256 for e in read_manifest(tag_dir).files}[victim.name]
+    real_verify = reshard.verify_before_reading
+
+    def verify_then_the_source_changes(*args, **kwargs):
+        checked = real_verify(*args, **kwargs)
+        flip_a_byte(victim)
+        return checked
+
+    monkeypatch.setattr(reshard, "verify_before_reading", verify_then_the_source_changes)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))}: changed while it was being copied: its "
+                       rf"sha256 is now ([0-9a-f]{{64}}), the manifest it was verified against says {verified} "
+                       r"\(the source was rewritten after verification.*re-run the reshard") as caught:
+        reshard_zero3(root, out, 2, workers=2)
+    assert f"is now {sha256_file(victim)}," in str(caught.value)
+    assert not out.exists() or os.listdir(out) == []
+    # --no-verify never hashed the source, so there is nothing to compare with: copied as it is now
+    monkeypatch.setattr(reshard, "verify_before_reading", real_verify)
+    done = reshard_zero3(root, tmp_path / "unverified", 2, verify=False)
+    assert done.copied_unchanged and (done.output / done.tag / victim.name).read_bytes() == victim.read_bytes()

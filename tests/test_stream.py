@@ -118,3 +118,77 @@ def test_deepspeed_stand_ins_are_written_back_under_deepspeeds_names(tmp_path):
     assert zipfile.ZipFile(tmp_path / "a" / "x.pt").read("x/data.pkl") == zipfile.ZipFile(tmp_path / "b" / "x.pt").read("x/data.pkl")
     back = safe_torch_load(tmp_path / "b" / "x.pt", real_deepspeed_objects=True)
     assert back["zero_stage"] is ZeroStageEnum(3) and vars(back["loss_scaler"]) == vars(real["loss_scaler"])
+
+
+def test_zip64_records_and_offsets_are_read_by_torch_and_zipfile(tmp_path, monkeypatch):
+    """Every rank file above 4 GiB takes the zip64 branches (a record or its offset >= 4 GiB). The
+    threshold is lowered to 1000 bytes so they run here on a few KB: the small first records stay
+    32-bit, the rest are zip64 by size, by offset or both (local extra, 64-bit data descriptor,
+    central directory sentinel + extra, end record)."""
+    import struct
+
+    import shardkit.checkpoint.stream as stream
+
+    monkeypatch.setattr(stream, "ZIP64_AT", 1000)
+    src = torch.randn(600)
+    (tmp_path / "src.bin").write_bytes(src.numpy().tobytes())
+    lazy = LazyTensor(700, torch.float32, lambda: torch.zeros(0),
+                      lambda: [Segment(str(tmp_path / "src.bin"), 0, 2400), Segment(None, 0, 400)])
+    sd = {"small": torch.arange(3, dtype=torch.int64), "big": torch.randn(2000), "lazy": lazy, "step": 7}
+    written = stream_save(sd, tmp_path / "x.pt", chunk_bytes=512)
+    raw = (tmp_path / "x.pt").read_bytes()
+    assert written.size == len(raw) and written.sha256 == hashlib.sha256(raw).hexdigest()
+    zf = zipfile.ZipFile(tmp_path / "x.pt")
+    assert zf.testzip() is None  # every crc32, read through the zip64 sizes and offsets
+    kinds = set()
+    for info in zf.infolist():
+        big_size, big_offset = info.file_size >= 1000, info.header_offset >= 1000
+        kinds.add((big_size, big_offset))
+        # central directory: the 0xFFFFFFFF sentinels with the real values in the zip64 extra
+        assert info.extra.startswith(struct.pack("<H", 1)) == (big_size or big_offset), info.filename
+        # local header -> data -> data descriptor, 64-bit where the record is zip64
+        name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+        data = info.header_offset + 30 + name_len + extra_len
+        assert data % 64 == 0 and raw[data:data + info.file_size] == zf.read(info)
+        if info.file_size:
+            fmt = "<IIQQ" if big_size or big_offset else "<IIII"
+            assert struct.unpack_from(fmt, raw, data + info.file_size) == (0x08074B50, info.CRC, info.file_size, info.file_size)
+    assert {(False, False), (True, True), (False, True)} <= kinds
+    for mmap in (False, True):
+        loaded = torch.load(tmp_path / "x.pt", mmap=mmap, weights_only=True)
+        assert torch.equal(loaded["big"], sd["big"]) and torch.equal(loaded["small"], sd["small"]) and loaded["step"] == 7
+        assert torch.equal(loaded["lazy"][:600], src) and not loaded["lazy"][600:].any()
+
+
+def test_write_parallel_fsyncs_each_file_keeps_order_and_cancels_after_the_first_failure(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    import shardkit.checkpoint.atomic as atomic
+    from shardkit.checkpoint.stream import write_parallel
+
+    synced: list[Path] = []
+    real_fsync = atomic.fsync_file
+    monkeypatch.setattr(atomic, "fsync_file", lambda p: (synced.append(Path(p)), real_fsync(p)))
+    jobs = [(tmp_path / f"{i}.pt", lambda p, i=i: stream_save({"i": torch.full((i + 1,), i)}, p)) for i in range(5)]
+    digests = write_parallel(jobs, 3, outcome="nothing kept")
+    assert [d.sha256 for d in digests] == [hashlib.sha256(p.read_bytes()).hexdigest() for p, _ in jobs]
+    assert sorted(synced) == sorted(p for p, _ in jobs)  # each file fsynced by the thread that wrote it
+
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def job(i: int):
+        def write(p: Path):
+            with lock:
+                started.append(i)
+            if i == 0:
+                raise OSError("rank 0 failed")
+            time.sleep(0.3)  # still writing when rank 0 fails: the queued jobs must not start
+            return stream_save({"i": i}, p)
+        return write
+
+    with pytest.raises(OSError, match="rank 0 failed"):
+        write_parallel([(tmp_path / f"f{i}.pt", job(i)) for i in range(12)], 2, outcome="nothing kept")
+    # the two first jobs, at most one more per thread that was free before the cancel: never all 12
+    assert len(started) <= 4 and 0 in started

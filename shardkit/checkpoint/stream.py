@@ -215,7 +215,10 @@ def _archive_name(path: str | Path) -> str:
 # --- torch's zip layout ----------------------------------------------------------------------------
 
 _ALIGNMENT = 64  # torch.serialization._get_storage_alignment() default ("FB" padding, kFieldAlignment)
-_U32 = 0xFFFFFFFF
+_U32 = 0xFFFFFFFF  # the 32-bit field value that says "the real one is in the zip64 extra field"
+#: Sizes and offsets from which a record is written zip64 (miniz: ``>= MZ_UINT32_MAX``). A module
+#: constant so a test can lower it and exercise the zip64 branches without writing 4 GiB.
+ZIP64_AT = _U32
 _FLAGS = 0x0808  # bit 3: sizes and crc follow the data (data descriptor); bit 11: UTF-8 names
 
 
@@ -256,7 +259,7 @@ class _ZipWriter:
     def _header(self, name: str, size: int) -> _Entry:
         full = (self.prefix + name).encode()
         offset = self.out.size
-        big_size, big_offset = size >= _U32, offset >= _U32
+        big_size, big_offset = size >= ZIP64_AT, offset >= ZIP64_AT
         zip64 = b""
         if big_size or big_offset:
             # miniz: the uncompressed size, a compressed size of 0 (the data descriptor has it), the offset
@@ -276,7 +279,7 @@ class _ZipWriter:
     def _footer(self, entry: _Entry) -> None:
         if not entry.size:
             pass
-        elif entry.size >= _U32 or entry.offset >= _U32:
+        elif entry.size >= ZIP64_AT or entry.offset >= ZIP64_AT:
             self.out.write(struct.pack("<IIQQ", 0x08074B50, entry.crc, entry.size, entry.size))
         else:
             self.out.write(struct.pack("<IIII", 0x08074B50, entry.crc, entry.size, entry.size))
@@ -333,16 +336,17 @@ class _ZipWriter:
         self.add_bytes(".data/serialization_id", f"{combined:020d}{random.getrandbits(64):020d}".encode())
         cd_offset = self.out.size
         for e in self.entries:
-            big = e.size >= _U32 or e.offset >= _U32
+            big_size, big_offset = e.size >= ZIP64_AT, e.offset >= ZIP64_AT
             fields = b""
-            if e.size >= _U32:
+            if big_size:
                 fields += struct.pack("<QQ", e.size, e.size)
-            if e.offset >= _U32:
+            if big_offset:
                 fields += struct.pack("<Q", e.offset)
-            extra = struct.pack("<HH", 1, len(fields)) + fields if big else b""
-            size32 = _U32 if e.size >= _U32 else e.size
+            extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+            size32 = _U32 if big_size else e.size
+            offset32 = _U32 if big_offset else e.offset
             self.out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, e.flags, 0, 0, 0, e.crc, size32, size32,
-                                       len(e.name), len(extra), 0, 0, 0, 0, min(e.offset, _U32)))
+                                       len(e.name), len(extra), 0, 0, 0, 0, offset32))
             self.out.write(e.name)
             self.out.write(extra)
         cd_size = self.out.size - cd_offset
@@ -351,7 +355,8 @@ class _ZipWriter:
         self.out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x002D, 0, 0, n, n, cd_size, cd_offset))
         self.out.write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
         self.out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                                   min(cd_size, _U32), min(cd_offset, _U32), 0))
+                                   _U32 if cd_size >= ZIP64_AT else cd_size,
+                                   _U32 if cd_offset >= ZIP64_AT else cd_offset, 0))
 
 
 def _zero_fill(window: memoryview) -> None:
@@ -368,6 +373,56 @@ def _pread_exact(fd: int, window: memoryview, offset: int, path: str) -> None:
             raise OSError(f"{path}: ended at byte {offset + done}, {len(window) - done} bytes short of the "
                           "tensor data it should hold (the file was truncated while being read)")
         done += got
+
+
+def all_segmented(obj: Any) -> bool:
+    """True when every LazyTensor in ``obj`` has byte segments, so ``stream_save`` copies it through
+    one buffer; False when one would be built whole in memory (``materialize``)."""
+    if isinstance(obj, LazyTensor):
+        return obj.segments is not None
+    if isinstance(obj, dict):
+        return all(all_segmented(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(all_segmented(v) for v in obj)
+    return True
+
+
+#: One file to write: where, and the function that writes it there and returns its digest.
+FileJob = tuple[Path, Callable[[Path], WrittenFile]]
+
+
+def write_parallel(jobs: Sequence[FileJob], workers: int, *, outcome: str,
+                   thread_name: str = "shardkit-write") -> list[WrittenFile]:
+    """Write every job's file, ``workers`` at a time on threads, and return their digests in job order.
+
+    Each file is fsynced by the thread that wrote it (the fsyncs overlap the other files' writes;
+    the staging folder's ``fsync_tree`` then finds nothing dirty). The first failure cancels the
+    jobs not yet started, waits for the running ones and is raised (a full disk as the
+    CheckpointError of ``disk_full_named``, ending with ``outcome``), so nothing more is written
+    into a staging folder the caller is about to remove. ``workers=1`` writes in this thread.
+    """
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    from shardkit.checkpoint.atomic import disk_full_named, fsync_file
+
+    def run(path: Path, write: Callable[[Path], WrittenFile]) -> WrittenFile:
+        with disk_full_named(path, outcome):
+            digest = write(path)
+            fsync_file(path)
+        return digest
+
+    if workers <= 1 or len(jobs) <= 1:
+        return [run(path, write) for path, write in jobs]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name) as pool:
+        futures = [pool.submit(run, path, write) for path, write in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            f.cancel()  # only the queued ones: leaving the block waits for the running writers
+    for f in futures:
+        exc = None if f.cancelled() else f.exception()
+        if exc is not None:
+            raise exc
+    return [f.result() for f in futures]
 
 
 def copy_file_hashed(src: str | Path, dst: str | Path, *, chunk_bytes: int = CHUNK_BYTES) -> WrittenFile:

@@ -298,6 +298,8 @@ class SourceCheck:
     """'sha256' (sizes and content), 'sizes' (hashes skipped) or 'none' (no manifest to check against)."""
     warnings: list[str]
     """What the user should know before trusting the output."""
+    manifest: Manifest | None = None
+    """The manifest the files were checked against (None without one)."""
 
 
 #: How ``source checked before reading`` reads (reshard, consolidate) for each ``SourceCheck.level``.
@@ -341,7 +343,7 @@ def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = 
         n = len(report.manifest.files) if report.manifest else 0
         notes.append(f"--no-verify: the sha256 of the {n} file(s) of {tag_dir} was not checked (their sizes were); "
                      "a corrupted file of the right size is read as is")
-    return SourceCheck("sha256" if checksums else "sizes", notes)
+    return SourceCheck("sha256" if checksums else "sizes", notes, report.manifest)
 
 
 def check_resumable(

@@ -47,18 +47,19 @@ import warnings
 from collections import OrderedDict
 from contextlib import closing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable
 
-from shardkit.checkpoint.atomic import LATEST_NAME, check_tag, disk_full_named, latest_tag, os_errors_named
+from shardkit.checkpoint.atomic import LATEST_NAME, check_tag, latest_tag, os_errors_named
 from shardkit.checkpoint.convert.dcp_slices import DcpSlices
 from shardkit.checkpoint.convert.names import ADAM_STATE_KEYS, ADAM_TYPES, MODEL_KEY, OPTIM_KEY
 from shardkit.checkpoint.convert.result import ConvertResult
 from shardkit.checkpoint.dcp.safe_load import METADATA_NAME, load_dcp_state, read_dcp_metadata
 from shardkit.checkpoint.manifest import MANIFEST_NAME, FileEntry, read_manifest
 from shardkit.checkpoint.save import atomic_checkpoint
-from shardkit.checkpoint.stream import LazyTensor, Segment, stream_save
+from shardkit.checkpoint.stream import LazyTensor, Segment, stream_save, write_parallel
 from shardkit.checkpoint.verify import verify_before_reading, warn_unverified
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, DEFAULT_SUB_GROUP_SIZE
 from shardkit.checkpoint.zero3.reader import MODEL_FILE, OPTIM_FILE, ParamSlot
@@ -624,28 +625,22 @@ def convert_dcp_to_zero3(
     outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
     prefix = "bf16_" if precision == "bf16" else ""
 
-    def write_rank(staged: Path, rank: int) -> list[FileEntry]:
-        entries = []
-        for name, produce in ((MODEL_FILE.format(rank=rank), out.model_states),
-                              (OPTIM_FILE.format(prefix=prefix, rank=rank), out.optim_states)):
-            with disk_full_named(staged / name, outcome):
-                # hashed as written: the manifest needs no second read of the output
-                digest = stream_save(produce(rank), staged / name)
-            entries.append(FileEntry(name, digest.size, digest.sha256))
-        return entries
+    ranks = range(world_size)
+    # optim files first (the large ones), so the small model files fill the gaps at the end
+    files: list[tuple[str, Callable[[], dict[str, Any]]]] = (
+        [(OPTIM_FILE.format(prefix=prefix, rank=r), partial(out.optim_states, r)) for r in ranks]
+        + [(MODEL_FILE.format(rank=r), partial(out.model_states, r)) for r in ranks])
 
     # Byte-range copies release the GIL (preadv, crc32, sha256, write): one thread per rank file
-    # (reshard's rule). Tensors that need dcp.load are produced one rank after another.
+    # (reshard's rule). Tensors that need dcp.load are produced one at a time.
     workers = default_workers(world_size) if out.all_segments() else 1
     with atomic_checkpoint(root, tag, engine="deepspeed", **facts) as save, closing(src.slices):
-        if workers > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-convert") as pool:
-                results = list(pool.map(lambda r: write_rank(save.path, r), range(world_size)))
-        else:
-            results = [write_rank(save.path, r) for r in range(world_size)]
-        save.known_files = [e for entries in results for e in entries]
+        # hashed as written (the manifest needs no second read), fsynced by the thread that wrote
+        # it; the first failure cancels the files not yet started (stream.write_parallel)
+        digests = write_parallel(
+            [(save.path / name, lambda path, produce=produce: stream_save(produce(), path)) for name, produce in files],
+            workers, outcome=outcome, thread_name="shardkit-convert")
+        save.known_files = [FileEntry(name, d.size, d.sha256) for (name, _), d in zip(files, digests)]
         written = [e.path for e in save.known_files]
     final = root / tag
     carried = ["fp32 masters", "exp_avg", "exp_avg_sq", "step", "param_groups (lr, betas, eps, weight_decay)"]

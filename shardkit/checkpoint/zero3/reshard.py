@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shardkit.checkpoint.atomic import LATEST_NAME, check_tag, disk_full_named, fsync_file, os_errors_named
-from shardkit.checkpoint.manifest import MANIFEST_NAME, FileEntry
+from shardkit.checkpoint.atomic import LATEST_NAME, check_tag, os_errors_named
+from shardkit.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest
 from shardkit.checkpoint.safe_load import safe_torch_load
 from shardkit.checkpoint.save import atomic_checkpoint
-from shardkit.checkpoint.stream import WrittenFile, copy_file_hashed, stream_save
+from shardkit.checkpoint.stream import WrittenFile, all_segmented, copy_file_hashed, stream_save, write_parallel
 from shardkit.checkpoint.verify import verify_before_reading, warn_unverified
 from shardkit.checkpoint.zero3.reader import (
     MODEL_FILE,
@@ -54,7 +54,7 @@ from shardkit.checkpoint.zero3.repartition import (
     source_bytes,
 )
 from shardkit.config.loading import config_digest
-from shardkit.errors import UsageError
+from shardkit.errors import CheckpointError, UsageError
 
 
 @dataclass
@@ -102,7 +102,9 @@ def reshard_zero3(
     ``verify=False``): a corrupted source is refused, since the new manifest would vouch for the
     corruption. ``output`` must be new, empty, or a shardkit checkpoint folder; an existing
     ``output/<tag>`` is replaced only with ``force=True``. ``warn`` receives what the user should
-    know before trusting the result (default: ``warnings.warn``).
+    know before trusting the result (default: ``warnings.warn``). ``workers``: rank files written
+    at once (default: ``default_workers`` when every tensor is a byte-range copy, else 1, since a
+    tensor built in memory holds a whole sub-group partition per thread).
     """
     if workers is not None and workers < 1:
         raise UsageError(f"workers={workers}: must be at least 1 (threads writing rank files at once)")
@@ -130,7 +132,15 @@ def reshard_zero3(
                                   "copied_unchanged": unchanged}},
     )
     outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
-    jobs = _copy_jobs(ckpt) if unchanged else _reshard_jobs(ckpt, layout)
+    if unchanged:
+        jobs, streamed = _copy_jobs(ckpt, checked.manifest if verified == "sha256" else None), True
+    else:
+        jobs, streamed = _reshard_jobs(ckpt, layout)
+    if workers is None:
+        optim_files = sum(name.endswith("optim_states.pt") for name, _ in jobs) or len(jobs)
+        # a tensor built in memory is a whole sub-group partition: one thread at a time keeps the
+        # peak at one partition, as the serial writer had it (byte-range copies hold 1 MiB each)
+        workers = default_workers(optim_files) if streamed else 1
     with atomic_checkpoint(root, tag, engine="deepspeed", manifest=manifest, **facts) as save:
         entries = _write_files(save.path, jobs, outcome, workers)
         if manifest:
@@ -251,57 +261,62 @@ def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
     return new == [(s.sub_group, s.name, s.offset) for s in ckpt.slots]
 
 
-def _copy_jobs(ckpt: Zero3Checkpoint) -> list[_Job]:
+def _copy_jobs(ckpt: Zero3Checkpoint, verified_against: Manifest | None) -> list[_Job]:
     # Copies, never hard links: DeepSpeed's torch.save opens a rank file with O_TRUNC and rewrites it
     # in place when a run saves the same tag again, so a link would let the source run change the
     # resharded checkpoint under its manifest (and the other way round). The bytes are read anyway
     # (the manifest needs their sha256), so copy_file_range would save nothing on a filesystem
     # without reflinks (ext4).
-    return [(src.name, lambda out, src=src: copy_file_hashed(src, out))
-            for src in [*ckpt.optim_files, *ckpt.model_files]]
+    expected = {e.path: e.sha256 for e in verified_against.files} if verified_against is not None else {}
+
+    def copy(src: Path) -> Callable[[Path], WrittenFile]:
+        def write(out: Path) -> WrittenFile:
+            digest = copy_file_hashed(src, out)
+            want = expected.get(src.name)
+            # the source was hashed by verify_before_reading and read again here: a run re-saving
+            # the tag in between would get a fresh manifest vouching for bytes nobody verified
+            if want is not None and digest.sha256 != want:
+                raise CheckpointError(
+                    f"{src}: changed while it was being copied: its sha256 is now {digest.sha256}, the manifest it "
+                    f"was verified against says {want} (the source was rewritten after verification, e.g. a "
+                    "run saving the same tag again). Nothing was written; re-run the reshard once the source is "
+                    "no longer being saved")
+            return digest
+        return write
+
+    return [(src.name, copy(src)) for src in [*ckpt.optim_files, *ckpt.model_files]]
 
 
-def _reshard_jobs(ckpt: Zero3Checkpoint, layout: TargetLayout) -> list[_Job]:
+def _reshard_jobs(ckpt: Zero3Checkpoint, layout: TargetLayout) -> tuple[list[_Job], bool]:
+    """The jobs, and whether every flat tensor is copied by byte ranges (False: some are built
+    whole in memory, one sub-group partition per writer thread)."""
     # DeepSpeed objects (loss scaler, ZeroStageEnum) stay safe_load's inert stand-ins: stream_save
     # writes them back under their DeepSpeed names, so DeepSpeed (seconds to import) is never imported
     optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True)
     frozen = full_frozen_params(ckpt)
     prefix = "bf16_" if ckpt.optim_files[0].name.startswith("bf16_") else ""
-    # None when a tensor's file offset is unknown: tensors are then built in memory, one per worker
+    # None when a tensor's file offset is unknown: tensors are then built in memory
     source = source_bytes(ckpt)
+    ranks = range(layout.world_size)
+    # lazy tensors and their byte segments only (a few KB per rank), built here to know whether
+    # any tensor needs the in-memory path before choosing how many threads write
+    optims = [optim_state_for_rank(ckpt, layout, r, optim0, source=source) for r in ranks]
 
     def optim(rank: int) -> Callable[[Path], WrittenFile]:
-        return lambda out: stream_save(optim_state_for_rank(ckpt, layout, rank, optim0, source=source), out)
+        return lambda out: stream_save(optims[rank], out)
 
     def model(rank: int) -> Callable[[Path], WrittenFile]:
         return lambda out: stream_save(model_state_for_rank(ckpt, layout, rank, frozen), out)
 
-    ranks = range(layout.world_size)
     # the large files first, so the small ones fill the gaps at the end
-    return ([(OPTIM_FILE.format(prefix=prefix, rank=r), optim(r)) for r in ranks]
+    jobs = ([(OPTIM_FILE.format(prefix=prefix, rank=r), optim(r)) for r in ranks]
             + [(MODEL_FILE.format(rank=r), model(r)) for r in ranks])
+    return jobs, all(all_segmented(o) for o in optims)
 
 
-def _write_files(staged: Path, jobs: list[_Job], outcome: str, workers: int | None) -> list[FileEntry]:
-    """Run the jobs on a thread pool; every file is fsynced by its worker and described by the
-    digest computed while it was written. The first failure cancels the queued jobs and is raised
-    after the running ones stop (the caller then removes the staging folder)."""
-    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-
-    def run(name: str, write: Callable[[Path], WrittenFile]) -> FileEntry:
-        path = staged / name
-        with disk_full_named(path, outcome):
-            digest = write(path)
-            fsync_file(path)
-        return FileEntry(name, digest.size, digest.sha256)
-
-    n = workers if workers is not None else default_workers(sum(name.endswith("optim_states.pt") for name, _ in jobs) or len(jobs))
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="shardkit-reshard") as pool:
-        futures = [pool.submit(run, name, write) for name, write in jobs]
-        wait(futures, return_when=FIRST_EXCEPTION)
-        for f in futures:
-            f.cancel()  # only the queued ones: leaving the block waits for the running writers
-    for f in futures:
-        if not f.cancelled() and f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
-    return [f.result() for f in futures]
+def _write_files(staged: Path, jobs: list[_Job], outcome: str, workers: int) -> list[FileEntry]:
+    """Write the jobs' files into ``staged`` (``stream.write_parallel``: fsynced by their writers,
+    described by the digest computed while written, the first failure cancels the rest)."""
+    written = write_parallel([(staged / name, write) for name, write in jobs], workers, outcome=outcome,
+                             thread_name="shardkit-reshard")
+    return [FileEntry(name, d.size, d.sha256) for (name, _), d in zip(jobs, written)]
