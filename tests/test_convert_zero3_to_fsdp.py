@@ -158,6 +158,32 @@ def test_written_like_dcp_save_and_read_straight_from_the_files(converted, tmp_p
     assert _torch_group_defaults() == dict(torch.optim.AdamW([torch.zeros(1)]).defaults)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_rank_files_with_unknown_offsets_are_gathered_instead(source, converted, tmp_path, monkeypatch):
+    """Where a rank file's data offsets are unknown (no byte ranges to copy), each tensor is
+    gathered in memory and written whole: the same values as the byte-range copies."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
+    from shardkit.checkpoint.zero3.reader import RankPartitions
+
+    monkeypatch.setattr(RankPartitions, "byte_offset", lambda self, slot, key: None)
+    out = tmp_path / "gathered"
+    convert_zero3_to_dcp(source[0], out)
+
+    def tensors(tag_dir: Path) -> dict:
+        md = read_dcp_metadata(tag_dir / ".metadata")
+        state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+                 if isinstance(m, TensorStorageMetadata)}
+        load_dcp_state(state, tag_dir)
+        return state
+
+    a, b = tensors(converted[0] / TAG), tensors(out / TAG)
+    assert a.keys() == b.keys() and len(a) > 20
+    for key, value in a.items():
+        assert torch.equal(value.view(-1).view(torch.uint8), b[key].view(-1).view(torch.uint8)), key
+
+
 # --- the CLI -------------------------------------------------------------------------------------
 
 
