@@ -215,6 +215,11 @@ def test_output_dir_resolves_to_the_newest_checkpoint(runs, tmp_path):
     code, out, err = _cli("convert", src, "--to", "fsdp2", "-o", tmp_path / "dcp")
     assert code == 0, err
     assert "using checkpoint-4" in out and "wrote" in out and "exp_avg_sq" in out
+    # the Trainer's own files are named as not carried, with where they stay (issue 9: never silently)
+    ckpt4 = src / "checkpoint-4"
+    for name in ("trainer_state.json", "training_args.bin", "rng_state_0.pth", "rng_state_1.pth"):
+        assert f"not carried: {name} (" in out, out
+    assert f"the FSDP2/DCP checkpoint has no slot for it: it stays in {ckpt4})" in out
     assert (tmp_path / "dcp" / "latest").read_text() == "global_step4"
 
 
@@ -388,3 +393,18 @@ def test_a_no_manifest_trainer_checkpoint_is_not_replaced_even_with_force(tmp_pa
                                          r"reshard written with --no-manifest\..* never replaced, even with --force"):
         check_output_folder(out, src, force=True)
     assert (out / "trainer_state.json").is_file()
+
+
+def test_convert_names_every_trainer_file_it_leaves_behind(tmp_path):
+    from shardkit.checkpoint.trainer import trainer_files_not_converted
+
+    ckpt = tmp_path / "checkpoint-4"
+    (ckpt / "global_step4").mkdir(parents=True)
+    for name in ("latest", "trainer_state.json", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth",
+                 "training_args.bin", "config.json"):
+        (ckpt / name).write_text("x")
+    lines = trainer_files_not_converted(ckpt)
+    assert [line.split(" (")[0] for line in lines] == ["config.json", "rng_state_0.pth", "rng_state_1.pth",
+                                                      "scheduler.pt", "trainer_state.json", "training_args.bin"]
+    assert all(line.endswith(f"the FSDP2/DCP checkpoint has no slot for it: it stays in {ckpt})") for line in lines)
+    assert "scheduler.pt (the Trainer's LR scheduler state;" in lines[3]

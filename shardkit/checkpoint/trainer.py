@@ -164,6 +164,33 @@ def resolve_source(path: str | Path, say: Callable[[str], None]) -> Path:
     return found.folder
 
 
+#: Why a Trainer file has no place in a DCP checkpoint, by name (anything else: a model/tokenizer file).
+_TRAINER_FILE_ROLES = {
+    TRAINER_STATE: "the Trainer's global step, log history and best-model record",
+    "training_args.bin": "the pickled TrainingArguments",
+    "scheduler.pt": "the Trainer's LR scheduler state",
+    "zero_to_fp32.py": "DeepSpeed's consolidation script",
+}
+
+
+def trainer_files_not_converted(folder: Path) -> list[str]:
+    """What ``convert --to fsdp2`` leaves behind of a Trainer ``checkpoint-N``: every entry beside the
+    DeepSpeed root (``latest``, ``global_step*/``), each with what it is and where it stays, so none
+    is dropped without a word (the DCP checkpoint holds ``{"model", "optim"}`` and a manifest only)."""
+    out = []
+    for e in sorted(folder.iterdir(), key=lambda e: e.name):
+        name = e.name
+        if name == LATEST_NAME or (name.startswith(DEEPSPEED_TAG_PREFIX) and e.is_dir()) or name.startswith("."):
+            continue
+        if _RNG_RANK.match(name) or name == _RNG_SINGLE:
+            role = "a rank's saved RNG state (python, numpy, torch)"
+        else:
+            role = _TRAINER_FILE_ROLES.get(name, "a model/tokenizer file the Trainer saved")
+        out.append(f"{name}{'/' if e.is_dir() else ''} ({role}; the FSDP2/DCP checkpoint has no slot for it: it "
+                   f"stays in {folder})")
+    return out
+
+
 @dataclass(frozen=True)
 class RngPlan:
     """What happens to the Trainer's per-rank RNG files when the rank count changes."""

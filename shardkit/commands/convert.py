@@ -63,13 +63,18 @@ def convert_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--ds-config {args.ds_config} with --to fsdp2: the ZeRO-3 checkpoint records its own "
                              "config; drop --ds-config")
         from shardkit.checkpoint.convert.zero3_to_dcp import convert_zero3_to_dcp
-        from shardkit.checkpoint.trainer import resolve_source
+        from shardkit.checkpoint.trainer import locate_trainer_checkpoint, trainer_files_not_converted
 
         adam_w = None if args.adam_w_mode is None else args.adam_w_mode == "on"
         # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
-        source = resolve_source(args.source, lambda m: print(f"note: {m}"))
+        trainer = locate_trainer_checkpoint(args.source)
+        if trainer is not None and trainer.note():
+            print(f"note: {trainer.note()}")
+        source = args.source if trainer is None else trainer.folder
         r = convert_zero3_to_dcp(source, args.output, tag=args.tag, force=args.force,
                                  verify=not args.no_verify, warn=warn, adam_w_mode=adam_w)
+        if trainer is not None:  # trainer_state.json, scheduler.pt, rng_state_*.pth ...: named, never dropped silently
+            r.not_carried.extend(trainer_files_not_converted(trainer.folder))
         resume = f"load_fsdp_checkpoint(model, optimizer, {str(r.output)!r}) at any world size"
     else:
         if args.world_size is None:
