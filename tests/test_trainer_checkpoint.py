@@ -400,11 +400,15 @@ def test_convert_names_every_trainer_file_it_leaves_behind(tmp_path):
 
     ckpt = tmp_path / "checkpoint-4"
     (ckpt / "global_step4").mkdir(parents=True)
-    for name in ("latest", "trainer_state.json", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth",
+    (ckpt / "global_step2").mkdir()  # a tag 'latest' does not name: not converted either, so named
+    (ckpt / "latest").write_text("global_step4")
+    for name in ("trainer_state.json", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth",
                  "training_args.bin", "config.json"):
         (ckpt / name).write_text("x")
     lines = trainer_files_not_converted(ckpt)
-    assert [line.split(" (")[0] for line in lines] == ["config.json", "rng_state_0.pth", "rng_state_1.pth",
-                                                      "scheduler.pt", "trainer_state.json", "training_args.bin"]
+    assert [line.split(" (")[0] for line in lines] == ["config.json", "global_step2/", "rng_state_0.pth",
+                                                      "rng_state_1.pth", "scheduler.pt", "trainer_state.json",
+                                                      "training_args.bin"]
     assert all(line.endswith(f"the FSDP2/DCP checkpoint has no slot for it: it stays in {ckpt})") for line in lines)
-    assert "scheduler.pt (the Trainer's LR scheduler state;" in lines[3]
+    assert "scheduler.pt (the Trainer's LR scheduler state;" in lines[4]
+    assert "global_step2/ (a DeepSpeed tag 'latest' does not name, never loaded;" in lines[1]

@@ -177,12 +177,20 @@ def trainer_files_not_converted(folder: Path) -> list[str]:
     """What ``convert --to fsdp2`` leaves behind of a Trainer ``checkpoint-N``: every entry beside the
     DeepSpeed root (``latest``, ``global_step*/``), each with what it is and where it stays, so none
     is dropped without a word (the DCP checkpoint holds ``{"model", "optim"}`` and a manifest only)."""
+    try:
+        converted_tag: str | None = read_latest(folder) if (folder / LATEST_NAME).is_file() else None
+    except CheckpointError:
+        converted_tag = None
     out = []
     for e in sorted(folder.iterdir(), key=lambda e: e.name):
         name = e.name
-        if name == LATEST_NAME or (name.startswith(DEEPSPEED_TAG_PREFIX) and e.is_dir()) or name.startswith("."):
+        if name == LATEST_NAME or name.startswith("."):
             continue
-        if _RNG_RANK.match(name) or name == _RNG_SINGLE:
+        if name.startswith(DEEPSPEED_TAG_PREFIX) and e.is_dir():
+            if converted_tag is None or name == converted_tag:
+                continue
+            role = f"a DeepSpeed tag '{LATEST_NAME}' does not name, never loaded"
+        elif _RNG_RANK.match(name) or name == _RNG_SINGLE:
             role = "a rank's saved RNG state (python, numpy, torch)"
         else:
             role = _TRAINER_FILE_ROLES.get(name, "a model/tokenizer file the Trainer saved")
