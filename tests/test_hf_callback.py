@@ -57,7 +57,7 @@ def _stop_lines(r: subprocess.CompletedProcess[str]) -> dict[str, str]:
     """rank -> the line a rank printed when the callback stopped it."""
     out = {}
     for line in r.stderr.splitlines():
-        if line.startswith("shardkit autopreflight: rank ") and "failed before" in line:
+        if line.startswith("shardkit autopreflight: rank ") and ("failed before" in line or "failed when" in line):
             out[line.split()[3].rstrip(":")] = line
     return out
 
@@ -118,7 +118,8 @@ def test_a_filled_fp16_auto_value_this_cpu_cannot_run_stops_before_deepspeed_ini
     stops = _stop_lines(r)
     assert set(stops) == {"0", "1"}, _both(r)
     for line in stops.values():
-        assert "failed before deepspeed.initialize: fp16.enabled=True: fp16 on a CPU run" in line
+        assert "failed when the Trainer was built, before deepspeed.initialize (every Trainer is checked" in line
+        assert "fp16.enabled=True: fp16 on a CPU run" in line
         assert 'Fix: use bf16 on CPU runs' in line
     assert '1 error(s), 1 warning(s) in HF Trainer DeepSpeed config ("auto" values filled by the Trainer)' in r.stderr
     # DeepSpeed never got to refuse it itself
@@ -154,6 +155,80 @@ def test_fsdp2_through_the_trainer_on_gpus_passes_the_preflight(tmp_path):
 
 
 # ---------------------------------------------------------------- in one process
+
+
+@pytest.fixture(autouse=True)
+def _restore_hook_state():
+    """The callback claims the process's one automatic preflight (HookState.done): put the state
+    back so no test depends on the order the others ran in."""
+    from shardkit.autopreflight.run import HookState
+
+    saved = (HookState.done, list(HookState.handles), HookState.original_optimizer_init)
+    yield
+    HookState.done, HookState.handles[:], HookState.original_optimizer_init = saved[0], saved[1], saved[2]
+
+
+def _judge_on_rank(fail_ranks: list[int]) -> list[str]:
+    """One rank of the agreement test, once per entry: only that rank found an error (an
+    environment row of its node; -1: none did)."""
+    return [_judge_once(r) for r in fail_ranks]
+
+
+def _judge_once(fail_rank: int) -> str:
+    import torch.distributed as dist
+
+    from shardkit.errors import ConfigError
+    from shardkit.findings import Finding, Report, Severity
+    from shardkit.integrations.hf import PreflightCallback
+
+    report = Report(subject="HF Trainer DeepSpeed config")
+    if dist.get_rank() == fail_rank:
+        report.add(Finding(Severity.ERROR, "fp16.enabled", True, "fp16 on a CPU run", "use bf16", "env-fp16"))
+    try:
+        PreflightCallback(on_failure="raise")._judge(report, final=False)
+    except ConfigError as exc:
+        return str(exc)
+    return "went on"
+
+
+def test_ranks_agree_before_stopping_so_no_node_goes_on_alone():
+    # environment rows are probed per node: rank 1's node fails, rank 0's passes; both must stop,
+    # or rank 0 would go on into deepspeed.initialize and wait there for a rank that left
+    from shardkit.harness.spawn import run_ranks
+
+    results = run_ranks(_judge_on_rank, 2, args=([1, -1],), device="cpu", timeout=120)
+    (msg0, clean0), (msg1, clean1) = (r.value for r in results)
+    assert msg0 != "went on" and "error(s) on rank(s) [1]" in msg0 and "checks of their own node" in msg0
+    assert "1 error(s) when the Trainer was built, before deepspeed.initialize" in msg1 and "fp16 on a CPU run" in msg1
+    assert "every Trainer is checked: train(), evaluate() and predict()" in msg1
+    # then nobody failed: nobody stops (and every rank took part in the one all_reduce, or this would hang)
+    assert (clean0, clean1) == ("went on", "went on")
+
+
+def test_a_trainer_never_ready_gets_one_warning_naming_what_is_missing(tmp_path, monkeypatch, capsys):
+    from transformers import Trainer
+
+    from shardkit.integrations.hf import PreflightCallback
+
+    for var in ("RANK", "SHARDKIT_AUTOPREFLIGHT"):
+        monkeypatch.delenv(var, raising=False)
+
+    class FiringTrainer(Trainer):
+        def fire(self, event: str) -> None:  # the Trainer is the caller, as in train()
+            getattr(self.callback_handler, event)(self.args, self.state, self.control)
+
+    trainer = _tiny_trainer(tmp_path)
+    trainer.__class__ = FiringTrainer
+    callback = PreflightCallback(on_failure="raise")
+    trainer.add_callback(callback)
+    assert trainer.optimizer is None  # built lazily: train() never ran
+    trainer.fire("on_train_begin")  # not ready yet: waits for the first step
+    assert capsys.readouterr().err == ""
+    trainer.fire("on_step_begin")
+    trainer.fire("on_step_begin")
+    err = capsys.readouterr().err
+    assert err.count("placement preflight not run: at the first step trainer.optimizer is None") == 1, err
+    assert callback.ran == 0
 
 
 def test_filled_config_checks_drop_accelerates_own_value_and_name_autos_the_trainer_never_fills():

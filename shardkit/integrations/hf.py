@@ -17,7 +17,9 @@ When: transformers 5.23's ``Trainer._inner_training_loop`` calls ``_prepare_for_
 (``deepspeed_init`` -> ``accelerator.prepare`` -> ``deepspeed.initialize`` / ``fully_shard``,
 then the checkpoint load of a resume) *before* ``callback_handler.on_train_begin`` and the first
 forward, so ``on_train_begin`` sees the built engine, the optimizer and resumed state. Should a
-Trainer call it earlier (no engine or optimizer yet), the preflight waits for ``on_step_begin``.
+Trainer call it earlier (no engine or optimizer yet), the preflight waits for ``on_step_begin``;
+when they are still missing there (an optimizer built lazily, a custom engine), rank 0 says once
+what is missing and the callback does not run it (under `shardkit launch` the torch hooks do).
 
 Where the engine comes from: callback events receive ``model`` (``trainer.model``: under DeepSpeed
 the bare module, not the engine) and Accelerate's optimizer wrapper, never the Trainer. The engine
@@ -104,7 +106,7 @@ class PreflightCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._pending:
-            self._maybe_run(calling_trainer(), kwargs)
+            self._maybe_run(calling_trainer(), kwargs, last_chance=True)
 
     # --- the checks ------------------------------------------------------------------------------
 
@@ -115,10 +117,22 @@ class PreflightCallback(TrainerCallback):
         chosen = next((cb for cb in mine if not cb.injected), mine[0] if mine else self)
         return chosen is self
 
-    def _maybe_run(self, trainer: Any, event_kwargs: dict[str, Any]) -> None:
-        if trainer is not None and not trainer_ready(trainer):
+    def _maybe_run(self, trainer: Any, event_kwargs: dict[str, Any], *, last_chance: bool = False) -> None:
+        missing = not_ready(trainer) if trainer is not None else []
+        if missing and not last_chance:
             return  # engine or optimizer not built yet: on_step_begin comes before the first forward
         self._pending = False
+        if missing:
+            # Still not built at the first step (an optimizer built lazily, a custom engine): checking
+            # the bare module would judge ZeRO-partitioned parameters as misplaced, so say so once and
+            # leave it (under `shardkit launch` the torch hooks, never claimed, still run it).
+            if _rank() in ("0", "?"):
+                print(
+                    f"shardkit: PreflightCallback: placement preflight not run: at the first step {'; '.join(missing)}"
+                    f"{'; the first training forward runs it instead' if _launched() else ''}",
+                    file=sys.stderr, flush=True,
+                )
+            return
         from shardkit.autopreflight import enabled
         from shardkit.autopreflight.run import claim
 
@@ -143,32 +157,47 @@ class PreflightCallback(TrainerCallback):
             print(f"shardkit: placement preflight passed on {len(report.ranks)} rank(s) ({what}) {when}", file=sys.stderr, flush=True)
 
     def _check_config(self, trainer: Any, *, final: bool) -> None:
-        """Print the findings (rank 0; at ``final`` all of them, before it only errors) and stop
-        every rank on an error. Every rank judges the same config, so all stop alike."""
-        if not self.check_config:
-            return
-        report = trainer_config_report(trainer, final=final)
-        if not report.findings or (not final and report.ok):
-            return
-        rank = _rank()
-        if rank in ("0", "?"):
+        """Check the Trainer's config (see :meth:`_judge`)."""
+        if self.check_config:
+            self._judge(trainer_config_report(trainer, final=final), final=final, device=_collective_device(trainer))
+
+    def _judge(self, report: Report, *, final: bool, device: Any = "cpu") -> None:
+        """Print the findings and stop every rank when any rank found an error.
+
+        The config is the same on every rank, but the environment rows are probed per node (fp16
+        support, memlock limits ...): ranks agree first (one small all_reduce when a process group
+        is up; ``device`` is where its backend takes tensors), so a node that stops never leaves the
+        others going on into deepspeed.initialize, waiting there for it. The lowest failing rank
+        prints the table (at ``final`` rank 0 also prints warnings)."""
+        failed = failed_ranks(not report.ok, device)
+        rank, me = _rank(), _rank_index()
+        printer = failed[0] if failed else 0
+        if me == printer and (failed or (final and report.findings)):
             from shardkit.render import print_report
 
             print_report(report, file=sys.stderr)
-        if report.ok:
+        if not failed:
             return
         from shardkit.environment import one_line
 
-        first = one_line(report.errors[0])
-        stage = "before the first optimizer step" if final else "before deepspeed.initialize"
+        if report.errors:
+            first = one_line(report.errors[0])
+        else:
+            first = (f"rank(s) {failed} found error(s) in the checks of their own node (environment rows are probed "
+                     f"per node); this rank stops with them. See rank {printer}'s output")
+        stage = "before the first optimizer step" if final else (
+            "when the Trainer was built, before deepspeed.initialize (every Trainer is checked: train(), evaluate() "
+            "and predict() all initialize DeepSpeed with this config)"
+        )
         if self.on_failure == "raise":
             from shardkit.errors import ConfigError
 
-            raise ConfigError(f"{report.subject}: {len(report.errors)} error(s) {stage}; first: {first}")
+            count = f"{len(report.errors)} error(s)" if report.errors else f"error(s) on rank(s) {failed}"
+            raise ConfigError(f"{report.subject}: {count} {stage}; first: {first}")
         from shardkit.autopreflight.run import stop_rank
 
-        _rank0_has_printed(rank)
-        where = "the findings above" if rank in ("0", "?") else "rank 0's output"
+        _printer_has_printed(me, printer)
+        where = "the findings above" if me == printer else f"rank {printer}'s output"
         stop_rank(rank, f"check of the {report.subject} failed {stage}", first, where, _skip_hint())
 
 
@@ -202,11 +231,19 @@ def calling_trainer() -> Any:
 
 def trainer_ready(trainer: Any) -> bool:
     """The Trainer has built what the preflight checks: its optimizer, and under DeepSpeed the engine."""
+    return not not_ready(trainer)
+
+
+def not_ready(trainer: Any) -> list[str]:
+    """What the preflight still lacks on ``trainer``, in words (empty: ready)."""
+    missing = []
     if getattr(trainer, "optimizer", None) is None:
-        return False
+        missing.append("trainer.optimizer is None (no optimizer built yet)")
     if getattr(trainer, "is_deepspeed_enabled", False):
-        return _is_deepspeed_engine(getattr(trainer, "model_wrapped", None))
-    return True
+        engine = getattr(trainer, "model_wrapped", None)
+        if not _is_deepspeed_engine(engine):
+            missing.append(f"trainer.model_wrapped is a {type(engine).__name__}, not the DeepSpeedEngine DeepSpeed is enabled for")
+    return missing
 
 
 def _is_deepspeed_engine(obj: Any) -> bool:
@@ -342,10 +379,35 @@ def _fsdp_not_enabled(trainer: Any) -> list[Finding]:
     ]
 
 
-def _rank0_has_printed(rank: str, timeout_s: float = 30.0) -> None:
+def failed_ranks(failed: bool, device: Any = "cpu") -> list[int]:
+    """The ranks that report ``failed`` (this one alone without a process group): one all_reduce
+    of a world-size vector, called by every rank at the same point."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return [_rank_index()] if failed else []
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    flags[dist.get_rank()] = int(failed)
+    dist.all_reduce(flags)
+    return [int(r) for r in torch.nonzero(flags).flatten().tolist()]
+
+
+def _collective_device(trainer: Any) -> Any:
+    """Where the process group's backend takes tensors: the CPU for gloo (and gloo-backed CPU
+    groups), else the Trainer's device (nccl needs the rank's GPU)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return "cpu"
+    backend = str(dist.get_backend())
+    return "cpu" if "gloo" in backend or backend == "mpi" else getattr(getattr(trainer, "args", None), "device", "cpu")
+
+
+def _printer_has_printed(me: int, printer: int, timeout_s: float = 30.0) -> None:
     """Before a config error ends the ranks: the others wait (on the c10d store, bounded) until
-    rank 0 has printed the findings, because the launcher kills the survivors as soon as the first
-    rank exits and rank 0 would otherwise die before its table is out."""
+    the printing rank has printed the findings, because the launcher kills the survivors as soon as
+    the first rank exits and the printer would otherwise die before its table is out."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -355,16 +417,32 @@ def _rank0_has_printed(rank: str, timeout_s: float = 30.0) -> None:
     key = "shardkit/hf-config-findings-printed"
     try:
         store = dist.distributed_c10d._get_default_store()
-        if rank == "0":
+        if me == printer:
             store.set(key, "1")
         else:
             store.wait([key], timedelta(seconds=timeout_s))
-    except Exception:  # noqa: BLE001 - a slow rank 0 only costs the table, never the stop
+    except Exception:  # noqa: BLE001 - a slow printer only costs the table, never the stop
         pass
+
+
+def _rank_index() -> int:
+    """This process's rank: the process group's, else RANK, else 0 (a single process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    rank = _rank()
+    return int(rank) if rank.isdigit() else 0
 
 
 def _rank() -> str:
     return os.environ.get("RANK", "?")
+
+
+def _launched() -> bool:
+    from shardkit.autopreflight import enabled
+
+    return enabled()
 
 
 def _skip_hint() -> str:
