@@ -123,7 +123,12 @@ def _wrap_deepspeed_initialize(deepspeed: Any) -> None:
 def _wrap_trainer_init(trainer_module: Any) -> None:
     """Every HF Trainer built in this rank gets shardkit's PreflightCallback (unless the script
     added one): the Trainer builds its DeepSpeed engine / FSDP model inside ``train()``, and the
-    callback runs the preflight there with the Trainer's own objects and its filled config."""
+    callback runs the preflight there with the Trainer's own objects and its filled config.
+
+    The config is checked for every Trainer, evaluation-only ones too: whether ``train()`` will be
+    called is not known here, and ``evaluate()``/``predict()`` hand the same config to
+    ``deepspeed_init(..., inference=True)`` (transformers 5.23 ``evaluation_loop``); a stop says it
+    happened "when the Trainer was built"."""
     trainer_cls = trainer_module.Trainer
     original = trainer_cls.__init__
 
