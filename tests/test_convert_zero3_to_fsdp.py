@@ -184,6 +184,27 @@ def test_rank_files_with_unknown_offsets_are_gathered_instead(source, converted,
         assert torch.equal(value.view(-1).view(torch.uint8), b[key].view(-1).view(torch.uint8)), key
 
 
+def test_a_failed_tensor_write_names_the_file_and_leaves_nothing(source, tmp_path, monkeypatch):
+    """A write failing on a writer thread (a full disk here) is raised as itself, not inside DCP's
+    CheckpointException (a BaseException atomic_checkpoint would not see): the error names the
+    file, the staging folder is removed and nothing is published."""
+    import errno
+
+    from shardkit.checkpoint.convert import zero3_to_dcp
+    from shardkit.checkpoint.zero3.reader import RankPartitions
+
+    def full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RankPartitions, "byte_offset", lambda self, slot, key: None)
+    monkeypatch.setattr(zero3_to_dcp, "_gather", full)
+    out = tmp_path / "full"
+    with pytest.raises(CheckpointError, match=r"disk full at .*__0_\d+\.distcp.*nothing written: the staging folder "
+                                              r"was removed"):
+        convert_zero3_to_dcp(source[0], out)
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
 # --- the CLI -------------------------------------------------------------------------------------
 
 

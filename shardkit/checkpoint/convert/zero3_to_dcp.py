@@ -19,8 +19,8 @@ gathered from the rank partitions. Here every big tensor (masters, moments, froz
 aliases) is written by ``stream.stream_save`` into its own ``.distcp`` file as a ``_ShapedLazyTensor``
 whose record is the parameter's byte ranges in the rank optim files, padding left out: copied
 through one 1 MiB buffer per thread, crc'd for the zip and sha256'd for the manifest as written,
-fsynced by the thread that wrote it, several files at once (``_TensorFiles``, started before
-``dcp.save`` so its ~0.9 s import overlaps the copying). ``dcp.save`` still plans and writes
+fsynced by the thread that wrote it, several files at once (``_TensorFiles``: ``stream.write_parallel``
+started before ``dcp.save``, so its ~0.9 s import overlaps the copying). ``dcp.save`` still plans and writes
 ``.metadata`` (``FileSystemWriter.finish``); ``_streaming_writer`` only answers each tensor item
 with its file (offset 0, whole file) and writes the small items (param-group values, ``step``,
 buffers) with torch's own ``_write_item``. ``dcp.load``, shardkit's restricted reader and
@@ -60,7 +60,7 @@ from shardkit.checkpoint.convert.result import ConvertResult
 from shardkit.checkpoint.manifest import FileEntry
 from shardkit.checkpoint.safe_load import safe_torch_load
 from shardkit.checkpoint.save import atomic_checkpoint
-from shardkit.checkpoint.stream import LazyTensor, Segment, WrittenFile, stream_save
+from shardkit.checkpoint.stream import FileJob, LazyTensor, Segment, WrittenFile, stream_save, write_parallel
 from shardkit.checkpoint.verify import verify_before_reading, warn_unverified
 from shardkit.checkpoint.zero3.layout import client_state_keys
 from shardkit.checkpoint.zero3.reader import (
@@ -159,11 +159,21 @@ def convert_zero3_to_dcp(
             # and plans; dcp.save's writer then only waits for them
             with _TensorFiles(save.path, lazy, outcome) as files:
                 import torch.distributed.checkpoint as dcp
+                from torch.distributed.checkpoint.api import CheckpointException
 
-                with warnings.catch_warnings():
-                    # no_dist=True is the intent here (one offline writer), not a missing process group
-                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp.save(state, storage_writer=_streaming_writer(save.path, files), no_dist=True)
+                try:
+                    with warnings.catch_warnings():
+                        # no_dist=True is the intent here (one offline writer), not a missing process group
+                        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                        dcp.save(state, storage_writer=_streaming_writer(save.path, files), no_dist=True)
+                except CheckpointException as exc:
+                    # DCP wraps every failure in a BaseException: raise the failure itself (a full disk
+                    # is already the CheckpointError naming the file), so atomic_checkpoint sees it,
+                    # removes the staging folder and leaves 'latest' alone
+                    failure = next(iter(exc.failures.values()), (None, None))[0]
+                    if isinstance(failure, Exception):
+                        raise failure from None
+                    raise
                 save.known_files = files.entries()  # .metadata is hashed by atomic_checkpoint
     final = root / tag
     return ConvertResult(
@@ -483,41 +493,53 @@ def _state_template(ckpt: Zero3Checkpoint, plan: _Plan, parts: list[RankPartitio
 
 
 class _TensorFiles:
-    """Each lazy tensor written to its own ``.distcp`` file by ``stream_save`` on a pool of threads,
-    started before ``dcp.save`` plans: its bytes are copied from the rank files through one 1 MiB
-    buffer per thread, crc'd and hashed as written, and fsynced by the thread that wrote it (the
-    disk flushes while other threads still copy; ``atomic_checkpoint``'s fsync_tree then finds
-    nothing dirty). preadv, crc32, sha256, write and fsync release the GIL."""
+    """Each lazy tensor written to its own ``.distcp`` file by ``stream_save``, through
+    ``stream.write_parallel`` (its threads, fsync by the writing thread, the first failure cancels
+    the files not started) run on a background thread from before ``dcp.save`` plans: the bytes
+    are copied from the rank files through one 1 MiB buffer per thread, crc'd and hashed as
+    written, while the main thread imports DCP. preadv, crc32, sha256, write and fsync release the GIL."""
 
     def __init__(self, path: Path, lazy: dict[str, LazyTensor], outcome: str):
-        from concurrent.futures import ThreadPoolExecutor
+        import threading
 
-        self.path, self.lazy, self.outcome = path, lazy, outcome
+        self.lazy, self.outcome = lazy, outcome
         # "__0_0.distcp" is the small items' file (the names DCP's writer would give rank 0's files)
         self.names = {key: f"__0_{n + 1}.distcp" for n, key in enumerate(lazy)}
-        self._pool = ThreadPoolExecutor(max_workers=default_workers(len(lazy)), thread_name_prefix="shardkit-convert")
         # largest first, so the last files to finish are small ones and no thread idles long
-        order = sorted(lazy, key=lambda k: -lazy[k].nbytes)
-        self._futures = {key: self._pool.submit(self._write, key) for key in order}
+        self._order = sorted(lazy, key=lambda k: -lazy[k].nbytes)
+        jobs: list[FileJob] = [(path / self.names[k], partial(stream_save, lazy[k])) for k in self._order]
+        self._digests: dict[str, WrittenFile] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(jobs,), name="shardkit-convert", daemon=True)
+        self._thread.start()
 
-    def _write(self, key: str) -> WrittenFile:
-        name = self.names[key]
-        with disk_full_named(self.path / name, self.outcome):
-            return stream_save(self.lazy[key], self.path / name, fsync=True)
+    def _run(self, jobs: list[FileJob]) -> None:
+        try:
+            written = write_parallel(jobs, default_workers(len(jobs)), outcome=self.outcome, thread_name="shardkit-convert")
+            self._digests = dict(zip(self._order, written, strict=True))
+        except BaseException as exc:  # noqa: BLE001 - raised in the main thread by written()
+            self._error = exc
 
     def written(self, key: str) -> tuple[str, WrittenFile]:
-        """The file holding ``key`` and what was written to it, once it is complete."""
-        return self.names[key], self._futures[key].result()
+        """The file holding ``key`` and what was written to it, once every file is complete."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.names[key], self._digests[key]
 
     def entries(self) -> list[FileEntry]:
-        return [FileEntry(self.names[k], f.result().size, f.result().sha256) for k, f in self._futures.items()]
+        out = []
+        for key in self._order:
+            name, digest = self.written(key)
+            out.append(FileEntry(name, digest.size, digest.sha256))
+        return out
 
     def __enter__(self) -> "_TensorFiles":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        # every thread stopped before atomic_checkpoint removes the staging folder on failure
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # every writer stopped before atomic_checkpoint removes the staging folder on failure
+        self._thread.join()
 
 
 def _streaming_writer(path: Path, files: _TensorFiles) -> Any:
