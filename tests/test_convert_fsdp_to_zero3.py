@@ -11,6 +11,7 @@ ZeRO-3 -> FSDP2 -> ZeRO-3, converted in this process).
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 import time
@@ -334,3 +335,27 @@ def test_direct_slices_refuse_what_they_cannot_read(runs):
         assert not slices.read_into("model.lm_head.weight", 0, out)  # another dtype: caller loads it
     finally:
         slices.close()
+
+
+def test_the_first_failed_rank_file_stops_the_rest_and_leaves_nothing(runs, tmp_path, monkeypatch):
+    """Rank files are written by threads (stream.write_parallel): when one fails, the files not yet
+    started are cancelled instead of written into a staging folder that is about to be removed."""
+    import threading
+
+    import shardkit.checkpoint.convert.dcp_to_zero3 as d2z
+
+    real, started, lock = d2z.stream_save, [], threading.Lock()
+
+    def rank0_fails(obj, path):
+        with lock:
+            started.append(Path(path).name)
+        if Path(path).name == "zero_pp_rank_0_mp_rank_00_optim_states.pt":
+            raise OSError("rank 0's disk went away")
+        time.sleep(0.3)  # the other writers are still busy when rank 0 fails
+        return real(obj, path)
+
+    monkeypatch.setattr(d2z, "stream_save", rank0_fails)
+    with pytest.raises(CheckpointError, match=r"converting the checkpoint failed \(OSError: rank 0's disk went away\)"):
+        convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=8)
+    assert len(started) <= 9, started  # 8 writers: the 8 optim files, at most one model file of the 8 queued
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
