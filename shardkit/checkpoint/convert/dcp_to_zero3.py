@@ -28,7 +28,7 @@ zip/pickle layout first), copied by ``stream_save`` through one 1 MiB buffer and
 are written, one thread per rank file: every source byte is read once, nothing is built in memory,
 and the manifest needs no second read. A chunk layout ``dcp_slices`` does not take (or a dtype
 other than float32) is loaded whole through ``load_dcp_state`` (``weights_only`` bytes) in
-``BATCH_BYTES`` batches, one rank after another.
+``BATCH_BYTES`` batches, one rank file after another.
 
 Bit-exactness: fp32 masters, ``exp_avg``, ``exp_avg_sq`` and ``step`` are copied bit for bit
 (float32 sources; other dtypes are upcast and said so). What the files cannot hold: DeepSpeed's CPU
