@@ -159,9 +159,14 @@ class PreflightCallback(TrainerCallback):
     def _check_config(self, trainer: Any, *, final: bool) -> None:
         """Check the Trainer's config (see :meth:`_judge`)."""
         if self.check_config:
-            self._judge(trainer_config_report(trainer, final=final), final=final, device=_collective_device(trainer))
+            # Agree only under DeepSpeed: its initialize is collective, so every rank builds this
+            # Trainer; a DDP script may build one on rank 0 alone (to evaluate), and its rows (FSDP
+            # not enabled) are the same on every node anyway.
+            agree = bool(getattr(trainer, "is_deepspeed_enabled", False))
+            report = trainer_config_report(trainer, final=final)
+            self._judge(report, final=final, device=_collective_device(trainer), agree=agree)
 
-    def _judge(self, report: Report, *, final: bool, device: Any = "cpu") -> None:
+    def _judge(self, report: Report, *, final: bool, device: Any = "cpu", agree: bool = True) -> None:
         """Print the findings and stop every rank when any rank found an error.
 
         The config is the same on every rank, but the environment rows are probed per node (fp16
@@ -169,9 +174,9 @@ class PreflightCallback(TrainerCallback):
         is up; ``device`` is where its backend takes tensors), so a node that stops never leaves the
         others going on into deepspeed.initialize, waiting there for it. The lowest failing rank
         prints the table (at ``final`` rank 0 also prints warnings)."""
-        failed = failed_ranks(not report.ok, device)
+        failed = failed_ranks(not report.ok, device) if agree else ([_rank_index()] if not report.ok else [])
         rank, me = _rank(), _rank_index()
-        printer = failed[0] if failed else 0
+        printer = failed[0] if failed and agree else 0
         if me == printer and (failed or (final and report.findings)):
             from shardkit.render import print_report
 
@@ -185,10 +190,13 @@ class PreflightCallback(TrainerCallback):
         else:
             first = (f"rank(s) {failed} found error(s) in the checks of their own node (environment rows are probed "
                      f"per node); this rank stops with them. See rank {printer}'s output")
-        stage = "before the first optimizer step" if final else (
-            "when the Trainer was built, before deepspeed.initialize (every Trainer is checked: train(), evaluate() "
-            "and predict() all initialize DeepSpeed with this config)"
-        )
+        if final:
+            stage = "before the first optimizer step"
+        elif agree:  # under DeepSpeed (see _check_config)
+            stage = ("when the Trainer was built, before deepspeed.initialize (every Trainer is checked: train(), "
+                     "evaluate() and predict() all initialize DeepSpeed with this config)")
+        else:
+            stage = "when the Trainer was built, before train() (every Trainer is checked)"
         if self.on_failure == "raise":
             from shardkit.errors import ConfigError
 
