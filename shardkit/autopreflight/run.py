@@ -83,15 +83,25 @@ def preflight_timeout(given: float | None = None) -> float:
     return float(given if given is not None else os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
 
 
+def _write_whole(text: str) -> None:
+    """``text`` to stderr in one write: every rank stops at once on the same pipe, and print()'s
+    separate writes of the text and its newline let another rank's line land in between (seen in
+    the 2-rank Trainer tests: two stop lines run together on one line)."""
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), text.encode())
+    except (AttributeError, OSError, ValueError):  # no real file descriptor (captured stderr)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
 def stop_rank(rank: str, what_failed: str, first_line: str, where: str, skip_hint: str = LAUNCH_SKIP_HINT) -> NoReturn:
     """End this rank with EXIT_CODE after one line saying what failed and why (the same on every
     rank); ``first_line`` (the cause) goes into the marker `shardkit launch` summarizes."""
-    print(
+    _write_whole(
         f"shardkit autopreflight: rank {rank}: {what_failed}: {first_line}\n"
         f"shardkit autopreflight: rank {rank}: stopping (exit {EXIT_CODE}); see {where}. "
-        f"Fix it, or {skip_hint}.",
-        file=sys.stderr,
-        flush=True,
+        f"Fix it, or {skip_hint}.\n"
     )
     sys.stdout.flush()
     _leave_failure_marker(rank, first_line)
