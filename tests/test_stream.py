@@ -192,3 +192,25 @@ def test_write_parallel_fsyncs_each_file_keeps_order_and_cancels_after_the_first
         write_parallel([(tmp_path / f"f{i}.pt", job(i)) for i in range(12)], 2, outcome="nothing kept")
     # the two first jobs, at most one more per thread that was free before the cancel: never all 12
     assert len(started) <= 4 and 0 in started
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failed_write_without_a_file_name_is_named_by_its_file(tmp_path, workers):
+    """A write or fsync on an open descriptor fails without a file name (EIO); the error the user
+    sees must still say which file (os_errors_named turns it into one CheckpointError line)."""
+    import errno
+
+    from shardkit.checkpoint.atomic import os_errors_named
+    from shardkit.checkpoint.stream import write_parallel
+    from shardkit.errors import CheckpointError
+
+    def broken(p: Path):
+        raise OSError(errno.EIO, "Input/output error")
+
+    @os_errors_named("converting the checkpoint")
+    def convert() -> None:
+        write_parallel([(tmp_path / "ok.pt", lambda p: stream_save({"i": 1}, p)),
+                        (tmp_path / "bad.pt", broken)], workers, outcome="nothing kept")
+
+    with pytest.raises(CheckpointError, match=r"bad\.pt: converting the checkpoint failed \(OSError: Input/output error\)"):
+        convert()

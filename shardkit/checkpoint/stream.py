@@ -406,9 +406,16 @@ def write_parallel(jobs: Sequence[FileJob], workers: int, *, outcome: str,
     from shardkit.checkpoint.atomic import disk_full_named, fsync_file
 
     def run(path: Path, write: Callable[[Path], WrittenFile]) -> WrittenFile:
-        with disk_full_named(path, outcome):
-            digest = write(path)
-            fsync_file(path)
+        try:
+            with disk_full_named(path, outcome):
+                digest = write(path)
+                fsync_file(path)
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            # a write or fsync on an open descriptor fails without a file name (EIO ...): name the
+            # file here, so the caller's os_errors_named message says which one
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
         return digest
 
     if workers <= 1 or len(jobs) <= 1:
