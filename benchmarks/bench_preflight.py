@@ -35,7 +35,7 @@ def bench_rank(size: str, repeats: int) -> dict[str, Any]:
 
     import shardkit
     from shardkit.engines.deepspeed import initialize
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
     from shardkit.placement import collect_records
 
     model = tiny_llama(size)
@@ -69,7 +69,7 @@ def bench_rank(size: str, repeats: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.run.spawn import run_ranks
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["small", "40m", "160m"])

@@ -13,7 +13,7 @@ Builds a ZeRO-3 bf16 AdamW checkpoint of the ~160M-parameter Llama (hidden 768, 
 - ``shardkit convert`` both ways (ZeRO-3 -> FSDP2 DCP, and that DCP -> ZeRO-3 at 3 ranks, then
   DeepSpeed's plain ``load_checkpoint``), against what a user has without it: consolidate to full
   weights (``zero_to_fp32.py``; torch's ``dcp_to_torch_save``) and load those, losing the optimizer
-  state. Skipped when ``shardkit.checkpoint.convert`` is not installed.
+  state. Skipped when ``shardkit.checkpoint.ops.convert`` is not installed.
 
 Every step runs in its own process tree; peak RSS is the largest *sum* of the RSS of the process
 and all its descendants (workers, ranks), sampled from /proc every 20 ms, or the largest VmHWM
@@ -74,7 +74,7 @@ def ds_config(world: int, universal: bool = False) -> dict[str, Any]:
 
 def _engine(world: int, universal: bool = False):
     from shardkit.engines.deepspeed import initialize
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     return initialize(tiny_llama(MODEL, seed=0), ds_config(world, universal))
 
@@ -83,7 +83,7 @@ def rank_save(out: str) -> float:
     import torch.distributed as dist
 
     from shardkit.engines.deepspeed import train_step
-    from shardkit.models import synthetic_batch
+    from shardkit.engines.model_factory import synthetic_batch
 
     engine = _engine(dist.get_world_size())
     ids = synthetic_batch(engine.module.config.vocab_size, 6 // dist.get_world_size(), SEQ, 0, dist.get_rank())
@@ -104,7 +104,7 @@ def rank_resume(method: str, ckpt: str) -> dict[str, Any]:
         dist.barrier()
         t1 = time.perf_counter()
         if method == "shardkit_inprocess":
-            from shardkit.checkpoint.zero3.resume import load_zero3_checkpoint
+            from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
 
             load_zero3_checkpoint(engine, ckpt)
         else:
@@ -125,21 +125,21 @@ def rank_resume(method: str, ckpt: str) -> dict[str, Any]:
 
 
 def _resume_main(method: str, ckpt: str, result: str) -> None:
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.run.spawn import run_ranks
 
     res = run_ranks(rank_resume, RESUME_WORLD, args=(method, ckpt), timeout=1500)
     Path(result).write_text(json.dumps([r.value for r in res]))
 
 
 def _convert_to_zero3_main(source: str, out: str) -> None:
-    from shardkit.checkpoint.convert.dcp_to_zero3 import convert_dcp_to_zero3
+    from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
 
     # the resuming run's config (bf16, sub_group_size default): the files must match its engine
     convert_dcp_to_zero3(source, out, world_size=RESUME_WORLD, ds_config=ds_config(RESUME_WORLD))
 
 
 def _save_main(out: str) -> None:
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.run.spawn import run_ranks
 
     run_ranks(rank_save, SAVE_WORLD, args=(out,), timeout=1500)
 
@@ -347,7 +347,7 @@ def run(workdir: Path) -> dict[str, Any]:
 def _have_convert() -> bool:
     import importlib.util
 
-    return all(importlib.util.find_spec(f"shardkit.checkpoint.convert.{m}") is not None for m in ("zero3_to_dcp", "dcp_to_zero3"))
+    return all(importlib.util.find_spec(f"shardkit.checkpoint.ops.convert.{m}") is not None for m in ("zero3_to_dcp", "dcp_to_zero3"))
 
 
 def convert_rows(workdir: Path, ckpt: Path, env: dict[str, str], resume: Any) -> dict[str, Any]:

@@ -18,17 +18,31 @@ ROOT = Path(__file__).resolve().parent.parent / "shardkit"
 
 
 # Bottom to top; a module may import its own layer and those below. The longest matching prefix
-# decides a module's layer.
+# decides a module's layer. docs/architecture.md draws the same picture.
 LAYERS: list[tuple[str, ...]] = [
-    ("shardkit._version", "shardkit.errors", "shardkit.findings", "shardkit.render", "shardkit.dist"),
+    # the basic types: errors, findings, report rendering, capped file reading
+    ("shardkit._version", "shardkit.core"),
+    # config files -> typed views; generated configs
     ("shardkit.config",),
-    ("shardkit.versions", "shardkit.device_rules", "shardkit.environment", "shardkit.generate", "shardkit.models"),
-    ("shardkit.checks", "shardkit.checkpoint", "shardkit.placement", "shardkit.resume", "shardkit.engines"),
-    ("shardkit.harness", "shardkit.autopreflight", "shardkit.integrations", "shardkit.launch", "shardkit.launch_accelerate", "shardkit.smoke", "shardkit.preflight_run"),
+    # what the machine and its software are: versions, environment probes, device rules, dist
+    ("shardkit.platform",),
+    # checkpoint plumbing (atomic files, manifest, verify, streaming) and engine glue
+    ("shardkit.checkpoint.io", "shardkit.engines"),
+    # config rules; placement records and verdicts; what each engine writes and how to read it
+    ("shardkit.checks", "shardkit.placement", "shardkit.checkpoint.zero3", "shardkit.checkpoint.dcp",
+     "shardkit.checkpoint.hf_trainer", "shardkit.checkpoint"),
+    # checkpoint operations users run: save/resume, reshard, convert, consolidate
+    ("shardkit.checkpoint.ops",),
+    # the rank side of runs: spawning local ranks, the code they run, the automatic preflight
+    ("shardkit.run.spawn", "shardkit.run.smoke_rank", "shardkit.run.preflight_rank", "shardkit.run.autopreflight"),
+    # shardkit inside other people's training loops (the Hugging Face Trainer)
+    ("shardkit.integrations",),
+    # the host side of runs: smoke, preflight, launchers; the sitecustomize that installs every hook
+    ("shardkit.run", "shardkit.run.autopreflight.sitedir"),
+    # one module per CLI command
     ("shardkit.commands",),
     ("shardkit.cli", "shardkit.__main__", "shardkit"),
 ]
-
 
 def layer(mod: str) -> int:
     best, best_len = len(LAYERS), -1

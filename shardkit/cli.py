@@ -14,7 +14,7 @@ from typing import Sequence
 
 from shardkit._version import __version__
 from shardkit.commands._parser import HelpFormatter
-from shardkit.errors import ShardkitError
+from shardkit.core.errors import ShardkitError
 
 EPILOG = """examples:
   shardkit smoke --engine all --nproc 2 --steps 4

@@ -27,14 +27,14 @@ def ds_config() -> dict[str, Any]:
 
 def _engine():
     from shardkit.engines.deepspeed import initialize
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     return initialize(tiny_llama("tiny", seed=0), ds_config())
 
 
 def _steps(engine, start: int, n: int) -> None:
     from shardkit.engines.deepspeed import train_step
-    from shardkit.models import synthetic_batch
+    from shardkit.engines.model_factory import synthetic_batch
 
     for step in range(start, start + n):
         train_step(engine, synthetic_batch(engine.module.config.vocab_size, 1, SEQ_LEN, step, dist.get_rank()))
@@ -55,7 +55,7 @@ def fp32_fingerprint(engine) -> str:
 def save_then_die_in_second_save(root: str, record_dir: str, kill_rank: int) -> None:
     """Save 'step2' with shardkit, then SIGKILL ``kill_rank`` right after it wrote the first file of
     the 'step4' save (a real kill: no exception handling, no atexit)."""
-    from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
+    from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
 
     engine = _engine()
     rank = dist.get_rank()
@@ -78,7 +78,7 @@ def save_then_die_in_second_save(root: str, record_dir: str, kill_rank: int) -> 
 
 def load_and_fingerprint(root: str) -> dict[str, Any]:
     """check_resumable, then DeepSpeed's own load_checkpoint on the root; train one more step."""
-    from shardkit.checkpoint.verify import check_resumable
+    from shardkit.checkpoint.io.verify import check_resumable
 
     report = check_resumable(root, world_size=dist.get_world_size(), engine="deepspeed")
     engine = _engine()
@@ -98,7 +98,7 @@ GLOBAL_BATCH = 6
 
 def fsdp_model(cpu_offload: bool = False):
     from shardkit.engines.fsdp import apply_fsdp
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     model = tiny_llama("tiny", seed=0)
     cfg = {"fsdp": {"wrap": ["LlamaDecoderLayer"], "mixed_precision": "none", "cpu_offload": cpu_offload,
@@ -110,7 +110,7 @@ def fsdp_model(cpu_offload: bool = False):
 
 def _fsdp_step(model, opt, step: int) -> float:
     from shardkit.engines.fsdp import train_step
-    from shardkit.models import synthetic_batch
+    from shardkit.engines.model_factory import synthetic_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = synthetic_batch(model.config.vocab_size, GLOBAL_BATCH, SEQ_LEN, step, rank=0)
@@ -121,14 +121,14 @@ def _fsdp_step(model, opt, step: int) -> float:
 
 
 def _full_state(model, opt) -> dict[str, Any]:
-    from shardkit.checkpoint.dcp.checkpoint import full_model_state_dict, full_optimizer_state_dict
+    from shardkit.checkpoint.ops.fsdp_checkpoint import full_model_state_dict, full_optimizer_state_dict
 
     return {"model": full_model_state_dict(model), "optim": full_optimizer_state_dict(model, opt)}
 
 
 def fsdp_train_save_continue(root: str, export: str) -> dict[str, Any] | None:
     """Train 2 steps, save 'step2' (DCP) and export safetensors, train 2 more: the reference run."""
-    from shardkit.checkpoint.dcp.checkpoint import export_safetensors, save_fsdp_checkpoint
+    from shardkit.checkpoint.ops.fsdp_checkpoint import export_safetensors, save_fsdp_checkpoint
 
     model, opt = fsdp_model()
     for s in range(2):
@@ -142,7 +142,7 @@ def fsdp_train_save_continue(root: str, export: str) -> dict[str, Any] | None:
 
 def fsdp_resume_continue(root: str, cpu_offload: bool = False) -> dict[str, Any] | None:
     """Resume at this world size, snapshot the full state, train steps 2 and 3."""
-    from shardkit.checkpoint.dcp.checkpoint import load_fsdp_checkpoint
+    from shardkit.checkpoint.ops.fsdp_checkpoint import load_fsdp_checkpoint
 
     model, opt = fsdp_model(cpu_offload)
     report = load_fsdp_checkpoint(model, opt, root)
@@ -159,7 +159,7 @@ def fsdp_resume_continue(root: str, cpu_offload: bool = False) -> dict[str, Any]
 
 def torch_save_then_die(root: str) -> None:
     """save_training 'step1' completes; the 'step2' save is SIGKILLed while optimizer.pt is written."""
-    from shardkit.checkpoint.torch_training import save_training
+    from shardkit.checkpoint.ops.torch_training import save_training
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
@@ -206,7 +206,7 @@ def _ddp_steps(model, opt, sched, n: int) -> list[float]:
 
 def ddp_save_continue(root: str) -> list[float]:
     """2 steps, save_training from every rank (each saves its RNG), 3 more steps: the reference."""
-    from shardkit.checkpoint.torch_training import save_training
+    from shardkit.checkpoint.ops.torch_training import save_training
 
     model, opt, sched = _ddp_parts(seed=1)
     _ddp_steps(model, opt, sched, 2)
@@ -215,7 +215,7 @@ def ddp_save_continue(root: str) -> list[float]:
 
 
 def ddp_resume_continue(root: str) -> dict[str, Any]:
-    from shardkit.checkpoint.torch_training import resume_training
+    from shardkit.checkpoint.ops.torch_training import resume_training
 
     model, opt, sched = _ddp_parts(seed=99)
     res = resume_training(root, model=model, optimizer=opt, lr_scheduler=sched)
@@ -225,8 +225,8 @@ def ddp_resume_continue(root: str) -> dict[str, Any]:
 def torch_save_when_rank0_cannot_finish(root: str) -> str:
     """save_training at N ranks where only rank 0's final step fails ('latest' is a directory, so
     replacing it fails): every rank must return the same CheckpointError, none may hang."""
-    from shardkit.checkpoint.torch_training import save_training
-    from shardkit.errors import CheckpointError
+    from shardkit.checkpoint.ops.torch_training import save_training
+    from shardkit.core.errors import CheckpointError
 
     model = torch.nn.Linear(4, 4)
     try:
@@ -238,8 +238,8 @@ def torch_save_when_rank0_cannot_finish(root: str) -> str:
 
 def torch_save_when_rank1_fails_writing(root: str) -> str:
     """Rank 1's write raises inside the save: every rank raises, none waits in a barrier."""
-    from shardkit.checkpoint.torch_training import save_training
-    from shardkit.errors import CheckpointError
+    from shardkit.checkpoint.ops.torch_training import save_training
+    from shardkit.core.errors import CheckpointError
 
     class Unsaveable:
         def __reduce__(self):
@@ -248,7 +248,7 @@ def torch_save_when_rank1_fails_writing(root: str) -> str:
     try:
         # extra is written by rank 0 only; make rank 1 fail by handing it a model it cannot save
         if dist.get_rank() == 1:
-            import shardkit.checkpoint.torch_training as tr
+            import shardkit.checkpoint.ops.torch_training as tr
 
             tr.rng_state = lambda: {"bad": Unsaveable()}
         save_training(root, model=torch.nn.Linear(4, 4), step=1)
@@ -259,10 +259,10 @@ def torch_save_when_rank1_fails_writing(root: str) -> str:
 
 def ds_save_with_checkpoint_config(root: str, checkpoint_cfg: dict[str, Any]) -> str:
     """Build a ZeRO-3 engine whose config has ``checkpoint: checkpoint_cfg`` and try a shardkit save."""
-    from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
+    from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
+    from shardkit.core.errors import CheckpointError
     from shardkit.engines.deepspeed import initialize
-    from shardkit.errors import CheckpointError
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     engine = initialize(tiny_llama("tiny", seed=0), {**ds_config(), "checkpoint": checkpoint_cfg})
     try:

@@ -29,7 +29,7 @@ CLIENT_STATE = {"epoch": 1, "sample": 12}
 def model() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardkit.models import LLAMA_SIZES
+    from shardkit.engines.model_factory import LLAMA_SIZES
 
     kw = dict(LLAMA_SIZES["tiny"])
     cfg = LlamaConfig(num_key_value_heads=kw["num_attention_heads"], max_position_embeddings=256,
@@ -61,7 +61,7 @@ def ds_config(world: int) -> dict[str, Any]:
 
 
 def _rows(step: int) -> torch.Tensor:
-    from shardkit.models import synthetic_batch
+    from shardkit.engines.model_factory import synthetic_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     per = GLOBAL_BATCH // world
@@ -98,7 +98,7 @@ def ds_train_save_continue(root: str) -> dict[str, Any] | None:
     DeepSpeed's view of the full state, then RESUME_STEPS more steps: the uninterrupted reference."""
     import deepspeed
 
-    from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
+    from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
     from shardkit.engines.deepspeed import train_step
 
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
@@ -117,14 +117,14 @@ def ds_train_save_continue(root: str) -> dict[str, Any] | None:
 def fsdp_resume_continue(root: str, cpu_offload: bool) -> dict[str, Any] | None:
     """FSDP2 at this world size: load the converted checkpoint, snapshot the full state right after
     loading, train RESUME_STEPS steps with the same clipping and global batch."""
-    from shardkit.checkpoint.dcp.checkpoint import (
+    from shardkit.checkpoint.ops.fsdp_checkpoint import (
         full_model_state_dict,
         full_optimizer_state_dict,
         load_fsdp_checkpoint,
     )
     from shardkit.config.fsdp import fsdp_config_from_dict
+    from shardkit.core.errors import CheckpointError
     from shardkit.engines.fsdp import apply_fsdp, train_step
-    from shardkit.errors import CheckpointError
 
     cfg = fsdp_config_from_dict({"fsdp": {"wrap": ["LlamaDecoderLayer"], "mixed_precision": "none",
                                           "cpu_offload": cpu_offload, "pin_memory": False}, "train": {"clip": CLIP}})

@@ -38,7 +38,7 @@ def ds_config(world_size: int, offload: bool) -> dict[str, Any]:
 
 def _global_step(engine, step: int) -> float:
     from shardkit.engines.deepspeed import train_step
-    from shardkit.models import synthetic_batch
+    from shardkit.engines.model_factory import synthetic_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = synthetic_batch(engine.module.config.vocab_size, GLOBAL_BATCH, SEQ_LEN, step, rank=0)
@@ -53,10 +53,10 @@ def load_and_continue(ckpt: str, offload: bool, start: int, steps: int, save_to:
     """Plain ``engine.load_checkpoint(ckpt)``; this rank's state right after it; ``steps`` more steps
     (after ``restore_cpu_adam_kernel_state``, as the README tells plain-load users); save to ``save_to``.
     ``named``/``bf16``: then, in the same process, ``load_named(named)`` / ``load_bf16(bf16)`` (saves spawns)."""
-    from shardkit.checkpoint.zero3.cpu_adam_kernel import restore_cpu_adam_kernel_state
-    from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
+    from shardkit.checkpoint.ops.cpu_adam_kernel import restore_cpu_adam_kernel_state
+    from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
     from shardkit.engines.deepspeed import initialize
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     world = dist.get_world_size()
     engine = initialize(tiny_llama("tiny", seed=1), ds_config(world, offload))  # other init: the load must overwrite it
@@ -83,7 +83,7 @@ def load_and_continue(ckpt: str, offload: bool, start: int, steps: int, save_to:
 def load_bf16(ckpt: str) -> dict[str, Any]:
     """A bf16 ZeRO-3 engine (``bf16_`` optim files, bf16 module): plain load; its fp32 flats and moments."""
     from shardkit.engines.deepspeed import initialize
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     engine = initialize(tiny_llama("tiny", seed=1), {**ds_config(dist.get_world_size(), False), "bf16": {"enabled": True}})
     path, _ = engine.load_checkpoint(ckpt)
@@ -100,8 +100,8 @@ def named_dcp(root: str) -> dict[str, Any]:
     param groups) trained 2 steps with torch AdamW, the frozen norm inside group 0 as
     ``model.parameters()``-built optimizers hold it (never stepped: no state), saved by
     ``save_fsdp_checkpoint`` (a plain module's state dict: one chunk per tensor). Returns the state."""
-    from shardkit.checkpoint.dcp.checkpoint import save_fsdp_checkpoint
-    from shardkit.models import synthetic_batch
+    from shardkit.checkpoint.ops.fsdp_checkpoint import save_fsdp_checkpoint
+    from shardkit.engines.model_factory import synthetic_batch
     from tests import _ranks_convert as N
 
     m = N.model()

@@ -21,7 +21,7 @@ def zero3_record_and_judge(out_dir: str) -> dict[str, Any]:
     check the live preflight's rule for persistent partitions against an accelerator compute device."""
     import shardkit
     from shardkit.engines.deepspeed import initialize, train_step
-    from shardkit.models import resolve_model_factory, synthetic_batch
+    from shardkit.engines.model_factory import resolve_model_factory, synthetic_batch
     from shardkit.placement import collect_records
     from shardkit.placement.observed import judge_snapshot
     from shardkit.placement.snapshot import record_snapshot
@@ -60,7 +60,7 @@ def fsdp2_offload_expectation() -> dict[str, Any]:
     """FSDP2 with CPUOffloadPolicy and no config: the module's own FSDP state says it is offloaded."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from shardkit.models import resolve_model_factory
+    from shardkit.engines.model_factory import resolve_model_factory
     from shardkit.placement.fsdp import fsdp_expected_for, fsdp_mesh_device, module_offloads
 
     torch.manual_seed(0)
@@ -84,7 +84,7 @@ def record_spec_on_gpu(out_dir: str, name: str, spec: dict[str, Any]) -> dict[st
     """On a GPU rank: the recordings' run for ``spec`` (capture.py's recipe), live preflight after a
     step, and the snapshot recorded and judged. Marked ``gpu``: skipped on CPU-only machines."""
     import shardkit
-    from shardkit.models import resolve_model_factory
+    from shardkit.engines.model_factory import resolve_model_factory
     from shardkit.placement.observed import judge_snapshot
     from shardkit.placement.snapshot import record_snapshot
 
@@ -106,7 +106,7 @@ def record_spec_on_gpu(out_dir: str, name: str, spec: dict[str, Any]) -> dict[st
     else:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        from shardkit.device_rules import accelerator_device
+        from shardkit.platform.device_rules import accelerator_device
 
         dev = accelerator_device()
         kw: dict[str, Any] = {}

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.errors import PreflightError
+from shardkit.core.errors import PreflightError
 
 ZERO3 = {
     "train_micro_batch_size_per_gpu": 1,

@@ -14,7 +14,7 @@ def fsdp_one_step(cfg_dict: dict[str, Any], size: str = "tiny") -> dict[str, Any
 
     from shardkit.config.fsdp import fsdp_config_from_dict
     from shardkit.engines.fsdp import apply_fsdp, build_optimizer, clip_grad_norm
-    from shardkit.models import synthetic_batch, tiny_llama
+    from shardkit.engines.model_factory import synthetic_batch, tiny_llama
 
     cfg = fsdp_config_from_dict(cfg_dict)
     model = tiny_llama("tiny", seed=0)
@@ -51,7 +51,7 @@ def _ds_two_steps(cfg: dict[str, Any]) -> list[float]:
     import torch.distributed as dist
 
     from shardkit.engines.deepspeed import initialize, train_step
-    from shardkit.models import synthetic_batch, tiny_llama
+    from shardkit.engines.model_factory import synthetic_batch, tiny_llama
 
     model = tiny_llama("tiny", seed=0)
     engine = initialize(model, cfg)
@@ -66,7 +66,7 @@ def _fsdp_two_steps(cfg_dict: dict[str, Any]) -> list[float]:
 
     from shardkit.config.fsdp import fsdp_config_from_dict
     from shardkit.engines.fsdp import initialize, train_step
-    from shardkit.models import synthetic_batch, tiny_llama
+    from shardkit.engines.model_factory import synthetic_batch, tiny_llama
 
     cfg = fsdp_config_from_dict(cfg_dict)
     model, opt = initialize(tiny_llama("tiny", seed=0), cfg)

@@ -44,7 +44,7 @@ def ds_config(dtype: str, offload: bool, world_size: int, sub_group_size: int | 
 
 def _build(dtype: str, offload: bool, sub_group_size: int | None = None):
     from shardkit.engines.deepspeed import initialize
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     world = dist.get_world_size()
     return initialize(tiny_llama(MODEL_SIZE, seed=0), ds_config(dtype, offload, world, sub_group_size))
@@ -53,7 +53,7 @@ def _build(dtype: str, offload: bool, sub_group_size: int | None = None):
 def _global_step(engine, step: int) -> float:
     """One step on this rank's slice of the global batch; returns the global mean loss."""
     from shardkit.engines.deepspeed import train_step
-    from shardkit.models import synthetic_batch
+    from shardkit.engines.model_factory import synthetic_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     vocab = engine.module.config.vocab_size
@@ -106,7 +106,7 @@ def resume(ckpt: str, mode: str, dtype: str, offload: bool, start: int, steps: i
         if path is None:
             raise RuntimeError(f"engine.load_checkpoint({ckpt!r}) loaded nothing")
     else:
-        from shardkit.checkpoint.zero3.resume import load_zero3_checkpoint
+        from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
 
         result = load_zero3_checkpoint(engine, ckpt)
     state = _local_fp32_state(engine)
@@ -155,7 +155,7 @@ def refuses_other_world_size(ckpt: str, dtype: str) -> str:
 
 def fp16_initialize_error() -> str:
     """``deepspeed.initialize`` of an fp16 ZeRO-3 config on this rank's accelerator: DeepSpeed's
-    refusal ("" when it accepts), to check shardkit.environment.fp16_support against the engine."""
+    refusal ("" when it accepts), to check shardkit.platform.environment.fp16_support against the engine."""
     try:
         _build("fp16", False)
     except ValueError as exc:
@@ -175,7 +175,7 @@ def pinned_offload_initialize(size: str) -> str:
     """``deepspeed.initialize`` of ZeRO-3 with both offloads pinned, on a Llama of ``size``: "" when
     it succeeds (with DS_PIN_MEMORY_BACKEND=native past `ulimit -l` the process aborts instead)."""
     from shardkit.engines.deepspeed import initialize
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     initialize(tiny_llama(size, seed=0), PINNED_OFFLOAD)
     return ""
@@ -196,7 +196,7 @@ def unsupported_reason(label: str) -> str | None:
     check`: DeepSpeed's CPU accelerator refuses fp16 on CPUs without oneDNN fp16."""
     if VARIANTS.get(label, ("fp32",))[0] != "fp16":
         return None
-    from shardkit.environment import fp16_support
+    from shardkit.platform.environment import fp16_support
 
     support = fp16_support(device="cpu")  # the checkpoints are built on CPU ranks (device="cpu")
     return None if support.supported else f"fp16 cannot run on this machine's {support.device}: {support.reason}"
@@ -245,7 +245,7 @@ class Sources:
         return losses if key == "fp32_losses" else root
 
     def _build(self, label: str) -> tuple[Path, list[float] | None]:
-        from shardkit.harness.spawn import run_ranks
+        from shardkit.run.spawn import run_ranks
 
         self.base.mkdir(parents=True, exist_ok=True)
         root = self.base / label
@@ -308,8 +308,8 @@ class Resumed:
         return self._built[key]
 
     def _build_fp32(self, world: int) -> dict[str, Any]:
-        from shardkit.checkpoint.zero3.reshard import reshard_zero3
-        from shardkit.harness.spawn import run_ranks
+        from shardkit.checkpoint.ops.reshard import reshard_zero3
+        from shardkit.run.spawn import run_ranks
 
         src = self.sources
         resharded = self.base / f"fp32_ws{world}"
@@ -328,7 +328,7 @@ class Resumed:
         return {"resharded": resharded, "ranks": [r.value for r in results], "saved": self.base / f"saved_at_ws{world}"}
 
     def _build_bf16(self) -> list[dict[str, Any]]:
-        from shardkit.harness.spawn import run_ranks
+        from shardkit.run.spawn import run_ranks
 
         # saved with offload_optimizer, resumed without it, bf16, several sub-groups; skips (with
         # the reason) where this machine cannot build the bf16 checkpoint
@@ -348,8 +348,8 @@ def build_resumed(base: Path) -> Resumed:
 
 def load_refused(ckpt: str, dtype: str) -> str:
     """``load_zero3_checkpoint`` of a checkpoint that should be refused: this rank's error message."""
-    from shardkit.checkpoint.zero3.resume import load_zero3_checkpoint
-    from shardkit.errors import CheckpointError
+    from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+    from shardkit.core.errors import CheckpointError
 
     engine = _build(dtype, False)
     try:

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from shardkit.checkpoint.atomic import (
+from shardkit.checkpoint.io.atomic import (
     atomic_open,
     atomic_save,
     atomic_write_text,
@@ -59,9 +59,9 @@ def test_sigkill_during_save_training_keeps_previous_checkpoint(tmp_path):
     checkpoint are untouched and resume works; the half-written save never becomes a tag."""
     import torch
 
-    from shardkit.checkpoint.torch_training import resume_training
-    from shardkit.checkpoint.verify import verify_checkpoint
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.checkpoint.io.verify import verify_checkpoint
+    from shardkit.checkpoint.ops.torch_training import resume_training
+    from shardkit.run.spawn import run_ranks
     from tests import _ranks_ckpt as targets
 
     root = tmp_path / "root"
@@ -90,7 +90,7 @@ def _linear_and_adam(seed: int):
 
 
 def test_leftovers_of_killed_saves_of_other_tags_are_removed_before_a_save(tmp_path):
-    from shardkit.checkpoint.torch_training import save_training
+    from shardkit.checkpoint.ops.torch_training import save_training
 
     root = tmp_path / "root"
     (root / ".shardkit-tmp-step7").mkdir(parents=True)
@@ -107,10 +107,10 @@ def test_crash_between_the_two_renames_of_a_resave_leaves_latest_loadable(tmp_pa
     the new one was renamed into place leaves 'latest' naming a complete copy of the old one."""
     import torch
 
-    import shardkit.checkpoint.atomic as atomic
-    from shardkit.checkpoint.torch_training import resume_training, save_training
-    from shardkit.checkpoint.verify import verify_checkpoint
-    from shardkit.errors import CheckpointError
+    import shardkit.checkpoint.io.atomic as atomic
+    from shardkit.checkpoint.io.verify import verify_checkpoint
+    from shardkit.checkpoint.ops.torch_training import resume_training, save_training
+    from shardkit.core.errors import CheckpointError
 
     root = tmp_path / "root"
     model, opt = _linear_and_adam(0)
@@ -145,7 +145,7 @@ def test_crash_between_the_two_renames_of_a_resave_leaves_latest_loadable(tmp_pa
 
 
 def test_resaving_the_latest_tag_replaces_it_whole(tmp_path):
-    from shardkit.checkpoint.torch_training import resume_training, save_training
+    from shardkit.checkpoint.ops.torch_training import resume_training, save_training
 
     root = tmp_path / "root"
     model, opt = _linear_and_adam(0)
@@ -163,7 +163,7 @@ def test_resaving_the_latest_tag_replaces_it_whole(tmp_path):
      r"RuntimeError: cannot pickle)"),
 ], ids=["rank0-publish-fails", "rank1-write-fails"])
 def test_a_save_failing_on_one_rank_raises_on_every_rank_without_hanging(tmp_path, target, match):
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.run.spawn import run_ranks
     from tests import _ranks_ckpt as targets
 
     root = tmp_path / "root"
@@ -182,7 +182,7 @@ def test_a_save_failing_on_one_rank_raises_on_every_rank_without_hanging(tmp_pat
 
 
 def test_latest_that_is_not_text_names_the_file_and_the_fix(tmp_path):
-    from shardkit.errors import CheckpointError
+    from shardkit.core.errors import CheckpointError
 
     (tmp_path / "latest").write_bytes(b"\xff\xfe\x00step")
     with pytest.raises(CheckpointError, match=r"latest: not a tag name \(7 bytes, not UTF-8 text.*Write the tag of a "
@@ -191,9 +191,9 @@ def test_latest_that_is_not_text_names_the_file_and_the_fix(tmp_path):
 
 
 def test_crash_while_resaving_an_older_tag_keeps_it_and_the_next_save_restores_it(tmp_path, monkeypatch):
-    import shardkit.checkpoint.atomic as atomic
-    from shardkit.checkpoint.torch_training import resume_training, save_training
-    from shardkit.errors import CheckpointError
+    import shardkit.checkpoint.io.atomic as atomic
+    from shardkit.checkpoint.ops.torch_training import resume_training, save_training
+    from shardkit.core.errors import CheckpointError
 
     root = tmp_path / "root"
     model, opt = _linear_and_adam(0)
@@ -228,8 +228,8 @@ def test_crash_while_resaving_an_older_tag_keeps_it_and_the_next_save_restores_i
 ])
 def test_tags_that_collide_with_internal_names_are_refused_before_anything_is_written(tmp_path, tag, why):
     """A tag named like a staging folder used to be written, then deleted by the next save."""
-    from shardkit.checkpoint.torch_training import save_training
-    from shardkit.errors import UsageError
+    from shardkit.checkpoint.ops.torch_training import save_training
+    from shardkit.core.errors import UsageError
 
     root = tmp_path / "root"
     model, _ = _linear_and_adam(0)
@@ -246,8 +246,8 @@ def _enospc(path):
 
 
 def test_disk_full_while_writing_says_where_and_how_much_is_free_and_leaves_nothing(tmp_path):
-    from shardkit.checkpoint.save import atomic_checkpoint
-    from shardkit.errors import CheckpointError
+    from shardkit.checkpoint.io.staged_save import atomic_checkpoint
+    from shardkit.core.errors import CheckpointError
 
     root = tmp_path / "root"
     with atomic_checkpoint(root, "a", engine="torch") as save:
@@ -265,7 +265,7 @@ def test_torch_short_write_error_is_recognised_as_a_full_disk(tmp_path):
     pos': produced here for real by writing to /dev/full."""
     import torch
 
-    from shardkit.checkpoint.atomic import is_disk_full
+    from shardkit.checkpoint.io.atomic import is_disk_full
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
@@ -277,9 +277,9 @@ def test_torch_short_write_error_is_recognised_as_a_full_disk(tmp_path):
 
 
 def test_disk_full_while_writing_the_manifest_removes_the_staging(tmp_path, monkeypatch):
-    import shardkit.checkpoint.manifest as manifest
-    from shardkit.checkpoint.torch_training import save_training
-    from shardkit.errors import CheckpointError
+    import shardkit.checkpoint.io.manifest as manifest
+    from shardkit.checkpoint.ops.torch_training import save_training
+    from shardkit.core.errors import CheckpointError
 
     root = tmp_path / "root"
     model, _ = _linear_and_adam(0)
@@ -296,7 +296,7 @@ def test_disk_full_while_writing_the_manifest_removes_the_staging(tmp_path, monk
 
 
 def test_latest_larger_than_a_tag_is_refused_without_reading_it(tmp_path):
-    from shardkit.errors import CheckpointError
+    from shardkit.core.errors import CheckpointError
 
     with open(tmp_path / "latest", "wb") as fh:
         fh.truncate(1 << 30)  # sparse 1 GiB
@@ -305,7 +305,7 @@ def test_latest_larger_than_a_tag_is_refused_without_reading_it(tmp_path):
 
 
 def test_a_fifo_swapped_in_after_the_check_never_blocks_read_latest(tmp_path, monkeypatch):
-    from shardkit.errors import CheckpointError
+    from shardkit.core.errors import CheckpointError
     from tests._corrupt import call_without_blocking, fifo_swapped_in_after_a_check
 
     write_latest(tmp_path, "step3")
@@ -320,8 +320,8 @@ def test_a_fifo_swapped_in_after_the_check_never_blocks_read_latest(tmp_path, mo
 
 
 def test_read_regular_file_refuses_what_is_not_a_regular_file_and_caps_the_bytes(tmp_path):
-    from shardkit.config.loading import FileReadError, read_regular_file
-    from shardkit.errors import ConfigError
+    from shardkit.core.errors import ConfigError
+    from shardkit.core.files import FileReadError, read_regular_file
 
     (tmp_path / "f").write_bytes(b"12345")
     assert read_regular_file(tmp_path / "f", 5) == b"12345"
@@ -339,9 +339,9 @@ def test_read_regular_file_refuses_what_is_not_a_regular_file_and_caps_the_bytes
 
 @pytest.mark.parametrize("content", ["/etc", "../x", "", ".", "a/b", ".shardkit-tmp-step1"])
 def test_latest_naming_no_folder_inside_the_root_is_refused_with_the_pointer_file(tmp_path, content):
-    from shardkit.checkpoint.atomic import latest_tag
+    from shardkit.checkpoint.io.atomic import latest_tag
     from shardkit.checkpoint.zero3.reader import resolve_tag_dir
-    from shardkit.errors import CheckpointError
+    from shardkit.core.errors import CheckpointError
 
     root = tmp_path / "root"
     root.mkdir()

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-import shardkit.harness.spawn as spawn
-from shardkit.checkpoint.verify import check_resumable, verify_checkpoint
-from shardkit.errors import CheckpointError
-from shardkit.harness.spawn import run_ranks
+import shardkit.run.spawn as spawn
+from shardkit.checkpoint.io.verify import check_resumable, verify_checkpoint
+from shardkit.core.errors import CheckpointError
+from shardkit.run.spawn import run_ranks
 from tests import _ranks_ckpt as targets
 
 pytestmark = pytest.mark.slow

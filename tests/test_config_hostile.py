@@ -18,7 +18,7 @@ import pytest
 from shardkit.checks import check_config, check_file
 from shardkit.config import loading
 from shardkit.config.loading import MAX_NESTING, MAX_VALUES, read_config
-from shardkit.errors import ConfigError
+from shardkit.core.errors import ConfigError
 
 BILLION_LAUGHS = """\
 a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
@@ -300,7 +300,7 @@ def _write(tmp_path: Path, cfg: dict) -> Path:
 
 
 def test_accelerate_mixed_precision_fp16_gets_the_machines_cpu_fp16_row(tmp_path):
-    from shardkit import environment as E
+    from shardkit.platform import environment as E
 
     p = tmp_path / "acc.yaml"
     p.write_text(ACCELERATE + "deepspeed_config:\n  zero_stage: 3\nmixed_precision: fp16\n")

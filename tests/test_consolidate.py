@@ -67,8 +67,8 @@ def test_bf16_output_and_folder_output(sources, tmp_path, run_cli):
 def test_output_loads_into_the_model(sources, tmp_path):
     from safetensors.torch import load_file
 
-    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
-    from shardkit.models import tiny_llama
+    from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+    from shardkit.engines.model_factory import tiny_llama
 
     result = consolidate_zero3(sources["fp32"], tmp_path / "m.safetensors")
     model = tiny_llama(R.MODEL_SIZE)

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.checkpoint.convert.dcp_to_zero3 import convert_dcp_to_zero3
-from shardkit.checkpoint.safe_load import safe_torch_load
-from shardkit.errors import CheckpointError, ConfigError, UsageError
+from shardkit.checkpoint.io.torch_load import safe_torch_load
+from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
+from shardkit.core.errors import CheckpointError, ConfigError, UsageError
 from tests import _ranks_ckpt as C
 from tests import _ranks_convert as N
 from tests import _ranks_convert_back as B
@@ -39,7 +39,7 @@ LOSS_RTOL_AFTER_UPDATE = 1e-4
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.run.spawn import run_ranks
 
     base = tmp_path_factory.mktemp("convert_back")
     src = base / "fsdp"
@@ -167,7 +167,7 @@ def test_tied_frozen_and_param_groups_load_bit_for_bit(runs):
 
 
 def test_result_manifest_and_verify(runs):
-    from shardkit.checkpoint.verify import check_resumable
+    from shardkit.checkpoint.io.verify import check_resumable
 
     for n in WORLDS:
         r = runs["result"][n]
@@ -202,7 +202,7 @@ def _leaves(obj: Any, path: str = "") -> dict[str, Any]:
 def test_round_trip_zero3_fsdp2_zero3_is_tensor_equal(runs, tmp_path):
     """DeepSpeed's own save at 3 ranks (offload) -> FSDP2 (DCP) -> ZeRO-3 at 3 ranks: every tensor of
     every file equal in bits, and every other entry equal too."""
-    from shardkit.checkpoint.convert.zero3_to_dcp import convert_zero3_to_dcp
+    from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
 
     first = runs["base"] / "saved_ws3"
     tag = "global_step4"
@@ -308,7 +308,7 @@ def test_cli_convert_to_zero3(runs, tmp_path, capsys):
 def test_direct_slices_and_dcp_load_write_the_same_tensors(runs, tmp_path, monkeypatch):
     """Partitions are cut from the .distcp files directly (dcp_slices); a chunk layout it does not
     take falls back to load_dcp_state. Both give the same bits (the fixture's files are direct)."""
-    from shardkit.checkpoint.convert import dcp_slices
+    from shardkit.checkpoint.dcp import slices as dcp_slices
 
     monkeypatch.setattr(dcp_slices.DcpSlices, "chunks", lambda self, key: None)
     r = convert_dcp_to_zero3(runs["src"], tmp_path / "via_dcp", world_size=3, ds_config=B.ds_config(3, True))
@@ -322,8 +322,8 @@ def test_direct_slices_and_dcp_load_write_the_same_tensors(runs, tmp_path, monke
 
 
 def test_direct_slices_refuse_what_they_cannot_read(runs):
-    from shardkit.checkpoint.convert.dcp_slices import DcpSlices
-    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
+    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+    from shardkit.checkpoint.dcp.slices import DcpSlices
 
     tag_dir = runs["src"] / "step2"
     slices = DcpSlices(tag_dir, read_dcp_metadata(tag_dir / ".metadata"))
@@ -342,7 +342,7 @@ def test_the_first_failed_rank_file_stops_the_rest_and_leaves_nothing(runs, tmp_
     started are cancelled instead of written into a staging folder that is about to be removed."""
     import threading
 
-    import shardkit.checkpoint.convert.dcp_to_zero3 as d2z
+    import shardkit.checkpoint.ops.convert.dcp_to_zero3 as d2z
 
     real, started, lock = d2z.stream_save, [], threading.Lock()
 

@@ -27,7 +27,7 @@ TAG = f"global_step{R.SAVE_STEPS}"
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.run.spawn import run_ranks
 
     root = tmp_path_factory.mktemp("convert_safety") / "fp32"
     run_ranks(R.train_and_save, 2, args=(str(root), "fp32", False, R.SAVE_STEPS), timeout=300, device="cpu")
@@ -43,7 +43,7 @@ def plain(built, tmp_path) -> Path:
 
 @pytest.fixture
 def sealed(plain) -> Path:
-    from shardkit.checkpoint.manifest import seal
+    from shardkit.checkpoint.io.manifest import seal
 
     seal(plain / TAG, engine="deepspeed", world_size=2, zero_stage=3, step=R.SAVE_STEPS)
     return plain
@@ -148,7 +148,7 @@ def test_a_truncated_source_is_refused_even_with_no_verify(sealed, tmp_path, run
 
 
 def test_a_source_without_manifest_is_read_with_a_warning_and_recorded_as_unverified(plain, tmp_path, run_cli):
-    from shardkit.checkpoint.manifest import read_manifest
+    from shardkit.checkpoint.io.manifest import read_manifest
 
     code, stdout, err = run_cli("reshard", plain, "--world-size", "3", "-o", tmp_path / "ws3")
     assert code == 0, err
@@ -161,8 +161,8 @@ def test_a_source_without_manifest_is_read_with_a_warning_and_recorded_as_unveri
 
 
 def test_library_callers_get_a_python_warning(plain, tmp_path):
-    from shardkit.checkpoint.verify import UnverifiedCheckpointWarning
-    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
+    from shardkit.checkpoint.io.pipeline import UnverifiedCheckpointWarning
+    from shardkit.checkpoint.ops.consolidate import consolidate_zero3
 
     with pytest.warns(UnverifiedCheckpointWarning, match="cannot be verified"):
         result = consolidate_zero3(plain, tmp_path / "m.safetensors")
@@ -175,7 +175,7 @@ def test_library_callers_get_a_python_warning(plain, tmp_path):
 def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
     """A concurrent save that lands right after the source was verified: a new tag (a copy with one
     byte flipped, no manifest: never verified) and 'latest' moved to it. Returns the verified folders."""
-    import shardkit.checkpoint.verify as verify
+    import shardkit.checkpoint.io.verify as verify
 
     real, checked = verify.verify_before_reading, []
 
@@ -187,8 +187,8 @@ def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
         (root / "latest").write_text("unverified")
         return result
 
-    import shardkit.checkpoint.zero3.consolidate as consolidate
-    import shardkit.checkpoint.zero3.reshard as reshard
+    import shardkit.checkpoint.ops.consolidate as consolidate
+    import shardkit.checkpoint.ops.reshard as reshard
 
     # the converters import it at module level: patch the name they call, too
     for module in (verify, reshard, consolidate):
@@ -197,8 +197,8 @@ def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
 
 
 def test_reshard_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp_path, monkeypatch):
-    from shardkit.checkpoint.manifest import read_manifest
-    from shardkit.checkpoint.zero3.reshard import reshard_zero3
+    from shardkit.checkpoint.io.manifest import read_manifest
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
 
     checked = _save_lands_after_verification(monkeypatch, sealed)
     result = reshard_zero3(sealed, tmp_path / "ws3", 3)
@@ -208,7 +208,7 @@ def test_reshard_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp
 
 
 def test_consolidate_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp_path, monkeypatch):
-    from shardkit.checkpoint.zero3.consolidate import consolidate_zero3
+    from shardkit.checkpoint.ops.consolidate import consolidate_zero3
 
     checked = _save_lands_after_verification(monkeypatch, sealed)
     result = consolidate_zero3(sealed, tmp_path / "m.safetensors")
@@ -221,7 +221,7 @@ def test_consolidate_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed,
 def test_reshard_names_where_an_unusable_source_tag_came_from(sealed, tmp_path, run_cli):
     """'latest' names a set-aside copy (what it does while a tag is being saved again): that name
     cannot be reused, and the user, who never passed --tag, is told where it came from."""
-    from shardkit.checkpoint.atomic import REPLACED_MARK
+    from shardkit.checkpoint.io.atomic import REPLACED_MARK
 
     copy = f"{TAG}{REPLACED_MARK}0123abcd"
     (sealed / TAG).rename(sealed / copy)
@@ -298,7 +298,7 @@ def test_disk_full_during_reshard_names_the_file_and_leaves_nothing_half_written
     """Rank 1's optim file goes to /dev/full: the writer hits a real ENOSPC (shardkit's streaming
     writer: OSError; torch's own writer: its '[enforce fail at inline_container.cc:672] . unexpected
     pos' RuntimeError)."""
-    import shardkit.checkpoint.zero3.reshard as reshard
+    import shardkit.checkpoint.ops.reshard as reshard
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
@@ -325,7 +325,7 @@ def test_disk_full_during_consolidate_keeps_the_previous_output(sealed, tmp_path
     """ENOSPC from the copy loop (what os.copy_file_range / os.pwrite raise on a full disk)."""
     import errno
 
-    import shardkit.checkpoint.zero3.consolidate as consolidate
+    import shardkit.checkpoint.ops.consolidate as consolidate
 
     out = tmp_path / "model.safetensors"
     out.write_bytes(b"previous export")

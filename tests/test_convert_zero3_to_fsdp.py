@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.convert.names import build_name_map
-from shardkit.checkpoint.convert.zero3_to_dcp import convert_zero3_to_dcp
-from shardkit.checkpoint.dcp.safe_load import load_dcp_state
-from shardkit.errors import CheckpointError
-from shardkit.harness.spawn import run_ranks
+from shardkit.checkpoint.dcp.reader import load_dcp_state
+from shardkit.checkpoint.ops.convert.names import build_name_map
+from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
+from shardkit.core.errors import CheckpointError
+from shardkit.run.spawn import run_ranks
 from tests import _ranks_convert as C
 
 pytestmark = pytest.mark.slow
@@ -123,9 +123,9 @@ def test_written_like_dcp_save_and_read_straight_from_the_files(converted, tmp_p
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, _load_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from shardkit.checkpoint.convert.dcp_slices import DcpSlices
-    from shardkit.checkpoint.convert.zero3_to_dcp import _torch_group_defaults
-    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
+    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+    from shardkit.checkpoint.dcp.slices import DcpSlices
+    from shardkit.checkpoint.ops.convert.zero3_to_dcp import _torch_group_defaults
 
     out, _, _ = converted
     tag_dir = out / TAG
@@ -164,7 +164,7 @@ def test_rank_files_with_unknown_offsets_are_gathered_instead(source, converted,
     gathered in memory and written whole: the same values as the byte-range copies."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
+    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
     from shardkit.checkpoint.zero3.reader import RankPartitions
 
     monkeypatch.setattr(RankPartitions, "byte_offset", lambda self, slot, key: None)
@@ -190,7 +190,7 @@ def test_a_failed_tensor_write_names_the_file_and_leaves_nothing(source, tmp_pat
     file, the staging folder is removed and nothing is published."""
     import errno
 
-    from shardkit.checkpoint.convert import zero3_to_dcp
+    from shardkit.checkpoint.ops.convert import zero3_to_dcp
     from shardkit.checkpoint.zero3.reader import RankPartitions
 
     def full(*_: object) -> None:
@@ -366,9 +366,9 @@ def test_round_trip_with_frozen_tied_and_two_groups_is_tensor_equal(source, conv
     -> ZeRO-3 at the source's world size: every tensor in every rank file equal in bits. The DCP was
     written by one process, so the frozen norm is one unsplit tensor like a buffer: the manifest's
     buffer names are what keep it a frozen parameter (without them it came back as a buffer)."""
-    from shardkit.checkpoint.convert.dcp_to_zero3 import convert_dcp_to_zero3
-    from shardkit.checkpoint.manifest import read_manifest
-    from shardkit.checkpoint.safe_load import safe_torch_load
+    from shardkit.checkpoint.io.manifest import read_manifest
+    from shardkit.checkpoint.io.torch_load import safe_torch_load
+    from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
 
     out, _, _ = converted
     assert read_manifest(out / TAG).extra["converted_from"]["buffer_names"] == []

@@ -1,5 +1,5 @@
 """DeepSpeed's CPU Adam kernels keep ``beta**step`` in a C++ object outside every checkpoint
-(shardkit/checkpoint/zero3/cpu_adam_kernel.py). A kernel object that did not run the earlier steps (a
+(shardkit/checkpoint/ops/cpu_adam_kernel.py). A kernel object that did not run the earlier steps (a
 new process, a new DeepSpeedCPUAdam) computes the first resumed step's bias correction with
 ``pow`` instead of the uninterrupted run's float32 product, and the update differs in the last
 bit. These tests resume at step 2, where the two disagree for beta2 = 0.999, and show the update
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from shardkit.checkpoint.zero3.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
+from shardkit.checkpoint.ops.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
 
 SAVED_AT = 2
 HPARAMS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -84,7 +84,7 @@ def test_torch_adamw_keeps_its_step_in_the_state_dict_and_needs_no_replay():
 _FRESH_PROCESS = """
 import copy, sys, torch
 from deepspeed.ops.adam import FusedAdam
-from shardkit.checkpoint.zero3.cpu_adam_kernel import restore_cpu_adam_kernel_state
+from shardkit.checkpoint.ops.cpu_adam_kernel import restore_cpu_adam_kernel_state
 from tests.test_cpu_adam_kernel import HPARAMS, SAVED_AT, _steps
 saved = torch.load(sys.argv[1], weights_only=True)
 out = {}

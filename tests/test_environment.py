@@ -14,10 +14,10 @@ import textwrap
 
 import pytest
 
-from shardkit import environment as E
 from shardkit.checks import check_config
-from shardkit.environment import CudaProbe, deepspeed_arch_list_error, environment_findings, fixed_arch_list
-from shardkit.findings import Severity
+from shardkit.core.findings import Severity
+from shardkit.platform import environment as E
+from shardkit.platform.environment import CudaProbe, deepspeed_arch_list_error, environment_findings, fixed_arch_list
 
 GPU = CudaProbe(build="12.8", available=True, device_count=1)
 NO_DRIVER = CudaProbe(
@@ -147,9 +147,9 @@ def test_versions_check_preflight_and_launch_say_so(run_cli, clean_env, tmp_path
     code, out, _ = run_cli("check", cfg, "--json")
     (f,) = [f for f in json.loads(out)["findings"] if f["key"] == "env:TORCH_CUDA_ARCH_LIST"]
     assert code == 1 and f["fix"].startswith("export TORCH_CUDA_ARCH_LIST=9.0")
-    import shardkit.harness.spawn
+    import shardkit.run.spawn
 
-    clean_env.setattr(shardkit.harness.spawn, "visible_gpus", lambda: 1)  # preflight plans GPU ranks from torch.cuda
+    clean_env.setattr(shardkit.run.spawn, "visible_gpus", lambda: 1)  # preflight plans GPU ranks from torch.cuda
     code, out, _ = run_cli("preflight", cfg, "--static")
     assert code == 1 and "TORCH_CUDA_ARCH_LIST" in out
     # CPU ranks never build a CUDA op: the same machine runs `preflight --device cpu` and `check --no-accelerator`
@@ -233,8 +233,8 @@ def test_native_pinning_past_memlock_aborts_deepspeed_where_the_real_probe_says(
     The probe of that process reports the row, and DeepSpeed's rank then dies in mlock."""
     code = textwrap.dedent("""
         import json
-        from shardkit.environment import environment_findings
-        from shardkit.harness.spawn import run_ranks
+        from shardkit.platform.environment import environment_findings
+        from shardkit.run.spawn import run_ranks
         from tests._ranks_zero3 import PINNED_OFFLOAD, pinned_offload_initialize
         found = [f.rule for f in environment_findings(PINNED_OFFLOAD)]
         (r,) = run_ranks(pinned_offload_initialize, 1, args=("small",), timeout=600, raise_on_error=False)
@@ -279,7 +279,7 @@ def test_cuda_build_without_driver_names_torchs_reason():
 def test_cuda_build_is_read_without_importing_torch(python_exe):
     import torch
 
-    code = ("import sys; from shardkit.environment import _torch_cuda_build_without_import as b; "
+    code = ("import sys; from shardkit.platform.environment import _torch_cuda_build_without_import as b; "
             "print(repr(b())); assert 'torch' not in sys.modules")
     out = subprocess.run([python_exe, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -344,7 +344,7 @@ def test_fp16_support_is_the_probe_the_suite_skips_by(clean_env):
 def test_deepspeed_refuses_fp16_exactly_where_the_probe_says():
     """The real engine on this machine: deepspeed.initialize with fp16 fails with DeepSpeed's own
     message iff fp16_support says no (on a CPU without fp16 this runs the refusal itself)."""
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.run.spawn import run_ranks
     from tests import _ranks_zero3 as R
 
     support = E.fp16_support(device="cpu")
@@ -372,12 +372,12 @@ def test_smoke_stops_before_any_rank_with_one_line(run_cli, clean_env, tmp_path)
 
 
 def test_smoke_refuses_an_unparseable_arch_list(clean_env):
-    import shardkit.harness.spawn
-    from shardkit.smoke import SmokeOptions, run_smoke
+    import shardkit.run.spawn
+    from shardkit.run.smoke import SmokeOptions, run_smoke
 
     clean_env.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     clean_env.setattr(E, "probe_cuda", lambda: GPU)
-    clean_env.setattr(shardkit.harness.spawn, "visible_gpus", lambda: 1)  # the GPU ranks of a Hopper machine
+    clean_env.setattr(shardkit.run.spawn, "visible_gpus", lambda: 1)  # the GPU ranks of a Hopper machine
     with pytest.raises(E.EnvironmentCheckError, match=r"TORCH_CUDA_ARCH_LIST='9\.0a'.*Fix: export TORCH_CUDA_ARCH_LIST=9\.0"):
         run_smoke(SmokeOptions(engines=("zero3",), nproc=1, steps=2), progress=False)
 

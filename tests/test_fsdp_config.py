@@ -1,9 +1,9 @@
 import pytest
 
 from shardkit.config.fsdp import FSDPConfig, fsdp_config_from_dict
+from shardkit.core.errors import ConfigError
 from shardkit.engines.fsdp import apply_fsdp
-from shardkit.errors import ConfigError
-from shardkit.harness.spawn import run_ranks
+from shardkit.run.spawn import run_ranks
 from tests import _ranks_presets as targets
 
 
@@ -26,7 +26,7 @@ def test_fsdp1_option_says_what_fsdp2_does_instead():
 
 
 def test_missing_wrap_class_lists_the_classes_the_model_has():
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     model = tiny_llama()
     with pytest.raises(ConfigError, match=r"\['GPT2Block'\] not found in LlamaForCausalLM.*LlamaDecoderLayer"):

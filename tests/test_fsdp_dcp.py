@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from shardkit.checkpoint.verify import check_resumable
-from shardkit.errors import CheckpointError
-from shardkit.harness.spawn import run_ranks
+from shardkit.checkpoint.io.verify import check_resumable
+from shardkit.core.errors import CheckpointError
+from shardkit.run.spawn import run_ranks
 from tests import _ranks_ckpt as targets
 
 pytestmark = pytest.mark.slow

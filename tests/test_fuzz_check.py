@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardkit.checks import check_config, check_file
-from shardkit.errors import ConfigError
-from shardkit.findings import Severity
+from shardkit.core.errors import ConfigError
+from shardkit.core.findings import Severity
 from tests.conftest import DS_CONFIGS
 
 PRESETS = [json.loads(p.read_text()) for p in sorted(DS_CONFIGS.glob("*.json"))]

@@ -7,9 +7,9 @@ import pytest
 import yaml
 
 from shardkit.checks import check_config
+from shardkit.config.generate import deepspeed_config, fsdp_config
 from shardkit.config.paths import auto_paths
-from shardkit.errors import UsageError
-from shardkit.generate import deepspeed_config, fsdp_config
+from shardkit.core.errors import UsageError
 
 
 def deepspeed_parses(cfg):
@@ -139,7 +139,7 @@ def test_fsdp_generator_defaults():
 @pytest.fixture
 def machine(monkeypatch):
     """This machine's probes, forced: set(cuda=..., cpu_fp16=..., env) for the test's case."""
-    from shardkit import environment as E
+    from shardkit.platform import environment as E
 
     for name in ("TORCH_CUDA_ARCH_LIST", "DS_PIN_MEMORY_BACKEND", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
@@ -189,7 +189,7 @@ def test_config_pin_memory_follows_deepspeeds_accelerator(run_cli, machine, monk
         assert code == 0, err
         return json.loads(out.read_text())["zero_optimization"]["offload_optimizer"]["pin_memory"], err
 
-    from shardkit.environment import CudaProbe
+    from shardkit.platform.environment import CudaProbe
 
     gpu = CudaProbe(build="12.8", available=True, device_count=1)
     machine()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.autopreflight import ENV_CONFIG, ENV_ENABLE, EXIT_CODE, site_dir
-from shardkit.errors import UsageError
-from shardkit.launch import build_launch, find_config, infer_world_size, launcher_command, split_script
+from shardkit.core.errors import UsageError
+from shardkit.run.autopreflight import ENV_CONFIG, ENV_ENABLE, EXIT_CODE, site_dir
+from shardkit.run.launcher import build_launch, find_config, infer_world_size, launcher_command, split_script
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = str(REPO / "ds_configs" / "zero3.json")
@@ -86,8 +86,8 @@ def _fp16_config(tmp_path: Path) -> Path:
 
 
 def test_fp16_on_a_machine_without_a_gpu_stops_the_launch(tmp_path):
-    from shardkit.environment import CudaProbe, probe_environment
-    from shardkit.launch import check_launch_config
+    from shardkit.platform.environment import CudaProbe, probe_environment
+    from shardkit.run.launcher import check_launch_config
 
     cfg = _fp16_config(tmp_path)
     plan = build_launch(["train.py", "--deepspeed_config", str(cfg)], "deepspeed", environ={})
@@ -105,7 +105,7 @@ def test_fp16_on_a_machine_without_a_gpu_stops_the_launch(tmp_path):
 
 
 def test_launch_dry_run_of_fp16_on_this_cpu_only_machine_exits_1(run_cli, tmp_path, monkeypatch):
-    from shardkit.environment import probe_cpu_fp16
+    from shardkit.platform.environment import probe_cpu_fp16
 
     if probe_cpu_fp16():
         pytest.skip("this CPU runs fp16 (oneDNN AVX512-FP16/AMX-FP16): DeepSpeed accepts it")
@@ -180,7 +180,7 @@ def test_a_missing_config_without_a_json_suffix_is_an_error_naming_it(run_cli, t
 
 
 def test_preflight_failure_markers_become_the_last_line():
-    from shardkit.launch import preflight_summary
+    from shardkit.run.launcher import preflight_summary
 
     line = preflight_summary({0: "tensors on the wrong device:", 1: "tensors on the wrong device:"}, 2)
     assert line.startswith("shardkit launch: placement preflight failed on rank(s) [0, 1] of 2 before the first optimizer step")

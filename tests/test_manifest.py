@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shardkit.checkpoint.manifest import (
+from shardkit.checkpoint.io.manifest import (
     MANIFEST_NAME,
     Manifest,
     read_manifest,
@@ -13,7 +13,7 @@ from shardkit.checkpoint.manifest import (
     sha256_file,
 )
 from shardkit.config.loading import config_digest
-from shardkit.errors import CheckpointError
+from shardkit.core.errors import CheckpointError
 
 
 def test_sha256_streams_in_chunks(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardkit.config.loading import config_digest
-from shardkit.errors import PreflightError
+from shardkit.core.errors import PreflightError
 from shardkit.placement import collect_records
 from shardkit.placement import records as R
 from shardkit.placement.expected import deepspeed_expected, torch_expected
@@ -155,7 +155,7 @@ def test_expected_devices_read_the_config_like_the_static_checks(zero, param_sha
     "a, b", [("cpu", "cpu:0"), ("cuda", "cuda:0"), ("cuda:1", "cuda:0"), ("meta", "cpu"), ("xpu:1", "xpu:1"), ("cpu", "meta")]
 )
 def test_record_device_matching_is_device_rules_same_device(a, b):
-    from shardkit.device_rules import same_device
+    from shardkit.platform.device_rules import same_device
 
     assert devices_match(a, b) == same_device(torch.device(a), torch.device(b))
     assert devices_match("nvme", "nvme") and not devices_match("nvme", "cpu")

@@ -7,9 +7,9 @@ import shlex
 import pytest
 
 from shardkit.checks import check_file
+from shardkit.config.generate import PRESETS
 from shardkit.config.loading import config_kind
-from shardkit.generate import PRESETS
-from shardkit.harness.spawn import run_ranks
+from shardkit.run.spawn import run_ranks
 from tests import _ranks_presets as targets
 from tests.conftest import DS_CONFIGS
 
@@ -33,7 +33,7 @@ def test_every_required_preset_exists_and_no_stray_files():
 def test_preset_equals_generator_output(run_cli, name, monkeypatch):
     # The preset's bytes, not this machine's memlock limit (a non-root box below the nvme buffers'
     # size refuses to write the nvme preset, rightly, for a run here).
-    import shardkit.environment as E
+    import shardkit.platform.environment as E
 
     monkeypatch.setattr(E, "probe_memlock", lambda: None)
     code, out, _ = run_cli("config", *PRESETS[name])

@@ -11,7 +11,7 @@ allocates nothing.
 import pytest
 import torch
 
-from shardkit.resume.replace import (
+from shardkit.placement.replace import (
     Move,
     StateSlot,
     plan_optimizer_moves,

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.safe_load import safe_torch_load
+from shardkit.checkpoint.io.torch_load import safe_torch_load
+from shardkit.checkpoint.ops.reshard import reshard_zero3
 from shardkit.checkpoint.zero3.reader import gather_param, open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import layout_from_names, plan_layout
-from shardkit.checkpoint.zero3.reshard import reshard_zero3
-from shardkit.errors import CheckpointError, UsageError
+from shardkit.core.errors import CheckpointError, UsageError
 from tests import _ranks_zero3 as R
 
 pytestmark = pytest.mark.slow
@@ -174,7 +174,7 @@ def test_each_rank_keeps_its_own_client_state_at_the_same_world_size(sources, tm
 def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(sources, tmp_path):
     """Nothing changes, so nothing is rebuilt: fresh copies (never links: a run re-saving the
     source tag rewrites its files in place), hashed while copied."""
-    from shardkit.checkpoint.manifest import read_manifest, sha256_file
+    from shardkit.checkpoint.io.manifest import read_manifest, sha256_file
 
     src = open_zero3_checkpoint(sources["fp32"])
     same = reshard_zero3(sources["fp32"], tmp_path / "ws2", 2, workers=3)
@@ -190,7 +190,7 @@ def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(source
 
 
 def test_default_workers_follow_the_cores_and_the_files():
-    from shardkit.checkpoint.zero3.reshard import default_workers
+    from shardkit.checkpoint.io.pipeline import default_workers
 
     assert default_workers(1) == 1 and default_workers(3) == 3  # one per rank file, even on 2 cores
     assert default_workers(100) == max(8, len(os.sched_getaffinity(0)))
@@ -202,7 +202,7 @@ def test_tensors_built_in_memory_are_written_one_file_at_a_time(sources, tmp_pat
     """Without byte offsets (source_bytes None) each tensor is built whole in memory: one writer
     thread, so the peak stays one sub-group partition as with the serial writer. The bytes are the
     same either way."""
-    import shardkit.checkpoint.zero3.reshard as reshard
+    import shardkit.checkpoint.ops.reshard as reshard
 
     seen: list[int] = []
     real = reshard.write_parallel
@@ -221,8 +221,8 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
     verified against: refused, naming the file and both digests, and nothing is left behind."""
     import shutil
 
-    import shardkit.checkpoint.zero3.reshard as reshard
-    from shardkit.checkpoint.manifest import read_manifest, seal, sha256_file
+    import shardkit.checkpoint.ops.reshard as reshard
+    from shardkit.checkpoint.io.manifest import read_manifest, seal, sha256_file
     from tests._corrupt import flip_a_byte
 
     root = tmp_path / "src"

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from shardkit.checkpoint.manifest import seal
-from shardkit.checkpoint.torch_training import ResumeOverrideWarning, resume_training, save_training
-from shardkit.errors import CheckpointError
-from shardkit.resume.replace import replace_optimizer_state
+from shardkit.checkpoint.io.manifest import seal
+from shardkit.checkpoint.ops.torch_training import ResumeOverrideWarning, resume_training, save_training
+from shardkit.core.errors import CheckpointError
+from shardkit.placement.replace import replace_optimizer_state
 from tests._prodigy_style import ProdigyStyle
 
 
@@ -143,7 +143,7 @@ def test_damaged_unsafe_or_mismatched_checkpoints_are_refused_clearly(tmp_path):
     assert not marker.exists()
 
     with pytest.raises(CheckpointError, match=r"\[engine\] checkpoint was written by engine 'torch'"):
-        from shardkit.checkpoint.verify import check_resumable
+        from shardkit.checkpoint.io.verify import check_resumable
 
         check_resumable(evil, engine="deepspeed")
 
@@ -152,7 +152,7 @@ def test_damaged_unsafe_or_mismatched_checkpoints_are_refused_clearly(tmp_path):
 def test_ddp_ranks_save_and_resume_their_own_rng(tmp_path):
     """Accelerate-style DDP loop on 2 gloo ranks: each rank saves and restores its own RNG (dropout,
     data), so every rank's loss curve continues exactly."""
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.run.spawn import run_ranks
     from tests import _ranks_ckpt as targets
 
     ref = run_ranks(targets.ddp_save_continue, 2, args=(str(tmp_path),), timeout=120, backend="gloo")

@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.safe_load import DEEPSPEED_SAFE_GLOBALS, DeepSpeedObjectStub, read_structure, safe_torch_load
-from shardkit.errors import CheckpointError
+from shardkit.checkpoint.io.torch_load import (
+    DEEPSPEED_SAFE_GLOBALS,
+    DeepSpeedObjectStub,
+    read_structure,
+    safe_torch_load,
+)
+from shardkit.core.errors import CheckpointError
 from tests import _ranks_zero3 as R
 
 
@@ -75,7 +80,7 @@ def test_allow_list_is_exactly_what_deepspeed_zero3_checkpoints_hold(sources):
 def test_reading_never_imports_deepspeed_unless_real_objects_are_asked_for(sources, python_exe):
     optim = sorted(Path(sources["fp16"]).glob("*/*optim_states.pt"))[0]
     code = (
-        "import sys; from shardkit.checkpoint.safe_load import safe_torch_load\n"
+        "import sys; from shardkit.checkpoint.io.torch_load import safe_torch_load\n"
         f"sd = safe_torch_load({str(optim)!r}, mmap=True)['optimizer_state_dict']\n"
         "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'\n"
         "print(sd['zero_stage'].value, sd['loss_scaler'].cur_scale)\n"
@@ -243,7 +248,7 @@ def _dcp_dir(tmp_path: Path) -> Path:
 
 
 def test_dcp_state_loads_through_the_safe_reader(tmp_path):
-    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
+    from shardkit.checkpoint.dcp.reader import load_dcp_state
 
     d = _dcp_dir(tmp_path)
     state = {"w": torch.zeros(6), "lr": 0.0}
@@ -252,7 +257,7 @@ def test_dcp_state_loads_through_the_safe_reader(tmp_path):
 
 
 def test_poisoned_dcp_metadata_is_refused_without_running_it(tmp_path):
-    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
+    from shardkit.checkpoint.dcp.reader import load_dcp_state
 
     d = _dcp_dir(tmp_path)
     marker = tmp_path / "ran"
@@ -265,7 +270,7 @@ def test_poisoned_dcp_metadata_is_refused_without_running_it(tmp_path):
 def test_dcp_bytes_item_that_would_run_code_is_refused(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
+    from shardkit.checkpoint.dcp.reader import load_dcp_state
 
     marker = tmp_path / "ran"
     d = tmp_path / "dcp"

@@ -1,7 +1,7 @@
 """`shardkit smoke` on every ds_configs/ preset that trains on CPU: each must resume bit-exact.
 
 Issue 7 item 2: the bf16 presets failed at the first resumed step's update, because DeepSpeed's
-CPU Adam kernels keep beta**step outside the checkpoint (shardkit/checkpoint/zero3/cpu_adam_kernel.py).
+CPU Adam kernels keep beta**step outside the checkpoint (shardkit/checkpoint/ops/cpu_adam_kernel.py).
 The smoke's default configs (the zero3 and fsdp2_full_shard presets) run in test_smoke.py; this
 file runs the others and checks that no preset is left out without a reason.
 """
@@ -41,7 +41,7 @@ def _uses_fp16(cfg: dict) -> bool:
 
 
 def test_every_preset_is_smoked_or_excluded_with_a_reason():
-    from shardkit.smoke import PRESET_CANDIDATES
+    from shardkit.run.smoke import PRESET_CANDIDATES
 
     assert set(SMOKED_AS_DEFAULT) | set(NOT_SMOKED) <= set(PRESETS)
     assert set(SMOKED_HERE) >= {"zero3_bf16", "zero3_offload_cpu"}  # the two issue 7 named
@@ -62,7 +62,7 @@ def test_default_zero3_config_output_is_a_smoked_preset(run_cli, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SMOKED_HERE)
 def test_smoke_resumes_bit_exact_on_preset(name, run_cli, tmp_path):
-    from shardkit.environment import fp16_support
+    from shardkit.platform.environment import fp16_support
 
     cfg = _load(name)
     if _uses_fp16(cfg):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.stream import LazyTensor, Segment, copy_file_hashed, stream_save
+from shardkit.checkpoint.io.stream import LazyTensor, Segment, copy_file_hashed, stream_save
 
 SID = ".data/serialization_id"  # random per save in torch too
 
@@ -106,7 +106,7 @@ def test_deepspeed_stand_ins_are_written_back_under_deepspeeds_names(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from shardkit.checkpoint.safe_load import DeepSpeedObjectStub, safe_torch_load
+    from shardkit.checkpoint.io.torch_load import DeepSpeedObjectStub, safe_torch_load
 
     real = {"zero_stage": ZeroStageEnum(3), "loss_scaler": LossScaler(scale=4.0), "t": torch.ones(2)}
     (tmp_path / "a").mkdir()
@@ -127,7 +127,7 @@ def test_zip64_records_and_offsets_are_read_by_torch_and_zipfile(tmp_path, monke
     central directory sentinel + extra, end record)."""
     import struct
 
-    import shardkit.checkpoint.stream as stream
+    import shardkit.checkpoint.io.stream as stream
 
     monkeypatch.setattr(stream, "ZIP64_AT", 1000)
     src = torch.randn(600)
@@ -164,8 +164,8 @@ def test_write_parallel_fsyncs_each_file_keeps_order_and_cancels_after_the_first
     import threading
     import time
 
-    import shardkit.checkpoint.atomic as atomic
-    from shardkit.checkpoint.stream import write_parallel
+    import shardkit.checkpoint.io.atomic as atomic
+    from shardkit.checkpoint.io.stream import write_parallel
 
     synced: list[Path] = []
     real_fsync = atomic.fsync_file
@@ -200,9 +200,9 @@ def test_a_failed_write_without_a_file_name_is_named_by_its_file(tmp_path, worke
     sees must still say which file (os_errors_named turns it into one CheckpointError line)."""
     import errno
 
-    from shardkit.checkpoint.atomic import os_errors_named
-    from shardkit.checkpoint.stream import write_parallel
-    from shardkit.errors import CheckpointError
+    from shardkit.checkpoint.io.atomic import os_errors_named
+    from shardkit.checkpoint.io.stream import write_parallel
+    from shardkit.core.errors import CheckpointError
 
     def broken(p: Path):
         raise OSError(errno.EIO, "Input/output error")

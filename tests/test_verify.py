@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from shardkit.checkpoint.atomic import staging_dir, write_latest
-from shardkit.checkpoint.manifest import MANIFEST_NAME, seal
-from shardkit.checkpoint.verify import check_resumable, verify_checkpoint
-from shardkit.errors import CheckpointError
+from shardkit.checkpoint.io.atomic import staging_dir, write_latest
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME, seal
+from shardkit.checkpoint.io.verify import check_resumable, verify_checkpoint
+from shardkit.core.errors import CheckpointError
 
 
 def _ckpt(root, tag="step5", world_size=2, engine="deepspeed"):

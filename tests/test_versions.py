@@ -5,7 +5,7 @@ import json
 import pytest
 from packaging.version import Version
 
-from shardkit.versions import (
+from shardkit.platform.versions import (
     installed_versions,
     known_bad_findings,
     known_bad_table,
@@ -84,7 +84,7 @@ def test_installed_versions_come_from_metadata_without_importing_torch():
     import sys
 
     code = (
-        "import sys; from shardkit.versions import installed_versions, support_status\n"
+        "import sys; from shardkit.platform.versions import installed_versions, support_status\n"
         "v = installed_versions(); support_status(v)\n"
         "assert v['deepspeed'] and v['torch'], v\n"
         "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules\n"
@@ -170,8 +170,8 @@ def test_versions_cli_reports_installed_and_matching_rows(run_cli, tmp_path, mon
 
 
 def test_environment_rows_name_a_machine_trigger_and_never_match_a_config_alone():
-    from shardkit.environment import ENVIRONMENT_CONDITIONS
-    from shardkit.versions import matching_entries
+    from shardkit.platform.environment import ENVIRONMENT_CONDITIONS
+    from shardkit.platform.versions import matching_entries
 
     env_rows = [r for r in known_bad_table() if r.kind == "environment"]
     assert {r.id for r in env_rows} == {

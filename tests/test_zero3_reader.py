@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint.zero3.reader import FP32, gather_param, iter_params, open_zero3_checkpoint
-from shardkit.errors import CheckpointError
+from shardkit.core.errors import CheckpointError
 from tests import _ranks_zero3 as R
 
 pytestmark = pytest.mark.slow

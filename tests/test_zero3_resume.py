@@ -130,8 +130,8 @@ def test_checkpoint_saved_at_three_ranks_reads_and_reshards(runs, tmp_path, run_
 def test_corrupted_optim_file_of_the_right_size_is_refused_on_every_rank(tmp_path, tmp_path_factory):
     """One flipped byte (same size) in a rank's optim file: each rank hashes its share of the
     files, and both ranks raise the same error naming the file (no rank waits alone)."""
-    from shardkit.checkpoint.zero3.reshard import reshard_zero3
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.run.spawn import run_ranks
 
     sources = R.build_sources(tmp_path_factory.getbasetemp() / "zero3")
     out = tmp_path / "ws2"
@@ -164,7 +164,7 @@ def kernel_train_save_continue(base: str) -> dict:
     """Rank target: per case, KERNEL_SAVE_AT steps, save, one more step; the masters after it."""
     import gc
 
-    from shardkit.checkpoint.zero3.save import save_deepspeed_checkpoint
+    from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
 
     out = {}
     for label, dtype, offload in KERNEL_CASES:
@@ -186,11 +186,11 @@ def kernel_resume_one_step(base: str) -> dict:
 
     import torch.distributed as dist
 
-    from shardkit.checkpoint.zero3.cpu_adam_kernel import restore_cpu_adam_kernel_state
-    from shardkit.checkpoint.zero3.resume import load_zero3_checkpoint
+    from shardkit.checkpoint.ops.cpu_adam_kernel import restore_cpu_adam_kernel_state
+    from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+    from shardkit.core.errors import CheckpointError
     from shardkit.engines.deepspeed import initialize
-    from shardkit.errors import CheckpointError
-    from shardkit.models import tiny_llama
+    from shardkit.engines.model_factory import tiny_llama
 
     out: dict = {}
     for label, dtype, offload in KERNEL_CASES:
@@ -222,7 +222,7 @@ def kernel_resume_one_step(base: str) -> dict:
 
 @pytest.fixture(scope="module")
 def kernel_runs(tmp_path_factory):
-    from shardkit.harness.spawn import run_ranks
+    from shardkit.run.spawn import run_ranks
 
     base = tmp_path_factory.mktemp("kernel")
     reference = [r.value for r in run_ranks(kernel_train_save_continue, 2, args=(str(base),), timeout=420, device="cpu")]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from shardkit.findings import Finding, Severity
+from shardkit.core.findings import Finding, Severity
 
 # Accelerate key (inside deepspeed_config) -> the DeepSpeed key path it sets (DeepSpeedPlugin's
 # plugin_to_config_mapping).
@@ -142,7 +142,7 @@ def _init_flag(section: dict[str, Any]) -> list[Finding]:
 def _file_findings(section: dict[str, Any], config_dir: Path | None, check: DeepSpeedChecker) -> list[Finding]:
     from shardkit.config.loading import read_config
     from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
-    from shardkit.errors import ConfigError
+    from shardkit.core.errors import ConfigError
 
     out: list[Finding] = []
     key = "deepspeed_config.deepspeed_config_file"

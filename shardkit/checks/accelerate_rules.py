@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from shardkit.config.fsdp import FSDP1_ONLY_OPTIONS
-from shardkit.findings import Finding, Severity
+from shardkit.core.findings import Finding, Severity
 
 
 def is_accelerate_config(cfg: dict[str, Any]) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardkit.config.paths import auto_paths
-from shardkit.findings import Finding, Severity
+from shardkit.core.findings import Finding, Severity
 
 
 def auto_findings(cfg: dict[str, Any], *, expect_hf_auto: bool) -> list[Finding]:

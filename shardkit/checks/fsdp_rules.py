@@ -7,7 +7,7 @@ from typing import Any, Iterable
 from pydantic import ValidationError
 
 from shardkit.config.fsdp import FSDP1_ONLY_OPTIONS, FSDPConfig, FSDPOptions, validation_problems
-from shardkit.findings import Finding, Severity
+from shardkit.core.findings import Finding, Severity
 
 
 def fsdp_findings(

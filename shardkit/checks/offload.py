@@ -4,8 +4,8 @@ later, and the two offload blocks disagreeing with each other."""
 from __future__ import annotations
 
 from shardkit.config.view import DeepSpeedView, OffloadView
-from shardkit.findings import Finding, Severity
-from shardkit.versions import pin_memory_default
+from shardkit.core.findings import Finding, Severity
+from shardkit.platform.versions import pin_memory_default
 
 
 def offload_findings(

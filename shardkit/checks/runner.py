@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from shardkit.config.loading import config_kind, read_config
-from shardkit.errors import UsageError
-from shardkit.findings import Finding, Report, Severity
+from shardkit.core.errors import UsageError
+from shardkit.core.findings import Finding, Report, Severity
 
 
 def check_config(
@@ -33,7 +33,7 @@ def check_config(
     values are fine (the HF Trainer/Accelerate fills them). ``model``: an nn.Module, a model spec
     ("llama:tiny", "pkg.module:factory") or class names, to check FSDP wrap classes against.
     ``torch_version``: for table rows that depend on torch (default: the installed one).
-    ``environment``: shardkit.environment.EnvironmentFacts of the machine the run will use, for the
+    ``environment``: shardkit.platform.environment.EnvironmentFacts of the machine the run will use, for the
     table's environment rows (None: the config alone; check_file probes this machine).
     ``duplicate_keys``: what loading.read_config saw repeated (check_file passes it).
     ``config_dir``: the config file's folder (for files an Accelerate config names).
@@ -82,7 +82,7 @@ def check_config(
 def _environment(
     cfg: dict[str, Any], facts: Any, deepspeed_version: str | None, accelerator: bool | None, engine: str
 ) -> list[Finding]:
-    from shardkit.checks.environment import environment_rule_findings
+    from shardkit.checks.environment_rule import environment_rule_findings
 
     return environment_rule_findings(
         cfg, facts=facts, deepspeed_version=deepspeed_version, accelerator=accelerator, engine=engine
@@ -102,7 +102,7 @@ def _deepspeed_findings(
     from shardkit.checks.schema import deepspeed_schema_findings
     from shardkit.checks.training import training_findings
     from shardkit.config.view import deepspeed_view
-    from shardkit.versions import installed_versions, known_bad_findings, parse_version
+    from shardkit.platform.versions import installed_versions, known_bad_findings, parse_version
 
     if deepspeed_version is not None:
         version = str(parse_version(deepspeed_version))
@@ -176,7 +176,7 @@ def _model_classes(model: Any) -> Iterable[str] | None:
     if model is None:
         return None
     if isinstance(model, str):
-        from shardkit.models import resolve_model_factory
+        from shardkit.engines.model_factory import resolve_model_factory
 
         model = resolve_model_factory(model)()
     modules = getattr(model, "modules", None)
@@ -206,7 +206,7 @@ def check_file(
     checked for a run here unless told otherwise (None: the config alone)."""
     loaded = read_config(path)
     if environment is _PROBE:
-        from shardkit.environment import probe_environment
+        from shardkit.platform.environment import probe_environment
 
         environment = probe_environment()
     return check_config(

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from shardkit.config.paths import guess_key, segment, strip_auto
 from shardkit.config.view import enabled
-from shardkit.findings import Finding, Severity
+from shardkit.core.findings import Finding, Severity
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # DeepSpeed fails hard without one of these; the batch rule reports a missing/bad value.

@@ -7,7 +7,7 @@ from typing import Any
 
 from shardkit.config.paths import get
 from shardkit.config.view import DeepSpeedView, as_int, as_number, is_auto
-from shardkit.findings import Finding, Severity
+from shardkit.core.findings import Finding, Severity
 
 # Optimizers DeepSpeed has a CPU implementation for, used when offload_optimizer is on
 # (engine._configure_basic_optimizer: DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion).

@@ -71,8 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def launch_command(args: argparse.Namespace) -> int:
     import shlex
 
-    from shardkit.launch import build_launch, check_launch_config, missing_script, run_launch
-    from shardkit.render import print_report
+    from shardkit.core.render import print_report
+    from shardkit.run.launcher import build_launch, check_launch_config, missing_script, run_launch
 
     plan = build_launch(args.argv, args.launcher, preflight=not args.no_preflight)
     why = missing_script(plan)

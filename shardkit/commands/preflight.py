@@ -47,8 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def preflight_command(args: argparse.Namespace) -> int:
-    from shardkit.errors import UsageError
-    from shardkit.preflight_run import PreflightOptions, run_preflight
+    from shardkit.core.errors import UsageError
+    from shardkit.run.preflight import PreflightOptions, run_preflight
 
     if args.config and args.config_opt and args.config != args.config_opt:
         raise UsageError(f"two configs given ({args.config} and --config {args.config_opt}): pass one")
@@ -87,7 +87,7 @@ def observed_command(snapshot: str, config: str | None, json_path: str | None) -
 
     report = judge_snapshot_file(snapshot, config)
     if json_path:
-        from shardkit.render import write_json
+        from shardkit.core.render import write_json
 
         write_json(report.to_dict(), json_path)
     if json_path != "-":

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from shardkit.commands._parser import add_command
 
 if TYPE_CHECKING:
-    from shardkit.checkpoint.trainer import TrainerCheckpoint
+    from shardkit.checkpoint.ops.hf_trainer import TrainerCheckpoint
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,15 +48,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def reshard_command(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.verify import CHECKED_LEVELS
-    from shardkit.checkpoint.zero3.reshard import reshard_zero3
-    from shardkit.errors import UsageError
+    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.core.errors import UsageError
 
     if args.world_size < 1:
         raise UsageError(f"--world-size {args.world_size}: must be at least 1")
     if args.sub_group_size is not None and args.sub_group_size < 1:
         raise UsageError(f"--sub-group-size {args.sub_group_size}: must be at least 1")
-    from shardkit.checkpoint.trainer import locate_trainer_checkpoint, trainer_folder_of_tag
+    from shardkit.checkpoint.ops.hf_trainer import locate_trainer_checkpoint, trainer_folder_of_tag
 
     trainer_checkpoint = locate_trainer_checkpoint(args.checkpoint)
     if trainer_checkpoint is not None:
@@ -82,8 +82,8 @@ def reshard_command(args: argparse.Namespace) -> int:
 
 def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint") -> int:
     """A Hugging Face Trainer checkpoint-N (or output_dir): -o is the new checkpoint-N folder."""
-    from shardkit.checkpoint.trainer import reshard_trainer_checkpoint
-    from shardkit.checkpoint.verify import CHECKED_LEVELS
+    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
+    from shardkit.checkpoint.ops.hf_trainer import reshard_trainer_checkpoint
 
     if source.note():
         print(f"note: {source.note()}")

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def smoke_command(args: argparse.Namespace) -> int:
-    from shardkit.smoke import ENGINES, SmokeOptions, print_smoke_report, run_smoke
+    from shardkit.run.smoke import ENGINES, SmokeOptions, print_smoke_report, run_smoke
 
     engines = ENGINES if args.engine == "all" else (args.engine,)
     if args.config and args.engine == "all":
@@ -60,7 +60,7 @@ def smoke_command(args: argparse.Namespace) -> int:
     report = run_smoke(opts, progress=not args.quiet)
     print_smoke_report(report)
     if args.json:
-        from shardkit.render import write_json
+        from shardkit.core.render import write_json
 
         write_json(report.to_dict(), args.json)
     return report.exit_code

@@ -32,10 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.trainer import verify_trainer_checkpoint
-    from shardkit.checkpoint.verify import verify_checkpoint
-    from shardkit.errors import UsageError
-    from shardkit.render import print_report, write_json
+    from shardkit.checkpoint.io.verify import verify_checkpoint
+    from shardkit.checkpoint.ops.hf_trainer import verify_trainer_checkpoint
+    from shardkit.core.errors import UsageError
+    from shardkit.core.render import print_report, write_json
 
     if args.world_size is not None and args.world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {args.world_size}")

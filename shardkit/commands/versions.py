@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def versions_command(args: argparse.Namespace) -> int:
-    from shardkit.environment import version_report
+    from shardkit.platform.environment import version_report
 
     cfg = None
     if args.config:
@@ -40,7 +40,7 @@ def versions_command(args: argparse.Namespace) -> int:
 
         print(json.dumps({**data, "report": report.to_dict()}, indent=2))
         return report.exit_code
-    from shardkit.render import console, print_report
+    from shardkit.core.render import console, print_report
 
     con = console()
     for name, version in data["installed"].items():

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardkit.config.loading import load_config
 from shardkit.config.paths import segment
-from shardkit.errors import ConfigError
+from shardkit.core.errors import ConfigError
 
 # Options people carry over from FSDP1 (FullyShardedDataParallel / Accelerate's fsdp_config) that
 # FSDP2's fully_shard does not have, and what FSDP2 does instead. Used by fsdp_config_from_dict

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from shardkit.config.paths import join
-from shardkit.errors import ConfigError
+from shardkit.core.errors import ConfigError
+from shardkit.core.files import FileReadError, read_regular_file
 
 # A config bigger than this is not a config; refusing it keeps a hostile file from eating memory.
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -32,70 +31,6 @@ MAX_NESTING = 64
 # Values in the document after YAML aliases are expanded (a 10-line billion-laughs file expands to
 # 10**9). Real configs hold under 1,000 values.
 MAX_VALUES = 200_000
-
-#: How messages name a file that is not a regular file (``stat.S_IFMT`` of its mode).
-_KINDS = {
-    stat.S_IFDIR: "a folder",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFIFO: "a FIFO (named pipe)",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFLNK: "a symlink",
-    stat.S_IFREG: "a regular file",
-}
-
-
-def file_kind(mode: int) -> str:
-    """What a file of stat mode ``mode`` is, as messages say it: 'a FIFO (named pipe)', 'a folder'..."""
-    return _KINDS.get(stat.S_IFMT(mode), "a special file")
-
-
-class FileReadError(ConfigError):
-    """``read_regular_file`` refused or could not read a file; the message names the path and why.
-
-    ``reason`` lets a caller put its own fix after the message: 'missing', 'folder', 'not_regular'
-    (a device, FIFO or socket), 'too_large' or 'unreadable' (permissions, I/O error)."""
-
-    def __init__(self, path: Path, reason: str, message: str):
-        super().__init__(message)
-        self.path = path
-        self.reason = reason
-
-
-def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
-    """The bytes of ``path``, at most ``limit`` of them, read only from a regular file, or FileReadError.
-
-    O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; the type is
-    then checked on the open descriptor, so nothing swapped in between a stat and the open (a
-    FIFO, a device) is ever read. The bytes actually read are capped: ``st_size`` is 0 for
-    devices and /proc files whatever they stream."""
-    p = Path(path)
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise FileReadError(p, "missing", f"{p}: no such file") from None
-    except IsADirectoryError:
-        raise FileReadError(p, "folder", f"{p}: is a folder, not a regular file") from None
-    except OSError as exc:
-        raise FileReadError(p, "unreadable", f"{p}: cannot be read ({exc.strerror or exc})") from exc
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise FileReadError(p, "folder", f"{p}: is a folder, not a regular file")
-        if not stat.S_ISREG(mode):
-            raise FileReadError(p, "not_regular", f"{p}: is {file_kind(mode)}, not a regular file (a device or "
-                                "pipe can stream without end, so shardkit never reads one)")
-        os.set_blocking(fd, True)  # a regular file: reads are plain reads again
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(limit + 1)  # bytes actually read, never trusting st_size
-    except OSError as exc:
-        raise FileReadError(p, "unreadable", f"{p}: cannot be read ({exc.strerror or exc})") from exc
-    finally:
-        os.close(fd)
-    if len(raw) > limit:
-        raise FileReadError(p, "too_large", f"{p}: more than {limit} bytes")
-    return raw
-
 
 @dataclass
 class LoadedConfig:

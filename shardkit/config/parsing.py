@@ -7,7 +7,7 @@ import math
 from typing import Any, Iterable
 
 from shardkit.config.paths import walk
-from shardkit.findings import Finding, Severity
+from shardkit.core.findings import Finding, Severity
 
 
 def duplicate_key_findings(duplicates: Iterable[tuple[str, Any, Any]]) -> list[Finding]:

@@ -164,7 +164,7 @@ def op_failure_line(name: str, status: str, environ: Mapping[str, str] | None = 
     # (many Hopper images) or 'sm_90' fail there. The cause is that only when the build failed with
     # exactly the error shardkit's replay of DeepSpeed's parser predicts; the fix is the same one
     # `shardkit check` gives (environment.arch_list_fix: 'sm_90' -> 9.0).
-    from shardkit.environment import arch_list_fix, deepspeed_arch_list_error
+    from shardkit.platform.environment import arch_list_fix, deepspeed_arch_list_error
 
     error = deepspeed_arch_list_error(arch)
     if arch and error and error in cause:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardkit.config.fsdp import FSDPConfig, fsdp_config_from_dict
-from shardkit.device_rules import accelerator_device
-from shardkit.errors import ConfigError
+from shardkit.core.errors import ConfigError
+from shardkit.platform.device_rules import accelerator_device
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ What runs, on every rank:
   Trainer filled its ``"auto"`` values (``HfTrainerDeepSpeedConfig``: batch sizes, precision,
   clipping and optimizer values when ``TrainingArguments`` is built; bucket sizes and scheduler
   steps in ``deepspeed_init``), judged by the `shardkit check` rules and this machine's
-  environment rows (shardkit.environment): errors stop every rank, warnings are printed once.
+  environment rows (shardkit.platform.environment): errors stop every rank, warnings are printed once.
   Also: FSDP asked for in ``TrainingArguments`` that Accelerate did not turn on.
 - **placement**: shardkit's placement preflight (shardkit.placement.preflight, the function
   `shardkit launch` and ``shardkit.preflight`` use) over the Trainer's DeepSpeed engine, or its
@@ -26,7 +26,7 @@ the bare module, not the engine) and Accelerate's optimizer wrapper, never the T
 (``trainer.model_wrapped``) and the filled config hang off the Trainer, whose method is the
 caller of the event, so the callback finds it on the call stack (:func:`calling_trainer`).
 
-`shardkit launch` adds this callback to every Trainer a rank builds (shardkit.autopreflight.hooks
+`shardkit launch` adds this callback to every Trainer a rank builds (shardkit.run.autopreflight.hooks
 wraps ``Trainer.__init__``), checks the config right there, before ``deepspeed.initialize`` can
 refuse it, and the preflight then runs once: through the callback, never again through the torch
 hooks.
@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from transformers import TrainerCallback
 
-from shardkit.findings import Finding, Report, Severity
+from shardkit.core.findings import Finding, Report, Severity
 
 OnFailure = Literal["exit", "raise"]
 _SUBJECT = 'HF Trainer DeepSpeed config ("auto" values filled by the Trainer)'
@@ -72,7 +72,7 @@ class PreflightCallback(TrainerCallback):
         SHARDKIT_AUTOPREFLIGHT_TIMEOUT, else 120). ``json_path``: rank 0 writes the placement
         report there. ``check_config``: also check the Trainer's filled DeepSpeed config."""
         if on_failure not in ("exit", "raise"):
-            from shardkit.errors import UsageError
+            from shardkit.core.errors import UsageError
 
             raise UsageError(
                 f"PreflightCallback(on_failure={on_failure!r}): not a failure mode; use on_failure='exit' (stop every "
@@ -133,8 +133,8 @@ class PreflightCallback(TrainerCallback):
                     file=sys.stderr, flush=True,
                 )
             return
-        from shardkit.autopreflight import enabled
-        from shardkit.autopreflight.run import claim
+        from shardkit.run.autopreflight import enabled
+        from shardkit.run.autopreflight.run import claim
 
         # In a `shardkit launch` rank the torch hooks stand by too: the first to claim runs it.
         if not claim() and enabled():
@@ -145,12 +145,12 @@ class PreflightCallback(TrainerCallback):
         self.ran += 1
         when = "before the first optimizer step (after the Trainer built the engine and optimizer)"
         if self.on_failure == "exit":
-            from shardkit.autopreflight.run import run_or_exit
+            from shardkit.run.autopreflight.run import run_or_exit
 
             run_or_exit(kwargs, what, when, _skip_hint(), self.timeout, self.json_path)
             return
-        from shardkit.autopreflight.run import preflight_timeout
         from shardkit.placement.preflight import preflight
+        from shardkit.run.autopreflight.run import preflight_timeout
 
         report = preflight(**kwargs, timeout=preflight_timeout(self.timeout), json_path=self.json_path)
         if _rank() in ("0", "?"):
@@ -178,12 +178,12 @@ class PreflightCallback(TrainerCallback):
         rank, me = _rank(), _rank_index()
         printer = failed[0] if failed and agree else 0
         if me == printer and (failed or (final and report.findings)):
-            from shardkit.render import print_report
+            from shardkit.core.render import print_report
 
             print_report(report, file=sys.stderr)
         if not failed:
             return
-        from shardkit.environment import one_line
+        from shardkit.platform.environment import one_line
 
         if report.errors:
             first = one_line(report.errors[0])
@@ -198,11 +198,11 @@ class PreflightCallback(TrainerCallback):
         else:
             stage = "when the Trainer was built, before train() (every Trainer is checked)"
         if self.on_failure == "raise":
-            from shardkit.errors import ConfigError
+            from shardkit.core.errors import ConfigError
 
             count = f"{len(report.errors)} error(s)" if report.errors else f"error(s) on rank(s) {failed}"
             raise ConfigError(f"{report.subject}: {count} {stage}; first: {first}")
-        from shardkit.autopreflight.run import stop_rank
+        from shardkit.run.autopreflight.run import stop_rank
 
         _printer_has_printed(me, printer)
         where = "the findings above" if me == printer else f"rank {printer}'s output"
@@ -313,9 +313,9 @@ def filled_config_report(cfg: dict[str, Any], *, world_size: int | None, final: 
 
     ``final``: the Trainer has also filled what ``deepspeed_init`` fills (bucket sizes, scheduler
     steps), so an "auto" still there is one it never fills and DeepSpeed drops silently. ``facts``:
-    shardkit.environment.EnvironmentFacts (default: this machine, with this process's environment)."""
+    shardkit.platform.environment.EnvironmentFacts (default: this machine, with this process's environment)."""
     from shardkit.checks import check_config
-    from shardkit.environment import probe_environment, run_has_accelerator
+    from shardkit.platform.environment import probe_environment, run_has_accelerator
 
     facts = facts or probe_environment()
     report = check_config(
@@ -448,13 +448,13 @@ def _rank() -> str:
 
 
 def _launched() -> bool:
-    from shardkit.autopreflight import enabled
+    from shardkit.run.autopreflight import enabled
 
     return enabled()
 
 
 def _skip_hint() -> str:
-    from shardkit.autopreflight import enabled
-    from shardkit.autopreflight.run import LAUNCH_SKIP_HINT
+    from shardkit.run.autopreflight import enabled
+    from shardkit.run.autopreflight.run import LAUNCH_SKIP_HINT
 
     return LAUNCH_SKIP_HINT if enabled() else "remove the PreflightCallback to skip the check"

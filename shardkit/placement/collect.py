@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from shardkit.config.loading import config_digest
 from shardkit.placement.records import RankReport
-from shardkit.versions import runtime_versions
+from shardkit.platform.versions import runtime_versions
 
 if TYPE_CHECKING:
     import torch
@@ -37,8 +37,8 @@ def collect_records(
     """
     import torch.distributed as dist
 
-    from shardkit.device_rules import accelerator_device
     from shardkit.placement import expected as E
+    from shardkit.platform.device_rules import accelerator_device
 
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -57,8 +57,8 @@ def collect_records(
             # a client scheduler stepped outside the engine
             collected.records += scheduler_records(lr_scheduler, rank, getattr(engine.optimizer, "optimizer", None), compute)
     elif model is not None or optimizer is not None:
-        from shardkit.device_rules import module_compute_device
         from shardkit.placement.fsdp import collect_fsdp, fsdp_expected_for, fsdp_mesh_device, is_fsdp2
+        from shardkit.platform.device_rules import module_compute_device
 
         cfg = dict(config) if config is not None else {}
         if model is not None and is_fsdp2(model):
@@ -74,7 +74,7 @@ def collect_records(
             if model is not None:
                 collected.param_numels = {n: p.numel() for n, p in model.named_parameters()}
     else:
-        from shardkit.errors import UsageError
+        from shardkit.core.errors import UsageError
 
         raise UsageError("preflight needs something to check: pass a DeepSpeed engine, or model= (and optimizer=)")
 

@@ -1,6 +1,6 @@
 """Expected devices, derived from the config, the engine and this rank's accelerator.
 
-Never a literal "cuda": the compute device is ``shardkit.device_rules.accelerator_device()``
+Never a literal "cuda": the compute device is ``shardkit.platform.device_rules.accelerator_device()``
 (``<accelerator>:<LOCAL_RANK>``, ``cpu`` on DeepSpeed's CPU accelerator / gloo), and every offload
 target comes from the config keys that choose it, so the same rules hold on CUDA, XPU, NPU and CPU.
 """

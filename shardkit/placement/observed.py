@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from shardkit.errors import UsageError
+from shardkit.core.errors import UsageError
 from shardkit.placement import records as R
 from shardkit.placement.expected import ExpectedDevices, deepspeed_expected, fsdp_expected, torch_expected
 from shardkit.placement.records import PlacementRecord, RankReport
@@ -98,7 +98,7 @@ class ObservedReport:
 
 def load_snapshot(path: str | Path) -> dict[str, Any]:
     """Read a snapshot file; any problem is a UsageError naming the file and what is wrong."""
-    from shardkit.config.loading import FileReadError, read_regular_file
+    from shardkit.core.files import FileReadError, read_regular_file
 
     p = Path(path)
     try:
@@ -262,7 +262,7 @@ class _Rules:
             return [(name, R.OPTIMIZER_STATE, dev, home, home_why)]
         m = re.match(r"^param_groups\[(\d+)\]\.(\w+)", name)
         if m:
-            from shardkit.device_rules import TORCH_HYPERPARAMETERS
+            from shardkit.platform.device_rules import TORCH_HYPERPARAMETERS
 
             if m.group(2) in TORCH_HYPERPARAMETERS:
                 return [(name, R.PARAM_GROUP, dev, *self._step(x.optimizer))]

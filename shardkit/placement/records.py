@@ -30,13 +30,13 @@ FSDP_SHARD = "fsdp.shard"
 
 @lru_cache(maxsize=1024)
 def devices_match(actual: str, expected: str) -> bool:
-    """``shardkit.device_rules.same_device`` on the strings records hold (one rule for preflight and
+    """``shardkit.platform.device_rules.same_device`` on the strings records hold (one rule for preflight and
     resume). ``nvme`` is not a torch device: a ZeRO partition swapped out to disk matches only nvme."""
     if "nvme" in (actual, expected):
         return actual == expected
     import torch
 
-    from shardkit.device_rules import same_device
+    from shardkit.platform.device_rules import same_device
 
     try:
         return same_device(torch.device(actual), torch.device(expected))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardkit.findings import Finding, Severity
+from shardkit.core.findings import Finding, Severity
 from shardkit.placement.records import PlacementRecord, RankReport
 
 # Beyond this many rows the table is cut (the JSON report keeps every record).

@@ -133,7 +133,7 @@ def snapshot_header(
     import torch
 
     from shardkit.placement.collect import collect_records
-    from shardkit.versions import runtime_versions
+    from shardkit.platform.versions import runtime_versions
 
     rank_report = collect_records(engine, model=model, optimizer=optimizer, config=config, device=device)
     versions = runtime_versions()
@@ -175,7 +175,7 @@ def record_snapshot(
     """
     import json
 
-    from shardkit.checkpoint.atomic import atomic_open
+    from shardkit.checkpoint.io.atomic import atomic_open
 
     target = Path(path)
     existing = check_record_target(target)
@@ -196,7 +196,7 @@ def check_record_target(path: str | Path) -> dict[str, Any] | None:
     earlier snapshot (a config file, a checkpoint, a device). Returns the earlier snapshot, if any."""
     import json
 
-    from shardkit.errors import UsageError
+    from shardkit.core.errors import UsageError
 
     target = Path(path)
     if not target.exists() and not target.is_symlink():
@@ -204,7 +204,7 @@ def check_record_target(path: str | Path) -> dict[str, Any] | None:
     if not target.is_file() or target.is_symlink():
         raise UsageError(f"--record {target}: exists and is not a regular file; a snapshot never replaces it "
                          "(pick a new file name)")
-    from shardkit.config.loading import FileReadError, read_regular_file
+    from shardkit.core.files import FileReadError, read_regular_file
 
     try:
         data = json.loads(read_regular_file(target, 64 * 1024 * 1024) or b"null")

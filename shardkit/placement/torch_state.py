@@ -3,7 +3,7 @@
 Rules (and the upstream behaviour they come from):
 - parameters and buffers belong on the compute device;
 - per-parameter optimizer state follows its parameter's *expected* device, except ``step``, which
-  torch keeps on the CPU unless the group is fused or capturable (shardkit.device_rules.step_device;
+  torch keeps on the CPU unless the group is fused or capturable (shardkit.platform.device_rules.step_device;
   see resume.replace);
 - tensors inside ``param_groups`` (Prodigy's ``d_numerator``...) are never moved by
   ``Optimizer.load_state_dict``, so each is checked: torch's own hyperparameter
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable
 
-from shardkit.device_rules import TORCH_HYPERPARAMETERS, step_device
 from shardkit.placement import records as R
 from shardkit.placement._tensors import iter_tensors, tensor_record
 from shardkit.placement.expected import ExpectedDevices
+from shardkit.platform.device_rules import TORCH_HYPERPARAMETERS, step_device
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from shardkit.findings import Finding, Severity
+from shardkit.core.findings import Finding, Severity
 from shardkit.placement.records import RankReport
 from shardkit.placement.report import PlacementReport
 

@@ -1,5 +1,4 @@
-"""ZeRO-3 checkpoints in DeepSpeed's own format: ``reader`` (open, map, gather), ``layout`` (partition
-arithmetic and DeepSpeed's model-state keys), ``repartition`` (the state at another world size),
-``reshard`` (written to files), ``resume`` (loaded in-process), ``consolidate`` (full weights to
-safetensors), ``save`` (engine.save_checkpoint, atomic), ``cpu_adam_kernel``.
-"""
+"""The DeepSpeed ZeRO-3 format: ``reader`` (find the files, describe the layout, copy partitions
+out), ``layout`` (partition arithmetic and DeepSpeed's model-state keys) and ``repartition`` (the
+state at another world size, as byte ranges). The operations on it (save, resume, reshard,
+consolidate, convert) are in ``checkpoint.ops``."""

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.safe_load import TensorRef, iter_leaves, read_structure, safe_torch_load
+from shardkit.checkpoint.io.torch_load import TensorRef, iter_leaves, read_structure, safe_torch_load
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.config.view import deepspeed_view
-from shardkit.errors import CheckpointError
+from shardkit.core.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -308,7 +308,7 @@ def resolve_tag_dir(path: str | Path) -> tuple[Path, str]:
         raise CheckpointError(
             f"{p}: is a file, expected a DeepSpeed checkpoint folder (the one holding 'latest') or a tag folder"
         )
-    from shardkit.checkpoint.atomic import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, latest_tag
+    from shardkit.checkpoint.io.atomic import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, latest_tag
 
     if p.name.startswith(STAGING_PREFIX):
         # the same rule as verify.resolve_checkpoint: a staging folder is never loaded

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from shardkit.checkpoint.safe_load import safe_torch_load
-from shardkit.checkpoint.stream import LazyTensor, Segment
+from shardkit.checkpoint.io.stream import LazyTensor, Segment
+from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.zero3.layout import (
     DEFAULT_SUB_GROUP_SIZE,
     client_state_keys,
@@ -25,7 +25,7 @@ from shardkit.checkpoint.zero3.layout import (
 )
 from shardkit.checkpoint.zero3.reader import FP32, ParamSlot, Zero3Checkpoint, full_frozen_params
 from shardkit.config.paths import get
-from shardkit.errors import CheckpointError, UsageError
+from shardkit.core.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,180 @@
+"""Load a ``torch.distributed.checkpoint`` (DCP) directory without running code from it.
+
+Plain ``dcp.load(state, checkpoint_id=path)`` unpickles two things with no restriction:
+
+- ``FileSystemReader.read_metadata`` does ``pickle.load`` of ``<path>/.metadata``
+  (torch/distributed/checkpoint/filesystem.py, torch 2.13), so a crafted ``.metadata`` runs
+  arbitrary code on every rank the moment a run resumes;
+- ``DefaultLoadPlanner.load_bytes`` does ``torch.load(value, weights_only=False)`` for every
+  non-tensor item (optimizer hyperparameters, user objects; default_planner.py).
+
+``load_dcp_state`` reads the same files through ``SafeFileSystemReader`` (a restricted unpickler
+that resolves only the globals real DCP metadata holds, refusing any other *before* calling it) and
+``SafeLoadPlanner`` (``weights_only=True`` for bytes items). Tensor items are already read by torch
+with ``weights_only=True``.
+
+The allow-list is what the ``.metadata`` of real FSDP2 model + AdamW saves (torch 2.13) contains,
+found by recording every ``find_class`` call: the dataclasses of
+``torch.distributed.checkpoint.metadata``, ``filesystem._StorageInfo``, ``torch.Size``, dtypes,
+``torch.serialization._get_layout`` (looks a layout up by name) and ``pathlib`` paths
+(``StorageMeta.checkpoint_id``). ``collections.OrderedDict`` is allowed for older writers.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+from shardkit.core.errors import CheckpointError
+
+METADATA_NAME = ".metadata"
+
+_METADATA_CLASSES = (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+    "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+)
+_PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
+
+
+def _allowed_global(module: str, name: str) -> Any | None:
+    """The object ``module.name`` resolves to when it is allowed in DCP metadata, else None."""
+    import torch
+
+    if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES:
+        import torch.distributed.checkpoint.metadata as md
+
+        return getattr(md, name, None)
+    if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        return _StorageInfo
+    if module == "torch" and name == "Size":
+        return torch.Size
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    if module == "torch.serialization" and name == "_get_layout":
+        return torch.serialization._get_layout
+    if module == "pathlib" and name in _PATH_CLASSES:
+        import pathlib
+
+        return getattr(pathlib, name)
+    if module == "collections" and name == "OrderedDict":
+        import collections
+
+        return collections.OrderedDict
+    return None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, fh: Any, source: str):
+        super().__init__(fh)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _allowed_global(module, name)
+        if obj is None:
+            raise CheckpointError(
+                f"{self._source}: refused to load: the DCP metadata pickle asks for global {module}.{name}, "
+                "which real torch.distributed.checkpoint metadata never holds (it could run code). The "
+                "checkpoint was tampered with or written by something else; resume from a checkpoint you "
+                "trust, or load it with plain dcp.load only if you trust its source"
+            )
+        return obj
+
+
+def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
+    """Unpickle ``path`` (a DCP ``.metadata`` file) with the allow-list; CheckpointError naming the
+    file and the global for anything outside it, or for a damaged file."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as fh:
+            md = _MetadataUnpickler(fh, str(p)).load()
+    except CheckpointError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointError(f"{p}: missing; a DCP checkpoint directory needs its {METADATA_NAME} file "
+                              "(the save did not complete). Resume from another checkpoint") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, OSError) as exc:
+        raise CheckpointError(f"{p}: cannot be read as DCP metadata ({type(exc).__name__}: {exc}); the file is "
+                              "truncated or corrupted. Resume from another checkpoint") from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{p}: holds a {type(md).__name__}, not torch.distributed.checkpoint Metadata; "
+                              "not a DCP checkpoint")
+    return md
+
+
+def _reader_class() -> type:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        """FileSystemReader whose ``read_metadata`` uses the restricted unpickler."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            md = read_dcp_metadata(path)
+            # what FileSystemReader.read_metadata does after unpickling
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeFileSystemReader
+
+
+def _planner_class() -> type:
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DefaultLoadPlanner whose ``load_bytes`` uses ``torch.load(weights_only=True)``."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise CheckpointError(
+                    f"DCP item {fqn!r}: refused to load: it holds objects outside torch's weights_only "
+                    f"allow-list ({detail}). Save only tensors and plain data, or load it yourself if you "
+                    "trust its source") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafeLoadPlanner
+
+
+def load_dcp_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """``dcp.load(state, checkpoint_id=path)`` with nothing in the checkpoint able to run code:
+    fills ``state`` (this run's shards, any world size) in place. Collective when a process group
+    exists. Raises CheckpointError naming ``.metadata`` and the global for a poisoned pickle."""
+    import torch.distributed.checkpoint as dcp
+
+    p = Path(path)
+    if not (p / METADATA_NAME).is_file():
+        raise CheckpointError(f"{p / METADATA_NAME}: missing; {p} is not a complete DCP checkpoint directory "
+                              "(the save did not complete, or the path is a parent folder). Pass the tag folder "
+                              "holding .metadata")
+    # Every rank reads the metadata itself first (small): a poisoned file is refused on all ranks
+    # with the same CheckpointError, before dcp.load's collectives (which would wrap rank 0's error).
+    read_dcp_metadata(p / METADATA_NAME)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=_reader_class()(str(p)), planner=_planner_class()())
+    except CheckpointException as exc:
+        # DCP gathers every rank's failure and raises them, wrapped, on all ranks: surface ours
+        # (the lowest rank's) as the one CheckpointError every rank raises.
+        ours = [(r, e) for r, (e, _tb) in sorted(exc.failures.items()) if isinstance(e, CheckpointError)]
+        if ours:
+            raise CheckpointError(f"rank {ours[0][0]}: {ours[0][1]}") from None
+        raise

@@ -1,0 +1,363 @@
+"""Crash-safe file operations: write under a temporary name in the same directory, fsync the file
+and its directory, then ``os.replace`` (atomic on POSIX within one filesystem).
+
+A plain ``torch.save(state, "ckpt.pt")`` over the only copy leaves a truncated file when the
+process is killed mid-write; these helpers leave either the old file or the new one, never half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator, TypeVar
+
+from shardkit.core.errors import CheckpointError
+
+#: Name of the pointer file DeepSpeed's ``load_checkpoint`` reads (content: the tag, no newline).
+LATEST_NAME = "latest"
+#: Prefix of directories a save is staged in; never a valid tag, skipped by verify and loaders.
+STAGING_PREFIX = ".shardkit-tmp-"
+#: Marks ``<tag><REPLACED_MARK><hex>``: a complete, loadable copy (hard links) of a tag that is being
+#: saved again; ``latest`` names it while the tag itself is swapped, so it never dangles.
+REPLACED_MARK = ".shardkit-replaced-"
+
+#: ``latest`` holds one tag name; anything longer is not a pointer (and is never read whole).
+MAX_LATEST_BYTES = 4096
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+def tag_problem(tag: object) -> str | None:
+    """Why ``tag`` cannot name a checkpoint folder inside a root, or None when it can.
+
+    A tag becomes ``root/<tag>`` and the content of ``root/latest``; names the save sequence uses
+    for itself (staging folders, set-aside copies, the pointer) would be deleted or misread by the
+    next save, and separators or ``..`` would put the checkpoint outside the root.
+    """
+    if not isinstance(tag, str) or not tag:
+        return "a tag must be a non-empty folder name"
+    if tag in (".", ".."):
+        return "'.' and '..' are not folder names"
+    if "/" in tag or "\\" in tag or (os.sep in tag) or "\0" in tag:
+        return "a tag is one folder name: path separators and NUL are not allowed"
+    if tag == LATEST_NAME:
+        return f"{LATEST_NAME!r} is the pointer file DeepSpeed reads the tag from"
+    if tag.startswith(STAGING_PREFIX):
+        return f"names starting with {STAGING_PREFIX!r} are staging folders, deleted by the next save"
+    if REPLACED_MARK in tag:
+        return f"names containing {REPLACED_MARK!r} are set-aside copies, deleted by the next save"
+    if tag.startswith(".") and ".tmp-" in tag:
+        return "hidden names containing '.tmp-' are temporaries of atomic writes, deleted by the next save"
+    if len(tag.encode("utf-8", "surrogateescape")) > 255:
+        return "longer than the 255 bytes a folder name may have"
+    return None
+
+def check_tag(tag: object, what: str = "--tag") -> str:
+    """``tag`` when it can name a checkpoint folder; UsageError naming the value and why otherwise."""
+    from shardkit.core.errors import UsageError
+
+    why = tag_problem(tag)
+    if why is not None:
+        raise UsageError(f"{what} {tag!r}: not a usable checkpoint tag ({why}); choose another name, "
+                         "e.g. global_step100")
+    return tag  # type: ignore[return-value]
+
+#: torch's zip writer (caffe2 inline_container.cc) reports a short fwrite only as a position
+#: mismatch when the record or the archive is closed: "[enforce fail at inline_container.cc:672]
+#: . unexpected pos 704 vs 598". No errno survives; on a local file a short write is a full disk
+#: (or quota).
+_TORCH_SHORT_WRITE = re.compile(r"inline_container\.cc.*(unexpected pos|file write failed)", re.S)
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for the errors a full disk (or an exhausted quota) surfaces as: OSError ENOSPC/EDQUOT,
+    or torch's zip writer's short-write RuntimeError."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    return isinstance(exc, RuntimeError) and bool(_TORCH_SHORT_WRITE.search(str(exc)))
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes available to this user on the filesystem holding ``path`` (its nearest existing
+    ancestor); None when it cannot be asked."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+def disk_full_error(path: str | os.PathLike[str], exc: BaseException, outcome: str) -> CheckpointError:
+    """The one message for a write that ran out of space: the file, the bytes left, what was kept."""
+    free = free_bytes(path)
+    left = f"{free:,} bytes free" if free is not None else "free space unknown"
+    text = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)).strip()
+    detail = text.splitlines()[0] if text else type(exc).__name__
+    return CheckpointError(
+        f"disk full at {path}, {left}, {outcome} ({type(exc).__name__}: {detail}). Free space on that "
+        "filesystem, or write to another disk, and run again"
+    )
+
+def os_errors_named(action: str) -> Callable[[F], F]:
+    """Decorator: an OSError escaping the function (permission denied, disk full, a file vanishing
+    under a reader) becomes a CheckpointError naming the path, instead of a traceback."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except OSError as exc:
+                where = exc.filename if exc.filename is not None else "a checkpoint file"
+                other = f" -> {exc.filename2}" if getattr(exc, "filename2", None) else ""
+                raise CheckpointError(
+                    f"{where}{other}: {action} failed ({type(exc).__name__}: {exc.strerror or exc}). Check that the "
+                    "path exists and this user may read (and, for outputs, write) it, and that the disk has space"
+                ) from exc
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+@contextlib.contextmanager
+def disk_full_named(path: str | os.PathLike[str], outcome: str) -> Iterator[None]:
+    """A full disk while writing ``path`` becomes one CheckpointError naming it, the space left and
+    ``outcome`` (what was kept); other errors pass through unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        if isinstance(exc, CheckpointError) or not is_disk_full(exc):
+            raise
+        raise disk_full_error(path, exc, outcome) from exc
+
+# os.replace, through a name tests can interrupt to simulate a crash between two renames
+_rename = os.replace
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush a directory entry (a rename or new file) to disk; a no-op where dirs cannot be opened."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush one file's data to disk (it may have been written by another process or library)."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+def fsync_tree(root: str | os.PathLike[str]) -> None:
+    """fsync every file, then every directory (deepest first), under ``root``."""
+    dirs: list[str] = []
+    for dirpath, _dirnames, filenames in os.walk(os.fspath(root)):
+        dirs.append(dirpath)
+        for name in filenames:
+            fsync_file(os.path.join(dirpath, name))
+    for d in reversed(dirs):
+        fsync_dir(d)
+
+def _temp_name(path: Path) -> Path:
+    # same directory, so os.replace never crosses a filesystem; hidden, so globbing skips it
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary sibling of ``path`` for writing; on success fsync and rename it over
+    ``path``; on any exception remove it and leave ``path`` untouched."""
+    if "w" not in mode:
+        raise ValueError(f"atomic_open is for writing; mode {mode!r} has no 'w'")
+    final = Path(path)
+    tmp = _temp_name(final)
+    fh = open(tmp, mode)
+    try:
+        yield fh
+        fh.flush()
+        os.fsync(fh.fileno())
+        fh.close()
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        fh.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically."""
+    with atomic_open(path, "wb") as fh:
+        fh.write(data)
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+def atomic_save(obj: Any, path: str | os.PathLike[str], save: Callable[[Any, IO[bytes]], None] | None = None) -> None:
+    """``torch.save(obj, path)`` (or ``save(obj, fh)``) through a temporary file and a rename."""
+    if save is None:
+        import torch
+
+        save = torch.save
+    with atomic_open(path, "wb") as fh:
+        save(obj, fh)
+
+def write_latest(root: str | os.PathLike[str], tag: str, name: str = LATEST_NAME) -> None:
+    """Point ``root/latest`` at ``tag`` atomically, in DeepSpeed's format (the bare tag), so
+    ``engine.load_checkpoint(root)`` keeps working."""
+    atomic_write_text(Path(root) / name, str(tag))
+
+def read_latest(root: str | os.PathLike[str], name: str = LATEST_NAME) -> str | None:
+    """The tag ``root/latest`` names, or None when there is no pointer (nothing there, or a folder).
+
+    Read with ``read_regular_file``: the type is checked on the open descriptor, so a FIFO or
+    device swapped in after a check is refused instead of blocking the reader."""
+    from shardkit.core.files import FileReadError, read_regular_file
+
+    p = Path(root) / name
+    fix = (f"Write the tag of a complete checkpoint into it (e.g. `echo -n TAG > {p}`), or pass the tag "
+           "directory itself")
+    try:
+        data = read_regular_file(p, MAX_LATEST_BYTES)
+    except FileReadError as exc:
+        if exc.reason in ("missing", "folder"):
+            return None
+        if exc.reason == "too_large":
+            raise CheckpointError(f"{p}: more than {MAX_LATEST_BYTES} bytes, not a tag name; the pointer file is "
+                                  f"corrupted or was replaced. {fix}") from None
+        raise CheckpointError(f"{exc}; 'latest' must be a small text file holding one tag. {fix}") from None
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{p}: not a tag name ({len(data)} bytes, not UTF-8 text: {data[:32]!r}); the pointer file is "
+            f"corrupted. {fix}"
+        ) from None
+
+
+def latest_tag(root: str | os.PathLike[str]) -> str | None:
+    """``read_latest`` for a reader about to open ``root/<tag>``: the tag must be one folder name
+    inside ``root`` ('/etc' or '../x' would make ``root / tag`` point anywhere), so anything else
+    raises one CheckpointError naming the pointer file, the value and the fix. None: no pointer."""
+    tag = read_latest(root)
+    if tag is None:
+        return None
+    p = Path(root) / LATEST_NAME
+    why = None
+    if not tag:
+        why = "it is empty"
+    elif tag in (".", "..") or "/" in tag or "\\" in tag or os.sep in tag or "\0" in tag:
+        why = "a tag is one folder name inside the checkpoint folder: no path separators, '.', '..' or NUL"
+    elif tag.startswith(STAGING_PREFIX):
+        why = f"names starting with {STAGING_PREFIX!r} are staging folders of saves that never completed"
+    if why is not None:
+        raise CheckpointError(
+            f"{p}: holds {tag[:200]!r}, which is not a checkpoint tag ({why}); the pointer file is corrupted or "
+            f"was edited. Write the tag of a complete checkpoint into it (e.g. `echo -n global_step100 > {p}`), "
+            "or pass the tag folder itself"
+        )
+    return tag
+
+
+def staging_dir(root: str | os.PathLike[str], tag: str) -> Path:
+    """Where a save of ``tag`` is written before it is renamed into place (same on every rank)."""
+    return Path(root) / f"{STAGING_PREFIX}{tag}"
+
+def publish_dir(staged: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
+    """fsync a fully written staging directory and rename it to ``final``.
+
+    When ``final`` already exists (the same tag saved twice) it is first renamed aside and removed
+    after the new one is in place, so there is no moment without a complete directory on disk under
+    one of the two names.
+    """
+    staged, final = Path(staged), Path(final)
+    fsync_tree(staged)
+    old: Path | None = None
+    if final.exists():
+        old = final.with_name(f"{STAGING_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+    os.replace(staged, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+def _link_copy(src: Path, dst: Path) -> None:
+    """A complete copy of ``src`` at ``dst`` made of hard links (no data copied); plain copies where
+    the filesystem has no hard links."""
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link)
+    fsync_tree(dst)
+
+def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], tag: str) -> Path:
+    """Rename the fully written ``staged`` directory to ``root/<tag>`` and point ``latest`` at it.
+
+    Saving a tag that already exists never leaves ``latest`` naming a missing folder, nor the only
+    good copy under a staging name: the old copy is first duplicated (hard links) under the
+    loadable name ``<tag>.shardkit-replaced-<hex>`` and ``latest`` repointed there when it named
+    the tag, then the old folder is renamed aside, the new one into place, and ``latest`` moved
+    last. A crash between any two steps leaves ``latest`` naming a complete checkpoint.
+    """
+    root, staged = Path(root), Path(staged)
+    final = root / tag
+    fsync_tree(staged)
+    kept: Path | None = None
+    trash: Path | None = None
+    if final.exists():
+        kept = root / f"{tag}{REPLACED_MARK}{uuid.uuid4().hex[:8]}"
+        _link_copy(final, kept)
+        fsync_dir(root)
+        if read_latest(root) == tag:
+            write_latest(root, kept.name)
+        trash = root / f"{STAGING_PREFIX}old-{tag}-{uuid.uuid4().hex[:8]}"
+        _rename(final, trash)
+    _rename(staged, final)
+    fsync_dir(root)
+    write_latest(root, tag)
+    for d in (trash, kept):
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+    return final
+
+def remove_stale_saves(root: str | os.PathLike[str]) -> list[str]:
+    """Remove what killed saves left in ``root``: staging folders (of any tag), temporaries of
+    atomic writes (``.latest.tmp-*``) and set-aside copies ``latest`` no longer names (a set-aside
+    copy whose tag folder is gone is renamed back to its tag instead). Call on one rank only,
+    before a save; assumes one writer per checkpoint root. Returns the names removed."""
+    root = Path(root)
+    latest = read_latest(root) if (root / LATEST_NAME).is_file() else None
+    removed = []
+    for entry in root.iterdir():
+        name = entry.name
+        if entry.is_dir() and REPLACED_MARK in name and name != latest:
+            tag = name.split(REPLACED_MARK, 1)[0]
+            if not (root / tag).exists():
+                # a re-save of ``tag`` died between its two renames: this is its only complete copy
+                _rename(entry, root / tag)
+                continue
+        stale_dir = entry.is_dir() and (name.startswith(STAGING_PREFIX) or (REPLACED_MARK in name and name != latest))
+        stale_tmp = entry.is_file() and name.startswith(".") and ".tmp-" in name
+        if stale_dir:
+            shutil.rmtree(entry, ignore_errors=True)
+        elif stale_tmp:
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed

@@ -1,0 +1,166 @@
+"""The steps every checkpoint operation shares, in the order it runs them: verify the source before
+anything is unpickled (``verify_before_reading``), choose the output's tag and refuse an output
+folder where writing would destroy something (``source_tag_as_new_tag``, ``check_output_root``),
+size the writer pool (``default_workers``); staging and sealing the output is
+``staged_save.atomic_checkpoint``. Reshard, convert, consolidate and export call these instead of
+borrowing them from one another.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardkit.checkpoint.io.atomic import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, tag_problem
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME, Manifest
+from shardkit.checkpoint.io.verify import verify_checkpoint
+from shardkit.core.errors import CheckpointError, UsageError
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A checkpoint is read without (full) verification: no manifest, or hashes skipped."""
+
+
+@dataclass
+class SourceCheck:
+    """How a converter's input was checked before it was read."""
+
+    level: str
+    """'sha256' (sizes and content), 'sizes' (hashes skipped) or 'none' (no manifest to check against)."""
+    warnings: list[str]
+    """What the user should know before trusting the output."""
+    manifest: Manifest | None = None
+    """The manifest the files were checked against (None without one)."""
+
+
+#: How ``source checked before reading`` reads (reshard, consolidate) for each ``SourceCheck.level``.
+CHECKED_LEVELS = {
+    "sha256": "sizes and sha256 match its manifest",
+    "sizes": "sizes match its manifest (sha256 skipped: --no-verify)",
+    "none": "not verified (no shardkit manifest)",
+}
+
+
+def warn_unverified(message: str) -> None:
+    """Default ``warn`` of the converters: an UnverifiedCheckpointWarning at the converter's caller
+    (called straight from a function wrapped by ``os_errors_named``: stacklevel 4 skips the wrapper)."""
+    import warnings
+
+    warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=4)
+
+
+def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = True) -> SourceCheck:
+    """What a converter (reshard, consolidate) calls on the tag folder it is about to read, before
+    anything is unpickled: the same checks as ``shardkit verify`` (sizes always, sha256 unless
+    ``checksums=False``), so a corrupted checkpoint is refused instead of converted into a new one
+    whose fresh manifest would vouch for the corruption.
+
+    Raises one CheckpointError naming the first problem. A folder without a manifest (a plain
+    ``engine.save_checkpoint``) cannot be verified: it is read, with a warning.
+    """
+    tag_dir = Path(tag_dir)
+    if not os.path.lexists(tag_dir / MANIFEST_NAME):
+        return SourceCheck("none", [
+            f"{tag_dir} has no {MANIFEST_NAME} (it was not saved by shardkit), so its files cannot be verified: a "
+            "truncated or corrupted rank file is read as is. Save with shardkit to get a manifest"])
+    report = verify_checkpoint(tag_dir, checksums=checksums)
+    if report.errors:
+        first = report.errors[0]
+        more = f" ({len(report.errors) - 1} more problem(s): run `shardkit verify {tag_dir}`)" if len(report.errors) > 1 else ""
+        raise CheckpointError(f"refusing to read {tag_dir}: it fails verification: [{first.key}] {first.message}. "
+                              f"Fix: {first.fix}{more}")
+    notes = [f.message for f in report.warnings]
+    if not checksums:
+        n = len(report.manifest.files) if report.manifest else 0
+        notes.append(f"--no-verify: the sha256 of the {n} file(s) of {tag_dir} was not checked (their sizes were); "
+                     "a corrupted file of the right size is read as is")
+    return SourceCheck("sha256" if checksums else "sizes", notes, report.manifest)
+
+
+def source_tag_as_new_tag(checkpoint: str | Path, source_dir: Path, source_tag: str) -> str:
+    """The source's tag, reused for the output when no ``--tag`` was given, or a UsageError that
+    names where that tag came from (the user never typed it) and says to pass ``--tag``."""
+
+    why = tag_problem(source_tag)
+    if why is None:
+        return source_tag
+    given = Path(checkpoint).resolve()
+    # a root or its 'latest' file: the tag was read from 'latest'; a tag folder or a rank file: its folder name
+    if given != source_dir.resolve() and given.parent != source_dir.resolve():
+        origin = f"read from {source_dir.parent / LATEST_NAME}"
+    else:
+        origin = f"the name of the source folder {source_dir}"
+    raise UsageError(f"source tag {source_tag!r} ({origin}) cannot name the new checkpoint ({why}); no --tag was "
+                     "given, so the source's tag would be reused. Pass --tag NAME, e.g. --tag global_step100")
+
+
+def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = False) -> None:
+    """Refuse an output folder where writing ``<tag>/`` and ``latest`` would destroy something.
+
+    Accepted: a path that does not exist, an empty folder, or a shardkit checkpoint folder (one
+    holding at least one tag folder with a manifest). Refused: the source checkpoint's own folder
+    or anything inside it; a non-empty folder of other files (the save sequence removes leftovers
+    of interrupted saves there and points ``latest`` at the new tag); a ``<tag>`` or ``latest``
+    that is not a shardkit checkpoint / a regular file; an existing ``<tag>`` checkpoint unless
+    ``force``.
+    """
+
+    src, src_root = source_dir.resolve(), source_dir.parent.resolve()
+    final = root / tag
+    if final.resolve() == src:
+        raise UsageError(
+            f"-o {root} with tag {tag!r} would overwrite the checkpoint being read ({source_dir}); "
+            "write to another folder or pass --tag NEW_TAG"
+        )
+    if root.resolve() == src_root:
+        raise UsageError(
+            f"-o {root} is the folder of the checkpoint being read: the resharded copy would move its 'latest' "
+            f"pointer away from {source_dir.name!r} and the source run could no longer resume from it. Write to "
+            f"another folder, e.g. -o {root.resolve().name}_resharded/"
+        )
+    if root.resolve().is_relative_to(src):
+        raise UsageError(f"-o {root} is inside the checkpoint being read ({source_dir}); write to another folder")
+    if not root.exists() and not root.is_symlink():
+        return
+    if not root.is_dir():
+        raise UsageError(f"-o {root}: exists and is not a folder; pass a new or empty folder (the resharded "
+                         f"checkpoint is written as OUT/{tag}/ and OUT/{LATEST_NAME})")
+    entries = sorted(root.iterdir())
+    if not entries:
+        return
+    checkpoints = [e for e in entries if e.is_dir() and not e.name.startswith(STAGING_PREFIX)
+                   and REPLACED_MARK not in e.name and (e / MANIFEST_NAME).is_file()]
+    if not checkpoints:
+        shown = [e.name for e in entries[:5]] + (["..."] if len(entries) > 5 else [])
+        raise UsageError(
+            f"-o {root}: folder is not empty and is not a shardkit checkpoint folder (it holds {shown}); writing "
+            f"there would point its '{LATEST_NAME}' at the new tag and remove files named like leftovers of "
+            "interrupted saves. Pass a new or empty folder"
+        )
+    latest = root / LATEST_NAME
+    if (latest.exists() or latest.is_symlink()) and not latest.is_file():
+        raise UsageError(f"-o {root}: {latest} is not a regular file (a folder, device or dangling link), so it "
+                         "cannot be the checkpoint pointer; pass another folder")
+    if final.exists() or final.is_symlink():
+        if final.is_symlink() or not final.is_dir() or not (final / MANIFEST_NAME).is_file():
+            raise UsageError(f"-o {root}: {final} exists and is not a shardkit checkpoint (no {MANIFEST_NAME}, or "
+                             "not a plain folder); it is never replaced. Pass --tag NEW_TAG or another folder")
+        if not force:
+            raise UsageError(f"-o {root}: already holds checkpoint {tag!r} ({final}); pass --force to replace it, "
+                             "or --tag NEW_TAG to write beside it")
+
+
+def default_workers(rank_files: int) -> int:
+    """Threads writing rank files at once: one per new rank's optimizer file (a file is hashed front
+    to back, so it is one thread's work; with fewer threads than files the last file runs alone
+    while cores idle), at least one per core, at most 8 unless there are more cores (past that the
+    disk, not the CPU, is the limit). Every step releases the GIL and each thread holds one
+    CHUNK_BYTES buffer, so more threads than cores cost nothing but a time slice."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(rank_files, max(cores, 8)))
+
+

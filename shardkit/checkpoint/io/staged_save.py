@@ -1,0 +1,125 @@
+"""The one save sequence every shardkit writer uses: stage, agree across ranks, hash, write the
+manifest (the completion marker), publish. File-level primitives live in ``atomic``; the manifest
+format in ``manifest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from shardkit.checkpoint.io.atomic import (
+    LATEST_NAME,
+    check_tag,
+    disk_full_error,
+    is_disk_full,
+    publish_tag,
+    remove_stale_saves,
+    staging_dir,
+)
+from shardkit.checkpoint.io.manifest import Manifest, describe_files_distributed, write_manifest
+from shardkit.core.errors import CheckpointError
+from shardkit.platform.dist import all_gather_object, broadcast_object, rank_world
+from shardkit.platform.versions import library_versions
+
+
+@dataclass
+class StagedSave:
+    """A save in progress: where to write, and what the manifest will record."""
+
+    path: Path
+    """The staging directory to write every file into (the same on every rank)."""
+    final: Path
+    """Where the checkpoint will be once published: ``root/<tag>``."""
+    rank: int
+    world_size: int
+    facts: dict[str, Any] = field(default_factory=dict)
+    """Manifest fields (step, dtype, zero_stage, extra ...); the body may add to them."""
+    known_files: list[Any] = field(default_factory=list)
+    """FileEntry items the body already hashed (the rest are hashed after the writes)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+@contextlib.contextmanager
+def atomic_checkpoint(
+    root: str | os.PathLike[str], tag: str, *, engine: str, manifest: bool = True, **facts: Any
+) -> Iterator[StagedSave]:
+    """The one save sequence every shardkit writer uses. Collective when a process group exists.
+
+    Rank 0 creates ``root``, removes leftovers of killed saves (``remove_stale_saves``) and an empty
+    staging folder; the body writes into ``save.path`` on every rank; then the ranks agree that
+    every write succeeded (a rank that raised makes every rank raise, none waits in a barrier),
+    hash the files together, and rank 0 writes the manifest (the completion marker) and publishes
+    the tag (``publish_tag``: rename, ``latest`` last). An error on rank 0 there (disk full,
+    permissions) is broadcast and raised as the same CheckpointError on every rank.
+    ``manifest=False`` (reshard's ``--no-manifest``) skips the hashing and the manifest.
+    """
+    check_tag(tag, "tag")  # the same on every rank, so every rank raises before any collective
+    root = Path(root)
+    rank, world = rank_world()
+    staged = staging_dir(root, tag)
+    err: str | None = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale_saves(root)
+            staged.mkdir()
+        except (OSError, CheckpointError) as exc:
+            err = f"cannot prepare the save of {tag!r} in {root} ({_one_line(exc)}); check the path and its permissions"
+    err = broadcast_object(err)
+    if err:
+        raise CheckpointError(err)
+    save = StagedSave(path=staged, final=root / tag, rank=rank, world_size=world, facts=dict(facts))
+    local: Exception | None = None
+    try:
+        yield save
+    except Exception as exc:  # noqa: BLE001 - every rank must hear about it before anyone waits
+        local = exc
+    statuses = all_gather_object(None if local is None else _one_line(local))
+    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        if local is not None and not isinstance(local, CheckpointError) and is_disk_full(local):
+            # torch's writer names no file (see _TORCH_SHORT_WRITE): name the folder being written
+            where = getattr(local, "filename", None) or staged
+            raise disk_full_error(where, local, f"nothing written: the staging folder was removed, "
+                                  f"{root / LATEST_NAME} is unchanged") from local
+        if local is not None:
+            raise local
+        r, s = failed[0]
+        raise CheckpointError(f"saving {tag!r} in {root} failed on rank {r} ({s}); the previous checkpoint and "
+                              "'latest' are unchanged")
+    known = {e.path: e for e in save.known_files}
+    files = describe_files_distributed(staged, exclude=set(known)) if manifest else []
+    if rank == 0 and manifest:
+        fields = dict(save.facts)
+        fields.setdefault("world_size", world)
+        fields.setdefault("versions", library_versions())
+        entries = sorted([*files, *known.values()], key=lambda e: e.path)
+        try:
+            write_manifest(staged, Manifest(engine=engine, tag=tag, files=entries, **fields))
+        except OSError as exc:
+            # nothing is published yet: the staged files go, so a full disk is not left fuller
+            shutil.rmtree(staged, ignore_errors=True)
+            outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
+            err = (str(disk_full_error(staged / "shardkit_manifest.json", exc, outcome)) if is_disk_full(exc) else
+                   f"{root / tag}: the manifest could not be written on rank 0 ({_one_line(exc)}); {outcome}. "
+                   f"Fix permissions or free space in {root} and save again")
+    if rank == 0 and err is None:
+        try:
+            publish_tag(root, staged, tag)
+        except (OSError, CheckpointError) as exc:
+            err = (f"{root / tag}: the save was written but could not be completed on rank 0 ({_one_line(exc)}); "
+                   f"'latest' was not moved to it. Free disk space or fix permissions in {root} and save again")
+    err = broadcast_object(err)
+    if err:
+        raise CheckpointError(err)

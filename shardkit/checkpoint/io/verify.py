@@ -1,0 +1,350 @@
+"""Check a checkpoint against its manifest before anything is unpickled.
+
+``verify_checkpoint`` returns a report (the CLI table and ``--json`` come from it);
+``check_resumable`` is what loaders call first: it raises one CheckpointError naming the file or
+field at fault, so a truncated or corrupted rank file never surfaces as a raw unpickling traceback
+from deep inside ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardkit.checkpoint.io.atomic import LATEST_NAME, STAGING_PREFIX, latest_tag, os_errors_named, read_latest
+from shardkit.checkpoint.io.manifest import (
+    ENGINES,
+    MANIFEST_NAME,
+    Manifest,
+    checkpoint_files,
+    read_manifest,
+    sha256_file,
+)
+from shardkit.core.errors import CheckpointError
+from shardkit.core.findings import Finding, Report, Severity
+from shardkit.platform.dist import all_gather_object, rank_world
+
+# Files that mark a directory as one checkpoint of some engine even without a shardkit manifest.
+_ENGINE_MARKERS = re.compile(r"(_model_states\.pt|_optim_states\.pt|^\.metadata|\.distcp)$")
+
+
+@dataclass
+class CheckpointReport(Report):
+    """A Report about one checkpoint, with where it was found and its manifest when readable."""
+
+    root: str | None = None
+    """The directory holding ``latest`` and the tag directories."""
+    tag_dir: str | None = None
+    """The checkpoint (tag) directory that was checked."""
+    manifest: Manifest | None = None
+    """The parsed manifest, when it could be read."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["root"] = self.root
+        d["tag_dir"] = self.tag_dir
+        d["tag"] = self.manifest.tag if self.manifest else None
+        d["engine"] = self.manifest.engine if self.manifest else None
+        d["world_size"] = self.manifest.world_size if self.manifest else None
+        d["step"] = self.manifest.step if self.manifest else None
+        return d
+
+
+def _err(key: str, value: Any, message: str, fix: str, rule: str) -> Finding:
+    return Finding(Severity.ERROR, key, value, message, fix, rule)
+
+
+def _complete_tags(root: Path) -> list[Path]:
+    """Tag directories under root that hold a manifest, newest step (then mtime) last."""
+    found = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(STAGING_PREFIX)
+             and (d / MANIFEST_NAME).is_file()]
+
+    def key(d: Path) -> tuple[int, float]:
+        try:
+            step = read_manifest(d).step
+        except CheckpointError:
+            step = None
+        return (step if isinstance(step, int) else -1, (d / MANIFEST_NAME).stat().st_mtime)
+
+    return sorted(found, key=key)
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], report: CheckpointReport) -> Path | None:
+    """Find the tag directory ``path`` designates (root with ``latest``, or a tag dir), recording
+    findings about misuse on ``report``. Returns None when there is nothing to check."""
+    p = Path(path)
+    if not p.exists():
+        report.add(_err("path", str(p), "checkpoint path does not exist", "check the path", "ckpt.path.missing"))
+        return None
+    if p.is_file():
+        report.add(_err("path", str(p), "is a file, not a checkpoint directory",
+                        "pass the checkpoint root (the directory holding 'latest') or one tag directory",
+                        "ckpt.path.file"))
+        return None
+    if p.name.startswith(STAGING_PREFIX):
+        report.add(_err("path", str(p), "is the staging directory of a save that never completed (killed or "
+                        "failed before it was renamed into place)",
+                        f"resume from the checkpoint named in {p.parent / LATEST_NAME}; delete this directory",
+                        "ckpt.path.staging"))
+        return None
+    if (p / MANIFEST_NAME).is_file():
+        # A step folder: fine, but say when it is not the one 'latest' names (Lightning points to the parent).
+        report.root, report.tag_dir = str(p.parent), str(p)
+        try:
+            latest = read_latest(p.parent)
+        except CheckpointError:
+            latest = None  # only used for the note below; the tag folder itself was passed
+        if latest is not None and latest != p.name:
+            report.add(Finding(Severity.INFO, LATEST_NAME, latest,
+                               f"{p} is a step folder; the root's 'latest' names {latest!r}, not {p.name!r}",
+                               f"pass {p.parent} to resume from the newest checkpoint", "ckpt.path.not_latest"))
+        return p
+    try:
+        latest = latest_tag(p)  # one folder name inside p: '/etc' or '../x' would check another folder
+    except CheckpointError as exc:
+        report.root = str(p)
+        report.add(_err(LATEST_NAME, None, str(exc), "write the tag of a complete checkpoint into it, or pass a tag "
+                        "directory directly", "ckpt.latest.invalid"))
+        return None
+    if latest is not None:
+        report.root = str(p)
+        tag_dir = p / latest
+        report.tag_dir = str(tag_dir)
+        if not tag_dir.is_dir():
+            report.add(_err(LATEST_NAME, latest, f"{p / LATEST_NAME} names tag {latest!r} but {tag_dir} does not exist",
+                            "point 'latest' at an existing tag directory, or pass a tag directory directly",
+                            "ckpt.latest.dangling"))
+            return None
+        if not (tag_dir / MANIFEST_NAME).is_file():
+            report.add(_err(f"{latest}/{MANIFEST_NAME}", None,
+                            f"{tag_dir} has no {MANIFEST_NAME}: the save did not complete, or it was not written by "
+                            "shardkit (plain engine.save_checkpoint moves 'latest' before anything is verified)",
+                            "save with shardkit (save_deepspeed_checkpoint / save_fsdp_checkpoint), or resume from "
+                            "an earlier complete tag", "ckpt.manifest.missing"))
+            return None
+        return tag_dir
+    # No manifest, no latest: a step folder of another writer, or a root with no complete checkpoint.
+    if any(_ENGINE_MARKERS.search(f.name) for f in p.iterdir() if f.is_file()):
+        report.root, report.tag_dir = str(p.parent), str(p)
+        report.add(_err(MANIFEST_NAME, None,
+                        f"{p} looks like a checkpoint step folder but has no {MANIFEST_NAME}: the save did not "
+                        "complete, or it was not written by shardkit",
+                        "resume from a complete checkpoint, or re-save it with shardkit", "ckpt.manifest.missing"))
+        return None
+    report.root = str(p)
+    complete = _complete_tags(p)
+    if complete:
+        newest = complete[-1]
+        report.tag_dir = str(newest)
+        report.add(Finding(Severity.WARNING, LATEST_NAME, None,
+                           f"{p} has no 'latest' pointer; checking the newest complete checkpoint {newest.name!r}",
+                           f"write the tag into {p / LATEST_NAME}, or pass the tag directory", "ckpt.latest.missing"))
+        return newest
+    staged = sorted(d.name for d in p.iterdir() if d.name.startswith(STAGING_PREFIX))
+    why = f" (only interrupted saves: {staged})" if staged else ""
+    report.add(_err("path", str(p), f"no completed checkpoint under {p}{why}",
+                    "pass a checkpoint root holding 'latest' or a tag directory holding " + MANIFEST_NAME,
+                    "ckpt.none_complete"))
+    return None
+
+
+_RANK_NAME = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d{1,9})_mp_rank_\d+_(optim|model)_states\.pt$")
+#: Missing ranks named one by one; beyond that one finding counts the rest.
+_MISSING_RANKS_SHOWN = 5
+
+
+def _rank_pattern(kind: str, rank: int) -> str:
+    return rf"^{'(bf16_)?' if kind == 'optim' else ''}zero_pp_rank_{rank}_mp_rank_\d+_{kind}_states\.pt$"
+
+
+def _missing_rank_files(m: Manifest) -> list[tuple[str, int, list[int]]]:
+    """(kind, how many ranks lack a ``kind`` states file, the first few of them) for the per-rank
+    DeepSpeed files the manifest's world size needs. One pass over the listed files: the cost
+    follows what the manifest lists, never the world size it claims."""
+    if m.engine != "deepspeed" or not m.zero_stage:
+        return []
+    kinds = ("optim", "model") if m.zero_stage == 3 else ("optim",)
+    present: dict[str, set[int]] = {k: set() for k in kinds}
+    for entry in m.files:
+        match = _RANK_NAME.match(entry.path.rsplit("/", 1)[-1])
+        if match and match.group(2) in present and int(match.group(1)) < m.world_size:
+            present[match.group(2)].add(int(match.group(1)))
+    out = []
+    for kind in kinds:
+        have = present[kind]
+        count = m.world_size - len(have)
+        if count == 0:
+            continue
+        first, r = [], 0
+        while len(first) < _MISSING_RANKS_SHOWN and r < m.world_size:  # <= len(have) + shown steps
+            if r not in have:
+                first.append(r)
+            r += 1
+        out.append((kind, count, first))
+    return out
+
+
+@os_errors_named("verifying the checkpoint")
+def verify_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    world_size: int | None = None,
+    engine: str | None = None,
+    checksums: bool = True,
+    allow_reshard: bool = False,
+) -> CheckpointReport:
+    """Check one checkpoint (a root with ``latest``, or a tag directory) against its manifest.
+
+    Errors: a listed file missing, shorter/longer than recorded (truncated), or with another
+    sha256 (corrupted); a rank file the world size requires absent from the manifest; a
+    different engine; a different world size (except for FSDP2/DCP, or ``allow_reshard``).
+    """
+    report = CheckpointReport(subject=str(path))
+    if engine is not None and engine not in ENGINES:
+        report.add(_err("engine", engine, f"unknown engine {engine!r}", f"use one of {list(ENGINES)}", "ckpt.engine.unknown"))
+        return report
+    tag_dir = resolve_checkpoint(path, report)
+    if tag_dir is None:
+        return report
+    try:
+        m = read_manifest(tag_dir)
+    except CheckpointError as exc:
+        report.add(_err(MANIFEST_NAME, None, str(exc), "re-save the checkpoint; the manifest cannot be trusted",
+                        "ckpt.manifest.invalid"))
+        return report
+    report.manifest = m
+    listed = {f.path for f in m.files}
+    inside = tag_dir.resolve()
+    for entry in m.files:
+        f = tag_dir / entry.path  # entry.path is relative, without '..' (Manifest.from_dict checks)
+        real = f.resolve()
+        if not real.is_relative_to(inside):
+            # the text of the path is checked when the manifest is read; a symlink inside the tag
+            # folder (sub -> /) still leads out of it, so where the path really goes is checked here
+            report.add(_err(entry.path, str(real), f"{f}: leads outside the checkpoint folder {inside} (to {real}, "
+                            "through a symlink); it is not read",
+                            "replace the link with the real file, or resume from another tag", "ckpt.file.outside"))
+            continue
+        if f.exists() and not f.is_file():
+            report.add(_err(entry.path, None, f"{f}: listed in the manifest as a file but is not a regular file "
+                            "(a folder, fifo or device); it is not read",
+                            "restore the file from a copy of the checkpoint, or resume from another tag",
+                            "ckpt.file.not_regular"))
+            continue
+        if not f.is_file():
+            report.add(_err(entry.path, None, f"{f}: file listed in the manifest is missing",
+                            "restore it from a copy of the checkpoint, or resume from another tag", "ckpt.file.missing"))
+            continue
+        size = f.stat().st_size
+        if size != entry.size:
+            kind = "truncated" if size < entry.size else "longer than when it was saved"
+            report.add(_err(entry.path, size, f"{f}: {size} bytes on disk, manifest records {entry.size} ({kind})",
+                            "the copy or the save was cut short; restore the file or resume from another tag",
+                            "ckpt.file.size"))
+            continue
+        if checksums and sha256_file(f) != entry.sha256:
+            report.add(_err(entry.path, "sha256 mismatch", f"{f}: content differs from the manifest (sha256 "
+                            "mismatch): the file is corrupted or was modified after the save",
+                            "restore the file from a good copy or resume from another tag", "ckpt.file.checksum"))
+    for kind, count, first in _missing_rank_files(m):
+        for r in first:
+            report.add(_err(f"rank {r}", None, f"{tag_dir}: no file for rank {r} matching {_rank_pattern(kind, r)} "
+                            f"although the checkpoint records world_size={m.world_size}",
+                            "the save is incomplete; resume from another tag", "ckpt.rank_file.missing"))
+        if count > len(first):
+            report.add(_err("ranks", count - len(first), f"{tag_dir}: {count - len(first):,} more rank(s) have no "
+                            f"{kind}_states file although the checkpoint records world_size={m.world_size} (it "
+                            f"lists {len(m.files)} files)", "the save is incomplete, or its manifest was edited; "
+                            "resume from another tag", "ckpt.rank_file.missing"))
+    for rel in checkpoint_files(tag_dir):
+        if rel not in listed:
+            report.add(Finding(Severity.WARNING, rel, None, f"{tag_dir / rel}: file not listed in the manifest "
+                               "(added after the save)", "remove it, or re-save the checkpoint", "ckpt.file.extra"))
+    if engine is not None and engine != m.engine:
+        report.add(_err("engine", m.engine, f"checkpoint was written by engine {m.engine!r}, this run uses {engine!r}",
+                        f"load it with the {m.engine} loader, or convert it", "ckpt.engine.mismatch"))
+    if world_size is not None and world_size != m.world_size:
+        if m.engine == "fsdp2" or allow_reshard:
+            report.add(Finding(Severity.INFO, "world_size", m.world_size,
+                               f"saved at world size {m.world_size}, resuming at {world_size}: state is resharded on load",
+                               "nothing to do", "ckpt.world_size.reshard"))
+        else:
+            report.add(_err("world_size", m.world_size,
+                            f"checkpoint was saved by {m.world_size} ranks, this run has {world_size}; DeepSpeed's "
+                            "load_checkpoint cannot repartition ZeRO state to a new world size",
+                            f"run with {m.world_size} ranks, or reshard it first: shardkit reshard {tag_dir} "
+                            f"--world-size {world_size} -o NEW_DIR", "ckpt.world_size.mismatch"))
+    if report.root:
+        root = Path(report.root)
+        leftovers = sorted(d.name for d in root.iterdir() if d.name.startswith(STAGING_PREFIX)) if root.is_dir() else []
+        if leftovers:
+            report.add(Finding(Severity.INFO, "staging", leftovers, f"{root} holds staging directories of interrupted "
+                               "saves; they are never loaded", "delete them to reclaim space", "ckpt.staging.leftover"))
+    return report
+
+
+def check_resumable(
+    path: str | os.PathLike[str],
+    *,
+    world_size: int | None = None,
+    engine: str | None = None,
+    checksums: bool = True,
+    allow_reshard: bool = False,
+) -> CheckpointReport:
+    """``verify_checkpoint`` for loaders: raise one CheckpointError naming the file or field of the
+    first problem (and how many more there are); return the report when the checkpoint is usable."""
+    report = verify_checkpoint(path, world_size=world_size, engine=engine, checksums=checksums,
+                               allow_reshard=allow_reshard)
+    if report.errors:
+        first = report.errors[0]
+        more = f" ({len(report.errors) - 1} more problem(s): run `shardkit verify {path}`)" if len(report.errors) > 1 else ""
+        raise CheckpointError(f"cannot resume from {path}: [{first.key}] {first.message}. Fix: {first.fix}{more}")
+    return report
+
+
+def check_resumable_distributed(
+    path: str | os.PathLike[str],
+    *,
+    world_size: int | None = None,
+    engine: str | None = None,
+    checksums: bool = True,
+    allow_reshard: bool = False,
+) -> CheckpointReport:
+    """``check_resumable`` for N ranks resuming together. Collective when a process group exists.
+
+    Every rank checks presence, sizes and the manifest's facts (cheap), and hashes only its share of
+    the files (``files[rank::world]``), so N ranks read the checkpoint once between them instead of
+    N times. The findings are all-gathered, and every rank raises the same CheckpointError (naming
+    the first file or field at fault), so no rank is left waiting in a collective when another one
+    alone found a corrupted file.
+    """
+
+    rank, world = rank_world()
+    local: list[tuple[str, str, str]] = []  # (key, message, fix)
+    report: CheckpointReport | None = None
+    try:
+        report = verify_checkpoint(path, world_size=world_size, engine=engine, checksums=False,
+                                   allow_reshard=allow_reshard)
+        local += [(f.key, f.message, f.fix) for f in report.errors]
+        if not report.errors and checksums and report.manifest is not None and report.tag_dir is not None:
+            tag_dir = Path(report.tag_dir)
+            for entry in report.manifest.files[rank::world]:
+                f = tag_dir / entry.path
+                if sha256_file(f) != entry.sha256:
+                    local.append((entry.path, f"{f}: content differs from the manifest (sha256 mismatch): the file "
+                                  "is corrupted or was modified after the save",
+                                  "restore the file from a good copy or resume from another tag"))
+    except (CheckpointError, OSError) as exc:
+        local.append(("path", f"rank {rank}: {exc}", "check the path is readable on every rank"))
+    problems: list[tuple[str, str, str]] = []
+    for part in all_gather_object(local):
+        problems += [p for p in part if p not in problems]
+    if problems:
+        key, message, fix = problems[0]
+        more = f" ({len(problems) - 1} more problem(s): run `shardkit verify {path}`)" if len(problems) > 1 else ""
+        raise CheckpointError(f"cannot resume from {path}: [{key}] {message}. Fix: {fix}{more}")
+    assert report is not None  # no problems means verify_checkpoint returned
+    return report

@@ -1,0 +1,253 @@
+"""Resume a DeepSpeed ZeRO-3 engine from a checkpoint saved at any world size and offload setting.
+
+``load_zero3_checkpoint(engine, path)`` is ``engine.load_checkpoint(path)`` without its same-world-
+size restriction and without an offline conversion: every rank reads, from the memory-mapped rank
+files of the checkpoint, exactly the slices of the fp32 masters and Adam moments its *current*
+partition needs (``ceil(numel / world)`` per parameter, the engine's own sub-groups), and hands
+them to DeepSpeed's own ``_rigid_load_state_dict``. The fp32 partitions it writes into are the
+ones the engine allocated for its current config, and the optimizer state is cast by torch's
+``Optimizer.load_state_dict`` to each partition's device, so a checkpoint saved without
+``offload_optimizer`` lands on the CPU when offload is now on, and the other way round.
+
+The order follows ``DeepSpeedEngine.load_checkpoint`` (0.19.8): checkpoint prologue, module state
+(buffers, frozen fragments), LR scheduler and counters, optimizer, the step state DeepSpeed's CPU
+Adam kernels keep outside the checkpoint (``cpu_adam_kernel``), epilogue. Afterwards the
+placement preflight (``shardkit.preflight``) checks every tensor is where the config says.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME
+from shardkit.checkpoint.io.stream import materialize
+from shardkit.checkpoint.io.torch_load import safe_torch_load
+from shardkit.checkpoint.io.verify import check_resumable_distributed
+from shardkit.checkpoint.ops.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
+from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_numel
+from shardkit.checkpoint.zero3.reader import Zero3Checkpoint, open_zero3_checkpoint
+from shardkit.checkpoint.zero3.repartition import (
+    TargetLayout,
+    client_state_note,
+    layout_from_names,
+    model_state_for_rank,
+    optim_state_for_rank,
+)
+from shardkit.core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+@dataclass
+class Zero3LoadResult:
+    """What ``load_zero3_checkpoint`` did on this rank."""
+
+    path: Path
+    """The tag folder that was read."""
+    tag: str
+    saved_world_size: int
+    world_size: int
+    client_state: dict[str, Any] = field(default_factory=dict)
+    """Entries of the checkpoint that are not DeepSpeed's own (``layout.DEEPSPEED_MODEL_KEYS``): the
+    ``client_state`` the training script saved. (DeepSpeed's ``load_checkpoint`` also hands back
+    some of its own entries, ds_config, param_shapes ..., as client state; they are left out here.)"""
+    fp32_devices: list[str] = field(default_factory=list)
+    """Device of each fp32 partition (sub-group) after loading."""
+    state_devices: list[str] = field(default_factory=list)
+    """Devices of the optimizer state tensors after loading."""
+    kernel_replays: list[KernelReplay] = field(default_factory=list)
+    """CPU Adam kernels whose hidden beta powers were brought to the loaded step."""
+    placement_checked: bool = False
+    """True when shardkit's placement preflight ran (and passed)."""
+    notes: list[str] = field(default_factory=list)
+    """Things the user should know (client_state taken from rank 0 at another world size ...)."""
+
+
+def load_zero3_checkpoint(
+    engine: "DeepSpeedEngine",
+    path: str | Path,
+    *,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_strict: bool = True,
+    verify: bool = True,
+    preflight: bool = True,
+) -> Zero3LoadResult:
+    """Load the ZeRO-3 checkpoint at ``path`` into ``engine`` at the engine's world size and offload.
+
+    Collective: call on every rank. ``path`` is the checkpoint folder (with ``latest``), a tag
+    folder, or a rank file. With ``verify`` a shardkit manifest, when the checkpoint has one, is
+    checked first (files present, sizes, sha256 with each rank hashing its share; engine), and
+    every rank refuses a bad checkpoint with the same error. With ``preflight`` the placement
+    check runs afterwards when shardkit.placement is available.
+    """
+    import torch.distributed as dist
+
+    opt = _zero3_optimizer(engine)
+    ckpt = open_zero3_checkpoint(path)
+    if verify:
+        _verify_manifest(ckpt, dist.get_world_size(group=opt.dp_process_group))
+    layout = engine_layout(engine, ckpt)
+    rank = dist.get_rank(group=opt.dp_process_group)
+
+    if engine._optimizer_has_ckpt_event_prologue():
+        opt.checkpoint_event_prologue()
+
+    model_sd = model_state_for_rank(ckpt, layout, rank)
+    engine.load_module_state_dict(checkpoint=model_sd, strict=load_module_strict)
+    engine.loaded_checkpoint_dp_world_size = ckpt.world_size
+    engine.loaded_checkpoint_mp_world_size = model_sd.get("mp_world_size", 1)
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and model_sd.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(model_sd["lr_scheduler"])
+    engine.global_steps = model_sd["global_steps"]
+    engine.global_samples = model_sd.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = model_sd["skipped_steps"]
+
+    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True, real_deepspeed_objects=True)
+    rank_sd = materialize(optim_state_for_rank(ckpt, layout, rank, optim0))
+    del optim0
+    _fit_to_current_optimizer(rank_sd["optimizer_state_dict"], opt)
+    state_list: list[Any] = [None] * layout.world_size
+    state_list[rank] = rank_sd["optimizer_state_dict"]
+    # DeepSpeed's own loader for one rank's state: loss scaler, torch Optimizer.load_state_dict
+    # (casts state to each fp32 partition's device), fp32 copy, bit16 refresh, persistent params.
+    opt.load_state_dict(state_list, load_optimizer_states=load_optimizer_states, load_from_fp32_weights=True)
+    del rank_sd, state_list
+    # DeepSpeed's CPU Adam kernels keep beta**step outside the optimizer state; without this the
+    # first step after resume differs from an uninterrupted run in the last bit (see cpu_adam_kernel).
+    kernels = restore_cpu_adam_kernel_state(engine) if load_optimizer_states else []
+
+    if engine._optimizer_has_ckpt_event_epilogue():
+        opt.checkpoint_event_epilogue()
+
+    result = Zero3LoadResult(
+        path=ckpt.tag_dir,
+        tag=ckpt.tag,
+        saved_world_size=ckpt.world_size,
+        world_size=layout.world_size,
+        client_state={k: v for k, v in model_sd.items() if k not in DEEPSPEED_MODEL_KEYS},
+        fp32_devices=[str(f.device) for f in opt.fp32_partitioned_groups_flat],
+        state_devices=sorted({str(v.device) for f in opt.fp32_partitioned_groups_flat
+                              for v in opt.optimizer.state.get(f, {}).values() if hasattr(v, "device")}),
+        kernel_replays=kernels,
+    )
+    note = client_state_note(ckpt, layout.world_size)
+    if note:
+        result.notes.append(note)
+    if preflight:
+        result.placement_checked = _run_preflight(engine)
+    return result
+
+
+def _zero3_optimizer(engine: Any) -> Any:
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
+    if stage != 3:
+        raise CheckpointError(
+            f"load_zero3_checkpoint needs a ZeRO stage 3 engine; this engine runs stage {stage}. "
+            "Use engine.load_checkpoint for other stages."
+        )
+    opt = engine.optimizer
+    if getattr(opt, "swap_optimizer", False):
+        raise CheckpointError(
+            "zero_optimization.offload_optimizer.device is 'nvme': NVMe-swapped optimizer state is not supported "
+            "by load_zero3_checkpoint. Resume with offload_optimizer 'cpu' or 'none', or reshard with "
+            "`shardkit reshard` and use engine.load_checkpoint."
+        )
+    return opt
+
+
+def engine_layout(engine: Any, ckpt: Zero3Checkpoint) -> TargetLayout:
+    """The engine's own sub-groups and partition sizes, checked against the checkpoint's parameters."""
+    import torch.distributed as dist
+
+    opt = engine.optimizer
+    world = dist.get_world_size(group=opt.dp_process_group)
+    names, owners = [], []
+    for j, group in enumerate(opt.fp16_groups):
+        group_names = []
+        for p in group:
+            name = engine.param_names.get(p)
+            if name is None:
+                raise CheckpointError(
+                    f"sub-group {j}: a parameter the optimizer trains (shape {tuple(getattr(p, 'ds_shape', p.shape))}, "
+                    f"ds_id {getattr(p, 'ds_id', '?')}) has no name in engine.param_names, so it cannot be matched "
+                    "to the checkpoint. It was added to the optimizer but is not a parameter of the engine's module "
+                    "(engine.module.named_parameters()); register it on the model before deepspeed.initialize"
+                )
+            if p.partition_numel() != partition_numel(p.ds_numel, world):
+                raise CheckpointError(
+                    f"parameter {name}: the engine partitions {p.ds_numel} elements as {p.partition_numel()} per "
+                    f"rank, not ceil(numel/{world}); unknown ZeRO-3 partitioning, cannot place the checkpoint"
+                )
+            group_names.append(name)
+        names.append(group_names)
+        owners.append(opt.sub_group_to_group_id[j])
+    layout = layout_from_names(ckpt, world, names, owners)
+    by_name = {s.name: s for s in ckpt.slots}
+    for group in opt.fp16_groups:
+        for p in group:
+            name = engine.param_names[p]
+            if tuple(p.ds_shape) != by_name[name].shape:
+                raise CheckpointError(
+                    f"{ckpt.tag_dir}: parameter {name} has shape {tuple(p.ds_shape)} in the model but "
+                    f"{by_name[name].shape} in the checkpoint: not the same model"
+                )
+    for j, flat in enumerate(opt.fp32_partitioned_groups_flat):
+        if flat.numel() != layout.sub_group_numel(j):
+            raise CheckpointError(
+                f"sub-group {j}: the engine's fp32 partition has {flat.numel()} elements, the planned layout "
+                f"{layout.sub_group_numel(j)}; unknown ZeRO-3 layout"
+            )
+    return layout
+
+
+def _fit_to_current_optimizer(osd: dict[str, Any], opt: Any) -> None:
+    """Make the saved inner-optimizer state fit the optimizer the engine has *now*.
+
+    Toggling ``offload_optimizer`` swaps the optimizer class (DeepSpeedCPUAdam <-> FusedAdam, or
+    torch.optim.AdamW with ``torch_adam``): keys only the current class has are kept from its
+    param groups (saved hyperparameters still win), and ``step`` takes the type that class expects
+    (an int for DeepSpeed's Adam kernels, a float32 tensor for torch's optimizers, which place it by
+    torch's own fused/capturable rule).
+    """
+    import torch
+
+    inner = opt.optimizer
+    current_groups = inner.param_groups
+    saved = osd["optimizer_state_dict"]
+    for g, group in enumerate(saved["param_groups"]):
+        if g < len(current_groups):
+            merged = {k: copy.copy(v) for k, v in current_groups[g].items() if k != "params"}
+            merged.update(group)
+            saved["param_groups"][g] = merged
+    torch_optimizer = type(inner).__module__.startswith("torch.optim")
+    for entry in saved["state"].values():
+        step = entry.get("step")
+        if step is None:
+            continue
+        if torch_optimizer and not torch.is_tensor(step):
+            entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+        elif not torch_optimizer and torch.is_tensor(step):
+            entry["step"] = int(step.item())
+
+
+def _verify_manifest(ckpt: Zero3Checkpoint, world_size: int) -> None:
+
+    # The manifest test gives the same answer on every rank (one shared filesystem), so either all
+    # ranks enter the collective check or none does.
+    # Each rank hashes files[rank::world]: a corrupted file of the right size is refused by every
+    # rank with the same message, and the N ranks read the checkpoint once between them.
+    if (ckpt.tag_dir / MANIFEST_NAME).is_file():
+        check_resumable_distributed(ckpt.tag_dir, world_size=world_size, engine="deepspeed", allow_reshard=True)
+
+
+def _run_preflight(engine: Any) -> bool:
+    try:
+        from shardkit.placement.preflight import preflight
+    except ImportError:
+        return False
+    preflight(engine)
+    return True

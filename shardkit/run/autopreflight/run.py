@@ -1,0 +1,132 @@
+"""The one automatic preflight of a rank: who runs it (:func:`claim`), running it with the launch's
+settings, and stopping the rank when it fails (:func:`run_or_exit`, :func:`stop_rank`).
+
+Shared by the torch/DeepSpeed hooks (shardkit.run.autopreflight.hooks) and the HF Trainer's
+PreflightCallback (shardkit.integrations.hf), so a rank runs the preflight once and fails the same
+way whichever of them got there first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from typing import Any, Callable, NoReturn
+
+from shardkit.run.autopreflight.rank_env import DEFAULT_TIMEOUT_S, ENV_FAILED_DIR, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
+
+LAUNCH_SKIP_HINT = "relaunch with `shardkit launch --no-preflight` to skip the check"
+"""How a failure message tells a `shardkit launch` user to skip the check."""
+
+
+class HookState:
+    """This process's automatic-preflight state (one per rank; the hooks and the callback share it)."""
+
+    done = False
+    """The preflight was claimed (run, or being run) in this process."""
+    handles: list[Any] = []
+    optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+    engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+    original_optimizer_init: Callable[..., Any] | None = None
+
+
+def claim() -> bool:
+    """Mark the one automatic preflight of this process as taken and remove the torch hooks.
+
+    False when it was already taken: the HF Trainer's PreflightCallback and the torch hooks then
+    never both run it (the callback claims it at ``on_train_begin``, before the first forward)."""
+    if HookState.done:
+        return False
+    HookState.done = True
+    _remove_hooks()
+    return True
+
+
+def run_or_exit(
+    kwargs: dict[str, Any],
+    what: str,
+    when: str = "before the first optimizer step",
+    skip_hint: str = LAUNCH_SKIP_HINT,
+    timeout: float | None = None,
+    json_path: str | None = None,
+) -> Any:
+    """``shardkit.preflight(**kwargs)`` with the launch's timeout and JSON path; rank 0 prints one
+    summary line when it passes. On failure every rank prints why and exits with EXIT_CODE (rank 0
+    has printed the table), leaving the marker `shardkit launch` names the failed ranks from."""
+    from shardkit.core.errors import PreflightError
+
+    rank = os.environ.get("RANK", "?")
+    try:
+        from shardkit.placement.preflight import preflight
+
+        report = preflight(**kwargs, timeout=preflight_timeout(timeout), json_path=json_path or os.environ.get(ENV_JSON))
+    except PreflightError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "placement preflight failed"
+        where = "the table above" if rank == "0" else "rank 0's output"
+        stop_rank(rank, f"placement preflight failed {when}", first, where, skip_hint)
+    except ImportError as exc:
+        print(f"shardkit autopreflight: rank {rank}: preflight unavailable ({exc}); continuing", file=sys.stderr)
+        return None
+    if rank in ("0", "?"):
+        ranks = getattr(report, "ranks", None) or []
+        tensors = sum(len(getattr(r, "records", ())) for r in ranks)
+        print(
+            f"shardkit autopreflight: placement preflight passed on {len(ranks)} rank(s), {tensors} tensors ({what}) {when}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return report
+
+
+def preflight_timeout(given: float | None = None) -> float:
+    """``given``, else SHARDKIT_AUTOPREFLIGHT_TIMEOUT, else the default (ranks arrive at different times)."""
+    return float(given if given is not None else os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+
+
+def _write_whole(text: str) -> None:
+    """``text`` to stderr in one write: every rank stops at once on the same pipe, and print()'s
+    separate writes of the text and its newline let another rank's line land in between (seen in
+    the 2-rank Trainer tests: two stop lines run together on one line)."""
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), text.encode())
+    except (AttributeError, OSError, ValueError):  # no real file descriptor (captured stderr)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
+def stop_rank(rank: str, what_failed: str, first_line: str, where: str, skip_hint: str = LAUNCH_SKIP_HINT) -> NoReturn:
+    """End this rank with EXIT_CODE after one line saying what failed and why (the same on every
+    rank); ``first_line`` (the cause) goes into the marker `shardkit launch` summarizes."""
+    _write_whole(
+        f"shardkit autopreflight: rank {rank}: {what_failed}: {first_line}\n"
+        f"shardkit autopreflight: rank {rank}: stopping (exit {EXIT_CODE}); see {where}. "
+        f"Fix it, or {skip_hint}.\n"
+    )
+    sys.stdout.flush()
+    _leave_failure_marker(rank, first_line)
+    # os._exit: atexit handlers can block in a collective the other ranks never join.
+    os._exit(EXIT_CODE)
+
+
+def _leave_failure_marker(rank: str, first_line: str) -> None:
+    """Tell `shardkit launch` this rank failed the preflight (it prints the summary last)."""
+    folder = os.environ.get(ENV_FAILED_DIR)
+    if not folder:
+        return
+    try:
+        with open(os.path.join(folder, f"rank{rank}"), "w", encoding="utf-8") as fh:
+            fh.write(first_line + "\n")
+    except OSError as exc:  # the summary is a convenience; the exit code still says it
+        print(f"shardkit autopreflight: rank {rank}: cannot leave a failure marker in {folder} ({exc})", file=sys.stderr)
+
+
+def _remove_hooks() -> None:
+    for handle in HookState.handles:
+        handle.remove()
+    HookState.handles.clear()
+    if HookState.original_optimizer_init is not None:
+        from torch.optim.optimizer import Optimizer
+
+        Optimizer.__init__ = HookState.original_optimizer_init  # type: ignore[method-assign]
+        HookState.original_optimizer_init = None

@@ -1,0 +1,1 @@
+"""Holds only ``sitecustomize.py`` (see shardkit.run.autopreflight); a package so wheels ship it."""
