@@ -125,7 +125,7 @@ def rank_resume(method: str, ckpt: str) -> dict[str, Any]:
 
 
 def _resume_main(method: str, ckpt: str, result: str) -> None:
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
 
     res = run_ranks(rank_resume, RESUME_WORLD, args=(method, ckpt), timeout=1500)
     Path(result).write_text(json.dumps([r.value for r in res]))
@@ -139,7 +139,7 @@ def _convert_to_zero3_main(source: str, out: str) -> None:
 
 
 def _save_main(out: str) -> None:
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
 
     run_ranks(rank_save, SAVE_WORLD, args=(out,), timeout=1500)
 

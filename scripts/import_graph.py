@@ -1,16 +1,27 @@
-"""Print shardkit's internal import graph problems: cycles and imports that run back up a layer.
+"""Print shardkit's internal import graph problems: cycles, imports that run back up a layer,
+packages that import each other, and imports of shardkit's own modules hidden inside functions.
 
 Every `import`/`from ... import` inside shardkit/ counts, also those inside functions (they hide
 the graph but are edges all the same). An import is "upward" when it names a module of a higher
 layer (LAYERS below), or when a module imports its own package's ``__init__`` (the package's
-re-export surface, which sits above its modules).
+re-export surface, which sits above its modules). Two packages (PACKAGE_DEPTH below) "import each
+other" when a module of each imports a module of the other, directly.
 
-    python scripts/import_graph.py          # exit 1 when a cycle or an upward edge exists
+An "inner import" is an import of a shardkit module written inside a function. Those belong at the
+top of the file, except at the named lazy boundaries (LAZY_BOUNDARIES below, each with its reason)
+and on a line that says why itself: a ``# lazy: keeps torch out of <command>`` comment on the
+import, or on the comment line just above it (which covers the imports written right under it).
+
+    python scripts/import_graph.py                 # exit 1 on a cycle, an upward import, an
+                                                   # unlayered module or two packages importing each other
+    python scripts/import_graph.py --strict-inner  # exit 1 also on an inner import
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -34,15 +45,42 @@ LAYERS: list[tuple[str, ...]] = [
     # checkpoint operations users run: save/resume, reshard, convert, consolidate
     ("shardkit.checkpoint.ops",),
     # the rank side of runs: spawning local ranks, the code they run, the automatic preflight
-    ("shardkit.run.spawn", "shardkit.run.smoke_rank", "shardkit.run.preflight_rank", "shardkit.run.autopreflight"),
+    ("shardkit.run.spawn", "shardkit.run.smoke_rank", "shardkit.run.preflight_rank", "shardkit.autopreflight"),
     # shardkit inside other people's training loops (the Hugging Face Trainer)
     ("shardkit.integrations",),
-    # the host side of runs: smoke, preflight, launchers; the sitecustomize that installs every hook
-    ("shardkit.run", "shardkit.run.autopreflight.sitedir"),
+    # the host side of runs: smoke, preflight, launchers
+    ("shardkit.run",),
     # one module per CLI command
     ("shardkit.commands",),
-    ("shardkit.cli", "shardkit.__main__", "shardkit"),
+    # entry points: the CLI, and the sitecustomize a launched rank runs at start-up
+    ("shardkit.cli", "shardkit.__main__", "shardkit.startup", "shardkit"),
 ]
+
+# Where an import of a shardkit module may wait inside a function: each keeps a heavy dependency
+# (torch, deepspeed, transformers, accelerate) out of a command or a process start that must stay
+# light. "pkg.*" is the package and every module below it; a plain name is that module alone.
+LAZY_BOUNDARIES: dict[str, str] = {
+    "shardkit.commands.*": (
+        "the CLI boundary: a command imports its implementation when it runs, so `shardkit --help` stays light"
+    ),
+    "shardkit": "the package __init__: the public API is loaded lazily, on first use of a name",
+    "shardkit.integrations.trainer_hook": "imported at every rank's start-up (the Trainer import hook)",
+    "shardkit.autopreflight.*": "imported at every rank's start-up (sitecustomize and the preflight hooks)",
+    "shardkit.startup.*": (
+        "the sitecustomize every launched rank runs before its script: it must never break or slow interpreter "
+        "start-up, so it imports only when the automatic preflight is enabled, inside a try"
+    ),
+}
+
+# A `# lazy: <why>` comment on the import (or on the comment line just above it) lets one inner
+# import stand outside the boundaries: it names the heavy package it keeps out of which command.
+LAZY_COMMENT = re.compile(r"#\s*lazy:\s*\S")
+
+# A package is a module's first PACKAGE_DEPTH dotted components (shardkit.run, shardkit.integrations);
+# checkpoint/ is a house of its own, so its packages are one level deeper (shardkit.checkpoint.io).
+PACKAGE_DEPTH = 2
+DEEPER_PACKAGES = {"shardkit.checkpoint": 3}
+
 
 def layer(mod: str) -> int:
     best, best_len = len(LAYERS), -1
@@ -69,28 +107,107 @@ def resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def import_targets(mod: str, is_pkg: bool, node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> list[str]:
+    """The shardkit modules one import statement names (other packages' modules are left out)."""
+    if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+    else:
+        base = resolve(mod, is_pkg, node)
+        # `from pkg import sub` is an edge to pkg.sub; `from mod import name` one to mod
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+    found: list[str] = []
+    for t in targets:
+        # the longest known module name that prefixes the target
+        while t and t not in modules:
+            t = t.rpartition(".")[0]
+        if t and t != mod and t not in found:
+            found.append(t)
+    return found
+
+
 def edges(modules: dict[str, Path]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
         is_pkg = path.name == "__init__.py"
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = resolve(mod, is_pkg, node)
-                # `from pkg import sub` is an edge to pkg.sub; `from mod import name` one to mod
-                targets = [
-                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                    for a in node.names
-                ]
-            for t in targets:
-                # the longest known module name that prefixes the target
-                while t and t not in modules:
-                    t = t.rpartition(".")[0]
-                if t and t != mod:
-                    graph[mod].add(t)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[mod].update(import_targets(mod, is_pkg, node, modules))
     return graph
+
+
+def package(mod: str) -> str:
+    parts = mod.split(".")
+    depth = DEEPER_PACKAGES.get(".".join(parts[:PACKAGE_DEPTH]), PACKAGE_DEPTH)
+    return ".".join(parts[:depth])
+
+
+def mutual_packages(graph: dict[str, set[str]]) -> list[tuple[str, str, list[str], list[str]]]:
+    """Pairs of packages that import each other directly, with the module edges each way."""
+    between: dict[tuple[str, str], list[str]] = {}
+    for mod, targets in graph.items():
+        for t in targets:
+            a, b = package(mod), package(t)
+            if a != b:
+                between.setdefault((a, b), []).append(f"{mod} -> {t}")
+    return [
+        (a, b, sorted(between[a, b]), sorted(between[b, a]))
+        for (a, b) in sorted(between)
+        if a < b and (b, a) in between
+    ]
+
+
+def lazy_boundary(mod: str) -> bool:
+    for pattern in LAZY_BOUNDARIES:
+        if pattern.endswith(".*"):
+            pkg = pattern[:-2]
+            if mod == pkg or mod.startswith(pkg + "."):
+                return True
+        elif mod == pattern:
+            return True
+    return False
+
+
+def lazy_comment_inline(lines: list[str], node: ast.stmt) -> bool:
+    """A `# lazy:` comment on a line of the import itself."""
+    return any(LAZY_COMMENT.search(line) for line in lines[node.lineno - 1 : node.end_lineno or node.lineno])
+
+
+def lazy_comment_above(lines: list[str], node: ast.stmt) -> bool:
+    """A `# lazy:` comment line just above the import (it covers the imports right under it too)."""
+    above = lines[node.lineno - 2].strip() if node.lineno >= 2 else ""
+    return bool(LAZY_COMMENT.match(above))
+
+
+def inner_imports(modules: dict[str, Path]) -> list[tuple[str, int, list[str]]]:
+    """Imports of shardkit modules written inside a function, outside the lazy boundaries and
+    without a `# lazy:` comment: (module, line, targets)."""
+    found: list[tuple[str, int, list[str]]] = []
+    for mod, path in modules.items():
+        if lazy_boundary(mod):
+            continue
+        is_pkg = path.name == "__init__.py"
+        text = path.read_text()
+        lines = text.splitlines()
+
+        def visit(node: ast.AST, in_function: bool) -> None:
+            covered_until = -1  # last line of a run of imports under a `# lazy:` comment
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    if child.lineno == covered_until + 1 or lazy_comment_above(lines, child):
+                        covered_until = child.end_lineno or child.lineno
+                        continue
+                    covered_until = -1
+                    if lazy_comment_inline(lines, child):
+                        continue
+                    targets = import_targets(mod, is_pkg, child, modules) if in_function else []
+                    if targets:
+                        found.append((mod, child.lineno, targets))
+                    continue
+                covered_until = -1
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+        visit(ast.parse(text, str(path)), False)
+    return sorted(found)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -141,7 +258,14 @@ def upward(graph: dict[str, set[str]]) -> list[tuple[str, str, str]]:
     return sorted(bad)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--strict-inner",
+        action="store_true",
+        help="exit 1 also when an inner import stands outside the lazy boundaries",
+    )
+    args = parser.parse_args(argv)
     modules = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
     graph = edges(modules)
     n_edges = sum(len(v) for v in graph.values())
@@ -157,7 +281,25 @@ def main() -> int:
         print(f"upward: {mod} -> {t}: {why}")
     if not found and not up:
         print("no cycles, no upward imports")
-    return 1 if found or up or unlayered else 0
+
+    mutual = mutual_packages(graph)
+    for a, b, a_to_b, b_to_a in mutual:
+        print(f"packages import each other: {a} <-> {b}")
+        for edge in a_to_b + b_to_a:
+            print(f"    {edge}")
+    if not mutual:
+        print("no two packages import each other")
+
+    inner = inner_imports(modules)
+    for mod, line, targets in inner:
+        print(f"inner import: {mod}:{line} -> {', '.join(targets)}")
+    print(
+        f"{len(inner)} inner imports of shardkit modules outside the lazy boundaries "
+        f"({', '.join(LAZY_BOUNDARIES)}) without a `# lazy:` comment"
+        + ("" if args.strict_inner or not inner else "; not an error without --strict-inner")
+    )
+    failed = found or up or unlayered or mutual or (args.strict_inner and inner)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

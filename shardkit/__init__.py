@@ -53,8 +53,8 @@ _LAZY: dict[str, str] = {
     "save_fsdp_checkpoint": "shardkit.checkpoint.ops.fsdp_checkpoint",
     "load_fsdp_checkpoint": "shardkit.checkpoint.ops.fsdp_checkpoint",
     "export_safetensors": "shardkit.checkpoint.ops.fsdp_checkpoint",
-    "run_smoke": "shardkit.run.smoke",
-    "SmokeOptions": "shardkit.run.smoke",
+    "run_smoke": "shardkit.run.smoke.runs",
+    "SmokeOptions": "shardkit.run.smoke.options",
     "build_launch": "shardkit.run.launcher",
 }
 

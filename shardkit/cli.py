@@ -12,6 +12,7 @@ import pkgutil
 import sys
 from typing import Sequence
 
+import shardkit.commands as commands_pkg
 from shardkit._version import __version__
 from shardkit.commands._parser import HelpFormatter
 from shardkit.core.errors import ShardkitError
@@ -33,8 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    import shardkit.commands as commands_pkg
-
     # Commands are discovered, not listed, so each command module is the only file that knows it.
     for info in sorted(pkgutil.iter_modules(commands_pkg.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):

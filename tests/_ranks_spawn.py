@@ -59,7 +59,7 @@ def writes_pid_then_sleeps(pid_dir: str) -> None:
 
 
 def logs_then_raises(log_dir: str) -> None:
-    from shardkit.run.spawn import redirect_output
+    from shardkit.run.spawn.process import redirect_output
 
     redirect_output(os.path.join(log_dir, f"rank{dist.get_rank()}.log"))
     print("engine chatter", flush=True)

@@ -155,7 +155,7 @@ def refuses_other_world_size(ckpt: str, dtype: str) -> str:
 
 def fp16_initialize_error() -> str:
     """``deepspeed.initialize`` of an fp16 ZeRO-3 config on this rank's accelerator: DeepSpeed's
-    refusal ("" when it accepts), to check shardkit.platform.environment.fp16_support against the engine."""
+    refusal ("" when it accepts), to check shardkit.platform.environment.fp16.fp16_support against the engine."""
     try:
         _build("fp16", False)
     except ValueError as exc:
@@ -196,7 +196,7 @@ def unsupported_reason(label: str) -> str | None:
     check`: DeepSpeed's CPU accelerator refuses fp16 on CPUs without oneDNN fp16."""
     if VARIANTS.get(label, ("fp32",))[0] != "fp16":
         return None
-    from shardkit.platform.environment import fp16_support
+    from shardkit.platform.environment.fp16 import fp16_support
 
     support = fp16_support(device="cpu")  # the checkpoints are built on CPU ranks (device="cpu")
     return None if support.supported else f"fp16 cannot run on this machine's {support.device}: {support.reason}"
@@ -245,7 +245,7 @@ class Sources:
         return losses if key == "fp32_losses" else root
 
     def _build(self, label: str) -> tuple[Path, list[float] | None]:
-        from shardkit.run.spawn import run_ranks
+        from shardkit.run.spawn.process import run_ranks
 
         self.base.mkdir(parents=True, exist_ok=True)
         root = self.base / label
@@ -309,7 +309,7 @@ class Resumed:
 
     def _build_fp32(self, world: int) -> dict[str, Any]:
         from shardkit.checkpoint.ops.reshard import reshard_zero3
-        from shardkit.run.spawn import run_ranks
+        from shardkit.run.spawn.process import run_ranks
 
         src = self.sources
         resharded = self.base / f"fp32_ws{world}"
@@ -328,7 +328,7 @@ class Resumed:
         return {"resharded": resharded, "ranks": [r.value for r in results], "saved": self.base / f"saved_at_ws{world}"}
 
     def _build_bf16(self) -> list[dict[str, Any]]:
-        from shardkit.run.spawn import run_ranks
+        from shardkit.run.spawn.process import run_ranks
 
         # saved with offload_optimizer, resumed without it, bf16, several sub-groups; skips (with
         # the reason) where this machine cannot build the bf16 checkpoint

@@ -1,4 +1,4 @@
-"""Shared fixtures. Multi-rank tests use shardkit.run.spawn.run_ranks (file:// rendezvous, hard
+"""Shared fixtures. Multi-rank tests use shardkit.run.spawn.process.run_ranks (file:// rendezvous, hard
 timeout that kills the children, child tracebacks in the failure message)."""
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ from shardkit.checkpoint.io.atomic import (
     atomic_save,
     atomic_write_text,
     publish_dir,
-    read_latest,
     staging_dir,
     write_latest,
 )
+from shardkit.checkpoint.io.tags import read_latest
 
 
 def test_failed_write_leaves_the_old_file_and_no_temporaries(tmp_path):
@@ -61,7 +61,7 @@ def test_sigkill_during_save_training_keeps_previous_checkpoint(tmp_path):
 
     from shardkit.checkpoint.io.verify import verify_checkpoint
     from shardkit.checkpoint.ops.torch_training import resume_training
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
     from tests import _ranks_ckpt as targets
 
     root = tmp_path / "root"
@@ -163,7 +163,7 @@ def test_resaving_the_latest_tag_replaces_it_whole(tmp_path):
      r"RuntimeError: cannot pickle)"),
 ], ids=["rank0-publish-fails", "rank1-write-fails"])
 def test_a_save_failing_on_one_rank_raises_on_every_rank_without_hanging(tmp_path, target, match):
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
     from tests import _ranks_ckpt as targets
 
     root = tmp_path / "root"
@@ -339,8 +339,8 @@ def test_read_regular_file_refuses_what_is_not_a_regular_file_and_caps_the_bytes
 
 @pytest.mark.parametrize("content", ["/etc", "../x", "", ".", "a/b", ".shardkit-tmp-step1"])
 def test_latest_naming_no_folder_inside_the_root_is_refused_with_the_pointer_file(tmp_path, content):
-    from shardkit.checkpoint.io.atomic import latest_tag
-    from shardkit.checkpoint.zero3.reader import resolve_tag_dir
+    from shardkit.checkpoint.io.tags import latest_tag
+    from shardkit.checkpoint.zero3.files import resolve_tag_dir
     from shardkit.core.errors import CheckpointError
 
     root = tmp_path / "root"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from shardkit.run.autopreflight import EXIT_CODE, enabled, rank_env
+from shardkit.autopreflight import EXIT_CODE, enabled, rank_env
 
 PROBE = textwrap.dedent(
     """

@@ -300,11 +300,12 @@ def _write(tmp_path: Path, cfg: dict) -> Path:
 
 
 def test_accelerate_mixed_precision_fp16_gets_the_machines_cpu_fp16_row(tmp_path):
-    from shardkit.platform import environment as E
+    from shardkit.platform.environment.accelerator import CudaProbe
+    from shardkit.platform.environment.facts import probe_environment
 
     p = tmp_path / "acc.yaml"
     p.write_text(ACCELERATE + "deepspeed_config:\n  zero_stage: 3\nmixed_precision: fp16\n")
-    no_fp16 = E.probe_environment({}, memlock_bytes=None, cuda=E.CudaProbe(build=None, available=None), cpu_fp16=False)
+    no_fp16 = probe_environment({}, memlock_bytes=None, cuda=CudaProbe(build=None, available=None), cpu_fp16=False)
     (f,) = [f for f in check_file(p, accelerator=False, environment=no_fp16).errors if "cpu-fp16" in f.rule]
     assert f.key == "mixed_precision"  # named by the YAML key that turns fp16 on
     assert not [f for f in check_file(p, accelerator=True, environment=no_fp16).errors if "cpu-fp16" in f.rule]

@@ -39,7 +39,7 @@ LOSS_RTOL_AFTER_UPDATE = 1e-4
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
 
     base = tmp_path_factory.mktemp("convert_back")
     src = base / "fsdp"
@@ -342,7 +342,7 @@ def test_the_first_failed_rank_file_stops_the_rest_and_leaves_nothing(runs, tmp_
     started are cancelled instead of written into a staging folder that is about to be removed."""
     import threading
 
-    import shardkit.checkpoint.ops.convert.dcp_to_zero3 as d2z
+    import shardkit.checkpoint.ops.convert.dcp_to_zero3_write as d2z
 
     real, started, lock = d2z.stream_save, [], threading.Lock()
 

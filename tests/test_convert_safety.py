@@ -27,7 +27,7 @@ TAG = f"global_step{R.SAVE_STEPS}"
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
 
     root = tmp_path_factory.mktemp("convert_safety") / "fp32"
     run_ranks(R.train_and_save, 2, args=(str(root), "fp32", False, R.SAVE_STEPS), timeout=300, device="cpu")
@@ -175,9 +175,9 @@ def test_library_callers_get_a_python_warning(plain, tmp_path):
 def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
     """A concurrent save that lands right after the source was verified: a new tag (a copy with one
     byte flipped, no manifest: never verified) and 'latest' moved to it. Returns the verified folders."""
-    import shardkit.checkpoint.io.verify as verify
+    import shardkit.checkpoint.io.pipeline as pipeline
 
-    real, checked = verify.verify_before_reading, []
+    real, checked = pipeline.verify_before_reading, []
 
     def verify_then_a_save_lands(tag_dir, **kwargs):
         result = real(tag_dir, **kwargs)
@@ -191,7 +191,7 @@ def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
     import shardkit.checkpoint.ops.reshard as reshard
 
     # the converters import it at module level: patch the name they call, too
-    for module in (verify, reshard, consolidate):
+    for module in (pipeline, reshard, consolidate):
         monkeypatch.setattr(module, "verify_before_reading", verify_then_a_save_lands)
     return checked
 
@@ -221,7 +221,7 @@ def test_consolidate_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed,
 def test_reshard_names_where_an_unusable_source_tag_came_from(sealed, tmp_path, run_cli):
     """'latest' names a set-aside copy (what it does while a tag is being saved again): that name
     cannot be reused, and the user, who never passed --tag, is told where it came from."""
-    from shardkit.checkpoint.io.atomic import REPLACED_MARK
+    from shardkit.checkpoint.io.tags import REPLACED_MARK
 
     copy = f"{TAG}{REPLACED_MARK}0123abcd"
     (sealed / TAG).rename(sealed / copy)

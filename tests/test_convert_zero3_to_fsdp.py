@@ -26,7 +26,7 @@ from shardkit.checkpoint.dcp.reader import load_dcp_state
 from shardkit.checkpoint.ops.convert.names import build_name_map
 from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
 from shardkit.core.errors import CheckpointError
-from shardkit.run.spawn import run_ranks
+from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_convert as C
 
 pytestmark = pytest.mark.slow
@@ -125,7 +125,7 @@ def test_written_like_dcp_save_and_read_straight_from_the_files(converted, tmp_p
 
     from shardkit.checkpoint.dcp.reader import read_dcp_metadata
     from shardkit.checkpoint.dcp.slices import DcpSlices
-    from shardkit.checkpoint.ops.convert.zero3_to_dcp import _torch_group_defaults
+    from shardkit.checkpoint.ops.convert.zero3_to_dcp_plan import _torch_group_defaults
 
     out, _, _ = converted
     tag_dir = out / TAG
@@ -165,7 +165,7 @@ def test_rank_files_with_unknown_offsets_are_gathered_instead(source, converted,
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from shardkit.checkpoint.dcp.reader import read_dcp_metadata
-    from shardkit.checkpoint.zero3.reader import RankPartitions
+    from shardkit.checkpoint.zero3.checkpoint import RankPartitions
 
     monkeypatch.setattr(RankPartitions, "byte_offset", lambda self, slot, key: None)
     out = tmp_path / "gathered"
@@ -190,14 +190,14 @@ def test_a_failed_tensor_write_names_the_file_and_leaves_nothing(source, tmp_pat
     file, the staging folder is removed and nothing is published."""
     import errno
 
-    from shardkit.checkpoint.ops.convert import zero3_to_dcp
-    from shardkit.checkpoint.zero3.reader import RankPartitions
+    from shardkit.checkpoint.ops.convert import zero3_to_dcp_source
+    from shardkit.checkpoint.zero3.checkpoint import RankPartitions
 
     def full(*_: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(RankPartitions, "byte_offset", lambda self, slot, key: None)
-    monkeypatch.setattr(zero3_to_dcp, "_gather", full)
+    monkeypatch.setattr(zero3_to_dcp_source, "_gather", full)
     out = tmp_path / "full"
     with pytest.raises(CheckpointError, match=r"disk full at .*__0_\d+\.distcp.*nothing written: the staging folder "
                                               r"was removed"):

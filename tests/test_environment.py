@@ -16,8 +16,16 @@ import pytest
 
 from shardkit.checks import check_config
 from shardkit.core.findings import Severity
-from shardkit.platform import environment as E
-from shardkit.platform.environment import CudaProbe, deepspeed_arch_list_error, environment_findings, fixed_arch_list
+from shardkit.platform.environment import accelerator
+from shardkit.platform.environment import facts as env_facts
+from shardkit.platform.environment import fp16 as env_fp16
+from shardkit.platform.environment.accelerator import CudaProbe
+from shardkit.platform.environment.arch_list import deepspeed_arch_list_error, fixed_arch_list
+from shardkit.platform.environment.facts import probe_environment, run_has_accelerator
+from shardkit.platform.environment.fp16 import fp16_support
+from shardkit.platform.environment.memlock import has_cap_ipc_lock
+from shardkit.platform.environment.report import EnvironmentCheckError, require_runnable_here
+from shardkit.platform.environment.rows import environment_findings
 
 GPU = CudaProbe(build="12.8", available=True, device_count=1)
 NO_DRIVER = CudaProbe(
@@ -44,7 +52,7 @@ PINNED_CPU = {
 
 
 def facts(environ=None, *, memlock=None, cuda=GPU, cpu_fp16=True):
-    return E.probe_environment(environ or {}, memlock_bytes=memlock, cuda=cuda, cpu_fp16=cpu_fp16)
+    return probe_environment(environ or {}, memlock_bytes=memlock, cuda=cuda, cpu_fp16=cpu_fp16)
 
 
 def rules(findings):
@@ -115,11 +123,11 @@ def test_arch_list_is_no_error_for_a_cpu_run_on_a_cuda_build():
     CPU op builders, which never read the variable, so `smoke --device cpu` / `check --no-accelerator`
     run there; a GPU run is refused; an unstated run on a machine without a GPU is warned."""
     hopper = facts({"TORCH_CUDA_ARCH_LIST": "9.0a"})
-    assert E.require_runnable_here({"zero3": ZERO3}, accelerator=False, facts=hopper) == []
+    assert require_runnable_here({"zero3": ZERO3}, accelerator=False, facts=hopper) == []
     assert environment_findings(ZERO3, facts=hopper, deepspeed_version="0.19.8", accelerator=False) == []
-    with pytest.raises(E.EnvironmentCheckError, match=r"zero3: this machine cannot run it: env:TORCH_CUDA_ARCH_LIST='9\.0a'.*"
+    with pytest.raises(EnvironmentCheckError, match=r"zero3: this machine cannot run it: env:TORCH_CUDA_ARCH_LIST='9\.0a'.*"
                        r"Fix: export TORCH_CUDA_ARCH_LIST=9\.0 "):
-        E.require_runnable_here({"zero3": ZERO3}, accelerator=True, facts=hopper)
+        require_runnable_here({"zero3": ZERO3}, accelerator=True, facts=hopper)
     no_gpu = facts({"TORCH_CUDA_ARCH_LIST": "9.0a"}, cuda=CudaProbe(build="12.8", available=False, reason="no GPU"))
     (f,) = [f for f in environment_findings(ZERO3, facts=no_gpu, deepspeed_version="0.19.8") if f.key.endswith("ARCH_LIST")]
     assert f.severity is Severity.WARNING and "harmless for a CPU run" in f.message and "--accelerator" in f.message
@@ -128,16 +136,16 @@ def test_arch_list_is_no_error_for_a_cpu_run_on_a_cuda_build():
 
 def test_run_has_accelerator_is_deepspeeds_pick():
     """One answer for config, smoke, preflight: DS_ACCELERATOR=cpu or no CUDA device is a CPU run."""
-    assert E.run_has_accelerator(None, facts()) is True
-    assert E.run_has_accelerator(None, facts({"DS_ACCELERATOR": "cpu"})) is False
-    assert E.run_has_accelerator(None, facts(cuda=CPU_BUILD)) is False
-    assert E.run_has_accelerator(True, facts(cuda=CPU_BUILD)) is True
-    assert E.run_has_accelerator(False, facts()) is False
+    assert run_has_accelerator(None, facts()) is True
+    assert run_has_accelerator(None, facts({"DS_ACCELERATOR": "cpu"})) is False
+    assert run_has_accelerator(None, facts(cuda=CPU_BUILD)) is False
+    assert run_has_accelerator(True, facts(cuda=CPU_BUILD)) is True
+    assert run_has_accelerator(False, facts()) is False
 
 
 def test_versions_check_preflight_and_launch_say_so(run_cli, clean_env, tmp_path):
     clean_env.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
-    clean_env.setattr(E, "probe_cuda", lambda: GPU)
+    clean_env.setattr(env_facts, "probe_cuda", lambda: GPU)
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({**ZERO3, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}))
     code, out, _ = run_cli("versions", "--json")
@@ -147,9 +155,9 @@ def test_versions_check_preflight_and_launch_say_so(run_cli, clean_env, tmp_path
     code, out, _ = run_cli("check", cfg, "--json")
     (f,) = [f for f in json.loads(out)["findings"] if f["key"] == "env:TORCH_CUDA_ARCH_LIST"]
     assert code == 1 and f["fix"].startswith("export TORCH_CUDA_ARCH_LIST=9.0")
-    import shardkit.run.spawn
+    import shardkit.run.spawn.plan
 
-    clean_env.setattr(shardkit.run.spawn, "visible_gpus", lambda: 1)  # preflight plans GPU ranks from torch.cuda
+    clean_env.setattr(shardkit.run.spawn.plan, "visible_gpus", lambda: 1)  # preflight plans GPU ranks from torch.cuda
     code, out, _ = run_cli("preflight", cfg, "--static")
     assert code == 1 and "TORCH_CUDA_ARCH_LIST" in out
     # CPU ranks never build a CUDA op: the same machine runs `preflight --device cpu` and `check --no-accelerator`
@@ -216,14 +224,14 @@ def test_native_pinning_counts_against_memlock_torch_pinning_does_not():
 
 def test_memlock_probe_reads_this_process(clean_env):
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    binding = soft != resource.RLIM_INFINITY and not E.has_cap_ipc_lock()
-    assert E.probe_environment().memlock_bytes == (soft if binding else None)
+    binding = soft != resource.RLIM_INFINITY and not has_cap_ipc_lock()
+    assert probe_environment().memlock_bytes == (soft if binding else None)
 
 
 def test_cap_ipc_lock_lifts_the_limit():
     root = "Name:\tpython\nCapEff:\t000001fffeffffff\n"
     dropped = "Name:\tpython\nCapEff:\t000001fffeffbfff\n"  # setpriv --bounding-set=-ipc_lock
-    assert E.has_cap_ipc_lock(root) and not E.has_cap_ipc_lock(dropped) and not E.has_cap_ipc_lock("")
+    assert has_cap_ipc_lock(root) and not has_cap_ipc_lock(dropped) and not has_cap_ipc_lock("")
 
 
 @pytest.mark.slow
@@ -233,8 +241,8 @@ def test_native_pinning_past_memlock_aborts_deepspeed_where_the_real_probe_says(
     The probe of that process reports the row, and DeepSpeed's rank then dies in mlock."""
     code = textwrap.dedent("""
         import json
-        from shardkit.platform.environment import environment_findings
-        from shardkit.run.spawn import run_ranks
+        from shardkit.platform.environment.rows import environment_findings
+        from shardkit.run.spawn.process import run_ranks
         from tests._ranks_zero3 import PINNED_OFFLOAD, pinned_offload_initialize
         found = [f.rule for f in environment_findings(PINNED_OFFLOAD)]
         (r,) = run_ranks(pinned_offload_initialize, 1, args=("small",), timeout=600, raise_on_error=False)
@@ -279,7 +287,7 @@ def test_cuda_build_without_driver_names_torchs_reason():
 def test_cuda_build_is_read_without_importing_torch(python_exe):
     import torch
 
-    code = ("import sys; from shardkit.platform.environment import _torch_cuda_build_without_import as b; "
+    code = ("import sys; from shardkit.platform.environment.accelerator import _torch_cuda_build_without_import as b; "
             "print(repr(b())); assert 'torch' not in sys.modules")
     out = subprocess.run([python_exe, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -288,7 +296,7 @@ def test_cuda_build_is_read_without_importing_torch(python_exe):
 
 @pytest.mark.gpu
 def test_cuda_probe_on_a_gpu_machine_reports_it_usable():
-    probe = E.probe_cuda()
+    probe = accelerator.probe_cuda()
     assert probe.build and probe.available and probe.device_count >= 1 and probe.reason is None
 
 
@@ -318,13 +326,13 @@ def test_check_no_accelerator_agrees_with_this_machines_probe(run_cli, clean_env
     cfg.write_text(json.dumps(FP16))
     code, out, _ = run_cli("check", cfg, "--no-accelerator", "--json")
     refused = [f for f in json.loads(out)["findings"] if f["rule"] == "known-bad:ds-7207-cpu-fp16"]
-    assert bool(refused) is (not E.probe_cpu_fp16())
+    assert bool(refused) is (not accelerator.probe_cpu_fp16())
     assert code == (1 if refused else 0)
 
 
 def test_preflight_on_cpu_ranks_stops_on_fp16_before_spawning(run_cli, clean_env, tmp_path):
     """Issue 7: ranks used to die with "2 of 2 rank(s) failed"; the static checks now say why first."""
-    clean_env.setattr(E, "probe_cpu_fp16", lambda: False)
+    clean_env.setattr(env_fp16, "probe_cpu_fp16", lambda: False)
     cfg = tmp_path / "fp16.json"
     cfg.write_text(json.dumps(FP16))
     code, out, _ = run_cli("preflight", cfg, "--device", "cpu", "--nproc", "2")
@@ -333,21 +341,21 @@ def test_preflight_on_cpu_ranks_stops_on_fp16_before_spawning(run_cli, clean_env
 
 
 def test_fp16_support_is_the_probe_the_suite_skips_by(clean_env):
-    clean_env.setattr(E, "probe_cpu_fp16", lambda: False)
-    got = E.fp16_support(facts(cuda=CPU_BUILD, cpu_fp16=None), "0.19.8")
+    clean_env.setattr(env_fp16, "probe_cpu_fp16", lambda: False)
+    got = fp16_support(facts(cuda=CPU_BUILD, cpu_fp16=None), "0.19.8")
     assert not got.supported and got.device == "cpu" and "AVX512-FP16" in got.reason
-    assert E.fp16_support(facts(cuda=GPU, cpu_fp16=False), "0.19.8").supported  # DeepSpeed picks cuda there
-    assert E.fp16_support(facts({"DS_ACCELERATOR": "cpu"}, cuda=GPU, cpu_fp16=False), "0.19.8").device == "cpu"
+    assert fp16_support(facts(cuda=GPU, cpu_fp16=False), "0.19.8").supported  # DeepSpeed picks cuda there
+    assert fp16_support(facts({"DS_ACCELERATOR": "cpu"}, cuda=GPU, cpu_fp16=False), "0.19.8").device == "cpu"
 
 
 @pytest.mark.slow
 def test_deepspeed_refuses_fp16_exactly_where_the_probe_says():
     """The real engine on this machine: deepspeed.initialize with fp16 fails with DeepSpeed's own
     message iff fp16_support says no (on a CPU without fp16 this runs the refusal itself)."""
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
     from tests import _ranks_zero3 as R
 
-    support = E.fp16_support(device="cpu")
+    support = fp16_support(device="cpu")
     (result,) = run_ranks(R.fp16_initialize_error, 1, timeout=300, device="cpu")
     if support.supported:
         assert result.value == ""
@@ -359,8 +367,8 @@ def test_deepspeed_refuses_fp16_exactly_where_the_probe_says():
 
 
 def test_smoke_stops_before_any_rank_with_one_line(run_cli, clean_env, tmp_path):
-    clean_env.setattr(E, "probe_cuda", lambda: CPU_BUILD)
-    clean_env.setattr(E, "probe_cpu_fp16", lambda: False)
+    clean_env.setattr(env_facts, "probe_cuda", lambda: CPU_BUILD)
+    clean_env.setattr(env_fp16, "probe_cpu_fp16", lambda: False)
     cfg = tmp_path / "fp16.json"
     cfg.write_text(json.dumps(FP16))
     code, out, err = run_cli("smoke", "--engine", "zero3", "--config", cfg, "--nproc", "1", "--steps", "2", "--quiet",
@@ -372,13 +380,14 @@ def test_smoke_stops_before_any_rank_with_one_line(run_cli, clean_env, tmp_path)
 
 
 def test_smoke_refuses_an_unparseable_arch_list(clean_env):
-    import shardkit.run.spawn
-    from shardkit.run.smoke import SmokeOptions, run_smoke
+    import shardkit.run.spawn.plan
+    from shardkit.run.smoke.options import SmokeOptions
+    from shardkit.run.smoke.runs import run_smoke
 
     clean_env.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
-    clean_env.setattr(E, "probe_cuda", lambda: GPU)
-    clean_env.setattr(shardkit.run.spawn, "visible_gpus", lambda: 1)  # the GPU ranks of a Hopper machine
-    with pytest.raises(E.EnvironmentCheckError, match=r"TORCH_CUDA_ARCH_LIST='9\.0a'.*Fix: export TORCH_CUDA_ARCH_LIST=9\.0"):
+    clean_env.setattr(env_facts, "probe_cuda", lambda: GPU)
+    clean_env.setattr(shardkit.run.spawn.plan, "visible_gpus", lambda: 1)  # the GPU ranks of a Hopper machine
+    with pytest.raises(EnvironmentCheckError, match=r"TORCH_CUDA_ARCH_LIST='9\.0a'.*Fix: export TORCH_CUDA_ARCH_LIST=9\.0"):
         run_smoke(SmokeOptions(engines=("zero3",), nproc=1, steps=2), progress=False)
 
 
@@ -390,14 +399,14 @@ def test_suite_skips_only_the_fp16_variant_when_the_probe_says_no(clean_env, tmp
     spawn nothing for it; the other labels stay available."""
     from tests import _ranks_zero3 as R
 
-    clean_env.setattr(E, "probe_cuda", lambda: CPU_BUILD)
-    clean_env.setattr(E, "probe_cpu_fp16", lambda: False)
+    clean_env.setattr(env_facts, "probe_cuda", lambda: CPU_BUILD)
+    clean_env.setattr(env_fp16, "probe_cpu_fp16", lambda: False)
     sources = R.Sources(tmp_path)
     assert sources.labels() == ["fp32", "bf16_offload"] and not sources.available("fp16")
     with pytest.raises(pytest.skip.Exception, match=r"fp16 cannot run on this machine's cpu: .*AVX512-FP16"):
         sources["fp16"]
     assert not (tmp_path / "fp16").exists()
-    clean_env.setattr(E, "probe_cpu_fp16", lambda: True)
+    clean_env.setattr(env_fp16, "probe_cpu_fp16", lambda: True)
     assert R.Sources(tmp_path).labels() == list(R.LABELS)
 
 

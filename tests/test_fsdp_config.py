@@ -3,7 +3,7 @@ import pytest
 from shardkit.config.fsdp import FSDPConfig, fsdp_config_from_dict
 from shardkit.core.errors import ConfigError
 from shardkit.engines.fsdp import apply_fsdp
-from shardkit.run.spawn import run_ranks
+from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_presets as targets
 
 

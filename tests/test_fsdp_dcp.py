@@ -10,7 +10,7 @@ import torch
 
 from shardkit.checkpoint.io.verify import check_resumable
 from shardkit.core.errors import CheckpointError
-from shardkit.run.spawn import run_ranks
+from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_ckpt as targets
 
 pytestmark = pytest.mark.slow

@@ -139,15 +139,17 @@ def test_fsdp_generator_defaults():
 @pytest.fixture
 def machine(monkeypatch):
     """This machine's probes, forced: set(cuda=..., cpu_fp16=..., env) for the test's case."""
-    from shardkit.platform import environment as E
+    from shardkit.platform.environment import facts as environment_facts
+    from shardkit.platform.environment import fp16 as environment_fp16
+    from shardkit.platform.environment.accelerator import CudaProbe
 
     for name in ("TORCH_CUDA_ARCH_LIST", "DS_PIN_MEMORY_BACKEND", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
 
-    def force(*, cuda=E.CudaProbe(build=None, available=None), cpu_fp16=False, **env):
-        monkeypatch.setattr(E, "probe_cuda", lambda: cuda)
-        monkeypatch.setattr(E, "probe_cpu_fp16", lambda: cpu_fp16)
-        monkeypatch.setattr(E, "probe_memlock", lambda: None)
+    def force(*, cuda=CudaProbe(build=None, available=None), cpu_fp16=False, **env):
+        monkeypatch.setattr(environment_facts, "probe_cuda", lambda: cuda)
+        monkeypatch.setattr(environment_fp16, "probe_cpu_fp16", lambda: cpu_fp16)
+        monkeypatch.setattr(environment_facts, "probe_memlock", lambda: None)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
 
@@ -178,7 +180,7 @@ def test_config_never_claims_a_check_that_fails_on_this_machine(run_cli, machine
 
 
 def test_config_pin_memory_follows_deepspeeds_accelerator(run_cli, machine, monkeypatch, tmp_path):
-    """The run has an accelerator exactly when DeepSpeed picks one (environment.run_has_accelerator):
+    """The run has an accelerator exactly when DeepSpeed picks one (environment.facts.run_has_accelerator):
     an MPS/XPU torch (torch.accelerator says yes, DeepSpeed runs on its CPU accelerator) or
     DS_ACCELERATOR=cpu on a GPU machine writes pin_memory false, as preflight's CPU ranks want."""
     import torch
@@ -189,7 +191,7 @@ def test_config_pin_memory_follows_deepspeeds_accelerator(run_cli, machine, monk
         assert code == 0, err
         return json.loads(out.read_text())["zero_optimization"]["offload_optimizer"]["pin_memory"], err
 
-    from shardkit.platform.environment import CudaProbe
+    from shardkit.platform.environment.accelerator import CudaProbe
 
     gpu = CudaProbe(build="12.8", available=True, device_count=1)
     machine()

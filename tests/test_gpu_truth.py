@@ -181,7 +181,7 @@ def test_plain_model_on_cpu_is_judged_against_cpu(restore_env):
 
 @pytest.mark.slow
 def test_live_zero3_record_judge_and_persistent_partitions(tmp_path):
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
     from tests import _ranks_gpu_truth as targets
 
     out = run_ranks(targets.zero3_record_and_judge, 1, args=(str(tmp_path),), timeout=300, device="cpu")[0].value
@@ -200,7 +200,7 @@ def test_live_zero3_record_judge_and_persistent_partitions(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_offload_is_read_from_the_module_state():
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
     from tests import _ranks_gpu_truth as targets
 
     out = run_ranks(targets.fsdp2_offload_expectation, 1, timeout=300, device="cpu")[0].value
@@ -231,7 +231,7 @@ def test_record_cli_then_observed_cli(run_cli, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["z3_offparam_only", "z3_offboth_pin", "fsdp2_off_pin", "z3_bf16"])
 def test_gpu_live_runs_are_judged_like_the_recordings(tmp_path, name):
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
     from tests import _ranks_gpu_truth as targets
 
     out = run_ranks(targets.record_spec_on_gpu, 1, args=(str(tmp_path), name, _load("specs")[name]), timeout=600, device="gpu")[0].value

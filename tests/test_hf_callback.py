@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.run.autopreflight import EXIT_CODE
+from shardkit.autopreflight import EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "tests" / "_ranks_trainer.py")
@@ -106,7 +106,7 @@ def test_a_module_added_after_the_engine_stops_every_rank_before_step_1(tmp_path
 
 @pytest.mark.slow
 def test_a_filled_fp16_auto_value_this_cpu_cannot_run_stops_before_deepspeed_initialize(tmp_path):
-    from shardkit.platform.environment import fp16_support
+    from shardkit.platform.environment.fp16 import fp16_support
 
     if fp16_support(device="cpu").supported:
         pytest.skip("this CPU runs fp16 (oneDNN has fp16 here), so the filled fp16 value is fine on it")
@@ -161,7 +161,7 @@ def test_fsdp2_through_the_trainer_on_gpus_passes_the_preflight(tmp_path):
 def _restore_hook_state():
     """The callback claims the process's one automatic preflight (HookState.done): put the state
     back so no test depends on the order the others ran in."""
-    from shardkit.run.autopreflight.run import HookState
+    from shardkit.autopreflight.run import HookState
 
     saved = (HookState.done, list(HookState.handles), HookState.original_optimizer_init)
     yield
@@ -194,7 +194,7 @@ def _judge_once(fail_rank: int) -> str:
 def test_ranks_agree_before_stopping_so_no_node_goes_on_alone():
     # environment rows are probed per node: rank 1's node fails, rank 0's passes; both must stop,
     # or rank 0 would go on into deepspeed.initialize and wait there for a rank that left
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
 
     results = run_ranks(_judge_on_rank, 2, args=([1, -1],), device="cpu", timeout=120)
     (msg0, clean0), (msg1, clean1) = (r.value for r in results)
@@ -232,8 +232,8 @@ def test_a_trainer_never_ready_gets_one_warning_naming_what_is_missing(tmp_path,
 
 
 def test_filled_config_checks_drop_accelerates_own_value_and_name_autos_the_trainer_never_fills():
-    from shardkit.integrations.hf import filled_config_report
-    from shardkit.platform.environment import probe_environment
+    from shardkit.integrations.hf.config_check import filled_config_report
+    from shardkit.platform.environment.facts import probe_environment
 
     facts = probe_environment({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}, memlock_bytes=None, cpu_fp16=False)
     # what the Trainer hands to deepspeed.initialize, minus Accelerate's steps_per_print=inf
@@ -272,7 +272,7 @@ def test_one_callback_per_trainer_and_a_meta_tensor_raises_with_its_name(tmp_pat
     from transformers import TrainerCallback
 
     from shardkit.core.errors import PreflightError, UsageError
-    from shardkit.integrations.hf import PreflightCallback, inject_preflight_callback
+    from shardkit.integrations.hf.callback import PreflightCallback, inject_preflight_callback
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SHARDKIT_AUTOPREFLIGHT"):
         monkeypatch.delenv(var, raising=False)
@@ -304,7 +304,7 @@ def test_one_callback_per_trainer_and_a_meta_tensor_raises_with_its_name(tmp_pat
 def test_launch_accepts_auto_values_in_a_config_given_to_the_trainer_as_deepspeed_path(tmp_path):
     # `--deepspeed PATH` is the HF Trainer's spelling: the Trainer fills "auto" and the ranks'
     # callback checks the filled values; `--deepspeed_config PATH` goes to deepspeed.initialize as is
-    from shardkit.platform.environment import probe_environment
+    from shardkit.platform.environment.facts import probe_environment
     from shardkit.run.launcher import build_launch, check_launch_config
 
     cfg = tmp_path / "ds_hf.json"

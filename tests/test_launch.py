@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from shardkit.autopreflight import ENV_CONFIG, ENV_ENABLE, EXIT_CODE, site_dir
 from shardkit.core.errors import UsageError
-from shardkit.run.autopreflight import ENV_CONFIG, ENV_ENABLE, EXIT_CODE, site_dir
 from shardkit.run.launcher import build_launch, find_config, infer_world_size, launcher_command, split_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +86,8 @@ def _fp16_config(tmp_path: Path) -> Path:
 
 
 def test_fp16_on_a_machine_without_a_gpu_stops_the_launch(tmp_path):
-    from shardkit.platform.environment import CudaProbe, probe_environment
+    from shardkit.platform.environment.accelerator import CudaProbe
+    from shardkit.platform.environment.facts import probe_environment
     from shardkit.run.launcher import check_launch_config
 
     cfg = _fp16_config(tmp_path)
@@ -105,7 +106,7 @@ def test_fp16_on_a_machine_without_a_gpu_stops_the_launch(tmp_path):
 
 
 def test_launch_dry_run_of_fp16_on_this_cpu_only_machine_exits_1(run_cli, tmp_path, monkeypatch):
-    from shardkit.platform.environment import probe_cpu_fp16
+    from shardkit.platform.environment.accelerator import probe_cpu_fp16
 
     if probe_cpu_fp16():
         pytest.skip("this CPU runs fp16 (oneDNN AVX512-FP16/AMX-FP16): DeepSpeed accepts it")

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from shardkit.autopreflight import ENV_ENABLE, EXIT_CODE, site_dir
 from shardkit.core.errors import ConfigError, UsageError
 from shardkit.run.accelerate_config import default_config_file, effective_config
-from shardkit.run.autopreflight import ENV_ENABLE, EXIT_CODE, site_dir
 from shardkit.run.launcher import build_launch, check_launch_config, launcher_command
 from tests.test_launch import GOOD_AND_BAD, _run
 
@@ -335,7 +335,8 @@ def test_without_a_config_file_the_command_line_settings_are_checked(run_cli, no
 
 def test_accelerate_fsdp2_settings_are_checked_with_the_fsdp_rules(no_default_config):
     from shardkit.cli import main
-    from shardkit.platform.environment import CudaProbe, probe_environment
+    from shardkit.platform.environment.accelerator import CudaProbe
+    from shardkit.platform.environment.facts import probe_environment
 
     assert main(["config", "fsdp", "--format", "accelerate", "--world-size", "2", "--no-accelerator", "-o", "fsdp.yaml"]) == 0
     no_gpu = probe_environment({}, memlock_bytes=None, cuda=CudaProbe(build=None, available=None), cpu_fp16=False)
@@ -377,7 +378,7 @@ def test_the_import_watcher_survives_a_find_spec_probe(tmp_path, monkeypatch):
     it; the watcher that wraps deepspeed.initialize must still fire on the real import."""
     import importlib.util
 
-    from shardkit.run.autopreflight.hooks import _AfterImport
+    from shardkit.autopreflight.hooks import _AfterImport
 
     (tmp_path / "sk_probe_target.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))

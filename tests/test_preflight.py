@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.run.spawn import run_ranks
+from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_preflight as targets
 
 pytestmark = pytest.mark.slow
@@ -204,9 +204,9 @@ def test_cli_fsdp2_config_with_a_user_model_factory(run_cli, tmp_path):
 
 
 def test_cli_names_each_dead_ranks_exception_and_log_and_writes_a_failure_json(run_cli, tmp_path, monkeypatch):
-    import shardkit.run.spawn
+    import shardkit.run.spawn.plan
 
-    monkeypatch.setattr(shardkit.run.spawn, "usable_cores", lambda: 1)  # 3 ranks on "1 core": warned
+    monkeypatch.setattr(shardkit.run.spawn.plan, "usable_cores", lambda: 1)  # 3 ranks on "1 core": warned
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({**ZERO3_CLI, "train_batch_size": 3}))
     out_json = tmp_path / "placement.json"
@@ -226,9 +226,9 @@ def test_cli_names_each_dead_ranks_exception_and_log_and_writes_a_failure_json(r
 
 
 def test_cli_refuses_more_ranks_than_visible_gpus_before_spawning(run_cli, tmp_path, monkeypatch):
-    import shardkit.run.spawn
+    import shardkit.run.spawn.plan
 
-    monkeypatch.setattr(shardkit.run.spawn, "visible_gpus", lambda: 1)  # a one-GPU machine
+    monkeypatch.setattr(shardkit.run.spawn.plan, "visible_gpus", lambda: 1)  # a one-GPU machine
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ZERO3_CLI))
     code, out, err = run_cli("preflight", cfg, "--nproc", "2")
@@ -237,9 +237,9 @@ def test_cli_refuses_more_ranks_than_visible_gpus_before_spawning(run_cli, tmp_p
 
 
 def test_cli_static_checks_at_any_world_size_on_a_one_gpu_machine(run_cli, tmp_path, monkeypatch):
-    import shardkit.run.spawn
+    import shardkit.run.spawn.plan
 
-    monkeypatch.setattr(shardkit.run.spawn, "visible_gpus", lambda: 1)  # --static spawns nothing: no refusal
+    monkeypatch.setattr(shardkit.run.spawn.plan, "visible_gpus", lambda: 1)  # --static spawns nothing: no refusal
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ZERO3_CLI))  # train_batch_size 2 = 1 x 1 x world 2
     code, out, err = run_cli("preflight", cfg, "--static", "--nproc", "2")
@@ -253,7 +253,7 @@ def test_cli_static_checks_at_any_world_size_on_a_one_gpu_machine(run_cli, tmp_p
 
 
 def _after_preflight_results(json_path):
-    from shardkit.run.spawn import RankResult
+    from shardkit.run.spawn.results import RankResult
 
     if json_path:  # what rank 0's preflight wrote before rank 1 died in the step
         Path(json_path).write_text(json.dumps({"ok": True, "world_size": 2, "ranks": [{"rank": 0, "records": []}]}))
@@ -269,7 +269,7 @@ def _after_preflight_results(json_path):
 def test_ranks_dying_after_the_preflight_get_one_line_each_and_a_failure_json(tmp_path, json_arg):
     from shardkit.core.errors import DistributedError
     from shardkit.run.preflight import PreflightOptions, RankSpec, verdict
-    from shardkit.run.spawn import RankPlan
+    from shardkit.run.spawn.plan import RankPlan
 
     out_json = {None: None, "file": str(tmp_path / "placement.json"), "-": "-"}[json_arg]
     spec_json = str(tmp_path / "report.json") if json_arg == "-" else out_json

@@ -9,7 +9,7 @@ import pytest
 from shardkit.checks import check_file
 from shardkit.config.generate import PRESETS
 from shardkit.config.loading import config_kind
-from shardkit.run.spawn import run_ranks
+from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_presets as targets
 from tests.conftest import DS_CONFIGS
 
@@ -33,9 +33,9 @@ def test_every_required_preset_exists_and_no_stray_files():
 def test_preset_equals_generator_output(run_cli, name, monkeypatch):
     # The preset's bytes, not this machine's memlock limit (a non-root box below the nvme buffers'
     # size refuses to write the nvme preset, rightly, for a run here).
-    import shardkit.platform.environment as E
+    import shardkit.platform.environment.facts as environment_facts
 
-    monkeypatch.setattr(E, "probe_memlock", lambda: None)
+    monkeypatch.setattr(environment_facts, "probe_memlock", lambda: None)
     code, out, _ = run_cli("config", *PRESETS[name])
     assert code == 0
     assert json.loads(out) == load(name), (

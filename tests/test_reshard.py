@@ -13,7 +13,8 @@ import torch
 
 from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.ops.reshard import reshard_zero3
-from shardkit.checkpoint.zero3.reader import gather_param, open_zero3_checkpoint
+from shardkit.checkpoint.zero3.gather import gather_param
+from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import layout_from_names, plan_layout
 from shardkit.core.errors import CheckpointError, UsageError
 from tests import _ranks_zero3 as R

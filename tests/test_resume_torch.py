@@ -152,7 +152,7 @@ def test_damaged_unsafe_or_mismatched_checkpoints_are_refused_clearly(tmp_path):
 def test_ddp_ranks_save_and_resume_their_own_rng(tmp_path):
     """Accelerate-style DDP loop on 2 gloo ranks: each rank saves and restores its own RNG (dropout,
     data), so every rank's loss curve continues exactly."""
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
     from tests import _ranks_ckpt as targets
 
     ref = run_ranks(targets.ddp_save_continue, 2, args=(str(tmp_path),), timeout=120, backend="gloo")

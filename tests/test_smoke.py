@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.run.smoke import EngineResult, SmokeOptions, _compare, fit_config, print_smoke_report, run_smoke
+from shardkit.run.smoke.options import SmokeOptions, fit_config
+from shardkit.run.smoke.report import EngineResult, _compare, print_smoke_report
+from shardkit.run.smoke.runs import run_smoke
 
 
 @pytest.mark.slow
@@ -166,9 +168,9 @@ def test_hopper_arch_list_failure_names_the_op_the_deepspeed_function_and_the_fi
     ("hopper", "export TORCH_CUDA_ARCH_LIST=<major.minor of your GPU"),
 ])
 def test_op_failure_fix_is_the_one_check_gives(arch, fix):
-    """A failed op build and `shardkit check` name the same fix (environment.arch_list_fix), and it parses."""
+    """A failed op build and `shardkit check` name the same fix (environment.arch_list.arch_list_fix), and it parses."""
     from shardkit.engines.deepspeed import op_failure_line
-    from shardkit.platform.environment import arch_list_fix, deepspeed_arch_list_error
+    from shardkit.platform.environment.arch_list import arch_list_fix, deepspeed_arch_list_error
 
     error = deepspeed_arch_list_error(arch)
     line = op_failure_line("FusedAdamBuilder", f"failed: {error} (in compute_capability_args)", {"TORCH_CUDA_ARCH_LIST": arch})
@@ -181,9 +183,9 @@ def test_op_failure_fix_is_the_one_check_gives(arch, fix):
 
 
 def test_smoke_refuses_more_ranks_than_visible_gpus(run_cli, monkeypatch):
-    import shardkit.run.spawn
+    import shardkit.run.spawn.plan
 
-    monkeypatch.setattr(shardkit.run.spawn, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(shardkit.run.spawn.plan, "visible_gpus", lambda: 1)
     code, out, err = run_cli("smoke", "--engine", "fsdp2", "--nproc", "2", "--quiet")
     assert code == 2
     assert "--nproc 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "or --device cpu to run 2 CPU ranks" in err
@@ -191,7 +193,8 @@ def test_smoke_refuses_more_ranks_than_visible_gpus(run_cli, monkeypatch):
 
 def test_keep_checkpoint_never_replaces_files(tmp_path):
     from shardkit.core.errors import UsageError
-    from shardkit.run.smoke import SmokeOptions, run_smoke
+    from shardkit.run.smoke.options import SmokeOptions
+    from shardkit.run.smoke.runs import run_smoke
 
     keep = tmp_path / "ckpt"
     keep.mkdir()
@@ -212,7 +215,7 @@ def _fake_checkpoint(base: Path) -> Path:
 
 
 def test_keep_checkpoint_that_cannot_move_is_one_line_and_leaves_the_checkpoint_where_it_was(tmp_path):
-    from shardkit.run.smoke import keep_checkpoint
+    from shardkit.run.smoke.runs import keep_checkpoint
 
     ckpt = _fake_checkpoint(tmp_path / "work")
     keep = tmp_path / "kept"
@@ -238,7 +241,7 @@ def test_a_keep_failure_is_marked_in_the_result_and_printed_as_a_warning():
     r = EngineResult(engine="fsdp2", ok=True, exact=True, max_abs_diff=0.0, losses_uninterrupted=[[1.0, 0.5]],
                      losses_resumed=[[1.0, 0.5]], preflight="passed",
                      keep_error="--keep-checkpoint /k: could not move the checkpoint there: boom; it was left in /w/checkpoint")
-    from shardkit.run.smoke import SmokeReport
+    from shardkit.run.smoke.report import SmokeReport
 
     buf = io.StringIO()
     print_smoke_report(SmokeReport(results=[r], nproc=2, steps=2), file=buf)
@@ -252,8 +255,8 @@ def test_a_keep_failure_is_marked_in_the_result_and_printed_as_a_warning():
     ("\nsecond\nthird", "ValueError: second"),
 ])
 def test_a_failed_runs_line_survives_any_message(tmp_path, message, expected):
-    from shardkit.run.smoke import run_failure
-    from shardkit.run.spawn import RankResult
+    from shardkit.run.smoke.runs import run_failure
+    from shardkit.run.spawn.results import RankResult
 
     killed = RankResult(rank=0, exitcode=None, error="rank 0 was still running 20s after another rank failed")
     raised = RankResult(rank=1, exitcode=1, error="Traceback ...", error_type="ValueError", error_message=message)

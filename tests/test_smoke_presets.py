@@ -41,7 +41,7 @@ def _uses_fp16(cfg: dict) -> bool:
 
 
 def test_every_preset_is_smoked_or_excluded_with_a_reason():
-    from shardkit.run.smoke import PRESET_CANDIDATES
+    from shardkit.run.smoke.options import PRESET_CANDIDATES
 
     assert set(SMOKED_AS_DEFAULT) | set(NOT_SMOKED) <= set(PRESETS)
     assert set(SMOKED_HERE) >= {"zero3_bf16", "zero3_offload_cpu"}  # the two issue 7 named
@@ -62,7 +62,7 @@ def test_default_zero3_config_output_is_a_smoked_preset(run_cli, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SMOKED_HERE)
 def test_smoke_resumes_bit_exact_on_preset(name, run_cli, tmp_path):
-    from shardkit.platform.environment import fp16_support
+    from shardkit.platform.environment.fp16 import fp16_support
 
     cfg = _load(name)
     if _uses_fp16(cfg):

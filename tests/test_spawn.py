@@ -1,7 +1,7 @@
 import pytest
 
 from shardkit.core.errors import DistributedError
-from shardkit.run.spawn import run_ranks
+from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_spawn as targets
 
 
@@ -11,7 +11,7 @@ def test_ranks_form_a_group_and_return_values():
 
 
 def test_failing_rank_is_reported_with_its_traceback_and_peers_are_killed(monkeypatch):
-    import shardkit.run.spawn as spawn
+    import shardkit.run.spawn.process as spawn
 
     monkeypatch.setattr(spawn, "FAILURE_GRACE_S", 2.0)
     with pytest.raises(DistributedError, match=r"(?s)ranks failed.*rank 1.*ValueError: boom on rank 1"):
@@ -61,7 +61,7 @@ def test_the_timeout_also_kills_what_a_rank_started(tmp_path):
 
 def test_more_ranks_than_visible_gpus_is_refused_naming_both_numbers_and_the_fix():
     from shardkit.core.errors import UsageError
-    from shardkit.run.spawn import plan_ranks
+    from shardkit.run.spawn.plan import plan_ranks
 
     with pytest.raises(UsageError, match=r"--nproc 2 asks for 2 ranks but 1 GPU\(s\) are visible.*--nproc 1 \(or fewer\), or --device cpu"):
         plan_ranks(2, "auto", gpus=1, cores=16)
@@ -74,7 +74,7 @@ def test_more_ranks_than_visible_gpus_is_refused_naming_both_numbers_and_the_fix
 
 
 def test_default_is_one_rank_per_gpu_else_two_cpu_ranks_and_cpu_is_always_allowed():
-    from shardkit.run.spawn import plan_ranks
+    from shardkit.run.spawn.plan import plan_ranks
 
     assert (plan_ranks(None, "auto", gpus=8, cores=16).nproc, plan_ranks(None, "auto", gpus=8, cores=16).backend) == (8, "nccl")
     assert plan_ranks(None, "auto", gpus=0, cores=2).device == "cpu" and plan_ranks(None, "auto", gpus=0, cores=2).nproc == 2
@@ -85,7 +85,7 @@ def test_default_is_one_rank_per_gpu_else_two_cpu_ranks_and_cpu_is_always_allowe
 
 
 def test_a_rank_count_far_beyond_the_cores_gets_a_warning():
-    from shardkit.run.spawn import plan_ranks
+    from shardkit.run.spawn.plan import plan_ranks
 
     (warning,) = plan_ranks(64, "cpu", gpus=0, cores=2).warnings
     assert "--nproc 64 starts 64 CPU ranks on 2 core(s)" in warning and "use --nproc 2" in warning
@@ -109,7 +109,7 @@ def test_a_failed_ranks_log_ends_with_its_traceback(tmp_path):
 
 _PARENT = """
 import sys
-from shardkit.run.spawn import run_ranks
+from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_spawn as targets
 run_ranks(targets.writes_pid_then_sleeps, 2, args=(sys.argv[1],), timeout=600, backend="gloo")
 """
@@ -188,7 +188,7 @@ def test_a_handler_set_from_c_is_left_alone_and_restore_does_not_raise(monkeypat
     real error."""
     import signal
 
-    from shardkit.run.spawn import _ForwardSignals
+    from shardkit.run.spawn.lifetime import _ForwardSignals
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     monkeypatch.setattr(signal, "getsignal", lambda sig: None)

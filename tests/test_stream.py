@@ -164,12 +164,12 @@ def test_write_parallel_fsyncs_each_file_keeps_order_and_cancels_after_the_first
     import threading
     import time
 
-    import shardkit.checkpoint.io.atomic as atomic
+    import shardkit.checkpoint.io.stream as stream
     from shardkit.checkpoint.io.stream import write_parallel
 
     synced: list[Path] = []
-    real_fsync = atomic.fsync_file
-    monkeypatch.setattr(atomic, "fsync_file", lambda p: (synced.append(Path(p)), real_fsync(p)))
+    real_fsync = stream.fsync_file
+    monkeypatch.setattr(stream, "fsync_file", lambda p: (synced.append(Path(p)), real_fsync(p)))
     jobs = [(tmp_path / f"{i}.pt", lambda p, i=i: stream_save({"i": torch.full((i + 1,), i)}, p)) for i in range(5)]
     digests = write_parallel(jobs, 3, outcome="nothing kept")
     assert [d.sha256 for d in digests] == [hashlib.sha256(p.read_bytes()).hexdigest() for p, _ in jobs]

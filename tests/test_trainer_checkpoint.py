@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.checkpoint.ops.hf_trainer import plan_rng_files
+from shardkit.checkpoint.hf_trainer.rng_files import plan_rng_files
 
 pytestmark = pytest.mark.slow
 
@@ -358,7 +358,7 @@ def test_a_stray_one_process_rng_file_gets_its_own_note():
 
 
 def test_staging_folders_of_killed_reshards_are_removed_and_live_ones_kept(tmp_path):
-    from shardkit.checkpoint.ops.hf_trainer import _staging_folder, remove_stale_staging
+    from shardkit.checkpoint.ops.reshard_trainer import _staging_folder, remove_stale_staging
 
     final = tmp_path / "run" / "checkpoint-2"
     final.parent.mkdir()
@@ -380,7 +380,7 @@ def test_staging_folders_of_killed_reshards_are_removed_and_live_ones_kept(tmp_p
 
 
 def test_a_no_manifest_trainer_checkpoint_is_not_replaced_even_with_force(tmp_path):
-    from shardkit.checkpoint.ops.hf_trainer import check_output_folder
+    from shardkit.checkpoint.ops.reshard_trainer import check_output_folder
     from shardkit.core.errors import UsageError
 
     src, out = tmp_path / "src" / "checkpoint-2", tmp_path / "new" / "checkpoint-2"
@@ -396,7 +396,7 @@ def test_a_no_manifest_trainer_checkpoint_is_not_replaced_even_with_force(tmp_pa
 
 
 def test_convert_names_every_trainer_file_it_leaves_behind(tmp_path):
-    from shardkit.checkpoint.ops.hf_trainer import trainer_files_not_converted
+    from shardkit.checkpoint.hf_trainer.folder import trainer_files_not_converted
 
     ckpt = tmp_path / "checkpoint-4"
     (ckpt / "global_step4").mkdir(parents=True)

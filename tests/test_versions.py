@@ -170,7 +170,7 @@ def test_versions_cli_reports_installed_and_matching_rows(run_cli, tmp_path, mon
 
 
 def test_environment_rows_name_a_machine_trigger_and_never_match_a_config_alone():
-    from shardkit.platform.environment import ENVIRONMENT_CONDITIONS
+    from shardkit.platform.environment.rows import ENVIRONMENT_CONDITIONS
     from shardkit.platform.versions import matching_entries
 
     env_rows = [r for r in known_bad_table() if r.kind == "environment"]

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.zero3.reader import FP32, gather_param, iter_params, open_zero3_checkpoint
+from shardkit.checkpoint.zero3.checkpoint import FP32
+from shardkit.checkpoint.zero3.gather import gather_param, iter_params
+from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.core.errors import CheckpointError
 from tests import _ranks_zero3 as R
 

@@ -131,7 +131,7 @@ def test_corrupted_optim_file_of_the_right_size_is_refused_on_every_rank(tmp_pat
     """One flipped byte (same size) in a rank's optim file: each rank hashes its share of the
     files, and both ranks raise the same error naming the file (no rank waits alone)."""
     from shardkit.checkpoint.ops.reshard import reshard_zero3
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
 
     sources = R.build_sources(tmp_path_factory.getbasetemp() / "zero3")
     out = tmp_path / "ws2"
@@ -222,7 +222,7 @@ def kernel_resume_one_step(base: str) -> dict:
 
 @pytest.fixture(scope="module")
 def kernel_runs(tmp_path_factory):
-    from shardkit.run.spawn import run_ranks
+    from shardkit.run.spawn.process import run_ranks
 
     base = tmp_path_factory.mktemp("kernel")
     reference = [r.value for r in run_ranks(kernel_train_save_continue, 2, args=(str(base),), timeout=420, device="cpu")]

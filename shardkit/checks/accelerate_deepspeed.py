@@ -19,6 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from shardkit.config.loading import read_config
+from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
+from shardkit.core.errors import ConfigError
 from shardkit.core.findings import Finding, Severity
 
 # Accelerate key (inside deepspeed_config) -> the DeepSpeed key path it sets (DeepSpeedPlugin's
@@ -140,10 +143,6 @@ def _init_flag(section: dict[str, Any]) -> list[Finding]:
 
 
 def _file_findings(section: dict[str, Any], config_dir: Path | None, check: DeepSpeedChecker) -> list[Finding]:
-    from shardkit.config.loading import read_config
-    from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
-    from shardkit.core.errors import ConfigError
-
     out: list[Finding] = []
     key = "deepspeed_config.deepspeed_config_file"
     clashing = [k for k in TO_DEEPSPEED if k in section]

@@ -7,9 +7,22 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from shardkit.checks import accelerate_deepspeed
+from shardkit.checks.accelerate_rules import accelerate_findings, is_accelerate_config
+from shardkit.checks.auto import auto_findings
+from shardkit.checks.environment_rule import environment_rule_findings
+from shardkit.checks.fsdp_rules import fsdp_findings
+from shardkit.checks.offload import offload_findings
+from shardkit.checks.schema import deepspeed_schema_findings
+from shardkit.checks.training import training_findings
 from shardkit.config.loading import config_kind, read_config
+from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
+from shardkit.config.view import deepspeed_view
 from shardkit.core.errors import UsageError
 from shardkit.core.findings import Finding, Report, Severity
+from shardkit.engines.model_factory import resolve_model_factory
+from shardkit.platform.environment.facts import probe_environment
+from shardkit.platform.versions import installed_versions, known_bad_findings, parse_version
 
 
 def check_config(
@@ -33,8 +46,8 @@ def check_config(
     values are fine (the HF Trainer/Accelerate fills them). ``model``: an nn.Module, a model spec
     ("llama:tiny", "pkg.module:factory") or class names, to check FSDP wrap classes against.
     ``torch_version``: for table rows that depend on torch (default: the installed one).
-    ``environment``: shardkit.platform.environment.EnvironmentFacts of the machine the run will use, for the
-    table's environment rows (None: the config alone; check_file probes this machine).
+    ``environment``: shardkit.platform.environment.facts.EnvironmentFacts of the machine the run will
+    use, for the table's environment rows (None: the config alone; check_file probes this machine).
     ``duplicate_keys``: what loading.read_config saw repeated (check_file passes it).
     ``config_dir``: the config file's folder (for files an Accelerate config names).
     """
@@ -46,14 +59,9 @@ def check_config(
             Finding(Severity.ERROR, "<top level>", type(cfg).__name__, "a config must be a mapping", "", "schema")
         )
         return report
-    from shardkit.checks.accelerate_rules import accelerate_findings, is_accelerate_config
-    from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
-
     # what parsing hid applies to every kind of config
     report.extend(map(_compact, duplicate_key_findings(duplicate_keys) + non_finite_findings(cfg)))
     if is_accelerate_config(cfg):
-        from shardkit.checks import accelerate_deepspeed
-
         report.extend(map(_compact, accelerate_findings(cfg, model_classes=_model_classes(model))))
         if accelerate_deepspeed.is_deepspeed(cfg):
 
@@ -67,8 +75,6 @@ def check_config(
             report.extend(map(_compact, found))
         return report
     if config_kind(cfg) == "fsdp":
-        from shardkit.checks.fsdp_rules import fsdp_findings
-
         report.extend(map(_compact, fsdp_findings(cfg, accelerator=accelerator, model_classes=_model_classes(model))))
         report.extend(_environment(cfg, environment, deepspeed_version, accelerator, "fsdp"))
         return report
@@ -82,8 +88,6 @@ def check_config(
 def _environment(
     cfg: dict[str, Any], facts: Any, deepspeed_version: str | None, accelerator: bool | None, engine: str
 ) -> list[Finding]:
-    from shardkit.checks.environment_rule import environment_rule_findings
-
     return environment_rule_findings(
         cfg, facts=facts, deepspeed_version=deepspeed_version, accelerator=accelerator, engine=engine
     )
@@ -97,13 +101,6 @@ def _deepspeed_findings(
     accelerator: bool | None,
     expect_hf_auto: bool,
 ) -> list[Finding]:
-    from shardkit.checks.auto import auto_findings
-    from shardkit.checks.offload import offload_findings
-    from shardkit.checks.schema import deepspeed_schema_findings
-    from shardkit.checks.training import training_findings
-    from shardkit.config.view import deepspeed_view
-    from shardkit.platform.versions import installed_versions, known_bad_findings, parse_version
-
     if deepspeed_version is not None:
         version = str(parse_version(deepspeed_version))
     else:
@@ -176,8 +173,6 @@ def _model_classes(model: Any) -> Iterable[str] | None:
     if model is None:
         return None
     if isinstance(model, str):
-        from shardkit.engines.model_factory import resolve_model_factory
-
         model = resolve_model_factory(model)()
     modules = getattr(model, "modules", None)
     if callable(modules):
@@ -206,8 +201,6 @@ def check_file(
     checked for a run here unless told otherwise (None: the config alone)."""
     loaded = read_config(path)
     if environment is _PROBE:
-        from shardkit.platform.environment import probe_environment
-
         environment = probe_environment()
     return check_config(
         loaded.data,

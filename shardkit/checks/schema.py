@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Any, Iterator
 
-from shardkit.config.paths import guess_key, segment, strip_auto
+from shardkit.config.paths import get, guess_key, segment, strip_auto
 from shardkit.config.view import enabled
 from shardkit.core.findings import Finding, Severity
 
@@ -220,8 +220,6 @@ def _validation_findings(exc: Any, section: str | None, cfg: dict[str, Any]) -> 
 
 
 def _value_at(cfg: dict[str, Any], key: str) -> Any:
-    from shardkit.config.paths import get
-
     return get(cfg, key)
 
 

@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def check_command(args: argparse.Namespace) -> int:
     from shardkit.checks import check_file
     from shardkit.core.errors import UsageError
+    from shardkit.core.render import print_report
 
     if args.world_size is not None and args.world_size < 1:
         raise UsageError(f"--world-size {args.world_size}: must be at least 1")
@@ -53,8 +54,6 @@ def check_command(args: argparse.Namespace) -> int:
     if args.json:
         print(report.to_json())
     else:
-        from shardkit.core.render import print_report
-
         # captured output (CI logs, pipes) gets render's fixed 160 columns so key paths do not fold
         print_report(report, file=None if sys.stdout.isatty() else sys.stdout)
     return report.exit_code

@@ -94,9 +94,9 @@ def _accelerator_flag(p: argparse.ArgumentParser) -> None:
 
 def run_has_accelerator(args: argparse.Namespace, facts: Any = None) -> bool:
     """--accelerator / --no-accelerator, else the accelerator DeepSpeed picks on this machine
-    (shardkit.platform.environment.run_has_accelerator: DS_ACCELERATOR, else CUDA; an MPS/XPU torch or
+    (shardkit.platform.environment.facts.run_has_accelerator: DS_ACCELERATOR, else CUDA; an MPS/XPU torch or
     DS_ACCELERATOR=cpu is a CPU run), the answer `smoke`, `launch` and `check`'s environment rows use."""
-    from shardkit.platform.environment import run_has_accelerator as _environment_answer
+    from shardkit.platform.environment.facts import run_has_accelerator as _environment_answer
 
     return _environment_answer(getattr(args, "accelerator", None), facts)
 
@@ -146,7 +146,9 @@ def config_command(args: argparse.Namespace, facts: Any = None) -> int:
     """``facts``: the machine's EnvironmentFacts (default: probed, as `shardkit check FILE` does)."""
     from shardkit.checks import check_config
     from shardkit.core.errors import ConfigError
-    from shardkit.platform.environment import environment_rule_ids, one_line, probe_environment
+    from shardkit.platform.environment.facts import probe_environment
+    from shardkit.platform.environment.report import one_line
+    from shardkit.platform.environment.rows import environment_rule_ids
 
     # The file is judged exactly as the `shardkit check FILE ...` it is said to pass: that command
     # (check_file) probes this machine's environment, so this check does too.

@@ -40,9 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def consolidate_command(args: argparse.Namespace) -> int:
+    from shardkit.checkpoint.hf_trainer.folder import resolve_source
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.consolidate import consolidate_zero3
-    from shardkit.checkpoint.ops.hf_trainer import resolve_source
 
     # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
     source = resolve_source(args.checkpoint, lambda m: print(f"note: {m}"))

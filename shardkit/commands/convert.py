@@ -49,7 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def convert_command(args: argparse.Namespace) -> int:
+    from shardkit.checkpoint.hf_trainer.folder import locate_trainer_checkpoint, trainer_files_not_converted
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
+    from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
+    from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
     from shardkit.core.errors import UsageError
 
     def warn(message: str) -> None:
@@ -62,9 +65,6 @@ def convert_command(args: argparse.Namespace) -> int:
         if args.ds_config is not None:
             raise UsageError(f"--ds-config {args.ds_config} with --to fsdp2: the ZeRO-3 checkpoint records its own "
                              "config; drop --ds-config")
-        from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
-        from shardkit.checkpoint.ops.hf_trainer import locate_trainer_checkpoint, trainer_files_not_converted
-
         adam_w = None if args.adam_w_mode is None else args.adam_w_mode == "on"
         # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
         trainer = locate_trainer_checkpoint(args.source)
@@ -85,9 +85,6 @@ def convert_command(args: argparse.Namespace) -> int:
         if args.adam_w_mode is not None:
             raise UsageError(f"--adam-w-mode {args.adam_w_mode} with --to zero3: the FSDP2 checkpoint's param "
                              "groups already record decoupled_weight_decay; drop --adam-w-mode")
-        # imported here: the reverse direction lives in its own module (and only that module imports it)
-        from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
-
         r = convert_dcp_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
                                  force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config)
         resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"

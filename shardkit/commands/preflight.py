@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def preflight_command(args: argparse.Namespace) -> int:
     from shardkit.core.errors import UsageError
+    from shardkit.placement.snapshot import check_record_target
     from shardkit.run.preflight import PreflightOptions, run_preflight
 
     if args.config and args.config_opt and args.config != args.config_opt:
@@ -64,8 +65,6 @@ def preflight_command(args: argparse.Namespace) -> int:
     if not config:
         raise UsageError("preflight needs CONFIG (a DeepSpeed or FSDP2 config), or --observed SNAPSHOT to judge a recording")
     if args.record:
-        from shardkit.placement.snapshot import check_record_target
-
         check_record_target(args.record)  # before any rank starts: never replace a config or a checkpoint
     return run_preflight(
         PreflightOptions(
@@ -83,12 +82,11 @@ def preflight_command(args: argparse.Namespace) -> int:
 
 def observed_command(snapshot: str, config: str | None, json_path: str | None) -> int:
     """``--observed``: judge a recording; exit 0 and one summary line when healthy, 1 and the table when not."""
+    from shardkit.core.render import write_json
     from shardkit.placement.observed import judge_snapshot_file
 
     report = judge_snapshot_file(snapshot, config)
     if json_path:
-        from shardkit.core.render import write_json
-
         write_json(report.to_dict(), json_path)
     if json_path != "-":
         print(report.render() if not report.ok or report.not_checked else report.summary())

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from shardkit.commands._parser import add_command
 
 if TYPE_CHECKING:
-    from shardkit.checkpoint.ops.hf_trainer import TrainerCheckpoint
+    from shardkit.checkpoint.hf_trainer.folder import TrainerCheckpoint
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def reshard_command(args: argparse.Namespace) -> int:
+    from shardkit.checkpoint.hf_trainer.folder import locate_trainer_checkpoint, trainer_folder_of_tag
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.reshard import reshard_zero3
     from shardkit.core.errors import UsageError
@@ -56,8 +57,6 @@ def reshard_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--world-size {args.world_size}: must be at least 1")
     if args.sub_group_size is not None and args.sub_group_size < 1:
         raise UsageError(f"--sub-group-size {args.sub_group_size}: must be at least 1")
-    from shardkit.checkpoint.ops.hf_trainer import locate_trainer_checkpoint, trainer_folder_of_tag
-
     trainer_checkpoint = locate_trainer_checkpoint(args.checkpoint)
     if trainer_checkpoint is not None:
         return _reshard_trainer(args, trainer_checkpoint)
@@ -83,7 +82,7 @@ def reshard_command(args: argparse.Namespace) -> int:
 def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint") -> int:
     """A Hugging Face Trainer checkpoint-N (or output_dir): -o is the new checkpoint-N folder."""
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
-    from shardkit.checkpoint.ops.hf_trainer import reshard_trainer_checkpoint
+    from shardkit.checkpoint.ops.reshard_trainer import reshard_trainer_checkpoint
 
     if source.note():
         print(f"note: {source.note()}")

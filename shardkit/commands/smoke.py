@@ -39,13 +39,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def smoke_command(args: argparse.Namespace) -> int:
-    from shardkit.run.smoke import ENGINES, SmokeOptions, print_smoke_report, run_smoke
+    from shardkit.config.loading import config_kind, load_config
+    from shardkit.core.render import write_json
+    from shardkit.run.smoke.options import ENGINES, SmokeOptions
+    from shardkit.run.smoke.report import print_smoke_report
+    from shardkit.run.smoke.runs import run_smoke
 
     engines = ENGINES if args.engine == "all" else (args.engine,)
     if args.config and args.engine == "all":
         # one config file drives one engine: smoke the engine it is written for
-        from shardkit.config.loading import config_kind, load_config
-
         engines = ("fsdp2",) if config_kind(load_config(args.config)) == "fsdp" else ("zero3",)
     opts = SmokeOptions(
         engines=engines,
@@ -60,7 +62,5 @@ def smoke_command(args: argparse.Namespace) -> int:
     report = run_smoke(opts, progress=not args.quiet)
     print_smoke_report(report)
     if args.json:
-        from shardkit.core.render import write_json
-
         write_json(report.to_dict(), args.json)
     return report.exit_code

@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shardkit.checkpoint.hf_trainer.folder import verify_trainer_checkpoint
     from shardkit.checkpoint.io.verify import verify_checkpoint
-    from shardkit.checkpoint.ops.hf_trainer import verify_trainer_checkpoint
     from shardkit.core.errors import UsageError
     from shardkit.core.render import print_report, write_json
 

@@ -27,12 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def versions_command(args: argparse.Namespace) -> int:
-    from shardkit.platform.environment import version_report
+    from shardkit.config.loading import load_config
+    from shardkit.core.render import console, print_report
+    from shardkit.platform.environment.report import version_report
 
     cfg = None
     if args.config:
-        from shardkit.config.loading import load_config
-
         cfg = load_config(args.config)
     data, report = version_report(cfg, deepspeed_version=args.deepspeed_version, source=args.config)
     if args.json:
@@ -40,8 +40,6 @@ def versions_command(args: argparse.Namespace) -> int:
 
         print(json.dumps({**data, "report": report.to_dict()}, indent=2))
         return report.exit_code
-    from shardkit.core.render import console, print_report
-
     con = console()
     for name, version in data["installed"].items():
         con.print(f"{name:13} {version or 'not installed'}")

@@ -7,6 +7,8 @@ import os
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from shardkit.platform.environment.arch_list import arch_list_fix, deepspeed_arch_list_error
+
 if TYPE_CHECKING:
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -163,9 +165,7 @@ def op_failure_line(name: str, status: str, environ: Mapping[str, str] | None = 
     # DeepSpeed >= 0.19.0 sorts TORCH_CUDA_ARCH_LIST entries with int() (PR #7977): torch's own '9.0a'
     # (many Hopper images) or 'sm_90' fail there. The cause is that only when the build failed with
     # exactly the error shardkit's replay of DeepSpeed's parser predicts; the fix is the same one
-    # `shardkit check` gives (environment.arch_list_fix: 'sm_90' -> 9.0).
-    from shardkit.platform.environment import arch_list_fix, deepspeed_arch_list_error
-
+    # `shardkit check` gives (environment.arch_list.arch_list_fix: 'sm_90' -> 9.0).
     error = deepspeed_arch_list_error(arch)
     if arch and error and error in cause:
         line += f"; TORCH_CUDA_ARCH_LIST={arch!r} has entries DeepSpeed cannot parse: {arch_list_fix(arch)}"

@@ -1,7 +1,7 @@
 """The import hook `shardkit launch` puts on ``transformers.Trainer``: every Trainer a rank builds gets
 shardkit's PreflightCallback. Light on purpose (no transformers, no torch): the rank's
 sitecustomize imports it at start-up and passes :func:`wrap_trainer_init` to
-``shardkit.run.autopreflight.hooks.install``.
+``shardkit.autopreflight.hooks.install``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def wrap_trainer_init(trainer_module: Any) -> None:
         try:
             # the lazy boundary: this module is imported at every rank's start-up (sitecustomize);
             # hf imports transformers and torch, so it is imported only once a Trainer exists
-            from shardkit.integrations.hf import inject_preflight_callback
+            from shardkit.integrations.hf.callback import inject_preflight_callback
 
             inject_preflight_callback(self)
         except Exception as exc:  # the torch hooks stay as the fallback

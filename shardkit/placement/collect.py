@@ -7,7 +7,13 @@ import socket
 from typing import TYPE_CHECKING, Any, Mapping
 
 from shardkit.config.loading import config_digest
-from shardkit.placement.records import RankReport
+from shardkit.core.errors import UsageError
+from shardkit.placement.deepspeed import collect_deepspeed, engine_config
+from shardkit.placement.expected import deepspeed_expected, torch_expected
+from shardkit.placement.fsdp import collect_fsdp, fsdp_expected_for, fsdp_mesh_device, is_fsdp2
+from shardkit.placement.records import EngineRecords, RankReport
+from shardkit.placement.torch_state import collect_torch, scaler_records, scheduler_records
+from shardkit.platform.device_rules import accelerator_device, module_compute_device
 from shardkit.platform.versions import runtime_versions
 
 if TYPE_CHECKING:
@@ -37,45 +43,30 @@ def collect_records(
     """
     import torch.distributed as dist
 
-    from shardkit.placement import expected as E
-    from shardkit.platform.device_rules import accelerator_device
-
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if engine is not None:
-        from shardkit.placement.deepspeed import collect_deepspeed, engine_config
-
         compute = device or _engine_device(engine) or str(accelerator_device())
         cfg = dict(config) if config is not None else engine_config(engine)
-        collected = collect_deepspeed(engine, rank, E.deepspeed_expected(cfg, compute))
-        from shardkit.placement.torch_state import scaler_records, scheduler_records
-
+        collected = collect_deepspeed(engine, rank, deepspeed_expected(cfg, compute))
         collected.records += scaler_records(scaler, rank, compute)
         if lr_scheduler is not None and lr_scheduler is not getattr(engine, "lr_scheduler", None):
             # a client scheduler stepped outside the engine
             collected.records += scheduler_records(lr_scheduler, rank, getattr(engine.optimizer, "optimizer", None), compute)
     elif model is not None or optimizer is not None:
-        from shardkit.placement.fsdp import collect_fsdp, fsdp_expected_for, fsdp_mesh_device, is_fsdp2
-        from shardkit.platform.device_rules import module_compute_device
-
         cfg = dict(config) if config is not None else {}
         if model is not None and is_fsdp2(model):
             compute = device or fsdp_mesh_device(model) or str(accelerator_device())
             collected = collect_fsdp(model, optimizer, scaler, lr_scheduler, rank, fsdp_expected_for(model, cfg, compute))
         else:
-            from shardkit.placement.records import EngineRecords
-            from shardkit.placement.torch_state import collect_torch
-
             compute = device or module_compute_device(model, optimizer)
-            exp = E.torch_expected(compute)
+            exp = torch_expected(compute)
             collected = EngineRecords(engine="torch", records=collect_torch(model, optimizer, scaler, lr_scheduler, rank, exp))
             if model is not None:
                 collected.param_numels = {n: p.numel() for n, p in model.named_parameters()}
     else:
-        from shardkit.core.errors import UsageError
-
         raise UsageError("preflight needs something to check: pass a DeepSpeed engine, or model= (and optimizer=)")
 
     return RankReport(

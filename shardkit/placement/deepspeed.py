@@ -21,10 +21,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardkit.placement import records as R
-from shardkit.placement._tensors import tensor_record
 from shardkit.placement.expected import ExpectedDevices
 from shardkit.placement.records import EngineRecords
+from shardkit.placement.tensor_records import iter_tensors, tensor_record
 from shardkit.placement.torch_state import module_records, optimizer_records, scheduler_records
+from shardkit.placement.zero_attrs import expected_for, rule_for
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -129,9 +130,6 @@ def _zero3(engine: Any, rank: int, expected: ExpectedDevices, out: EngineRecords
 
 def _attr_records(zopt: Any, rank: int, expected: ExpectedDevices) -> list[R.PlacementRecord]:
     """The ZeRO optimizer's other tensors (staging buffers, overflow flags ...) by the shared table."""
-    from shardkit.placement._tensors import iter_tensors
-    from shardkit.placement.zero_attrs import expected_for, rule_for
-
     out: list[R.PlacementRecord] = []
     for attr, value in sorted(vars(zopt).items()):
         rule = rule_for(attr)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from shardkit.config.view import deepspeed_view
+
 
 @dataclass(frozen=True)
 class ExpectedDevices:
@@ -59,8 +61,6 @@ def deepspeed_expected(config: Mapping[str, Any], compute: str) -> ExpectedDevic
     flags and ``"auto"`` devices (dropped by DeepSpeed: no offload) mean the same thing to the
     preflight as to ``shardkit check``.
     """
-    from shardkit.config.view import deepspeed_view
-
     view = deepspeed_view(dict(config))
     stage = view.stage or 0  # None: unreadable, and DeepSpeed would refuse it anyway
     opt, par = view.offload_optimizer, view.offload_param

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 from shardkit.placement import records as R
-from shardkit.placement._tensors import tensor_record
 from shardkit.placement.expected import ExpectedDevices, fsdp_expected
 from shardkit.placement.records import EngineRecords
+from shardkit.placement.tensor_records import tensor_record
 from shardkit.placement.torch_state import optimizer_records, scaler_records, scheduler_records
 
 if TYPE_CHECKING:

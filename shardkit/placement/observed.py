@@ -16,12 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from shardkit.config.loading import load_config
+from shardkit.config.view import deepspeed_view
 from shardkit.core.errors import UsageError
+from shardkit.core.files import FileReadError, read_regular_file
 from shardkit.placement import records as R
 from shardkit.placement.expected import ExpectedDevices, deepspeed_expected, fsdp_expected, torch_expected
 from shardkit.placement.records import PlacementRecord, RankReport
 from shardkit.placement.report import PlacementReport
+from shardkit.placement.verdict import judge
 from shardkit.placement.zero_attrs import attr_key, expected_for, rule_for
+from shardkit.platform.device_rules import TORCH_HYPERPARAMETERS
 
 PHASES = ("after_init", "after_step")
 """Phases a recording holds, in the order they are judged."""
@@ -98,8 +103,6 @@ class ObservedReport:
 
 def load_snapshot(path: str | Path) -> dict[str, Any]:
     """Read a snapshot file; any problem is a UsageError naming the file and what is wrong."""
-    from shardkit.core.files import FileReadError, read_regular_file
-
     p = Path(path)
     try:
         raw = read_regular_file(p, _MAX_BYTES)
@@ -178,8 +181,6 @@ class _Rules:
               opt: Mapping[str, Any]) -> "_Rules":
         fused = bool(opt.get("fused") or opt.get("capturable") or spec.get("fused"))
         if kind == "deepspeed":
-            from shardkit.config.view import deepspeed_view
-
             cfg = dict(config if config is not None else spec.get("config") or {})
             stage = int(deepspeed_view(cfg).stage or 0)
             # DeepSpeed builds its own optimizers (FusedAdam, DeepSpeedCPUAdam) from the config's
@@ -199,8 +200,6 @@ class _Rules:
         return cls("torch", kind, 0, torch_expected(compute), True, fused)
 
     def judge_phase(self, phase: str, entries: list[dict[str, Any]], snapshot: Mapping[str, Any]) -> tuple[PlacementReport, list[NotChecked]]:
-        from shardkit.placement.verdict import judge
-
         rank = int(snapshot.get("rank", 0) or 0)
         counts = Counter(_attr(e["name"]) for e in entries if e["name"].startswith("opt."))
         fp32_count = counts.get("fp32_partitioned_groups_flat", 0) or 1
@@ -262,8 +261,6 @@ class _Rules:
             return [(name, R.OPTIMIZER_STATE, dev, home, home_why)]
         m = re.match(r"^param_groups\[(\d+)\]\.(\w+)", name)
         if m:
-            from shardkit.platform.device_rules import TORCH_HYPERPARAMETERS
-
             if m.group(2) in TORCH_HYPERPARAMETERS:
                 return [(name, R.PARAM_GROUP, dev, *self._step(x.optimizer))]
             return [(name, R.PARAM_GROUP, dev, x.optimizer, "param_group tensor used with the group's parameters")]
@@ -295,8 +292,6 @@ def judge_snapshot_file(path: str | Path, config_path: str | None = None) -> Obs
     config = None
     source = ""
     if config_path:
-        from shardkit.config.loading import load_config
-
         config = load_config(config_path)
         source = config_path
     return judge_snapshot(snap, config, source)

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping
 
 from shardkit.core.errors import PreflightError
+from shardkit.core.render import write_json
 from shardkit.placement.collect import collect_records
 from shardkit.placement.records import RankReport
 from shardkit.placement.report import PlacementReport
@@ -70,8 +71,6 @@ def preflight(
         verdict = _Verdict(report.ok, _text(report, 1, timeout), [])
     if local.rank == 0:
         if json_path:
-            from shardkit.core.render import write_json
-
             write_json(report.to_dict(), json_path)
         if not verdict.ok:
             print(verdict.text, file=sys.stdout, flush=True)

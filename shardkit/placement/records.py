@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from shardkit.platform.device_rules import same_device
+
 # Record kinds. Names say what the tensor is to training, not how the engine stores it.
 PARAM = "param"
 BUFFER = "buffer"
@@ -35,8 +37,6 @@ def devices_match(actual: str, expected: str) -> bool:
     if "nvme" in (actual, expected):
         return actual == expected
     import torch
-
-    from shardkit.platform.device_rules import same_device
 
     try:
         return same_device(torch.device(actual), torch.device(expected))

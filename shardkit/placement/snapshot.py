@@ -15,10 +15,19 @@ shardkit. Entries (one dict per tensor):
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
+
+from shardkit.checkpoint.io.atomic import atomic_open
+from shardkit.core.errors import UsageError
+from shardkit.core.files import FileReadError, read_regular_file
+from shardkit.placement.collect import collect_records
+from shardkit.placement.deepspeed import engine_config
+from shardkit.placement.fsdp import is_fsdp2, module_offloads
+from shardkit.platform.versions import runtime_versions
 
 if TYPE_CHECKING:
     import torch
@@ -102,14 +111,8 @@ def optimizer_info(optimizer: Any) -> dict[str, Any]:
 def spec_for(engine: Any = None, model: Any = None, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A spec in the ground truth's terms: what the judge needs to know about the run."""
     if engine is not None:
-        from shardkit.placement.deepspeed import engine_config
-
         return {"engine": "deepspeed", "config": dict(config) if config is not None else engine_config(engine)}
-    from shardkit.placement.fsdp import is_fsdp2
-
     if model is not None and is_fsdp2(model):
-        from shardkit.placement.fsdp import module_offloads
-
         spec: dict[str, Any] = {"engine": "fsdp2"}
         offload = module_offloads(model)
         if offload:
@@ -131,9 +134,6 @@ def snapshot_header(
 ) -> dict[str, Any]:
     """Everything a snapshot says besides its phases: spec, versions, the rank and its compute device."""
     import torch
-
-    from shardkit.placement.collect import collect_records
-    from shardkit.platform.versions import runtime_versions
 
     rank_report = collect_records(engine, model=model, optimizer=optimizer, config=config, device=device)
     versions = runtime_versions()
@@ -173,10 +173,6 @@ def record_snapshot(
     recordings in ``tests/data/gpu_truth/``. The file is replaced atomically each time. Returns the
     snapshot written.
     """
-    import json
-
-    from shardkit.checkpoint.io.atomic import atomic_open
-
     target = Path(path)
     existing = check_record_target(target)
     head = snapshot_header(name or target.stem, engine, model=model, optimizer=optimizer, config=config, device=device)
@@ -194,18 +190,12 @@ def record_snapshot(
 def check_record_target(path: str | Path) -> dict[str, Any] | None:
     """Refuse a ``--record`` target that is not ours to replace: anything but a missing path or an
     earlier snapshot (a config file, a checkpoint, a device). Returns the earlier snapshot, if any."""
-    import json
-
-    from shardkit.core.errors import UsageError
-
     target = Path(path)
     if not target.exists() and not target.is_symlink():
         return None
     if not target.is_file() or target.is_symlink():
         raise UsageError(f"--record {target}: exists and is not a regular file; a snapshot never replaces it "
                          "(pick a new file name)")
-    from shardkit.core.files import FileReadError, read_regular_file
-
     try:
         data = json.loads(read_regular_file(target, 64 * 1024 * 1024) or b"null")
     except (FileReadError, ValueError, RecursionError):

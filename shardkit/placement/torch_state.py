@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable
 
 from shardkit.placement import records as R
-from shardkit.placement._tensors import iter_tensors, tensor_record
 from shardkit.placement.expected import ExpectedDevices
+from shardkit.placement.tensor_records import iter_tensors, tensor_record
 from shardkit.platform.device_rules import TORCH_HYPERPARAMETERS, step_device
 
 if TYPE_CHECKING:

@@ -1,4 +1,6 @@
 """What the machine and its software are: ``versions`` (every version gate and the known-bad
-DeepSpeed table), ``environment`` (probes of this machine: accelerator, DeepSpeed ops, memlock,
-arch list), ``device_rules`` (where tensors belong, shared by preflight and resume) and ``dist``
-(process-group helpers that also work without a process group). Imports ``core`` and ``config``."""
+DeepSpeed table), ``environment/`` (probes of this machine, one module per thing probed:
+accelerator, memlock, TORCH_CUDA_ARCH_LIST; then the facts they make, the table's environment rows
+judged against them, and the stop/report commands build on them), ``device_rules`` (where tensors
+belong, shared by preflight and resume) and ``dist`` (process-group helpers that also work without
+a process group). Imports ``core`` and ``config``."""

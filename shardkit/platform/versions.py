@@ -171,7 +171,7 @@ def matching_entries(
 ) -> list[KnownBad]:
     """Table rows whose version range holds and whose triggers match ``cfg`` (all rows' triggers
     count as matching when ``cfg`` is None). Environment rows are about the machine and never
-    match here: shardkit.platform.environment.environment_findings evaluates them against probed facts."""
+    match here: shardkit.platform.environment.rows.environment_findings evaluates them against probed facts."""
     dsv = deepspeed_version if isinstance(deepspeed_version, Version) else parse_version(str(deepspeed_version))
     tv = None
     if torch_version is not None:

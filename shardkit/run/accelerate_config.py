@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from shardkit.checks.fsdp_rules import fsdp_findings
 from shardkit.config.loading import LoadedConfig, read_config
 from shardkit.core.errors import ConfigError, UsageError
 from shardkit.core.findings import Finding, Severity
@@ -310,8 +311,6 @@ def fsdp2_findings(cfg: Mapping[str, Any], *, accelerator: bool | None) -> list[
     Accelerate's FSDP2 offload is ``CPUOffloadPolicy()`` (utils/dataclasses.py, 1.15), whose
     pin_memory is True: on ranks without an accelerator the pinning fails.
     """
-    from shardkit.checks.fsdp_rules import fsdp_findings
-
     section = _section(cfg, "fsdp_config")
     if section.get("fsdp_version") not in (2, "2"):
         return []  # FSDP1: the generic Accelerate rules already say shardkit's checks target FSDP2

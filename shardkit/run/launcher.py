@@ -17,15 +17,16 @@ import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
+from shardkit.autopreflight import ENV_FAILED_DIR, EXIT_CODE, rank_env
+from shardkit.checks import check_config, check_file
 from shardkit.config.loading import is_fsdp_config, load_config
+from shardkit.config.paths import auto_paths
 from shardkit.core.errors import UsageError
 from shardkit.core.findings import Finding, Report, Severity
-
-if TYPE_CHECKING:
-    from shardkit.platform.environment import EnvironmentFacts
-    from shardkit.run.accelerate_config import AccelerateRun
+from shardkit.platform.environment.facts import EnvironmentFacts, probe_environment, run_has_accelerator
+from shardkit.run.accelerate_config import AccelerateRun, launch_findings, load_run, parse_accelerate_args
 
 Launcher = Literal["deepspeed", "torchrun", "accelerate"]
 LAUNCHERS: tuple[Launcher, ...] = ("deepspeed", "torchrun", "accelerate")
@@ -200,8 +201,6 @@ def build_launch(
     config_path = find_config(script_args)
     env = dict(os.environ if environ is None else environ)
     if preflight:
-        from shardkit.run.autopreflight import rank_env
-
         env = rank_env(env, config_path)
     return LaunchPlan(
         launcher=launcher,
@@ -219,8 +218,6 @@ def build_launch(
 def _build_accelerate(args: Sequence[str], *, preflight: bool, environ: dict[str, str] | None) -> LaunchPlan:
     """The plan for ``accelerate launch [accelerate args] script.py [script args]``. The Accelerate
     config is read here (ConfigError: missing, unreadable, malformed): the world size is in it."""
-    from shardkit.run.accelerate_config import load_run, parse_accelerate_args
-
     env = dict(os.environ if environ is None else environ)
     run = load_run(parse_accelerate_args(args, env))
     kind = run.effective.get("distributed_type")
@@ -228,8 +225,6 @@ def _build_accelerate(args: Sequence[str], *, preflight: bool, environ: dict[str
         f"distributed_type {kind or 'NO'}: no DeepSpeed or FSDP settings to check in the Accelerate config"
     ]
     if preflight:
-        from shardkit.run.autopreflight import rank_env
-
         # accelerate launch runs torch's elastic agent in its own process (torch.distributed.run.run)
         # with os.environ plus its ACCELERATE_* variables, so the ranks inherit this environment
         env = rank_env(env, run.config_file)
@@ -269,8 +264,6 @@ def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None)
     an environment row (fp16 on a CPU-only machine) is then an error, not a "state --accelerator"
     warning.
     """
-    from shardkit.platform.environment import probe_environment
-
     if plan.accelerate is not None:
         return _check_accelerate(plan, plan.accelerate, facts)
     if plan.config_path is None:
@@ -295,10 +288,6 @@ def _check_script_config(plan: LaunchPlan, path: str, facts: EnvironmentFacts) -
     """The config the script names on its own command line, checked with the `shardkit check`
     rules (None, with a note, when it is not an engine config); "auto" is accepted when the script
     got it as ``--deepspeed PATH`` (the HF Trainer fills it), and a note says so."""
-    from shardkit.checks import check_file
-    from shardkit.config.paths import auto_paths
-    from shardkit.platform.environment import run_has_accelerator
-
     cfg = load_config(path)  # ConfigError: missing, empty, malformed
     if isinstance(cfg, dict) and not (_ENGINE_KEYS & set(cfg)):
         plan.notes.append(f"{path} is not a DeepSpeed or shardkit FSDP2 config; not checked")
@@ -322,10 +311,6 @@ def _check_script_config(plan: LaunchPlan, path: str, facts: EnvironmentFacts) -
 def _check_accelerate(plan: LaunchPlan, run: AccelerateRun, facts: EnvironmentFacts | None) -> Report:
     """The Accelerate config the ranks get (file + command-line overrides): the Accelerate rules
     (its DeepSpeed section or file with the DeepSpeed rules), plus what accelerate would refuse or drop."""
-    from shardkit.checks import check_config
-    from shardkit.platform.environment import probe_environment, run_has_accelerator
-    from shardkit.run.accelerate_config import launch_findings
-
     facts = facts or probe_environment(plan.env)
     accelerator = run_has_accelerator(facts=facts)
     source = run.config_file or "accelerate launch (no config file: accelerate's defaults and the command line)"
@@ -368,8 +353,6 @@ def run_launch(plan: LaunchPlan) -> int:
     """
     import tempfile
 
-    from shardkit.run.autopreflight import ENV_FAILED_DIR
-
     failed_dir = tempfile.mkdtemp(prefix="shardkit-launch-") if plan.preflight else None
     env = {**plan.env, ENV_FAILED_DIR: failed_dir} if failed_dir else plan.env
     try:
@@ -380,8 +363,6 @@ def run_launch(plan: LaunchPlan) -> int:
             shutil.rmtree(failed_dir, ignore_errors=True)
     if failures:
         print(preflight_summary(failures, plan.world_size), file=sys.stderr, flush=True)
-        from shardkit.run.autopreflight import EXIT_CODE
-
         return EXIT_CODE
     return code
 

@@ -12,13 +12,17 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
+from shardkit.checks import check_file
+from shardkit.config.loading import config_kind, load_config
 from shardkit.core.errors import DistributedError, UsageError
+from shardkit.core.render import print_report, write_json
+from shardkit.engines.model_factory import resolve_model_factory
 from shardkit.run.preflight_rank import RankSpec, preflight_rank
-
-if TYPE_CHECKING:
-    from shardkit.run.spawn import RankPlan, RankResult
+from shardkit.run.spawn.plan import RankPlan, plan_ranks, static_world
+from shardkit.run.spawn.process import run_ranks
+from shardkit.run.spawn.results import RankResult, failure_line
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,6 @@ class PreflightOptions:
 
 def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     """Exit code: 0 clean, 1 findings (static errors, placement problems, a failed step)."""
-    from shardkit.checks import check_file
-    from shardkit.config.loading import config_kind, load_config
-    from shardkit.core.render import print_report
-    from shardkit.engines.model_factory import resolve_model_factory
-    from shardkit.run.spawn import plan_ranks, static_world
-
     out = out or sys.stdout
     if opts.timeout <= 0:
         raise UsageError(f"--timeout {opts.timeout}: must be positive (seconds a late rank is waited for)")
@@ -80,8 +78,6 @@ def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
 
 
 def _run_ranks(opts: PreflightOptions, cfg: dict[str, Any], kind: str, plan: "RankPlan", out: TextIO) -> int:
-    from shardkit.run.spawn import run_ranks
-
     nproc = plan.nproc
     log_dir = tempfile.mkdtemp(prefix="shardkit-preflight-logs-")
     json_path = None if opts.json_path in (None, "-") else str(Path(opts.json_path).resolve())
@@ -139,8 +135,6 @@ def _ranks_died(opts: PreflightOptions, plan: "RankPlan", crashed: "list[RankRes
                 placement: dict[str, Any] | None, out: TextIO) -> None:
     failures = [rank_failure(r, log_dir) for r in crashed]
     if opts.json_path:
-        from shardkit.core.render import write_json
-
         record = {**(placement or {}), **failure_record(opts, plan, failures, stage=f"ranks failed {when}")}
         write_json(record, opts.json_path, file=out)
     lines = "\n".join(f"  rank {f['rank']}: {f['error']} (log: {f['log']})" for f in failures)
@@ -152,8 +146,6 @@ def _ranks_died(opts: PreflightOptions, plan: "RankPlan", crashed: "list[RankRes
 
 def rank_failure(result: "RankResult", log_dir: str) -> dict[str, Any]:
     """One failed rank as plain data: its exception (type and first message line), exit code, log."""
-    from shardkit.run.spawn import failure_line
-
     error = failure_line(result)
     if not result.error_type:  # died without reporting (segfault, os._exit, OOM killer): its log's end
         last = _last_log_line(log_dir, result.rank)

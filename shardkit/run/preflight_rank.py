@@ -9,6 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardkit.core.errors import PreflightError
+from shardkit.engines.deepspeed import initialize as deepspeed_initialize
+from shardkit.engines.deepspeed import train_step as deepspeed_step
+from shardkit.engines.fsdp import initialize as fsdp_initialize
+from shardkit.engines.fsdp import train_step as fsdp_step
+from shardkit.engines.model_factory import resolve_model_factory, synthetic_batch
+from shardkit.placement.preflight import preflight
+from shardkit.placement.snapshot import record_snapshot
+from shardkit.run.spawn.process import redirect_output
+
 
 @dataclass(frozen=True)
 class RankSpec:
@@ -28,8 +38,6 @@ def _record(spec: RankSpec, rank: int, phase: str, engine: Any = None, **kw: Any
     """``--record``: this rank's snapshot (rank 0 at the path given, rank N beside it as ``.rankN``)."""
     if not spec.record_path:
         return
-    from shardkit.placement.snapshot import record_snapshot
-
     path = Path(spec.record_path)
     if rank:
         path = path.with_name(f"{path.stem}.rank{rank}{path.suffix or '.json'}")
@@ -41,20 +49,13 @@ def preflight_rank(spec: RankSpec) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from shardkit.core.errors import PreflightError
-    from shardkit.engines.model_factory import resolve_model_factory, synthetic_batch
-    from shardkit.placement.preflight import preflight
-    from shardkit.run.spawn import redirect_output
-
     rank = dist.get_rank()
     redirect_output(Path(spec.log_dir) / f"rank{rank}.log")
     torch.manual_seed(0)
     model = resolve_model_factory(spec.model)()
     step: Any
     if spec.kind == "fsdp":
-        from shardkit.engines.fsdp import initialize, train_step
-
-        model, optimizer = initialize(model, spec.config)
+        model, optimizer = fsdp_initialize(model, spec.config)
 
         def check() -> Any:
             return preflight(model=model, optimizer=optimizer, config=spec.config, timeout=spec.timeout,
@@ -65,11 +66,8 @@ def preflight_rank(spec: RankSpec) -> dict[str, Any]:
 
         def step(ids: Any) -> float:
             # no clipping: the preflight's step shows where state lands, as the user's first step does
-            return train_step(model, optimizer, ids)
+            return fsdp_step(model, optimizer, ids)
     else:
-        from shardkit.engines.deepspeed import initialize as deepspeed_initialize
-        from shardkit.engines.deepspeed import train_step as deepspeed_step
-
         engine = deepspeed_initialize(model, spec.config)
 
         def check() -> Any:

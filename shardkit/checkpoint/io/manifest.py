@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from shardkit.checkpoint.io.atomic import STAGING_PREFIX, atomic_write_text, tag_problem
+from shardkit.checkpoint.io.atomic import atomic_write_text
+from shardkit.checkpoint.io.tags import STAGING_PREFIX, tag_problem
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import FileReadError, read_regular_file
 from shardkit.platform.versions import library_versions
 
 MANIFEST_NAME = "shardkit_manifest.json"
@@ -306,8 +308,6 @@ def read_manifest(tag_dir: str | os.PathLike[str]) -> Manifest:
     """Read ``tag_dir/shardkit_manifest.json``; CheckpointError naming the file (and the field,
     the value and why, for a manifest that parses but cannot be right) when it is missing,
     malformed, too large or too deeply nested."""
-    from shardkit.core.files import FileReadError, read_regular_file
-
     path = Path(tag_dir) / MANIFEST_NAME
     try:
         # the type is checked on the open descriptor: a FIFO swapped in after a check never blocks

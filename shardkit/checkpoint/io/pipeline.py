@@ -1,9 +1,10 @@
 """The steps every checkpoint operation shares, in the order it runs them: verify the source before
 anything is unpickled (``verify_before_reading``), choose the output's tag and refuse an output
-folder where writing would destroy something (``source_tag_as_new_tag``, ``check_output_root``),
-size the writer pool (``default_workers``); staging and sealing the output is
-``staged_save.atomic_checkpoint``. Reshard, convert, consolidate and export call these instead of
-borrowing them from one another.
+folder where writing would destroy something (``output_tag``, ``source_tag_as_new_tag``,
+``check_output_root``), size the writer pool (``default_workers``); staging and sealing the output
+is ``staged_save.atomic_checkpoint``. Reshard, convert, consolidate and export call these instead
+of borrowing them from one another. Which tag folder a source path designates is the format's
+question (``zero3.files.resolve_tag_dir``); what a tag may be is ``tags``'.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.checkpoint.io.atomic import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, tag_problem
 from shardkit.checkpoint.io.manifest import MANIFEST_NAME, Manifest
+from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, tag_problem
 from shardkit.checkpoint.io.verify import verify_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
 
@@ -93,6 +94,12 @@ def source_tag_as_new_tag(checkpoint: str | Path, source_dir: Path, source_tag: 
         origin = f"the name of the source folder {source_dir}"
     raise UsageError(f"source tag {source_tag!r} ({origin}) cannot name the new checkpoint ({why}); no --tag was "
                      "given, so the source's tag would be reused. Pass --tag NAME, e.g. --tag global_step100")
+
+
+def output_tag(tag: str | None, checkpoint: str | Path, source_dir: Path, source_tag: str) -> str:
+    """The tag the output gets: ``tag`` (the user's ``--tag``) checked by ``check_tag``, or, when
+    none was given, the source's own (``source_tag_as_new_tag``)."""
+    return check_tag(tag) if tag is not None else source_tag_as_new_tag(checkpoint, source_dir, source_tag)
 
 
 def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = False) -> None:

@@ -12,16 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from shardkit.checkpoint.io.atomic import (
-    LATEST_NAME,
-    check_tag,
-    disk_full_error,
-    is_disk_full,
-    publish_tag,
-    remove_stale_saves,
-    staging_dir,
-)
+from shardkit.checkpoint.io.atomic import disk_full_error, is_disk_full, publish_tag, remove_stale_saves, staging_dir
 from shardkit.checkpoint.io.manifest import Manifest, describe_files_distributed, write_manifest
+from shardkit.checkpoint.io.tags import LATEST_NAME, check_tag
 from shardkit.core.errors import CheckpointError
 from shardkit.platform.dist import all_gather_object, broadcast_object, rank_world
 from shardkit.platform.versions import library_versions

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Sequence
 
+from shardkit.checkpoint.io.atomic import disk_full_named, fsync_file
+from shardkit.checkpoint.io.torch_load import DeepSpeedObjectStub
+
 if TYPE_CHECKING:
     import torch
 
@@ -147,8 +150,6 @@ def _pickle_with_records(obj: Any) -> tuple[bytes, dict[str, Any]]:
     """
     import torch
     from torch.serialization import location_tag
-
-    from shardkit.checkpoint.io.torch_load import DeepSpeedObjectStub
 
     storage_types = torch.storage._dtype_to_storage_type_map()
     keys: dict[int, str] = {}
@@ -402,8 +403,6 @@ def write_parallel(jobs: Sequence[FileJob], workers: int, *, outcome: str,
     into a staging folder the caller is about to remove. ``workers=1`` writes in this thread.
     """
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-
-    from shardkit.checkpoint.io.atomic import disk_full_named, fsync_file
 
     def run(path: Path, write: Callable[[Path], WrittenFile]) -> WrittenFile:
         try:

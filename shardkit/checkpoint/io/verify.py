@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.atomic import LATEST_NAME, STAGING_PREFIX, latest_tag, os_errors_named, read_latest
+from shardkit.checkpoint.io.atomic import os_errors_named
 from shardkit.checkpoint.io.manifest import (
     ENGINES,
     MANIFEST_NAME,
@@ -23,6 +23,7 @@ from shardkit.checkpoint.io.manifest import (
     read_manifest,
     sha256_file,
 )
+from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX, latest_tag, read_latest
 from shardkit.core.errors import CheckpointError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.platform.dist import all_gather_object, rank_world

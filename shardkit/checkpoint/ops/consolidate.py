@@ -24,16 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from shardkit.checkpoint.io.atomic import LATEST_NAME, STAGING_PREFIX, atomic_open, disk_full_named, os_errors_named
+from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.checkpoint.io.pipeline import verify_before_reading, warn_unverified
+from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX
 from shardkit.checkpoint.io.torch_load import _ITEMSIZE, read_structure
-from shardkit.checkpoint.zero3.reader import (
-    FP32,
-    Zero3Checkpoint,
-    full_frozen_params,
-    open_zero3_checkpoint,
-    resolve_tag_dir,
-)
+from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint
+from shardkit.checkpoint.zero3.files import resolve_tag_dir
+from shardkit.checkpoint.zero3.gather import full_frozen_params
+from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.files import file_kind
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from shardkit.core.errors import CheckpointError
+
 if TYPE_CHECKING:
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -68,8 +70,6 @@ def restore_cpu_adam_kernel_state(target: "DeepSpeedEngine | torch.optim.Optimiz
     per kernel replayed; empty when the optimizer keeps no such state (torch optimizers, CUDA
     FusedAdam, a checkpoint at step 0).
     """
-    from shardkit.core.errors import CheckpointError
-
     if hasattr(target, "zero_optimization_stage"):
         stage = target.zero_optimization_stage()
         if stage != 3:

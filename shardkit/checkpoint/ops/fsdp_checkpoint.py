@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.dcp.reader import load_dcp_state
+from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state, read_dcp_metadata
 from shardkit.checkpoint.io.atomic import atomic_open
 from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.checkpoint.io.verify import CheckpointReport, check_resumable_distributed
@@ -125,8 +125,6 @@ def _check_param_group_count(tag_dir: str | os.PathLike[str], optimizer: "torch.
     groups than were saved, the parameters of the groups left out would silently train with another
     group's lr and weight decay (seen with a converted 2-group ZeRO-3 checkpoint). Count the saved
     groups in ``.metadata`` and refuse a mismatch."""
-    from shardkit.checkpoint.dcp.reader import METADATA_NAME, read_dcp_metadata
-
     prefix = f"{OPTIM_KEY}.param_groups."
     keys = read_dcp_metadata(Path(tag_dir) / METADATA_NAME).state_dict_metadata
     saved = len({k[len(prefix):].split(".", 1)[0] for k in keys if k.startswith(prefix)})

@@ -30,26 +30,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shardkit.checkpoint.io.atomic import LATEST_NAME, check_tag, os_errors_named
+from shardkit.checkpoint.io.atomic import os_errors_named
 from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest
 from shardkit.checkpoint.io.pipeline import (
     check_output_root,
     default_workers,
-    source_tag_as_new_tag,
+    output_tag,
     verify_before_reading,
     warn_unverified,
 )
 from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.checkpoint.io.stream import WrittenFile, all_segmented, copy_file_hashed, stream_save, write_parallel
+from shardkit.checkpoint.io.tags import LATEST_NAME
 from shardkit.checkpoint.io.torch_load import safe_torch_load
-from shardkit.checkpoint.zero3.reader import (
-    MODEL_FILE,
-    OPTIM_FILE,
-    Zero3Checkpoint,
-    full_frozen_params,
-    open_zero3_checkpoint,
-    resolve_tag_dir,
-)
+from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
+from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, resolve_tag_dir
+from shardkit.checkpoint.zero3.gather import full_frozen_params
+from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import (
     TargetLayout,
     client_state_note,
@@ -115,7 +112,7 @@ def reshard_zero3(
         raise UsageError(f"workers={workers}: must be at least 1 (threads writing rank files at once)")
     warn = warn or warn_unverified
     source_dir, source_tag = resolve_tag_dir(checkpoint)
-    tag = check_tag(tag) if tag is not None else source_tag_as_new_tag(checkpoint, source_dir, source_tag)
+    tag = output_tag(tag, checkpoint, source_dir, source_tag)
     root = Path(output)
     final = root / tag
     check_output_root(root, tag, source_dir, force=force)

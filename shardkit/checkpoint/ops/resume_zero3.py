@@ -27,8 +27,9 @@ from shardkit.checkpoint.io.stream import materialize
 from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.io.verify import check_resumable_distributed
 from shardkit.checkpoint.ops.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
+from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_numel
-from shardkit.checkpoint.zero3.reader import Zero3Checkpoint, open_zero3_checkpoint
+from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import (
     TargetLayout,
     client_state_note,
@@ -37,6 +38,7 @@ from shardkit.checkpoint.zero3.repartition import (
     optim_state_for_rank,
 )
 from shardkit.core.errors import CheckpointError
+from shardkit.placement.preflight import preflight as placement_preflight
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -245,9 +247,5 @@ def _verify_manifest(ckpt: Zero3Checkpoint, world_size: int) -> None:
 
 
 def _run_preflight(engine: Any) -> bool:
-    try:
-        from shardkit.placement.preflight import preflight
-    except ImportError:
-        return False
-    preflight(engine)
+    placement_preflight(engine)
     return True

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from shardkit.checkpoint.io.stream import LazyTensor, Segment
 from shardkit.checkpoint.io.torch_load import safe_torch_load
+from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
+from shardkit.checkpoint.zero3.gather import full_frozen_params
 from shardkit.checkpoint.zero3.layout import (
     DEFAULT_SUB_GROUP_SIZE,
     client_state_keys,
     partition_numel,
     rank_range,
 )
-from shardkit.checkpoint.zero3.reader import FP32, ParamSlot, Zero3Checkpoint, full_frozen_params
 from shardkit.config.paths import get
 from shardkit.core.errors import CheckpointError, UsageError
 

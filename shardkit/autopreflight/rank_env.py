@@ -26,8 +26,10 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 def site_dir() -> Path:
-    """The directory to put first on the ranks' PYTHONPATH."""
-    return Path(__file__).resolve().parent / "sitedir"
+    """The directory to put first on the ranks' PYTHONPATH: ``shardkit/startup``, which holds only
+    the ``sitecustomize.py`` that installs the hooks. It is a folder, not an import: the rank's
+    interpreter runs it as the top-level module ``sitecustomize``, above every shardkit layer."""
+    return Path(__file__).resolve().parents[1] / "startup"
 
 
 def rank_env(environ: dict[str, str], config_path: str | None = None) -> dict[str, str]:

@@ -32,8 +32,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from shardkit.run.autopreflight.rank_env import ENV_CONFIG
-from shardkit.run.autopreflight.run import HookState, claim, run_or_exit
+from shardkit.autopreflight.rank_env import ENV_CONFIG
+from shardkit.autopreflight.run import HookState, claim, run_or_exit
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

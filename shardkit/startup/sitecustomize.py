@@ -7,11 +7,11 @@ Installs lazy import watchers in training ranks, then runs the ``sitecustomize``
 
 def _shardkit_install() -> None:
     try:
-        from shardkit.run.autopreflight.rank_env import enabled
+        from shardkit.autopreflight.rank_env import enabled
 
         if enabled():
             from shardkit.integrations.trainer_hook import wrap_trainer_init
-            from shardkit.run.autopreflight.hooks import install
+            from shardkit.autopreflight.hooks import install
 
             install({"transformers.trainer": wrap_trainer_init})
     except Exception as exc:  # never break interpreter start-up

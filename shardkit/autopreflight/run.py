@@ -1,7 +1,7 @@
 """The one automatic preflight of a rank: who runs it (:func:`claim`), running it with the launch's
 settings, and stopping the rank when it fails (:func:`run_or_exit`, :func:`stop_rank`).
 
-Shared by the torch/DeepSpeed hooks (shardkit.run.autopreflight.hooks) and the HF Trainer's
+Shared by the torch/DeepSpeed hooks (shardkit.autopreflight.hooks) and the HF Trainer's
 PreflightCallback (shardkit.integrations.hf), so a rank runs the preflight once and fails the same
 way whichever of them got there first.
 """
@@ -13,7 +13,7 @@ import sys
 import weakref
 from typing import Any, Callable, NoReturn
 
-from shardkit.run.autopreflight.rank_env import DEFAULT_TIMEOUT_S, ENV_FAILED_DIR, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
+from shardkit.autopreflight.rank_env import DEFAULT_TIMEOUT_S, ENV_FAILED_DIR, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
 
 LAUNCH_SKIP_HINT = "relaunch with `shardkit launch --no-preflight` to skip the check"
 """How a failure message tells a `shardkit launch` user to skip the check."""

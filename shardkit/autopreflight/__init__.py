@@ -14,7 +14,7 @@ step runs it. A failing preflight prints the table (rank 0) and ends every rank 
 
 from __future__ import annotations
 
-from shardkit.run.autopreflight.rank_env import (
+from shardkit.autopreflight.rank_env import (
     DEFAULT_TIMEOUT_S,
     ENV_CONFIG,
     ENV_ENABLE,

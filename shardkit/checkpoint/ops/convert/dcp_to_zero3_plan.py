@@ -1,0 +1,263 @@
+"""Planning the ZeRO-3 files ``convert_dcp_to_zero3`` writes: the resuming run's config checked
+(``check_target_config``: stage 3, no fp16, ``sub_group_size``, precision), the optimizer its
+engine builds and the param-group format that optimizer loads (``target_optimizer``,
+``_target_groups``), the sub-group layout at N ranks (``zero3.repartition.plan_layout``), the one
+Adam step each sub-group keeps, and DeepSpeed's counters and client state. ``plan_zero3_target``
+returns it all as one ``Zero3Target``; the write module builds each rank's files from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from shardkit.checkpoint.io.manifest import Manifest
+from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import SourcePlan
+from shardkit.checkpoint.ops.convert.names import ADAM_TYPES
+from shardkit.checkpoint.zero3.checkpoint import ParamSlot
+from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, DEFAULT_SUB_GROUP_SIZE
+from shardkit.checkpoint.zero3.repartition import TargetLayout, plan_layout
+from shardkit.config.loading import load_config
+from shardkit.config.paths import get
+from shardkit.core.errors import CheckpointError, UsageError
+
+#: Param-group keys of the optimizer DeepSpeed builds from a config ``optimizer`` block (0.19.8,
+#: ``DeepSpeedEngine.get_optimizer_configuration``), with their constructor defaults.
+#: ``FusedAdam``: ``defaults = dict(lr, bias_correction, betas, eps, weight_decay)`` (ops/adam/
+#: fused_adam.py), plus ``step: 0`` its ``step()`` adds to every group. ``DeepSpeedCPUAdam``:
+#: ``dict(lr, betas, eps, weight_decay, bias_correction, amsgrad)`` (ops/adam/cpu_adam.py).
+#: Written verbatim: ``Optimizer.load_state_dict`` replaces the engine's groups with the saved
+#: ones, and FusedAdam's ``step`` reads ``group["bias_correction"]`` (a torch-format group would
+#: end in a KeyError). Built from the table, not by constructing the class: that loads (and may
+#: JIT-build) a C++ op, 5 s to minutes here.
+_GROUP_FORMATS: dict[str, dict[str, Any]] = {
+    "FusedAdam": {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                  "step": 0},
+    "DeepSpeedCPUAdam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                         "bias_correction": True, "amsgrad": False},
+}
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+"""Carried from each source param group into the target's (the state being resumed)."""
+_TORCH_FLAGS_MUST_BE_OFF = ("amsgrad", "maximize")
+"""torch Adam flags ZeRO-3's Adam has no state or code for (amsgrad keeps max_exp_avg_sq)."""
+
+
+@dataclass
+class TargetOptimizer:
+    """The optimizer the resuming DeepSpeed engine builds, as far as its checkpoint format goes."""
+
+    name: str
+    """'FusedAdam', 'DeepSpeedCPUAdam' or 'torch' (a client torch optimizer or ``torch_adam``)."""
+    adam_w_mode: bool
+    """Decoupled weight decay (AdamW) or L2 (Adam)."""
+    step_as_tensor: bool
+    """torch keeps ``step`` as a float32 tensor; DeepSpeed's Adams as a Python int."""
+
+
+@dataclass
+class Zero3Target:
+    """The ZeRO-3 files to write, decided before the first one is (``plan_zero3_target``)."""
+
+    opt: TargetOptimizer
+    groups: list[dict[str, Any]]
+    """The inner optimizer's param groups in ``opt``'s format (``params`` filled by the writer)."""
+    layout: TargetLayout
+    sub_steps: list[tuple[int, Any]]
+    """Each sub-group's Adam step: the count and the source's value it came from."""
+    global_steps: int
+    counters: dict[str, Any]
+    """DeepSpeed's counters (and scheduler state) for the model-states files (``_counters``)."""
+    client: dict[str, Any]
+    """The FSDP2 save's JSON client state, written into the model-states files."""
+    cfg: dict[str, Any]
+    """What is recorded as ``ds_config``: the given config, or ``_minimal_config``."""
+
+
+def read_ds_config(ds_config: str | os.PathLike[str] | dict[str, Any] | None) -> dict[str, Any] | None:
+    if ds_config is None or isinstance(ds_config, dict):
+        return ds_config
+    return load_config(Path(ds_config))
+
+
+def target_optimizer(cfg: dict[str, Any] | None, source_adam_w: bool) -> TargetOptimizer:
+    """Which optimizer the DeepSpeed engine builds from ``cfg`` (mirrors ``get_optimizer_configuration``)."""
+    if cfg is None:
+        return TargetOptimizer("FusedAdam", source_adam_w, False)
+    opt = cfg.get("optimizer")
+    if opt is None:
+        # a client optimizer passed to deepspeed.initialize: shardkit's FSDP2 runs use torch's
+        return TargetOptimizer("torch", source_adam_w, True)
+    kind = str(opt.get("type", "")).lower()
+    if kind not in ADAM_TYPES:
+        raise UsageError(f"ds_config optimizer.type is {opt.get('type')!r}: only Adam/AdamW state (exp_avg, exp_avg_sq, "
+                         "step) converts from an FSDP2 AdamW checkpoint; use a config with optimizer.type 'AdamW' "
+                         "(or 'Adam')")
+    params = opt.get("params") or {}
+    # DeepSpeed: type AdamW is always decoupled; type Adam is too unless adam_w_mode: false
+    adam_w = kind == "adamw" or bool(params.get("adam_w_mode", True))
+    if params.get("torch_adam"):
+        return TargetOptimizer("torch", adam_w, True)
+    offload = get(cfg, "zero_optimization.offload_optimizer.device", "none")
+    if get(cfg, "zero_optimization.zenflow") is not None:
+        raise UsageError("ds_config zero_optimization.zenflow is set: ZenFlow's CPU Adam keeps state this converter "
+                         "does not write; convert for a config without zenflow")
+    if str(offload).lower() in ("cpu", "nvme"):
+        return TargetOptimizer("DeepSpeedCPUAdam", adam_w, False)
+    return TargetOptimizer("FusedAdam", adam_w, False)
+
+
+def check_target_config(cfg: dict[str, Any] | None) -> tuple[int, str]:
+    """(sub_group_size, precision) of the target config; refuses what cannot be converted."""
+    if cfg is None:
+        return DEFAULT_SUB_GROUP_SIZE, "fp32"
+    stage = get(cfg, "zero_optimization.stage", 0)
+    if stage != 3:
+        raise UsageError(f"ds_config zero_optimization.stage is {stage!r}: --to zero3 writes ZeRO-3 files; pass the "
+                         "config of the resuming ZeRO-3 run (stage 3)")
+    for key in ("bf16.enabled", "fp16.enabled", "zero_optimization.offload_optimizer.device"):
+        if get(cfg, key) == "auto":
+            raise UsageError(f"ds_config {key} is 'auto': it decides the files' names and param-group format, and only "
+                             "the HF Trainer fills it in at launch. Pass the config with the value the run uses "
+                             "(the Trainer's filled-in config, or set it explicitly)")
+    if get(cfg, "fp16.enabled", False) is True:
+        raise UsageError("ds_config fp16.enabled is true: an fp16 ZeRO-3 run needs a loss scaler state, which an FSDP2 "
+                         "checkpoint does not hold (loss_scaler cannot be carried). Resume in bf16 or fp32 (bf16.enabled "
+                         "or neither)")
+    value = get(cfg, "zero_optimization.sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+    if value == "auto":
+        value = DEFAULT_SUB_GROUP_SIZE  # DeepSpeed's config drops "auto" keys: the default applies
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or value != int(value):
+        raise UsageError(f"ds_config zero_optimization.sub_group_size is {value!r}: not a positive integer; set the "
+                         f"resuming run's value (DeepSpeed's default is {DEFAULT_SUB_GROUP_SIZE:.0e})")
+    precision = "bf16" if get(cfg, "bf16.enabled", False) is True else "fp32"
+    return int(value), precision
+
+
+def plan_zero3_target(plan: SourcePlan, cfg: dict[str, Any] | None, manifest: Manifest | None, world_size: int,
+                      sub_group_size: int, tag_dir: Path) -> Zero3Target:
+    """The ZeRO-3 files for ``world_size`` ranks of the run ``cfg`` configures (None: DeepSpeed's
+    defaults), from the classified source ``plan``; what the target cannot hold is refused
+    (UsageError, CheckpointError) or added to ``plan.not_carried``, what it changes to ``plan.notes``."""
+    decoupled = [bool(g.get("decoupled_weight_decay", False)) for g in plan.groups]
+    opt = target_optimizer(cfg, all(decoupled))
+    groups = _target_groups(plan, opt, cfg, tag_dir)
+
+    slots = [ParamSlot(p.fqn, p.shape, p.numel, plan.param_group_of[p.fqn], 0, 0, 0) for p in plan.trainable]
+    # plan_layout reads only ``slots`` when sub_group_size is given: the DCP parameters stand in
+    # for a source ZeRO-3 checkpoint's (their sub_group/offset fields are unused)
+    layout = plan_layout(SimpleNamespace(slots=slots), world_size, sub_group_size)  # type: ignore[arg-type]
+    sub_steps = [_step_value([tp.source.name for tp in params], plan.steps, tag_dir) for params in layout.sub_groups]
+    step = sub_steps[0][0] if sub_steps else 0
+    user = dict(manifest.extra.get("user") or {}) if manifest is not None else {}
+    global_steps = manifest.step if manifest is not None and isinstance(manifest.step, int) else step
+    if global_steps != step:
+        plan.notes.append(f"global_steps {global_steps} comes from the FSDP2 save's step; the Adam step is {step}")
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in plan.trainable} - {"float32"})
+    if dtypes:
+        plan.notes.append(f"parameters/moments saved as {dtypes} were upcast to float32 (ZeRO-3's masters and moments "
+                          "are fp32); they are exact, but are not a float32 run's values")
+    record_cfg = cfg if cfg is not None else _minimal_config(plan.groups[0], opt)
+    if cfg is None:
+        plan.notes.append("no ds_config given: DeepSpeed's defaults (sub_group_size 1e9, fp32, FusedAdam param groups); "
+                          "pass the resuming run's config (--ds-config) when it sets sub_group_size, bf16 or offload")
+    if cfg is not None and cfg.get("scheduler") is not None:
+        plan.not_carried.append("lr_scheduler (ds_config has a 'scheduler'): the FSDP2 checkpoint holds no scheduler "
+                                "state; load with engine.load_checkpoint(OUT, load_lr_scheduler_states=False) (the "
+                                "scheduler then starts from its own step 0) or set its state yourself")
+    counters = _counters(manifest, global_steps, cfg, plan)
+    client: dict[str, Any] = {}
+    for k, v in user.items():
+        if k in DEEPSPEED_MODEL_KEYS:
+            plan.not_carried.append(f"client_state.{k} ({v!r}): the name of an entry DeepSpeed writes itself")
+        else:
+            client[k] = v
+    return Zero3Target(opt=opt, groups=groups, layout=layout, sub_steps=sub_steps, global_steps=global_steps,
+                       counters=counters, client=client, cfg=record_cfg)
+
+
+def _step_value(fqns: list[str], steps: dict[str, Any], source: Path) -> tuple[int, Any]:
+    """The one step count of a sub-group (ZeRO-3 keeps one per sub-group; torch one per parameter)."""
+    import torch
+
+    values: dict[str, float] = {}
+    for n in fqns:
+        s = steps[n]
+        values[n] = float(s.item() if isinstance(s, torch.Tensor) else s)
+    distinct = sorted(set(values.values()))
+    if len(distinct) != 1:
+        first = {v: next(n for n in fqns if values[n] == v) for v in distinct}
+        raise CheckpointError(
+            f"{source}: parameters that share a ZeRO-3 sub-group have different Adam step counts ("
+            + ", ".join(f"{n}: {v:g}" for v, n in first.items())
+            + "): ZeRO-3 keeps one step per sub-group, so their bias corrections cannot all be kept. Parameters "
+            "that missed optimizer steps (no gradient) cause this; convert a checkpoint where all trained together, "
+            "or put them in separate param groups")
+    step = distinct[0]
+    if step != int(step) or step < 1:
+        raise CheckpointError(f"{source}: Adam step is {step:g}, expected a positive whole number")
+    return int(step), steps[fqns[0]]
+
+
+def _target_groups(plan: SourcePlan, opt: TargetOptimizer, cfg: dict[str, Any] | None, source: Path) -> list[dict[str, Any]]:
+    """The inner optimizer's param groups in the target optimizer's own format (``params`` filled later)."""
+    out = []
+    cfg_params = get(cfg or {}, "optimizer.params", {}) or {}
+    for g, group in enumerate(plan.groups):
+        for flag in _TORCH_FLAGS_MUST_BE_OFF:
+            if group.get(flag):
+                raise UsageError(f"{source}: param_groups[{g}].{flag} is {group[flag]!r}: DeepSpeed's ZeRO-3 Adam has no "
+                                 f"{flag} mode, so this state would train differently. Convert a checkpoint trained "
+                                 f"with {flag}=False")
+        decoupled = bool(group.get("decoupled_weight_decay", False))
+        if decoupled != opt.adam_w_mode and float(group.get("weight_decay", 0.0)) != 0.0:
+            seen = "AdamW (decoupled_weight_decay=True)" if decoupled else "Adam (L2 weight decay)"
+            want = "AdamW" if opt.adam_w_mode else "Adam with L2 weight decay"
+            raise UsageError(f"{source}: param_groups[{g}] was trained with {seen}, weight_decay "
+                             f"{group.get('weight_decay')}, but the target config builds {want}. Set ds_config "
+                             f"optimizer.type to {'AdamW' if decoupled else 'Adam'}"
+                             f"{'' if decoupled else ' with params.adam_w_mode false'}")
+        if opt.name == "torch":
+            new = {k: v for k, v in group.items() if k != "params"}
+        else:
+            new = dict(_GROUP_FORMATS[opt.name])
+            new.update({k: cfg_params[k] for k in new if k in cfg_params and k not in _HYPERPARAMETERS})
+            for k in _HYPERPARAMETERS:
+                if k in group:
+                    new[k] = tuple(group[k]) if k == "betas" else group[k]
+            dropped = sorted(k for k in group if k not in new and k not in ("params", *_TORCH_FLAGS_MUST_BE_OFF,
+                             "decoupled_weight_decay", "foreach", "capturable", "differentiable", "fused"))
+            if dropped:
+                plan.not_carried.append(f"param_groups[{g}] entries {dropped}: {opt.name}'s param groups have no such "
+                                        "keys (set them in the resuming run if they matter)")
+        out.append(new)
+    return out
+
+
+def _minimal_config(group: dict[str, Any], opt: TargetOptimizer) -> dict[str, Any]:
+    """What is recorded as ``ds_config`` when none was given: a ZeRO-3 Adam config with the source's hyperparameters."""
+    params = {k: (list(group[k]) if k == "betas" else group[k]) for k in _HYPERPARAMETERS if k in group}
+    return {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW" if opt.adam_w_mode else "Adam", "params": params}}
+
+
+def _counters(manifest: Any, global_steps: int, cfg: dict[str, Any] | None, plan: SourcePlan) -> dict[str, Any]:
+    """DeepSpeed's counters (and scheduler) for the model-states files. A DCP checkpoint converted
+    from ZeRO-3 (``convert_zero3_to_dcp``) keeps them in its manifest's ``extra.converted_from``:
+    they go back where they came from. Otherwise ``global_samples`` is ``global_steps`` times the
+    config's ``train_batch_size`` (what DeepSpeed computes on load when it is missing)."""
+    came = (manifest.extra.get("converted_from") if manifest is not None else None) or {}
+    out: dict[str, Any] = {"skipped_steps": 0}
+    if came.get("engine") == "deepspeed":
+        for key in ("global_samples", "skipped_steps"):
+            if isinstance(came.get(key), int):
+                out[key] = came[key]
+        if isinstance(came.get("lr_scheduler"), dict):
+            out["lr_scheduler"] = came["lr_scheduler"]
+            plan.notes.append("lr_scheduler state restored from the manifest's extra.converted_from (the ZeRO-3 "
+                              "checkpoint this one was converted from)")
+    tbs = (cfg or {}).get("train_batch_size")
+    if "global_samples" not in out and isinstance(tbs, int) and not isinstance(tbs, bool):
+        out["global_samples"] = global_steps * tbs
+    return out

@@ -1,0 +1,200 @@
+"""Writing the ZeRO-3 rank files of ``convert_dcp_to_zero3`` into the staging folder:
+``RankStates`` builds each rank's two dicts in the key order DeepSpeed 0.19.8 writes them, with
+the flat fp32 partitions as lazy tensors (byte ranges of the ``.distcp`` files and zero runs where
+``DcpSlices`` can read every slice, else ``_partition`` cuts them from ``dcp.load``ed tensors);
+``write_rank_files`` streams every file, one thread per rank file, hashed as written.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from shardkit.checkpoint.io.manifest import FileEntry
+from shardkit.checkpoint.io.pipeline import default_workers
+from shardkit.checkpoint.io.stream import LazyTensor, Segment, stream_save, write_parallel
+from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import TargetOptimizer
+from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, SourcePlan
+from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, MODEL_KEY, OPTIM_KEY
+from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
+from shardkit.checkpoint.zero3.repartition import TargetLayout, repartition_frozen
+
+if TYPE_CHECKING:
+    import torch
+
+FP32 = "fp32"
+"""Pseudo state key: the fp32 masters (the FSDP2 parameters themselves)."""
+
+BATCH_BYTES = 64 * 2**20
+"""Full source tensors read per ``dcp.load`` call while a partition is produced (bounds memory)."""
+
+
+def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str) -> list[FileEntry]:
+    """Every rank's optim and model-states file of ``out`` written into the staging folder
+    ``folder`` (``bf16_`` optim file names for a bf16 run); the files written, for the manifest."""
+    world_size = out.layout.world_size
+    prefix = "bf16_" if precision == "bf16" else ""
+
+    ranks = range(world_size)
+    # optim files first (the large ones), so the small model files fill the gaps at the end
+    files: list[tuple[str, Callable[[], dict[str, Any]]]] = (
+        [(OPTIM_FILE.format(prefix=prefix, rank=r), partial(out.optim_states, r)) for r in ranks]
+        + [(MODEL_FILE.format(rank=r), partial(out.model_states, r)) for r in ranks])
+
+    # Byte-range copies release the GIL (preadv, crc32, sha256, write): one thread per rank file
+    # (reshard's rule). Tensors that need dcp.load are produced one at a time.
+    workers = default_workers(world_size) if out.all_segments() else 1
+    # hashed as written (the manifest needs no second read), fsynced by the thread that wrote
+    # it; the first failure cancels the files not yet started (stream.write_parallel)
+    digests = write_parallel(
+        [(folder / name, lambda path, produce=produce: stream_save(produce(), path)) for name, produce in files],
+        workers, outcome=outcome, thread_name="shardkit-convert")
+    return [FileEntry(name, d.size, d.sha256) for (name, _), d in zip(files, digests)]
+
+
+class RankStates:
+    """Each output rank's two dicts, in the key order DeepSpeed 0.19.8 writes them."""
+
+    def __init__(self, *, src: DcpSource, plan: SourcePlan, layout: TargetLayout, opt: TargetOptimizer,
+                 groups: list[dict[str, Any]], sub_steps: list[tuple[int, Any]], precision: str, global_steps: int,
+                 counters: dict[str, Any], client: dict[str, Any], cfg: dict[str, Any]):
+        import deepspeed
+        import torch
+
+        self.src, self.plan, self.layout, self.opt, self.sub_steps = src, plan, layout, opt, sub_steps
+        self.global_steps, self.counters, self.client, self.cfg = global_steps, counters, client, cfg
+        self.ds_version = deepspeed.__version__
+        self.module_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        buffers = src.load([f"{MODEL_KEY}.{n}" for n in plan.buffers]) if plan.buffers else {}
+        self.frozen_full = src.load([f"{MODEL_KEY}.{p.fqn}" for p in plan.frozen]) if plan.frozen else {}
+        params = {p.fqn for p in plan.trainable} | {p.fqn for p in plan.frozen} | set(plan.aliases)
+        # a partitioned ZeRO-3 module's state_dict holds an empty tensor per parameter, buffers whole
+        self.module: OrderedDict[str, Any] = OrderedDict(
+            (n, torch.empty(0, dtype=self.module_dtype) if n in params else buffers[f"{MODEL_KEY}.{n}"])
+            for n in plan.model_keys)
+        self.param_shapes = [OrderedDict((tp.source.name, torch.Size(tp.source.shape)) for tp in sub)
+                             for sub in layout.sub_groups]
+        owners: dict[int, list[int]] = {}
+        for j, g in enumerate(layout.sub_group_param_group):
+            owners.setdefault(g, []).append(j)
+        self.groups = [{**group, "params": owners.get(g, [])} for g, group in enumerate(groups)]
+
+    def model_states(self, rank: int) -> dict[str, Any]:
+        """``DeepSpeedEngine._common_checkpoint_state`` (+ client state, last, as ``state.update``)."""
+        import torch
+
+        plan, n = self.plan, self.layout.world_size
+        sd: dict[str, Any] = dict(
+            module=self.module, buffer_names=list(plan.buffers), optimizer=None, param_shapes=self.param_shapes,
+            frozen_param_shapes=OrderedDict((p.fqn, torch.Size(p.shape)) for p in plan.frozen),
+            shared_params=dict(plan.aliases),
+            frozen_param_fragments=OrderedDict(
+                (p.fqn, repartition_frozen(self.frozen_full[f"{MODEL_KEY}.{p.fqn}"].to(self.module_dtype), n, rank))
+                for p in plan.frozen),
+            lr_scheduler=self.counters.get("lr_scheduler"), data_sampler=None, random_ltd=None,
+            skipped_steps=self.counters["skipped_steps"], global_steps=self.global_steps)
+        if "global_samples" in self.counters:
+            sd["global_samples"] = self.counters["global_samples"]
+        sd.update(dp_world_size=n, mp_world_size=1, checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1},
+                  ds_config=self.cfg, ds_version=self.ds_version, **self.client)
+        return sd
+
+    def optim_states(self, rank: int) -> dict[str, Any]:
+        """``_save_zero_checkpoint``'s dict around ``DeepSpeedZeroOptimizer_Stage3._rigid_state_dict``,
+        with the flat tensors produced only when ``stream_save`` writes them."""
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        layout = self.layout
+        state: dict[int, dict[str, Any]] = {}
+        for j in range(len(layout.sub_groups)):
+            count, raw = self.sub_steps[j]
+            st: dict[str, Any] = {"step": raw.detach().clone().reshape(()) if self.opt.step_as_tensor else count}
+            for key in ADAM_STATE_KEYS:
+                st[key] = self._lazy(j, rank, key)
+            state[j] = st
+        osd = {
+            "zero_stage": ZeroStageEnum.weights,
+            "loss_scaler": LossScaler(1.0),  # bf16/fp32: DeepSpeed's static scale of 1 (fp16 is refused)
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "partition_count": layout.world_size,
+            "optimizer_state_dict": {"state": state, "param_groups": self.groups},
+            "fp32_flat_groups": [self._lazy(j, rank, FP32) for j in range(len(layout.sub_groups))],
+        }
+        return {"optimizer_state_dict": osd, "ds_config": self.cfg, "ds_version": self.ds_version}
+
+    def all_segments(self) -> bool:
+        """Every flat tensor of every rank is a list of byte ranges (no ``dcp.load`` needed)."""
+        return all(self._lazy(j, r, key).segments is not None for r in range(self.layout.world_size)
+                   for j in range(len(self.layout.sub_groups)) for key in (FP32, *ADAM_STATE_KEYS))
+
+    def _lazy(self, j: int, rank: int, key: str) -> LazyTensor:
+        """Rank ``rank``'s flat ``key`` tensor of sub-group ``j``, written later by ``stream_save``:
+        as byte ranges of the ``.distcp`` files and zero runs when every slice is float32 there
+        (copied through one 1 MiB buffer, never built), else produced by ``_partition``."""
+        import torch
+
+        segments: list[Segment] = []
+        for tp in self.layout.sub_groups[j]:
+            lo, hi = tp.rank_range(rank)
+            source = _source_key(tp.source.name, key)
+            chunks = self.src.slices.chunks(source) if hi > lo else []
+            meta = self.src.tensor_meta(source)
+            if chunks is None or meta is None or meta.properties.dtype != torch.float32:
+                segments = []
+                break
+            for ch in chunks:
+                a, b = max(lo, ch.start), min(hi, ch.start + ch.numel)
+                if b > a:
+                    segments.append(Segment(str(ch.file), ch.data_offset + (a - ch.start) * 4, (b - a) * 4))
+            if tp.partition_numel > hi - lo:
+                segments.append(Segment(None, 0, (tp.partition_numel - (hi - lo)) * 4))
+        else:
+            return LazyTensor(self.layout.sub_group_numel(j), torch.float32,
+                              _producer(self.src, self.layout, j, rank, key), segments=lambda: segments)
+        return LazyTensor(self.layout.sub_group_numel(j), torch.float32, _producer(self.src, self.layout, j, rank, key))
+
+
+def _producer(src: DcpSource, layout: TargetLayout, j: int, rank: int, key: str) -> Callable[[], "torch.Tensor"]:
+    return lambda: _partition(src, layout, j, rank, key)
+
+
+def _partition(src: DcpSource, layout: TargetLayout, j: int, rank: int, key: str) -> "torch.Tensor":
+    """Rank ``rank``'s flat ``key`` tensor (fp32) of sub-group ``j``: each parameter's
+    ``ceil(numel / N)`` slice in layout order, the last rank's tail zero-padded. Slices are read
+    straight from the files (``DcpSlices``); tensors it cannot read so are loaded whole through
+    ``load_dcp_state`` in batches."""
+    import torch
+
+    params = layout.sub_groups[j]
+    out = torch.empty(layout.sub_group_numel(j), dtype=torch.float32)
+    batch: list[Any] = []
+    size = 0
+
+    def flush() -> None:
+        keys = [_source_key(tp.source.name, key) for tp in batch]
+        loaded = src.load(keys)
+        for tp, k in zip(batch, keys):
+            lo, hi = tp.rank_range(rank)
+            out.narrow(0, tp.offset, hi - lo).copy_(loaded[k].reshape(-1)[lo:hi])
+        batch.clear()
+
+    for tp in params:
+        lo, hi = tp.rank_range(rank)
+        out.narrow(0, tp.offset + (hi - lo), tp.partition_numel - (hi - lo)).zero_()
+        if hi > lo and not src.slices.read_into(_source_key(tp.source.name, key), lo, out.narrow(0, tp.offset, hi - lo)):
+            batch.append(tp)
+            size += tp.source.numel * 4
+            if size >= BATCH_BYTES:
+                flush()
+                size = 0
+    if batch:
+        flush()
+    return out
+
+
+def _source_key(fqn: str, key: str) -> str:
+    return f"{MODEL_KEY}.{fqn}" if key == FP32 else f"{OPTIM_KEY}.state.{fqn}.{key}"

@@ -1,0 +1,240 @@
+"""Reshard a whole Hugging Face Trainer ``checkpoint-N`` for another world size: the DeepSpeed part
+through ``reshard.reshard_zero3``, the Trainer's files copied beside it, the RNG files following
+``hf_trainer.rng_files.plan_rng_files``, all staged beside the output and renamed into place last.
+
+A ``checkpoint-N`` *is* the DeepSpeed root ``Trainer.train(resume_from_checkpoint=F)`` hands to
+``engine.load_checkpoint`` (``checkpoint.hf_trainer.folder``), so reshard's ``-o`` names the new
+``checkpoint-N``, exactly as for a plain DeepSpeed root it names what ``load_checkpoint`` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from shardkit.checkpoint.hf_trainer.folder import (
+    CHECKPOINT_DIR,
+    DEEPSPEED_TAG_PREFIX,
+    TRAINER_STATE,
+    TrainerCheckpoint,
+    checkpoint_dirs,
+)
+from shardkit.checkpoint.hf_trainer.rng_files import RngPlan, plan_rng_files
+from shardkit.checkpoint.io.atomic import os_errors_named, publish_dir
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME
+from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, read_latest
+from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
+from shardkit.checkpoint.zero3.files import resolve_tag_dir
+from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+from shardkit.core.errors import CheckpointError, UsageError
+
+
+@dataclass
+class TrainerReshardResult:
+    """What ``reshard_trainer_checkpoint`` wrote."""
+
+    folder: Path
+    """The new ``checkpoint-N`` folder: pass it to ``Trainer.train(resume_from_checkpoint=...)``."""
+    reshard: ReshardResult
+    """The DeepSpeed part (``folder/<tag>/`` and ``folder/latest``), as ``reshard_zero3`` reports it."""
+    copied: list[str]
+    """Trainer files copied unchanged (trainer_state.json, training_args.bin, scheduler.pt, configs ...)."""
+    rng: RngPlan
+    notes: list[str] = field(default_factory=list)
+    """What the user should know: RNG files, files not carried, the batch size at the new world size."""
+
+
+def _is_shardkit_trainer_checkpoint(p: Path) -> bool:
+    try:
+        tag = read_latest(p)
+    except CheckpointError:
+        return False
+    return bool(tag) and (p / TRAINER_STATE).is_file() and (p / str(tag) / MANIFEST_NAME).is_file()
+
+
+def check_output_folder(output: Path, source: Path, *, force: bool) -> None:
+    """Refuse an ``-o`` whose replacement would destroy something: the source (or a folder holding
+    or inside it), a file, a Trainer output_dir, any non-empty folder that is not a Trainer
+    checkpoint shardkit wrote (those are replaced only with ``force``)."""
+    out, src = output.resolve(), source.resolve()
+    if out == src or out.is_relative_to(src) or src.is_relative_to(out):
+        raise UsageError(f"-o {output}: is, holds or lies inside the checkpoint being read ({source}); write the "
+                         f"resharded checkpoint to another folder, e.g. -o {source.parent}_ws_new/{source.name}")
+    if not output.exists() and not output.is_symlink():
+        return
+    if output.is_symlink() or not output.is_dir():
+        raise UsageError(f"-o {output}: exists and is not a folder; pass a new folder (it becomes the checkpoint-N "
+                         "folder you resume from)")
+    entries = sorted(e.name for e in output.iterdir())
+    if not entries:
+        return
+    if checkpoint_dirs(output):
+        raise UsageError(f"-o {output}: is a Trainer output_dir (it holds checkpoint-N folders); -o names the new "
+                         f"checkpoint folder itself, e.g. -o {output / source.name}")
+    if not _is_shardkit_trainer_checkpoint(output) and (output / TRAINER_STATE).is_file() and (output / LATEST_NAME).is_file():
+        raise UsageError(
+            f"-o {output}: holds a Trainer checkpoint without a shardkit manifest ({TRAINER_STATE} and "
+            f"'{LATEST_NAME}', no <tag>/{MANIFEST_NAME}): a Trainer's own save or a reshard written with "
+            "--no-manifest. Nothing in it shows shardkit wrote it, and a Trainer's own checkpoint-N has the same "
+            "files, so it is never replaced, even with --force (only manifested reshards are). Pass a new folder, "
+            "or delete this one yourself if it is a --no-manifest reshard you no longer need")
+    if not _is_shardkit_trainer_checkpoint(output):
+        shown = entries[:5] + (["..."] if len(entries) > 5 else [])
+        raise UsageError(f"-o {output}: folder is not empty and is not a Trainer checkpoint written by shardkit (it "
+                         f"holds {shown}); it is never replaced. Pass a new or empty folder")
+    if not force:
+        raise UsageError(f"-o {output}: already holds a resharded Trainer checkpoint; pass --force to replace it, or "
+                         "write to another folder")
+
+
+def _copy_trainer_files(src: Path, staged: Path, tags: set[str], rng: RngPlan) -> tuple[list[str], list[str]]:
+    """Copy what the Trainer saved beside its DeepSpeed root; returns (copied, not carried)."""
+    rng_names = {a for a, _ in rng.copies} | set(rng.dropped) | set(rng.stray)
+    copied, skipped = [], []
+    for e in sorted(src.iterdir(), key=lambda e: e.name):
+        name = e.name
+        if name == LATEST_NAME or name in tags or name in rng_names:
+            continue
+        if name.startswith(STAGING_PREFIX) or REPLACED_MARK in name or (name.startswith(".") and ".tmp-" in name):
+            skipped.append(f"{name} (leftover of an interrupted save)")
+        elif name.startswith(DEEPSPEED_TAG_PREFIX) and e.is_dir() and not e.is_symlink():
+            skipped.append(f"{name}/ (a DeepSpeed tag '{LATEST_NAME}' does not name; never loaded)")
+        elif e.is_symlink() or not (e.is_file() or e.is_dir()):
+            skipped.append(f"{name} (a link or special file)")
+        elif e.is_dir():
+            shutil.copytree(e, staged / name, symlinks=True)
+            copied.append(f"{name}/")
+        else:
+            shutil.copy2(e, staged / name)
+            copied.append(name)
+    for a, b in rng.copies:
+        shutil.copy2(src / a, staged / b)
+    return copied, skipped
+
+
+def _batch_note(tag_dir: Path, source_world: int, world_size: int) -> str | None:
+    """The global batch at the new world size when the Trainer keeps its per-device settings."""
+    cfg = open_zero3_checkpoint(tag_dir, torch_free=True).ds_config
+    micro, accum = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")
+    if not isinstance(micro, int) or not isinstance(accum, int) or source_world == world_size:
+        return None
+    return (f"the saved run stepped on {micro} x {accum} x {source_world} = {micro * accum * source_world} samples "
+            f"(micro batch x accumulation x ranks); with the same TrainingArguments at {world_size} ranks it is "
+            f"{micro * accum * world_size}. Adjust per_device_train_batch_size/gradient_accumulation_steps to keep it; "
+            "the Trainer skips global_step x accumulation batches of its new dataloader on resume, so the data "
+            "position is approximate when the global batch changes")
+
+
+#: what follows ``<STAGING_PREFIX><name>-`` in a staging folder's name: the writer's pid@host and a nonce
+_STAGING_OWNER = re.compile(r"^(\d+)@(.+)-[0-9a-f]{8}$")
+
+
+def _staging_folder(final: Path) -> Path:
+    """Where ``final`` is assembled: a hidden sibling naming its writer, so a later run can tell a
+    killed writer's leftover (``remove_stale_staging``) from a reshard still running beside it."""
+    return final.parent / f"{STAGING_PREFIX}{final.name}-{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def remove_stale_staging(final: Path) -> list[str]:
+    """Remove the staging folders of ``final`` left by killed reshards (SIGKILL, OOM, node loss skip
+    the ``except`` that removes them; each is as big as the checkpoint, often inside the user's
+    output_dir). ``remove_stale_saves`` may assume one writer per checkpoint root; ``final.parent``
+    is any folder, so only a folder whose writer process is gone goes: same host, pid no longer
+    running. Folders of other hosts (a shared filesystem) or without an owner are left. Returns the
+    names removed."""
+    prefix = f"{STAGING_PREFIX}{final.name}-"
+    if not final.parent.is_dir():
+        return []
+    host, removed = socket.gethostname(), []
+    for e in final.parent.iterdir():
+        if not e.name.startswith(prefix) or e.is_symlink() or not e.is_dir():
+            continue
+        m = _STAGING_OWNER.match(e.name[len(prefix):])
+        if m is None or m.group(2) != host or _process_alive(int(m.group(1))):
+            continue
+        shutil.rmtree(e, ignore_errors=True)
+        removed.append(e.name)
+    return sorted(removed)
+
+
+@os_errors_named("resharding the Trainer checkpoint")
+def reshard_trainer_checkpoint(
+    source: TrainerCheckpoint,
+    output: str | Path,
+    world_size: int,
+    *,
+    tag: str | None = None,
+    sub_group_size: int | None = None,
+    manifest: bool = True,
+    force: bool = False,
+    verify: bool = True,
+    warn: Callable[[str], None] | None = None,
+) -> TrainerReshardResult:
+    """Write ``source`` resharded for ``world_size`` ranks as the new ``checkpoint-N`` folder ``output``.
+
+    The DeepSpeed part goes through ``reshard_zero3`` (source verified first, manifest in the tag
+    folder); then the Trainer's files are copied unchanged (``trainer_state.json``,
+    ``training_args.bin``, ``scheduler.pt``, config and tokenizer files, ``zero_to_fp32.py``) and
+    the RNG files follow ``plan_rng_files``. Everything is written into a staging folder beside
+    ``output`` and renamed into place last, so ``output`` is either absent or complete;
+    ``force`` replaces an ``output`` that is a resharded Trainer checkpoint shardkit wrote.
+    """
+    final = Path(output)
+    src = source.folder
+    src_tag_dir, src_tag = resolve_tag_dir(src)
+    new_tag = check_tag(tag) if tag is not None else src_tag
+    if not new_tag.startswith(DEEPSPEED_TAG_PREFIX):
+        raise UsageError(f"--tag {new_tag!r}: a Trainer resumes only from a checkpoint-N folder holding a "
+                         f"{DEEPSPEED_TAG_PREFIX}* folder (transformers' deepspeed_load_checkpoint globs "
+                         f"'{DEEPSPEED_TAG_PREFIX}*'); pass e.g. --tag {DEEPSPEED_TAG_PREFIX}{src_tag.removeprefix(DEEPSPEED_TAG_PREFIX) or '100'}")
+    check_output_folder(final, src, force=force)
+    rng = plan_rng_files([e.name for e in src.iterdir() if e.is_file()], world_size)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    leftovers = remove_stale_staging(final)
+    staged = _staging_folder(final)
+    try:
+        r = reshard_zero3(src, staged, world_size, tag=new_tag, sub_group_size=sub_group_size, manifest=manifest,
+                          verify=verify, warn=warn)
+        # the resharded tag is written anew; a stale folder named like the new tag would collide with it
+        copied, skipped = _copy_trainer_files(src, staged, {src_tag, new_tag}, rng)
+        publish_dir(staged, final)  # fsyncs the tree; an existing (forced) folder is swapped, never half-replaced
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    moved = dataclasses.replace(
+        r, output=final, files=[final / f.relative_to(staged) for f in r.files],
+        manifest=(final / r.tag / MANIFEST_NAME) if r.manifest else None,
+    )
+    notes = [*rng.notes(world_size)]
+    if leftovers:
+        notes.append(f"removed the staging folder(s) of killed earlier reshards to {final.name} (their process is "
+                     f"gone): {', '.join(leftovers)}")
+    if skipped:
+        notes.append(f"not carried into {final}: {'; '.join(skipped)}")
+    if not CHECKPOINT_DIR.match(final.name):
+        notes.append(f"{final.name!r} is not named checkpoint-<step>: resume with resume_from_checkpoint={str(final)!r}; "
+                     "resume_from_checkpoint=True (get_last_checkpoint) only finds folders named checkpoint-<step>")
+    batch = _batch_note(final / r.tag, r.source_world_size, world_size)
+    if batch:
+        notes.append(batch)
+    if (src / "scheduler.pt").is_file():
+        notes.append("scheduler.pt copied unchanged: the Trainer's LR scheduler counts optimizer steps, not ranks")
+    return TrainerReshardResult(folder=final, reshard=moved, copied=copied, rng=rng, notes=notes + list(r.notes))
+

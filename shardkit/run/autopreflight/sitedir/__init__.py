@@ -1,1 +1,0 @@
-"""Holds only ``sitecustomize.py`` (see shardkit.run.autopreflight); a package so wheels ship it."""
