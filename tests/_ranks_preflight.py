@@ -173,7 +173,7 @@ def fsdp2_cases(cpu_offload: bool) -> dict[str, Any]:
 
 def _round_keys(round_: int) -> list[str]:
     base = f"shardkit/preflight/{round_}"
-    return [f"{base}/rank0", f"{base}/rank1", f"{base}/verdict", f"{base}/done"]
+    return [f"{base}/rank0", f"{base}/rank1", f"{base}/request", f"{base}/detail1", f"{base}/verdict", f"{base}/done"]
 
 
 def store_is_clean_after_rounds() -> dict[str, Any]:
@@ -189,7 +189,8 @@ def store_is_clean_after_rounds() -> dict[str, Any]:
     dist.barrier()  # both ranks are past both rounds: nothing should be left to read
     store = dist.distributed_c10d._get_default_store()
     left = [k for r in (0, 1) for k in _round_keys(r) if store.check([k])]
-    return {"left": left, "ranks_held": [r.rank for r in clean.ranks], "failed": failed}
+    return {"left": left, "ranks_held": [r.rank for r in clean.ranks],
+            "summaries_held": [s.rank for s in clean.summaries], "failed": failed}
 
 
 def rank0_arrives_late(timeout: float) -> dict[str, Any]:

@@ -114,9 +114,11 @@ def test_a_rank_that_arrives_after_the_others_gave_up_fails_the_same_way():
     assert "ranks [1] of 2 did not reach the placement preflight within 2s" in r1["text"]
 
 
-def test_rank0_alone_reads_the_reports_and_every_round_leaves_no_keys():
+def test_rank0_alone_reads_the_summaries_and_every_round_leaves_no_keys():
     r0, r1 = [r.value for r in run_ranks(targets.store_is_clean_after_rounds, 2, timeout=120, backend="gloo")]
-    assert r0["ranks_held"] == [0, 1] and r1["ranks_held"] == [1]  # rank 1 never read rank 0's report
+    # every rank holds only its own records; rank 0 alone reads the others' summaries (issue 18)
+    assert r0["ranks_held"] == [0] and r1["ranks_held"] == [1]
+    assert r0["summaries_held"] == [0, 1] and r1["summaries_held"] == []
     assert r0["failed"]["ok"] is False and r0["failed"]["text"] == r1["failed"]["text"]
     assert re.search(r"out_head\.weight\s+meta\s+cpu\s+1", r1["failed"]["text"])
     assert r0["left"] == [] and r1["left"] == []

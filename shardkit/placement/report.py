@@ -11,6 +11,7 @@ from typing import Any
 
 from shardkit.core.findings import Finding, Severity
 from shardkit.placement.records import PlacementRecord, RankReport
+from shardkit.placement.summary import MAX_NAMED_PER_RANK, RankSummary, summarize
 
 # Beyond this many rows the table is cut (the JSON report keeps every record).
 MAX_TABLE_ROWS = 40
@@ -21,15 +22,44 @@ class PlacementReport:
     """Every rank's records plus the findings of the cross-rank checks."""
 
     ranks: list[RankReport]
-    """One report per rank, ordered by rank."""
+    """The full reports this process holds, ordered by rank: every rank's when judged in one process,
+    only its own in a distributed preflight (peers ship summaries, never their records)."""
+    summaries: list[RankSummary] = field(default_factory=list)
+    """Every judged rank's summary (rank 0 of a distributed preflight holds all of them)."""
     findings: list[Finding] = field(default_factory=list)
     """Cross-rank findings (versions, config digest, parameter set, ZeRO-3 coverage, unmanaged ...)."""
     missing_ranks: list[int] = field(default_factory=list)
     """Ranks whose report never arrived within the timeout."""
 
+    def _summaries(self) -> list[RankSummary]:
+        if self.summaries:
+            return self.summaries
+        return [summarize(rep) for rep in self.ranks]
+
     @property
     def mismatches(self) -> list[PlacementRecord]:
-        return [r for rep in self.ranks for r in rep.records if not r.ok]
+        """Tensors on the wrong device: all of them for ranks whose full report is held, the first
+        few a rank named in its summary for the others (``mismatch_count`` counts them all)."""
+        held = {rep.rank for rep in self.ranks}
+        own = [r for rep in self.ranks for r in rep.records if not r.ok]
+        named = [r for s in self.summaries if s.rank not in held for r in s.misplaced]
+        return sorted(own + named, key=lambda r: r.rank)
+
+    @property
+    def mismatch_count(self) -> int:
+        held = {rep.rank for rep in self.ranks}
+        return (sum(1 for rep in self.ranks for r in rep.records if not r.ok)
+                + sum(s.misplaced_count for s in self.summaries if s.rank not in held))
+
+    @property
+    def rank_count(self) -> int:
+        """Ranks judged (rank 0 of a distributed preflight judged every rank that arrived)."""
+        return len(self.summaries) if self.summaries else len(self.ranks)
+
+    @property
+    def tensor_count(self) -> int:
+        """Tensors checked on every judged rank."""
+        return sum(s.n_tensors for s in self._summaries())
 
     @property
     def errors(self) -> list[Finding]:
@@ -37,7 +67,7 @@ class PlacementReport:
 
     @property
     def ok(self) -> bool:
-        return not self.missing_ranks and not self.mismatches and not self.errors
+        return not self.missing_ranks and not self.mismatch_count and not self.errors
 
     @property
     def exit_code(self) -> int:
@@ -45,39 +75,43 @@ class PlacementReport:
 
     def bytes_by_device(self) -> dict[int, dict[str, int]]:
         """rank -> device -> bytes held, each storage counted once (views and aliases share one)."""
+        return {s.rank: dict(s.bytes_by_device) for s in self._summaries()}
+
+    def _bytes_by_role(self) -> dict[int, dict[str, int]]:
+        """``bytes_by_device`` with each rank's own compute device as '<type> (own)', so ranks of one
+        model on cuda:0..7 of every node hold the same row (and 1,024 ranks print as a few rows)."""
         out: dict[int, dict[str, int]] = {}
-        for rep in self.ranks:
-            seen: set[str] = set()
-            per = out.setdefault(rep.rank, {})
-            for r in rep.records:
-                if r.storage:
-                    if r.storage in seen:
-                        continue
-                    seen.add(r.storage)
-                per[r.actual] = per.get(r.actual, 0) + (r.storage_bytes or r.bytes)
+        for s in self._summaries():
+            per = out.setdefault(s.rank, {})
+            for dev, n in s.bytes_by_device.items():
+                key = f"{dev.split(':')[0]} (own)" if dev == s.compute_device and ":" in dev else dev
+                per[key] = per.get(key, 0) + n
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
-            "world_size": len(self.ranks) + len(self.missing_ranks),
+            "world_size": self.rank_count + len(self.missing_ranks),
             "missing_ranks": self.missing_ranks,
+            "mismatch_count": self.mismatch_count,
             "mismatches": [r.to_dict() for r in self.mismatches],
             "findings": [f.to_dict() for f in self.findings],
             "bytes_by_device": {str(k): v for k, v in self.bytes_by_device().items()},
             "ranks": [rep.to_dict() for rep in self.ranks],
+            "summaries": [s.to_dict() for s in self._summaries()],
         }
 
     def render(self) -> str:
         """Plain-text verdict: mismatch table, findings, bytes per device per rank."""
         lines: list[str] = []
-        n_tensors = sum(len(rep.records) for rep in self.ranks)
-        engines = sorted({rep.engine for rep in self.ranks}) or ["?"]
-        head = f"placement preflight ({', '.join(engines)}, {len(self.ranks)} rank(s), {n_tensors} tensors)"
+        summaries = self._summaries()
+        n_tensors = self.tensor_count
+        engines = sorted({s.engine for s in summaries}) or ["?"]
+        head = f"placement preflight ({', '.join(engines)}, {self.rank_count} rank(s), {n_tensors} tensors)"
         if self.ok:
             lines.append(f"{head}: ok")
         else:
-            problems = len(self.mismatches) + len(self.errors) + (1 if self.missing_ranks else 0)
+            problems = self.mismatch_count + len(self.errors) + (1 if self.missing_ranks else 0)
             lines.append(f"{head}: {problems} problem(s)")
         if self.missing_ranks:
             lines.append(f"missing ranks: {self.missing_ranks}")
@@ -89,23 +123,41 @@ class PlacementReport:
             for r in mm[:MAX_TABLE_ROWS]:
                 rows.append([r.name, r.actual, r.expected, str(r.rank), f"{r.bytes:,}", r.why])
             lines += _table(rows)
-            if len(mm) > MAX_TABLE_ROWS:
-                lines.append(f"... and {len(mm) - MAX_TABLE_ROWS} more (write them all with json_path= / --json)")
+            shown = min(len(mm), MAX_TABLE_ROWS)
+            if self.mismatch_count > shown:
+                lines.append(f"... and {self.mismatch_count - shown} more (each rank names its first "
+                             f"{MAX_NAMED_PER_RANK} in the JSON report, json_path= / --json; the full list is in "
+                             "collect_records on that rank)")
         if self.findings:
             lines.append("")
             lines.append("cross-rank findings:")
             for f in self.findings:
                 lines.append(f"- [{f.severity.value}] {f.key}: {f.message} Fix: {f.fix}")
-        summary = self.bytes_by_device()
+        summary = self._bytes_by_role()
         if summary:
             devices = sorted({d for per in summary.values() for d in per})
             rows = [["rank", *devices]]
-            for rank in sorted(summary):
-                rows.append([str(rank), *[_human(summary[rank].get(d, 0)) for d in devices]])
+            # ranks holding the same bytes on every device share one row: 1,024 ranks of one model
+            # are a few rows, not a page every rank reads
+            for ranks, per in _same_rows(summary):
+                rows.append([ranks, *[_human(per.get(d, 0)) for d in devices]])
             lines.append("")
-            lines.append("bytes per device per rank:")
+            lines.append("bytes per device per rank (own = the rank's compute device):")
             lines += _table(rows)
         return "\n".join(lines)
+
+
+def _same_rows(summary: dict[int, dict[str, int]]) -> list[tuple[str, dict[str, int]]]:
+    runs: list[tuple[list[int], dict[str, int]]] = []
+    for rank in sorted(summary):
+        if runs and runs[-1][1] == summary[rank] and runs[-1][0][-1] == rank - 1:
+            runs[-1][0].append(rank)
+        else:
+            runs.append(([rank], summary[rank]))
+    out = [(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}", per) for r, per in runs[:MAX_TABLE_ROWS]]
+    if len(runs) > MAX_TABLE_ROWS:
+        out.append((f"... {len(runs) - MAX_TABLE_ROWS} more", {}))
+    return out
 
 
 def _table(rows: list[list[str]]) -> list[str]:

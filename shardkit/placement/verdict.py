@@ -1,5 +1,6 @@
-"""Cross-rank checks: a pure function of every rank's RankReport. Rank 0 runs it and publishes the
-verdict the other ranks raise (see preflight.py); one process runs it in tests."""
+"""Cross-rank checks: a pure function of every rank's RankSummary (plus, where digests differ, the
+details of one rank per group). Rank 0 runs it and publishes the verdict the other ranks raise (see
+preflight.py); ``judge`` runs it on full reports in one process (tests, recorded snapshots)."""
 
 from __future__ import annotations
 
@@ -9,52 +10,102 @@ from collections import defaultdict
 from shardkit.core.findings import Finding, Severity
 from shardkit.placement.records import RankReport
 from shardkit.placement.report import PlacementReport
+from shardkit.placement.summary import RankDetail, RankSummary, detail_of, summarize
 
 # How many parameter names a finding lists before "... and N more".
 MAX_NAMES = 8
 
 
 def judge(reports: list[RankReport], missing_ranks: list[int] | None = None) -> PlacementReport:
+    """The verdict when every rank's full report is at hand (one process, a recorded snapshot, the
+    gather fallback): the same checks as the distributed preflight, with every detail available."""
     reports = sorted(reports, key=lambda r: r.rank)
+    summaries = [summarize(rep) for rep in reports]
+    details = {rep.rank: detail_of(rep) for rep in reports}
+    return judge_summaries(summaries, {r: details[r] for r in ranks_needing_detail(summaries)}, missing_ranks, held=reports)
+
+
+def ranks_needing_detail(summaries: list[RankSummary]) -> list[int]:
+    """The ranks whose parameter maps rank 0 must read to name what differs: none when every rank
+    has the same digests, else the lowest rank of each group of equal digests (a few ranks, not all)."""
+    groups = _digest_groups(summaries)
+    return [] if len(groups) <= 1 else sorted(ranks[0] for ranks in groups.values())
+
+
+def judge_summaries(
+    summaries: list[RankSummary],
+    details: dict[int, RankDetail],
+    missing_ranks: list[int] | None = None,
+    held: list[RankReport] | None = None,
+) -> PlacementReport:
+    """The cross-rank verdict from every rank's summary plus the details of the ranks
+    ``ranks_needing_detail`` named. Cost grows with the world size, never with world x tensors."""
+    summaries = sorted(summaries, key=lambda s: s.rank)
     findings: list[Finding] = []
-    findings += _unmanaged(reports)
-    findings += _accelerator_indices(reports)
-    findings += _versions(reports)
-    findings += _config_digest(reports)
-    findings += _parameter_set(reports)
-    findings += _zero3_coverage(reports)
-    return PlacementReport(ranks=reports, findings=findings, missing_ranks=sorted(missing_ranks or []))
+    findings += _unmanaged(summaries)
+    findings += _accelerator_indices(summaries)
+    findings += _versions(summaries)
+    findings += _config_digest(summaries)
+    groups = _digest_groups(summaries)
+    findings += _parameter_set(groups, details)
+    findings += _zero3_coverage(summaries, groups, details)
+    return PlacementReport(ranks=sorted(held or [], key=lambda r: r.rank), summaries=summaries, findings=findings,
+                           missing_ranks=sorted(missing_ranks or []))
 
 
-def _names(names: list[str]) -> str:
+def _digest_groups(summaries: list[RankSummary]) -> dict[tuple[str, str], list[int]]:
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for s in summaries:
+        groups[(s.param_digest, s.zero3_digest)].append(s.rank)
+    return dict(groups)
+
+
+def _who(ranks: list[int]) -> str:
+    """'rank 3', or 'ranks 0-7, 9-1023' for a group (runs of consecutive ranks joined)."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_short_list(ranks)}"
+
+
+def _short_list(ranks: list[int]) -> str:
+    """[0, 1] for a few ranks; 0-7, 9-1023 where runs make it shorter; at most 16 runs shown."""
+    if len(ranks) <= 4:
+        return str(ranks)
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs[:16])
+    return text + (f", ... ({len(runs) - 16} more runs)" if len(runs) > 16 else "")
+
+
+def _names(names: list[str], total: int | None = None) -> str:
+    total = max(total or 0, len(names))
     shown = ", ".join(names[:MAX_NAMES])
-    return shown + (f" ... and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else "")
+    return shown + (f" ... and {total - min(len(names), MAX_NAMES)} more" if total > MAX_NAMES or total > len(names) else "")
 
 
-def _unmanaged(reports: list[RankReport]) -> list[Finding]:
-    by_name: dict[str, list[int]] = defaultdict(list)
-    engine = ""
-    for rep in reports:
-        engine = engine or rep.engine
-        for name in rep.unmanaged:
-            by_name[name].append(rep.rank)
-    if not by_name:
+def _unmanaged(summaries: list[RankSummary]) -> list[Finding]:
+    named = sorted({n for s in summaries for n in s.unmanaged})
+    if not named:
         return []
-    names = sorted(by_name)
-    ranks = sorted({r for rs in by_name.values() for r in rs})
+    engine = next((s.engine for s in summaries if s.engine), "")
+    ranks = [s.rank for s in summaries if s.unmanaged_count]
+    count = max(max(s.unmanaged_count for s in summaries), len(named))
+    names = _names(named, count)
     if engine.startswith("fsdp"):
-        msg = (f"{len(names)} parameter(s) are plain tensors, not DTensor shards: added after fully_shard, so "
-               f"FSDP2 neither shards nor reduces their gradients (ranks {ranks}): {_names(names)}.")
+        msg = (f"{count} parameter(s) are plain tensors, not DTensor shards: added after fully_shard, so "
+               f"FSDP2 neither shards nor reduces their gradients (ranks {_short_list(ranks)}): {names}.")
         fix = "Replace/add submodules before fully_shard (apply_fsdp), or call fully_shard on the new module too."
     else:
-        msg = (f"{len(names)} parameter(s) have no ds_id: created after deepspeed.initialize, so ZeRO-3 does not "
-               f"partition, gather or update them (ranks {ranks}): {_names(names)}.")
+        msg = (f"{count} parameter(s) have no ds_id: created after deepspeed.initialize, so ZeRO-3 does not "
+               f"partition, gather or update them (ranks {_short_list(ranks)}): {names}.")
         fix = ("Replace or add modules before deepspeed.initialize (inside deepspeed.zero.Init when you use it), "
                "then build the engine from the final model.")
-    return [Finding(Severity.ERROR, "unmanaged_parameters", names[:MAX_NAMES], msg, fix, rule="placement.unmanaged")]
+    return [Finding(Severity.ERROR, "unmanaged_parameters", named[:MAX_NAMES], msg, fix, rule="placement.unmanaged")]
 
 
-def _accelerator_indices(reports: list[RankReport]) -> list[Finding]:
+def _accelerator_indices(reports: list[RankSummary]) -> list[Finding]:
     out: list[Finding] = []
     users: dict[tuple[str, str], list[int]] = defaultdict(list)
     for rep in reports:
@@ -73,7 +124,7 @@ def _accelerator_indices(reports: list[RankReport]) -> list[Finding]:
     return out
 
 
-def _versions(reports: list[RankReport]) -> list[Finding]:
+def _versions(reports: list[RankSummary]) -> list[Finding]:
     out: list[Finding] = []
     for pkg in ("torch", "deepspeed", "python", "shardkit"):
         seen: dict[str, list[int]] = defaultdict(list)
@@ -89,7 +140,7 @@ def _versions(reports: list[RankReport]) -> list[Finding]:
     return out
 
 
-def _config_digest(reports: list[RankReport]) -> list[Finding]:
+def _config_digest(reports: list[RankSummary]) -> list[Finding]:
     seen: dict[str, list[int]] = defaultdict(list)
     for rep in reports:
         seen[rep.config_digest or "<none>"].append(rep.rank)
@@ -103,21 +154,24 @@ def _config_digest(reports: list[RankReport]) -> list[Finding]:
         rule="placement.config_skew")]
 
 
-def _parameter_set(reports: list[RankReport]) -> list[Finding]:
-    if len(reports) < 2:
+def _parameter_set(groups: dict[tuple[str, str], list[int]], details: dict[int, RankDetail]) -> list[Finding]:
+    """Ranks that built a different parameter set, named from one representative per digest group."""
+    reps = {ranks[0]: ranks for ranks in groups.values() if ranks[0] in details}
+    if len(reps) < 2:
         return []
     out: list[Finding] = []
-    union = set().union(*(rep.param_numels for rep in reports))
-    for rep in reports:
-        missing = sorted(union - set(rep.param_numels))
+    union = set().union(*(details[r].param_numels for r in reps))
+    for rep, ranks in sorted(reps.items()):
+        missing = sorted(union - set(details[rep].param_numels))
         if missing:
+            who = _who(ranks)
             out.append(Finding(
-                Severity.ERROR, f"rank {rep.rank}: parameters", missing[:MAX_NAMES],
-                f"rank {rep.rank} lacks {len(missing)} parameter(s) other ranks have: {_names(missing)}.",
+                Severity.ERROR, f"{who}: parameters", missing[:MAX_NAMES],
+                f"{who} {'lacks' if len(ranks) == 1 else 'lack'} {len(missing)} parameter(s) other ranks have: {_names(missing)}.",
                 "Build the same model on every rank (same code, same config, same conditional modules).",
                 rule="placement.param_set"))
     for name in sorted(union):
-        sizes = {rep.rank: rep.param_numels[name] for rep in reports if name in rep.param_numels}
+        sizes = {_key(reps[rep]): details[rep].param_numels[name] for rep in sorted(reps) if name in details[rep].param_numels}
         if len(set(sizes.values())) > 1:
             out.append(Finding(
                 Severity.ERROR, name, sizes,
@@ -126,34 +180,43 @@ def _parameter_set(reports: list[RankReport]) -> list[Finding]:
     return out
 
 
-def _zero3_coverage(reports: list[RankReport]) -> list[Finding]:
-    if not any(rep.zero3_partitions for rep in reports):
+def _key(ranks: list[int]) -> int | str:
+    """A rank's own number, or a group's label, as the key of a per-rank detail dict."""
+    return ranks[0] if len(ranks) == 1 else _who(ranks)
+
+
+def _zero3_coverage(summaries: list[RankSummary], groups: dict[tuple[str, str], list[int]],
+                    details: dict[int, RankDetail]) -> list[Finding]:
+    if not any(s.zero3_digest for s in summaries):
         return []
-    world = len(reports)
-    # Partitioned over the whole world unless every rank reports a smaller group (MiCS): then each
-    # group of that size must cover the parameter, i.e. world/size copies in total.
-    sizes = {rep.zero3_partition_ranks for rep in reports}
+    world = len(summaries)
+    # Partitioned over the whole world unless every rank reports a smaller group (MiCS).
+    sizes = {s.zero3_partition_ranks for s in summaries}
     group = sizes.pop() if len(sizes) == 1 and 0 < next(iter(sizes)) <= world else world
-    out: list[Finding] = []
-    bad: list[str] = []
-    detail: dict[str, dict[int, int]] = {}
-    names = sorted(set().union(*(rep.zero3_partitions for rep in reports)))
-    for name in names:
-        numel = max(rep.param_numels.get(name, 0) for rep in reports)
-        parts = {rep.rank: rep.zero3_partitions.get(name, 0) for rep in reports}
-        want = math.ceil(numel / group)
-        # Each rank holds ceil(numel / group) elements (zero-padded): together they cover the
-        # parameter; a smaller partition anywhere means elements no rank owns.
-        if sum(parts.values()) < numel * (world // group) or any(v != want for v in parts.values()):
-            bad.append(name)
-            detail[name] = parts
-    if bad:
-        first = bad[0]
-        out.append(Finding(
-            Severity.ERROR, "zero3.partitions", {n: detail[n] for n in bad[:MAX_NAMES]},
-            f"{len(bad)} parameter(s) are not covered by the ranks' ZeRO-3 partitions (each rank must hold "
-            f"ceil(numel/{group}) elements): {_names(bad)}; e.g. {first} partition numel per rank {detail[first]}.",
-            "Every rank must build the engine in the same process group with the same model; rebuild with "
-            "deepspeed.initialize on all ranks (a partition resized by hand or loaded from another world size breaks coverage).",
-            rule="placement.zero3_coverage"))
-    return out
+    detail: dict[str, dict[int | str, int]] = {}
+    # Each rank checked its own partitions against ceil(numel / group) ...
+    for s in summaries:
+        for name, (held, _want) in s.zero3_short.items():
+            detail.setdefault(name, {})[s.rank] = held
+    # ... and where ranks' partition maps differ, the representatives' maps say which names.
+    reps = {ranks[0]: ranks for ranks in groups.values() if ranks[0] in details}
+    if len(reps) > 1:
+        names = set().union(*(details[r].zero3_partitions for r in reps))
+        for name in sorted(names):
+            numel = max(details[r].param_numels.get(name, 0) for r in reps)
+            parts = {_key(reps[r]): details[r].zero3_partitions.get(name, 0) for r in sorted(reps)}
+            if any(v != math.ceil(numel / group) for v in parts.values()):
+                detail.setdefault(name, {}).update(parts)
+    if not detail:
+        return []
+    bad = sorted(detail)
+    first = bad[0]
+    counted = max([len(bad)] + [s.zero3_short_count for s in summaries])
+    shown = {n: dict(sorted(detail[n].items(), key=lambda kv: str(kv[0]))) for n in bad[:MAX_NAMES]}
+    return [Finding(
+        Severity.ERROR, "zero3.partitions", shown,
+        f"{counted} parameter(s) are not covered by the ranks' ZeRO-3 partitions (each rank must hold "
+        f"ceil(numel/{group}) elements): {_names(bad, counted)}; e.g. {first} partition numel per rank {shown[first]}.",
+        "Every rank must build the engine in the same process group with the same model; rebuild with "
+        "deepspeed.initialize on all ranks (a partition resized by hand or loaded from another world size breaks coverage).",
+        rule="placement.zero3_coverage")]
