@@ -25,7 +25,6 @@ import statistics
 import sys
 import threading
 import time
-import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -204,5 +203,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    _ = zlib  # the store blobs are zlib'd JSON (shardkit.placement.summary / preflight)
     raise SystemExit(main())

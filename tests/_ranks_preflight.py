@@ -39,7 +39,7 @@ class Classifier(nn.Module):
 def _outcome(fn: Any) -> dict[str, Any]:
     try:
         rep = fn()
-        return {"ok": True, "text": rep.render(), "n": sum(len(r.records) for r in rep.ranks)}
+        return {"ok": True, "text": rep.render(), "n": rep.tensor_count}
     except PreflightError as exc:
         return {"ok": False, "text": str(exc)}
 

@@ -68,10 +68,9 @@ def run_or_exit(
         print(f"shardkit autopreflight: rank {rank}: preflight unavailable ({exc}); continuing", file=sys.stderr)
         return None
     if rank in ("0", "?"):
-        ranks = getattr(report, "ranks", None) or []
-        tensors = sum(len(getattr(r, "records", ())) for r in ranks)
         print(
-            f"shardkit autopreflight: placement preflight passed on {len(ranks)} rank(s), {tensors} tensors ({what}) {when}",
+            f"shardkit autopreflight: placement preflight passed on {report.rank_count} rank(s), "
+            f"{report.tensor_count} tensors ({what}) {when}",
             file=sys.stderr,
             flush=True,
         )

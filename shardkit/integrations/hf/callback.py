@@ -120,7 +120,7 @@ class PreflightCallback(TrainerCallback):
             return
         report = preflight(**kwargs, timeout=preflight_timeout(self.timeout), json_path=self.json_path)
         if _rank() in ("0", "?"):
-            print(f"shardkit: placement preflight passed on {len(report.ranks)} rank(s) ({what}) {when}", file=sys.stderr, flush=True)
+            print(f"shardkit: placement preflight passed on {report.rank_count} rank(s) ({what}) {when}", file=sys.stderr, flush=True)
 
     def _check_config(self, trainer: Any, *, final: bool) -> None:
         """Check the Trainer's config (see :meth:`_judge`)."""
