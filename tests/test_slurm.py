@@ -180,12 +180,14 @@ def test_the_preflight_ran_on_both_ranks_before_the_first_step(zero3_job: Job):
     passed = "shardkit autopreflight: placement preflight passed on 2 rank(s)"
     assert passed in out and "(DeepSpeed engine)" in out, out[-4000:]
     assert out.index(passed) < out.index("step 0 loss")
-    # rank 0's report holds every rank's records, gathered from both ranks
+    # rank 0's report holds its own records and every rank's summary (ranks ship summaries, not
+    # records: issue 18), both ranks judged with their tensors counted
     report = zero3_job.preflight
     assert report is not None, "rank 0 wrote no SHARDKIT_AUTOPREFLIGHT_JSON report"
     assert report["ok"] and report["world_size"] == 2 and not report["missing_ranks"]
-    assert sorted(r["rank"] for r in report["ranks"]) == [0, 1]
-    assert all(r["records"] and r["engine"] == "deepspeed-zero3" for r in report["ranks"])
+    assert [r["rank"] for r in report["ranks"]] == [0] and report["ranks"][0]["records"]
+    assert sorted(s["rank"] for s in report["summaries"]) == [0, 1]
+    assert all(s["n_tensors"] and s["engine"] == "deepspeed-zero3" for s in report["summaries"])
 
 
 @pytest.mark.slurm

@@ -2,7 +2,7 @@
 anything is unpickled (``verify_before_reading``), choose the output's tag and refuse an output
 folder where writing would destroy something (``output_tag``, ``source_tag_as_new_tag``,
 ``check_output_root``), size the writer pool (``default_workers``); staging and sealing the output
-is ``staged_save.atomic_checkpoint``. Reshard, convert, consolidate and export call these instead
+is ``staged_save.atomic_checkpoint``. Reshard, convert and consolidate (and the coming export) call these instead
 of borrowing them from one another. Which tag folder a source path designates is the format's
 question (``zero3.files.resolve_tag_dir``); what a tag may be is ``tags``'.
 """

@@ -26,7 +26,7 @@ the bare module, not the engine) and Accelerate's optimizer wrapper, never the T
 (``trainer.model_wrapped``) and the filled config hang off the Trainer, whose method is the
 caller of the event, so the callback finds it on the call stack (:func:`calling_trainer`).
 
-`shardkit launch` adds this callback to every Trainer a rank builds (shardkit.autopreflight.hooks
+`shardkit launch` adds this callback to every Trainer a rank builds (shardkit.integrations.trainer_hook
 wraps ``Trainer.__init__``), checks the config right there, before ``deepspeed.initialize`` can
 refuse it, and the preflight then runs once: through the callback, never again through the torch
 hooks.
