@@ -41,7 +41,7 @@ class PreflightOptions:
     static: bool = False
     """Stop after the static config checks (no ranks spawned)."""
     json_path: str | None = None
-    """Write the placement report (every rank's records) as JSON here; '-' = stdout."""
+    """Write the placement report (rank 0's records and every rank's summary) as JSON here; '-' = stdout."""
     timeout: float = 60.0
     """Seconds a rank may be late to the preflight before it is named as missing."""
     record_path: str | None = None
