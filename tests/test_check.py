@@ -300,7 +300,17 @@ def test_gather_16bit_on_save_at_zero3():
 
 def test_gradient_clipping_must_be_a_number():
     f = by_key(check_config({**BASE, "gradient_clipping": "1.0"}))["gradient_clipping"]
-    assert f.severity.value == "error"
+    assert f.severity.value == "error" and "got '1.0'" in f.message
+
+
+def test_negative_gradient_clipping_is_named_as_no_clipping_at_all():
+    # DeepSpeed 0.19.8 clips only when clip_grad > 0: a negative value is not an error at any step, it
+    # silently disables clipping
+    f = by_key(check_config({**BASE, "gradient_clipping": -1.0}))["gradient_clipping"]
+    assert f.severity.value == "warning" and f.rule == "clipping-negative"
+    assert "is negative (-1.0)" in f.message and "without gradient clipping" in f.message
+    assert '"gradient_clipping": 1.0' in f.fix
+    assert "gradient_clipping" not in by_key(check_config({**BASE, "gradient_clipping": 0}))
 
 
 # --- FSDP2 and Accelerate configs --------------------------------------------------------------

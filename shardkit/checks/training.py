@@ -221,15 +221,29 @@ def _clipping(cfg: dict[str, Any]) -> list[Finding]:
     if "gradient_clipping" not in cfg or is_auto(raw):
         return []
     n = as_number(raw)
-    if n is None or n < 0:
+    if n is not None and n < 0:
+        # Every DeepSpeed 0.19.8 optimizer clips only `if self.clip_grad > 0.` (stage3.py, stage_1_and_2.py,
+        # bf16_optimizer.py, fp16/fused_optimizer.py): a negative value trains without clipping, silently.
+        return [
+            Finding(
+                Severity.WARNING,
+                "gradient_clipping",
+                raw,
+                f"gradient_clipping is negative ({raw}): DeepSpeed clips only when it is > 0, so this run trains "
+                "without gradient clipping and says nothing",
+                'set a positive max norm, e.g. "gradient_clipping": 1.0, or 0 to say that no clipping is meant',
+                "clipping-negative",
+            )
+        ]
+    if n is None:
         # DeepSpeed reads it with get_scalar_param (no schema) and fails only at the first step.
         return [
             Finding(
                 Severity.ERROR,
                 "gradient_clipping",
                 raw,
-                "gradient_clipping must be a number >= 0 (0 disables clipping); DeepSpeed does not validate it "
-                "and fails at the first step",
+                f"gradient_clipping must be a number (0 disables clipping), got {raw!r}; DeepSpeed does not "
+                "validate it and fails at the first step, comparing it with 0",
                 'set "gradient_clipping": 1.0 (or 0 to disable)',
                 "clipping-type",
             )
