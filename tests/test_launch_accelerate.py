@@ -264,6 +264,37 @@ def test_a_bad_accelerate_yaml_stops_the_launch_naming_the_key(run_cli, no_defau
     assert not marker.exists()
 
 
+def test_check_of_the_yaml_names_mixed_precision_beside_a_deepspeed_file_and_the_jsons_own(run_cli, no_default_config):
+    """`shardkit check acc.yaml` (not only launch): mixed_precision beside deepspeed_config_file is refused
+    by accelerate on every rank, and when the JSON enables another precision the message says so."""
+    (no_default_config / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": False},
+                                                           "fp16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
+    cfg = _deepspeed_yaml(no_default_config, "ds.json", extra="mixed_precision: bf16")
+    from shardkit.checks import check_file
+
+    errors = {f.key: f for f in check_file(cfg).errors}
+    f = errors["mixed_precision"]
+    assert f.value == "bf16" and "the DeepSpeed JSON sets fp16, which disagrees with mixed_precision: bf16" in f.message
+    assert "remove mixed_precision from the YAML" in f.fix
+    code, out, _ = run_cli("check", cfg)
+    assert code == 1 and "mixed_precision" in out
+    # without it in the YAML, nothing to say about precision
+    clean = _deepspeed_yaml(no_default_config, "ds.json")
+    assert "mixed_precision" not in {f.key for f in check_file(clean).findings}
+
+
+def test_launch_names_the_precision_clash_once_and_not_for_a_command_line_override(no_default_config):
+    (no_default_config / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}))
+    cfg = _deepspeed_yaml(no_default_config, "ds.json", extra="mixed_precision: bf16")
+    script, _ = _marker_script(no_default_config)
+    found = check_launch_config(build_launch(["--config_file", str(cfg), str(script)], "accelerate")).findings
+    assert [f.key for f in found].count("mixed_precision") == 1
+    # --mixed_precision on the command line: accelerate does not count it as a field from the YAML
+    found = check_launch_config(build_launch(["--config_file", str(cfg), "--mixed_precision", "bf16", str(script)],
+                                             "accelerate")).findings
+    assert "mixed_precision" not in [f.key for f in found if f.severity.value == "error"]
+
+
 def test_files_accelerate_itself_writes_or_still_reads_have_no_unknown_keys(no_default_config, zero3_json):
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.config.default import write_basic_config

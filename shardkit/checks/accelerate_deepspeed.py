@@ -56,7 +56,10 @@ def deepspeed_findings(cfg: dict[str, Any], *, config_dir: Path | None, check: D
                     "regenerate it with `accelerate config`", "accelerate-schema")
         ]
     if "deepspeed_config_file" in section:
-        return _file_findings(section, config_dir, check)
+        out, ds = _file_findings(section, config_dir, check)
+        if cfg.get("mixed_precision") is not None:
+            out.insert(0, config_file_precision_clash(cfg["mixed_precision"], ds))
+        return out
     out = _init_flag(section)
     out += [_inline(f) for f in check(build_deepspeed_config(cfg))]
     for kind in ("optimizer", "param"):
@@ -105,6 +108,38 @@ def build_deepspeed_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return ds
 
 
+def config_file_precision_clash(value: Any, ds: dict[str, Any] | None = None) -> Finding:
+    """``mixed_precision`` set in the YAML beside ``deepspeed_config_file``: `accelerate launch` passes it
+    on as a DeepSpeed field taken from the YAML (commands/launch.py, any value but null, "no" included)
+    and DeepSpeedPlugin._deepspeed_config_checks raises ValueError on every rank. ``ds``: the JSON, to
+    say which precision it sets (the one that would have been used)."""
+    json_says = ""
+    if isinstance(ds, dict):
+        json_says = f"; the DeepSpeed JSON sets {json_precision(ds)}"
+        if value in ("bf16", "fp16", "no") and json_precision(ds) not in (value, "auto"):
+            json_says += f", which disagrees with mixed_precision: {value}"
+    return Finding(
+        Severity.ERROR, "mixed_precision", value,
+        f"with deepspeed_config_file, Accelerate refuses mixed_precision in the YAML (here {value!r}{json_says}): "
+        "DeepSpeedPlugin raises ValueError ('When using `deepspeed_config_file`, the following accelerate config "
+        "variables will be ignored') on every rank (`accelerate config` leaves it out for this reason)",
+        "remove mixed_precision from the YAML and set bf16/fp16 in the DeepSpeed JSON",
+        "accelerate-config-file-clash",
+    )
+
+
+def json_precision(ds: dict[str, Any]) -> str:
+    """'bf16', 'fp16', 'no' (fp32) or 'auto', as the DeepSpeed JSON enables it."""
+    for name in ("bf16", "fp16"):
+        block = ds.get(name) or (ds.get("bfloat16") if name == "bf16" else None)
+        enabled = block.get("enabled") if isinstance(block, dict) else None
+        if enabled == "auto":
+            return "auto"
+        if enabled is True:
+            return name
+    return "no"
+
+
 def _inline(f: Finding) -> Finding:
     """A DeepSpeed-rule finding about the built config, named by the Accelerate key that set it."""
     from dataclasses import replace
@@ -142,7 +177,9 @@ def _init_flag(section: dict[str, Any]) -> list[Finding]:
     return []
 
 
-def _file_findings(section: dict[str, Any], config_dir: Path | None, check: DeepSpeedChecker) -> list[Finding]:
+def _file_findings(section: dict[str, Any], config_dir: Path | None,
+                   check: DeepSpeedChecker) -> tuple[list[Finding], dict[str, Any] | None]:
+    """Findings about a deepspeed_config_file section, and the DeepSpeed JSON it names (None when unreadable)."""
     out: list[Finding] = []
     key = "deepspeed_config.deepspeed_config_file"
     clashing = [k for k in TO_DEEPSPEED if k in section]
@@ -164,7 +201,7 @@ def _file_findings(section: dict[str, Any], config_dir: Path | None, check: Deep
         return out + [
             Finding(Severity.ERROR, key, value, "deepspeed_config_file must be a path to a DeepSpeed JSON file",
                     "set it to the DeepSpeed config's path", "accelerate-config-file-missing")
-        ]
+        ], None
     path = Path(value).expanduser()
     cwd_path = path if path.is_absolute() else Path.cwd() / path
     yaml_path = path if path.is_absolute() or config_dir is None else config_dir / path
@@ -195,11 +232,12 @@ def _file_findings(section: dict[str, Any], config_dir: Path | None, check: Deep
                 "fix the path (an absolute path is safest), or write the file with `shardkit config zero3 --hf-auto -o FILE`",
                 "accelerate-config-file-missing",
             )
-        ]
+        ], None
     try:
         loaded = read_config(target)
     except ConfigError as exc:
-        return out + [Finding(Severity.ERROR, key, value, str(exc), "fix or regenerate that file", "accelerate-config-file-unusable")]
+        return out + [Finding(Severity.ERROR, key, value, str(exc), "fix or regenerate that file",
+                              "accelerate-config-file-unusable")], None
     ds = loaded.data
     prefix = f"{value}:"
     if "zero_optimization" not in ds:
@@ -213,4 +251,4 @@ def _file_findings(section: dict[str, Any], config_dir: Path | None, check: Deep
 
     found = duplicate_key_findings(loaded.duplicate_keys) + non_finite_findings(ds) + check(ds)
     out += [replace(f, key=prefix + f.key) for f in found]
-    return out
+    return out, ds

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from shardkit.checks.accelerate_deepspeed import config_file_precision_clash
 from shardkit.checks.fsdp_rules import fsdp_findings
 from shardkit.config.loading import LoadedConfig, read_config
 from shardkit.core.errors import ConfigError, UsageError
@@ -249,16 +250,7 @@ def launch_findings(run: AccelerateRun, *, accelerator: bool | None) -> list[Fin
         and _FILE_CLASH not in run.overrides
         and file_cfg[_FILE_CLASH] is not None
     ):
-        out.append(
-            Finding(
-                Severity.ERROR, _FILE_CLASH, file_cfg[_FILE_CLASH],
-                "with deepspeed_config_file, Accelerate refuses mixed_precision in the YAML: DeepSpeedPlugin raises "
-                "ValueError ('When using `deepspeed_config_file`, the following accelerate config variables will be "
-                "ignored') on every rank (`accelerate config` leaves it out for this reason)",
-                "remove mixed_precision from the YAML and set bf16/fp16 in the DeepSpeed JSON",
-                "accelerate-config-file-clash",
-            )
-        )
+        out.append(config_file_precision_clash(file_cfg[_FILE_CLASH]))
     if run.effective.get("distributed_type") == "FSDP":
         out += fsdp2_findings(run.effective, accelerator=accelerator)
     return out

@@ -316,8 +316,14 @@ def _check_accelerate(plan: LaunchPlan, run: AccelerateRun, facts: EnvironmentFa
     source = run.config_file or "accelerate launch (no config file: accelerate's defaults and the command line)"
     report = Report(subject=source)
     if run.effective.get("distributed_type") in ("DEEPSPEED", "FSDP"):
+        checked = run.effective
+        section = checked.get("deepspeed_config")
+        if isinstance(section, dict) and "deepspeed_config_file" in section and "mixed_precision" in checked:
+            # launch_findings judges mixed_precision beside a config file as accelerate does: refused
+            # only when it came from the YAML, not from a --mixed_precision on the command line
+            checked = {k: v for k, v in checked.items() if k != "mixed_precision"}
         report = check_config(
-            run.effective, source=source, world_size=plan.world_size, environment=facts, accelerator=accelerator,
+            checked, source=source, world_size=plan.world_size, environment=facts, accelerator=accelerator,
             duplicate_keys=run.loaded.duplicate_keys if run.loaded else (),
             config_dir=Path(run.config_file).parent if run.config_file else None,
         )
