@@ -200,6 +200,21 @@ def test_verdict_checks_the_parameter_set_and_zero3_coverage():
     assert [f.message for f in lacking.findings] == ["rank 1 lacks 1 parameter(s) other ranks have: b."]
 
 
+def test_when_every_rank_differs_rank0_reads_few_maps_and_still_names_every_rank():
+    # 20 ranks, ranks 1-19 each missing a different parameter: 20 digest groups. Rank 0 reads the maps
+    # of the 16 largest (never world x parameters), names what those lack, and names the rest by rank.
+    numels = {f"p{i}": 4 for i in range(20)}
+    reports = [_rank(0, world_size=20, param_numels=numels)]
+    reports += [_rank(r, world_size=20, param_numels={k: v for k, v in numels.items() if k != f"p{r}"})
+                for r in range(1, 20)]
+    rep = judge(reports)
+    lacks = [f for f in rep.findings if "lacks 1 parameter(s)" in f.message]
+    assert [f.key for f in lacks] == [f"rank {r}: parameters" for r in range(1, 16)]
+    (rest,) = [f for f in rep.findings if f.key == "parameter_set_digest"]
+    assert "20 different parameter sets" in rest.message and "ranks [16, 17, 18, 19]" in rest.message
+    assert "Build the same model on every rank" in rest.fix
+
+
 def test_report_round_trips_through_the_store_encoding_and_counts_shared_storage_once():
     recs = [
         PlacementRecord(0, "zero.fp32_partition[0]", R.ZERO_FP32_PARTITION, "cpu", "cpu", 400, 100, "", "cpu@1", 400),

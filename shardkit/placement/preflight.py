@@ -141,9 +141,10 @@ def exchange(store: Any, local: RankReport, world: int, timeout: float, base: st
     """
     keys = [f"{base}/rank{r}" for r in range(world)]
     request_key, verdict_key, done_key = f"{base}/request", f"{base}/verdict", f"{base}/done"
-    store.set(keys[local.rank], summarize(local).encode())
+    mine = summarize(local)
+    store.set(keys[local.rank], mine.encode())
     if local.rank == 0:
-        report, verdict = _rank0_decides(store, local, keys, base, world, timeout)
+        report, verdict = _rank0_decides(store, local, mine, keys, base, world, timeout)
     else:
         report, verdict = _read_verdict(store, local, keys, base, world, timeout)
     # Nobody reads a summary or a detail once the verdict exists (rank 0 read them before writing
@@ -157,7 +158,8 @@ def exchange(store: Any, local: RankReport, world: int, timeout: float, base: st
     return report, verdict
 
 
-def _rank0_decides(store: Any, local: RankReport, keys: list[str], base: str, world: int, timeout: float) -> tuple[PlacementReport, _Verdict]:
+def _rank0_decides(store: Any, local: RankReport, mine: RankSummary, keys: list[str], base: str, world: int,
+                   timeout: float) -> tuple[PlacementReport, _Verdict]:
     verdict_key, request_key = f"{base}/verdict", f"{base}/request"
     if store.check([verdict_key]):
         # The other ranks gave up on rank 0 before it arrived: adopt their verdict (same failure everywhere).
@@ -167,7 +169,7 @@ def _rank0_decides(store: Any, local: RankReport, keys: list[str], base: str, wo
     missing = _wait_for(store, [keys[r] for r in range(1, world)], timeout, offset=1)
     present = [r for r in range(1, world) if r not in missing]
     raw = store.multi_get([keys[r] for r in present]) if present else []
-    summaries = [summarize(local), *(RankSummary.decode(b) for b in raw)]
+    summaries = [mine, *(RankSummary.decode(b) for b in raw)]
     asked = [r for r in ranks_needing_detail(summaries) if r != 0]
     store.set(request_key, json.dumps(asked))
     details = {0: detail_of(local)}

@@ -14,6 +14,8 @@ from shardkit.placement.summary import RankDetail, RankSummary, detail_of, summa
 
 # How many parameter names a finding lists before "... and N more".
 MAX_NAMES = 8
+# Groups of ranks with differing parameter digests whose maps rank 0 reads to name the difference.
+MAX_DETAIL_GROUPS = 16
 
 
 def judge(reports: list[RankReport], missing_ranks: list[int] | None = None) -> PlacementReport:
@@ -29,7 +31,13 @@ def ranks_needing_detail(summaries: list[RankSummary]) -> list[int]:
     """The ranks whose parameter maps rank 0 must read to name what differs: none when every rank
     has the same digests, else the lowest rank of each group of equal digests (a few ranks, not all)."""
     groups = _digest_groups(summaries)
-    return [] if len(groups) <= 1 else sorted(ranks[0] for ranks in groups.values())
+    if len(groups) <= 1:
+        return []
+    # Largest groups first (the majority is the reference), at most MAX_DETAIL_GROUPS of them: were
+    # every rank different, reading every map would be the ranks x tensors cost this exchange avoids.
+    # The groups beyond are named by _unread_groups.
+    biggest = sorted(groups.values(), key=lambda ranks: (-len(ranks), ranks[0]))[:MAX_DETAIL_GROUPS]
+    return sorted(ranks[0] for ranks in biggest)
 
 
 def judge_summaries(
@@ -48,6 +56,7 @@ def judge_summaries(
     findings += _config_digest(summaries)
     groups = _digest_groups(summaries)
     findings += _parameter_set(groups, details)
+    findings += _unread_groups(groups, details)
     findings += _zero3_coverage(summaries, groups, details)
     return PlacementReport(ranks=sorted(held or [], key=lambda r: r.rank), summaries=summaries, findings=findings,
                            missing_ranks=sorted(missing_ranks or []))
@@ -178,6 +187,25 @@ def _parameter_set(groups: dict[tuple[str, str], list[int]], details: dict[int, 
                 f"{name} has different sizes across ranks (numel per rank {sizes}).",
                 "Build the same model on every rank.", rule="placement.param_set"))
     return out
+
+
+def _unread_groups(groups: dict[tuple[str, str], list[int]], details: dict[int, RankDetail]) -> list[Finding]:
+    """Groups past MAX_DETAIL_GROUPS: named by their ranks and digest, their maps never read."""
+    unread = sorted((ranks for ranks in groups.values() if ranks[0] not in details), key=lambda r: r[0])
+    if len(groups) < 2 or not unread:
+        return []
+    ranks = sorted(r for group in unread for r in group)
+    return [Finding(
+        Severity.ERROR, "parameter_set_digest", {_key(g): _digest_label(groups, g) for g in unread[:MAX_NAMES]},
+        f"{len(groups)} different parameter sets across the ranks; {_who(ranks)} built sets not compared name by "
+        f"name (rank 0 reads the maps of the {MAX_DETAIL_GROUPS} largest groups only)",
+        "Build the same model on every rank (same code, same config, same conditional modules); run "
+        "shardkit.placement.collect_records on one of the ranks named to list its parameters.",
+        rule="placement.param_set")]
+
+
+def _digest_label(groups: dict[tuple[str, str], list[int]], ranks: list[int]) -> str:
+    return next(f"params {p[:12]}" + (f", zero3 {z[:12]}" if z else "") for (p, z), g in groups.items() if g == ranks)
 
 
 def _key(ranks: list[int]) -> int | str:
