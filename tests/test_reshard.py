@@ -199,21 +199,33 @@ def test_default_workers_follow_the_cores_and_the_files():
         reshard_zero3("/nonexistent", "/tmp/x", 2, workers=0)
 
 
-def test_tensors_built_in_memory_are_written_one_file_at_a_time(sources, tmp_path, monkeypatch):
-    """Without byte offsets (source_bytes None) each tensor is built whole in memory: one writer
-    thread, so the peak stays one sub-group partition as with the serial writer. The bytes are the
-    same either way."""
-    import shardkit.checkpoint.ops.reshard as reshard
+def test_reshard_imports_no_torch_and_writes_what_the_in_process_resume_builds(sources, tmp_path):
+    """The offline reshard parses the source with the torch-free reader and copies byte ranges: no
+    torch (seconds to import) in its process. Its files hold exactly the tensors the in-process
+    resume builds with torch (repartition.optim_state_for_rank), element for element."""
+    import subprocess
+    import sys
 
-    seen: list[int] = []
-    real = reshard.write_parallel
-    monkeypatch.setattr(reshard, "write_parallel", lambda jobs, workers, **kw: (seen.append(workers), real(jobs, workers, **kw))[1])
-    copied = reshard_zero3(sources["fp32"], tmp_path / "copied", 3)
-    monkeypatch.setattr(reshard, "source_bytes", lambda ckpt: None)
-    built = reshard_zero3(sources["fp32"], tmp_path / "built", 3)
-    assert seen == [3, 1]
-    for a, b in zip(_flats(copied.output / copied.tag), _flats(built.output / built.tag)):
-        assert all(torch.equal(x, y) for x, y in zip(a["fp32_flat_groups"], b["fp32_flat_groups"]))
+    from shardkit.checkpoint.io.stream import materialize
+    from shardkit.checkpoint.zero3.repartition import optim_state_for_rank
+
+    out = tmp_path / "ws3"
+    code = (f"import sys; from shardkit.checkpoint.ops.reshard import reshard_zero3; "
+            f"reshard_zero3({str(sources['bf16_offload'])!r}, {str(out)!r}, 3, warn=lambda m: None); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'numpy')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    ckpt = open_zero3_checkpoint(sources["bf16_offload"])
+    layout = plan_layout(ckpt, 3)
+    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True)
+    for r in range(3):
+        want = materialize(optim_state_for_rank(ckpt, layout, r, optim0))["optimizer_state_dict"]
+        got = safe_torch_load(next((out / ckpt.tag).glob(f"*zero_pp_rank_{r}_mp_rank_00_optim_states.pt")))["optimizer_state_dict"]
+        assert all(torch.equal(a, b) for a, b in zip(want["fp32_flat_groups"], got["fp32_flat_groups"]))
+        for j, entry in want["optimizer_state_dict"]["state"].items():
+            for k, v in entry.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(got["optimizer_state_dict"]["state"][j][k])), (r, j, k)
 
 
 def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifest(sources, tmp_path, monkeypatch):
@@ -241,11 +253,11 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
 
     monkeypatch.setattr(reshard, "verify_before_reading", verify_then_the_source_changes)
     out = tmp_path / "out"
-    with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))}: changed while it was being copied: its "
-                       rf"sha256 is now ([0-9a-f]{{64}}), the manifest it was verified against says {verified} "
-                       r"\(the source was rewritten after verification.*re-run the reshard") as caught:
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))}: its sha256 is ([0-9a-f]{{64}}), its "
+                       rf"manifest says {verified}: the file is corrupted, or was rewritten after the save.*Nothing "
+                       r"was written.*re-run the reshard") as caught:
         reshard_zero3(root, out, 2, workers=2)
-    assert f"is now {sha256_file(victim)}," in str(caught.value)
+    assert f"sha256 is {sha256_file(victim)}," in str(caught.value)
     assert not out.exists() or os.listdir(out) == []
     # --no-verify never hashed the source, so there is nothing to compare with: copied as it is now
     monkeypatch.setattr(reshard, "verify_before_reading", real_verify)

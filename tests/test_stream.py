@@ -127,9 +127,9 @@ def test_zip64_records_and_offsets_are_read_by_torch_and_zipfile(tmp_path, monke
     central directory sentinel + extra, end record)."""
     import struct
 
-    import shardkit.checkpoint.io.stream as stream
+    import shardkit.checkpoint.io.torch_zip as torch_zip
 
-    monkeypatch.setattr(stream, "ZIP64_AT", 1000)
+    monkeypatch.setattr(torch_zip, "ZIP64_AT", 1000)
     src = torch.randn(600)
     (tmp_path / "src.bin").write_bytes(src.numpy().tobytes())
     lazy = LazyTensor(700, torch.float32, lambda: torch.zeros(0),

@@ -73,7 +73,7 @@ def reshard_command(args: argparse.Namespace) -> int:
         f"{r.source_world_size} -> {r.world_size}; resume with engine.load_checkpoint({str(r.output)!r}) "
         f"on {r.world_size} rank(s)"
     )
-    print(f"source checked before reading: {CHECKED_LEVELS[r.verified]}")
+    print(f"source checked: {CHECKED_LEVELS[r.verified]}")
     for note in r.notes:
         print(f"note: {note}")
     return 0
@@ -98,7 +98,7 @@ def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint") -> i
     )
     print(f"copied unchanged: {', '.join(t.copied) or 'nothing'}; RNG files: "
           f"{', '.join(b for _, b in t.rng.copies) or 'none'}")
-    print(f"source checked before reading: {CHECKED_LEVELS[r.verified]}")
+    print(f"source checked: {CHECKED_LEVELS[r.verified]}")
     for note in t.notes:
         print(f"note: {note}")
     return 0

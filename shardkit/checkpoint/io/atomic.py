@@ -237,16 +237,22 @@ def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], ta
             shutil.rmtree(d, ignore_errors=True)
     return final
 
-def remove_stale_saves(root: str | os.PathLike[str]) -> list[str]:
+def remove_stale_saves(root: str | os.PathLike[str], *, keep: str | None = None,
+                       is_live: Callable[[Path], bool] | None = None) -> list[str]:
     """Remove what killed saves left in ``root``: staging folders (of any tag), temporaries of
     atomic writes (``.latest.tmp-*``) and set-aside copies ``latest`` no longer names (a set-aside
     copy whose tag folder is gone is renamed back to its tag instead). Call on one rank only,
-    before a save; assumes one writer per checkpoint root. Returns the names removed."""
+    before a save. ``keep``: the caller's own staging folder; ``is_live``: says whether a staging
+    folder belongs to a writer still running (``shared_save.owner_alive``), which is left alone.
+    Returns the names removed."""
     root = Path(root)
     latest = read_latest(root) if (root / LATEST_NAME).is_file() else None
     removed = []
     for entry in root.iterdir():
         name = entry.name
+        if name == keep or (is_live is not None and name.startswith(STAGING_PREFIX) and entry.is_dir()
+                            and is_live(entry)):
+            continue
         if entry.is_dir() and REPLACED_MARK in name and name != latest:
             tag = name.split(REPLACED_MARK, 1)[0]
             if not (root / tag).exists():

@@ -133,7 +133,9 @@ def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = F
     if not root.is_dir():
         raise UsageError(f"-o {root}: exists and is not a folder; pass a new or empty folder (the resharded "
                          f"checkpoint is written as OUT/{tag}/ and OUT/{LATEST_NAME})")
-    entries = sorted(root.iterdir())
+    # staging folders are the save sequence's own (a killed save's, or a live writer's: the claim
+    # names that one), never a reason to call the folder foreign
+    entries = sorted(e for e in root.iterdir() if not e.name.startswith(STAGING_PREFIX))
     if not entries:
         return
     checkpoints = [e for e in entries if e.is_dir() and not e.name.startswith(STAGING_PREFIX)

@@ -191,10 +191,22 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8
 class TensorRef:
     """Where a tensor's bytes are in a torch zip file: read structure without importing torch."""
 
-    def __init__(self, key: str, dtype: str, storage_offset: int, shape: tuple[int, ...], stride: tuple[int, ...]):
+    def __init__(self, key: str, dtype: str, storage_offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
+                 requires_grad: bool = False):
         self.key, self.dtype, self.storage_offset = key, dtype, storage_offset
         self.shape, self.stride = tuple(shape), tuple(stride)
+        self.requires_grad = requires_grad
+        self.parameter = False
+        self.py_state: dict[str, Any] | None = None
+        """Python attributes the tensor was pickled with (``_rebuild_from_type_v2``'s state)."""
+        """Pickled as an ``nn.Parameter`` (``torch._utils._rebuild_parameter``)."""
         self.file_offset: int | None = None  # filled in by read_structure
+        self.path: str | None = None
+        """The file it was read from (filled in by read_structure)."""
+        self.record_offset = 0
+        """Where its storage record's bytes start in that file (filled in by read_structure)."""
+        self.record_nbytes = 0
+        """Its whole storage record's size (a view's storage may be larger than the view)."""
 
     @property
     def numel(self) -> int:
@@ -223,12 +235,42 @@ class _Storage:
         self.key, self.dtype = key, dtype
 
 
-def _rebuild_tensor_v2(storage: _Storage, storage_offset: int, size: Any, stride: Any, *_: Any) -> TensorRef:
-    return TensorRef(storage.key, storage.dtype, storage_offset, tuple(size), tuple(stride))
+class _UnsupportedTensor(Exception):
+    """A tensor ``read_structure`` could not describe faithfully (it would be written back without it)."""
 
 
-def _rebuild_from_type_v2(func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
-    return func(*args)
+def _rebuild_tensor_v2(storage: _Storage, storage_offset: int, size: Any, stride: Any, requires_grad: bool = False,
+                       _hooks: Any = None, metadata: Any = None) -> TensorRef:
+    if metadata:
+        # conj/neg bits and the like: a TensorRef could not write them back (torch.save of a plain
+        # CPU tensor passes no metadata)
+        raise _UnsupportedTensor(f"a tensor carries metadata {metadata!r}")
+    return TensorRef(storage.key, storage.dtype, storage_offset, tuple(size), tuple(stride), bool(requires_grad))
+
+
+def _rebuild_parameter(data: TensorRef, requires_grad: bool, _hooks: Any) -> TensorRef:
+    data.parameter, data.requires_grad = True, bool(requires_grad)
+    return data
+
+
+class TorchSize(tuple):  # type: ignore[type-arg]
+    """A ``torch.Size`` read without torch: a tuple that is written back as ``torch.Size``."""
+
+
+class _TensorType:
+    """``torch.Tensor`` named in a pickle (the type argument of ``_rebuild_from_type_v2``)."""
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    out = func(*args)
+    if not state:
+        return out
+    # Python attributes set on a tensor (DeepSpeed's ``ds_id`` on its flat fp32 groups): kept, so
+    # the tensor is written back with them
+    if new_type is not _TensorType or not isinstance(out, TensorRef) or not isinstance(state, dict):
+        raise _UnsupportedTensor(f"a tensor of type {new_type!r} carries state {state!r}")
+    out.py_state = dict(state)
+    return out
 
 
 class _Dtype(str):
@@ -242,8 +284,9 @@ def _structure_globals() -> dict[tuple[str, str], Any]:
         ("collections", "OrderedDict"): OrderedDict,
         ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
         ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-        ("torch", "Tensor"): object,
-        ("torch", "Size"): tuple,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch", "Tensor"): _TensorType,
+        ("torch", "Size"): TorchSize,
     }
     for name in _STORAGE_DTYPES:
         allowed[("torch", name)] = name
@@ -299,7 +342,7 @@ def read_structure(path: str | Path) -> Any:
                 raise CheckpointError(f"{p}: no data.pkl record: not a torch.save zip file")
             prefix = pkl[: -len("data.pkl")]
             obj = _Unpickler(io.BytesIO(z.read(pkl))).load()
-            offsets: dict[str, int] = {}
+            offsets: dict[str, tuple[int, int]] = {}
             for key in storages:
                 info = z.getinfo(f"{prefix}data/{key}")
                 if info.compress_type != zipfile.ZIP_STORED:
@@ -307,9 +350,12 @@ def read_structure(path: str | Path) -> Any:
                 fh.seek(info.header_offset)
                 header = fh.read(30)
                 name_len, extra_len = struct.unpack("<HH", header[26:30])
-                offsets[key] = info.header_offset + 30 + name_len + extra_len
+                offsets[key] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
     except CheckpointError:
         raise
+    except _UnsupportedTensor as exc:
+        raise CheckpointError(f"{p}: {exc}, which shardkit's torch-free reader cannot carry over (torch.save of a "
+                              "plain CPU tensor writes neither). Save such objects outside the checkpoint") from None
     except (zipfile.BadZipFile, KeyError, EOFError, OSError, ValueError, IndexError, struct.error,
             pickle.UnpicklingError, AttributeError, TypeError) as exc:
         raise CheckpointError(
@@ -318,8 +364,20 @@ def read_structure(path: str | Path) -> Any:
             "from the previous checkpoint."
         ) from None
     for ref in iter_leaves(obj, TensorRef):
-        ref.file_offset = offsets[ref.key] + ref.storage_offset * ref.itemsize
+        ref.record_offset, ref.record_nbytes = offsets[ref.key]
+        ref.file_offset = ref.record_offset + ref.storage_offset * ref.itemsize
+        ref.path = str(p)
+        if (ref.storage_offset + _extent(ref)) * ref.itemsize > ref.record_nbytes:
+            raise CheckpointError(f"{p}: tensor {ref!r} reaches past the end of its storage record data/{ref.key} "
+                                  f"({ref.record_nbytes} bytes): the file is corrupted")
     return obj
+
+
+def _extent(ref: TensorRef) -> int:
+    """Elements of its storage a tensor view spans (0 for an empty one)."""
+    if ref.numel == 0:
+        return 0
+    return 1 + sum((d - 1) * s for d, s in zip(ref.shape, ref.stride))
 
 
 def iter_leaves(obj: Any, kind: type | tuple[type, ...]) -> Iterable[Any]:

@@ -16,22 +16,30 @@ saved, so the plain ``load_checkpoint`` takes them unchanged:
 - ``dp_world_size``/``partition_count`` become M, ``param_shapes`` follow the new sub-groups, and
   frozen parameter fragments are repartitioned too.
 
-Speed and memory: each new rank's flat tensors are byte ranges of the source rank files plus
-zero padding, copied file to file through one 1 MiB buffer per worker (``stream.stream_save``
-writes torch's zip format itself); several rank files are written at once by threads, each hashed
-(sha256, for the manifest) and crc'd as its bytes are written and fsynced by its worker, so
-nothing is read back. When neither the world size nor the sub-groups change, the rank files are
-copied byte for byte instead.
+Speed, memory, scale: nothing imports torch or unpickles a tensor. The source files are parsed by
+``read_structure``; each new file is a pickle plus byte ranges of the source files
+(``zero3.reshard_plan``), copied through one 1 MiB buffer per writer thread, crc'd and hashed
+(sha256, for the manifest) as written, fsynced by its writer (``torch_zip``). ``workers`` threads
+write at once; under ``srun``/``torchrun`` every launched process writes its share of the files
+(balanced by bytes) into one staging folder and process 0 seals one manifest
+(``shared_save``). The source's sha256 is checked while the output is written (each process
+hashes its share of the source files), and nothing is published unless it matched; when neither
+the world size nor the sub-groups change, the rank files are copied byte for byte and that copy's
+hash is the check.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from shardkit.checkpoint.io.atomic import os_errors_named
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file
 from shardkit.checkpoint.io.pipeline import (
     check_output_root,
     default_workers,
@@ -39,24 +47,27 @@ from shardkit.checkpoint.io.pipeline import (
     verify_before_reading,
     warn_unverified,
 )
-from shardkit.checkpoint.io.staged_save import atomic_checkpoint
-from shardkit.checkpoint.io.stream import WrittenFile, all_segmented, copy_file_hashed, stream_save, write_parallel
-from shardkit.checkpoint.io.tags import LATEST_NAME
-from shardkit.checkpoint.io.torch_load import safe_torch_load
-from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
-from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, resolve_tag_dir
-from shardkit.checkpoint.zero3.gather import full_frozen_params
-from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
-from shardkit.checkpoint.zero3.repartition import (
-    TargetLayout,
-    client_state_note,
-    model_state_for_rank,
-    optim_state_for_rank,
-    plan_layout,
-    source_bytes,
+from shardkit.checkpoint.io.shared_save import (
+    Launch,
+    claim,
+    gather_parts,
+    heartbeat,
+    join,
+    launch_from_env,
+    outcome_unchanged,
+    seal,
+    write_part,
 )
+from shardkit.checkpoint.io.stream import WrittenFile, copy_file_hashed, write_parallel
+from shardkit.checkpoint.io.torch_zip import write_torch_zip
+from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
+from shardkit.checkpoint.zero3.files import resolve_tag_dir
+from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, plan_layout
+from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.platform.versions import library_versions
 
 
 @dataclass
@@ -77,6 +88,17 @@ class ReshardResult:
     """How the source was checked before it was read: 'sha256', 'sizes' (--no-verify) or 'none' (no manifest)."""
     copied_unchanged: bool = False
     """Same world size and sub-groups as the source: the rank files were copied byte for byte."""
+    rank: int = 0
+    """This process's share (under srun/torchrun; 0 alone)."""
+    processes: int = 1
+    """Processes that wrote the files (under srun/torchrun; 1 alone)."""
+    share_files: int = 0
+    """Files this process wrote."""
+    share_bytes: int = 0
+    """Bytes this process wrote."""
+    workers: int = 1
+    """Writer threads this process ran."""
+    launcher: str = "single process"
 
 
 @os_errors_named("resharding the checkpoint")
@@ -92,6 +114,7 @@ def reshard_zero3(
     verify: bool = True,
     warn: Callable[[str], None] | None = None,
     workers: int | None = None,
+    launch: Launch | None = None,
 ) -> ReshardResult:
     """Write ``checkpoint`` repartitioned for ``world_size`` ranks under ``output/<tag>`` + ``output/latest``.
 
@@ -100,71 +123,121 @@ def reshard_zero3(
     folder is staged and renamed into place, ``latest`` moves last, and a shardkit manifest is
     written unless ``manifest=False``.
 
-    Before anything is read the source is checked against its manifest (sizes, and sha256 unless
-    ``verify=False``): a corrupted source is refused, since the new manifest would vouch for the
-    corruption. ``output`` must be new, empty, or a shardkit checkpoint folder; an existing
-    ``output/<tag>`` is replaced only with ``force=True``. ``warn`` receives what the user should
-    know before trusting the result (default: ``warnings.warn``). ``workers``: rank files written
-    at once (default: ``default_workers`` when every tensor is a byte-range copy, else 1, since a
-    tensor built in memory holds a whole sub-group partition per thread).
+    The source is checked against its manifest: sizes before anything is read, sha256 (unless
+    ``verify=False``) while the output is written, and nothing is published unless every file
+    matched, since the new manifest would vouch for the corruption. ``output`` must be new, empty,
+    or a shardkit checkpoint folder; an existing ``output/<tag>`` is replaced only with
+    ``force=True``; another run writing the same output at the same time is refused. ``warn``
+    receives what the user should know before trusting the result (default: ``warnings.warn``).
+    ``workers``: files written at once by this process (default ``default_workers``). ``launch``:
+    this process's share of the files (default: from ``srun``/``torchrun``'s variables; one
+    process does everything without them).
     """
     if workers is not None and workers < 1:
         raise UsageError(f"workers={workers}: must be at least 1 (threads writing rank files at once)")
+    launch = launch or launch_from_env()
     warn = warn or warn_unverified
     source_dir, source_tag = resolve_tag_dir(checkpoint)
     tag = output_tag(tag, checkpoint, source_dir, source_tag)
     root = Path(output)
-    final = root / tag
     check_output_root(root, tag, source_dir, force=force)
-    checked = verify_before_reading(source_dir, checksums=verify)
-    for note in checked.warnings:
-        warn(note)
-    verified = checked.level
-    # the tag folder that was verified, not ``checkpoint`` again: a save in between could move
-    # 'latest' to a tag nobody verified, and the new manifest would say "verified": "sha256"
-    ckpt = open_zero3_checkpoint(source_dir)
+    # sizes now (a truncated file is refused before it is parsed); sha256 while the output is written
+    checked = verify_before_reading(source_dir, checksums=False)
+    if launch.rank == 0:
+        for note in checked.warnings:
+            if verify and note.startswith("--no-verify"):
+                continue
+            warn(note)
+    verified = "none" if checked.manifest is None else ("sha256" if verify else "sizes")
+    expected = {e.path: e.sha256 for e in checked.manifest.files} if checked.manifest is not None and verify else {}
+    ckpt = open_zero3_checkpoint(source_dir, torch_free=True)
     layout = plan_layout(ckpt, world_size, sub_group_size)
-
     unchanged = _layout_unchanged(ckpt, layout)
-    facts = dict(
-        world_size=world_size, step=ckpt.model_state.get("global_steps"), zero_stage=3, dtype=ckpt.precision,
-        config_digest=config_digest(ckpt.ds_config or None),
-        extra={"resharded_from": {"path": str(ckpt.tag_dir), "world_size": ckpt.world_size,
-                                  "ds_version": ckpt.ds_version, "verified": verified,
-                                  "copied_unchanged": unchanged}},
-    )
-    outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
-    if unchanged:
-        jobs, streamed = _copy_jobs(ckpt, checked.manifest if verified == "sha256" else None), True
-    else:
-        jobs, streamed = _reshard_jobs(ckpt, layout)
+    jobs = _copy_jobs(ckpt, expected) if unchanged else _reshard_jobs(ckpt, layout)
+    mine = split_by_bytes([j.nbytes for j in jobs], launch.world)[launch.rank]
+    share = [jobs[i] for i in mine]
+    sources = [*ckpt.optim_files, *ckpt.model_files]
+    # the copies hash every source byte themselves; a repartition reads ranges, so this process
+    # also hashes its share of the source files, on threads beside the writers
+    to_hash = [] if unchanged else [f for i, f in enumerate(sources) if i % launch.world == launch.rank and f.name in expected]
     if workers is None:
-        optim_files = sum(name.endswith("optim_states.pt") for name, _ in jobs) or len(jobs)
-        # a tensor built in memory is a whole sub-group partition: one thread at a time keeps the
-        # peak at one partition, as the serial writer had it (byte-range copies hold 1 MiB each)
-        workers = default_workers(optim_files) if streamed else 1
-    with atomic_checkpoint(root, tag, engine="deepspeed", manifest=manifest, **facts) as save:
-        entries = _write_files(save.path, jobs, outcome, workers)
-        if manifest:
-            save.known_files = entries
-    written = [name for name, _ in jobs]
-    files = [final / name for name in written]
+        workers = default_workers(max(1, len(share)))
+    before = {f: _signature(f) for f in sources}
+    started = time.monotonic()
+    staged = claim(root, tag, launch) if launch.rank == 0 else join(root, tag, launch)
+    try:
+        with heartbeat(staged, launch.rank):
+            entries: list[FileEntry] = []
+            error: BaseException | None = None
+            try:
+                with ThreadPoolExecutor(max_workers=max(1, min(workers, len(to_hash))),
+                                        thread_name_prefix="shardkit-verify") as hashers:
+                    hashed = [(f, hashers.submit(sha256_file, f)) for f in to_hash]
+                    entries = _write_share(staged, share, workers, outcome_unchanged(root))
+                    _check_hashes(hashed, expected)
+                _check_unchanged(before)
+            except BaseException as exc:  # noqa: BLE001 - reported to process 0 before it is raised here
+                error = exc
+            if launch.distributed:
+                write_part(staged, launch, entries, None if error is None else _one_line(error))
+            if error is not None:
+                raise error
+            if launch.rank == 0 and launch.distributed:
+                entries = gather_parts(staged, launch, started)
+        if launch.rank == 0:
+            facts = Manifest(
+                engine="deepspeed", tag=tag, world_size=world_size, files=sorted(entries, key=lambda e: e.path),
+                step=ckpt.model_state.get("global_steps"), zero_stage=3, dtype=ckpt.precision,
+                versions=library_versions(), config_digest=config_digest(ckpt.ds_config or None),
+                extra={"resharded_from": {"path": str(ckpt.tag_dir), "world_size": ckpt.world_size,
+                                          "ds_version": ckpt.ds_version, "verified": verified,
+                                          "copied_unchanged": unchanged}},
+            )
+            seal(staged, root, tag, facts if manifest else None)
+    except BaseException:
+        if launch.rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+    final = root / tag
     return ReshardResult(
         output=root,
         tag=tag,
         world_size=world_size,
         source_world_size=ckpt.world_size,
-        files=files,
-        bytes=sum(f.stat().st_size for f in files),
+        files=[final / j.name for j in jobs],
+        bytes=sum(e.size for e in entries) if launch.rank == 0 else 0,
         manifest=final / MANIFEST_NAME if manifest else None,
         notes=[n for n in (client_state_note(ckpt, world_size),) if n],
         verified=verified,
         copied_unchanged=unchanged,
+        rank=launch.rank,
+        processes=launch.world,
+        share_files=len(share),
+        share_bytes=sum(j.nbytes for j in share),
+        workers=workers,
+        launcher=launch.launcher,
     )
 
 
-#: A job: the rank file's name, and the function that writes it to a path and returns its digest.
-_Job = tuple[str, Callable[[Path], WrittenFile]]
+@dataclass(frozen=True)
+class _Job:
+    """One output file: its name, about how many bytes it holds, and what writes it."""
+
+    name: str
+    nbytes: int
+    write: Callable[[Path], WrittenFile]
+
+
+def split_by_bytes(sizes: list[int], shares: int) -> list[list[int]]:
+    """Indices of ``sizes`` dealt into ``shares`` lists of about equal total (largest first, each
+    to the lightest share so far); every process computes the same split from the same plan."""
+    out: list[list[int]] = [[] for _ in range(shares)]
+    load = [0] * shares
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        k = min(range(shares), key=lambda k: (load[k], k))
+        out[k].append(i)
+        load[k] += sizes[i] + 1  # +1: empty files still spread
+    return out
 
 
 def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
@@ -175,62 +248,74 @@ def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
     return new == [(s.sub_group, s.name, s.offset) for s in ckpt.slots]
 
 
-def _copy_jobs(ckpt: Zero3Checkpoint, verified_against: Manifest | None) -> list[_Job]:
+def _copy_jobs(ckpt: Zero3Checkpoint, expected: dict[str, str]) -> list[_Job]:
     # Copies, never hard links: DeepSpeed's torch.save opens a rank file with O_TRUNC and rewrites it
     # in place when a run saves the same tag again, so a link would let the source run change the
     # resharded checkpoint under its manifest (and the other way round). The bytes are read anyway
     # (the manifest needs their sha256), so copy_file_range would save nothing on a filesystem
     # without reflinks (ext4).
-    expected = {e.path: e.sha256 for e in verified_against.files} if verified_against is not None else {}
-
     def copy(src: Path) -> Callable[[Path], WrittenFile]:
         def write(out: Path) -> WrittenFile:
             digest = copy_file_hashed(src, out)
             want = expected.get(src.name)
-            # the source was hashed by verify_before_reading and read again here: a run re-saving
-            # the tag in between would get a fresh manifest vouching for bytes nobody verified
+            # the copy's hash is the source's: it is the sha256 check of the source as well
             if want is not None and digest.sha256 != want:
                 raise CheckpointError(
-                    f"{src}: changed while it was being copied: its sha256 is now {digest.sha256}, the manifest it "
-                    f"was verified against says {want} (the source was rewritten after verification, e.g. a "
-                    "run saving the same tag again). Nothing was written; re-run the reshard once the source is "
-                    "no longer being saved")
+                    f"{src}: its sha256 is {digest.sha256}, its manifest says {want}: the file is corrupted, or was "
+                    "rewritten after the save (a run saving the same tag again). Nothing was written; restore the "
+                    "file, or re-run the reshard once the source is no longer being saved")
             return digest
         return write
 
-    return [(src.name, copy(src)) for src in [*ckpt.optim_files, *ckpt.model_files]]
+    return [_Job(src.name, src.stat().st_size, copy(src)) for src in [*ckpt.optim_files, *ckpt.model_files]]
 
 
-def _reshard_jobs(ckpt: Zero3Checkpoint, layout: TargetLayout) -> tuple[list[_Job], bool]:
-    """The jobs, and whether every flat tensor is copied by byte ranges (False: some are built
-    whole in memory, one sub-group partition per writer thread)."""
-    # DeepSpeed objects (loss scaler, ZeroStageEnum) stay safe_load's inert stand-ins: stream_save
-    # writes them back under their DeepSpeed names, so DeepSpeed (seconds to import) is never imported
-    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True)
-    frozen = full_frozen_params(ckpt)
-    prefix = "bf16_" if ckpt.optim_files[0].name.startswith("bf16_") else ""
-    # None when a tensor's file offset is unknown: tensors are then built in memory
-    source = source_bytes(ckpt)
-    ranks = range(layout.world_size)
-    # lazy tensors and their byte segments only (a few KB per rank), built here to know whether
-    # any tensor needs the in-memory path before choosing how many threads write
-    optims = [optim_state_for_rank(ckpt, layout, r, optim0, source=source) for r in ranks]
+def _reshard_jobs(ckpt: Zero3Checkpoint, layout: TargetLayout) -> list[_Job]:
+    def write(f: OutputFile) -> Callable[[Path], WrittenFile]:
+        return lambda out: write_torch_zip(out, *f.build())
 
-    def optim(rank: int) -> Callable[[Path], WrittenFile]:
-        return lambda out: stream_save(optims[rank], out)
-
-    def model(rank: int) -> Callable[[Path], WrittenFile]:
-        return lambda out: stream_save(model_state_for_rank(ckpt, layout, rank, frozen), out)
-
-    # the large files first, so the small ones fill the gaps at the end
-    jobs = ([(OPTIM_FILE.format(prefix=prefix, rank=r), optim(r)) for r in ranks]
-            + [(MODEL_FILE.format(rank=r), model(r)) for r in ranks])
-    return jobs, all(all_segmented(o) for o in optims)
+    return [_Job(f.name, f.nbytes, write(f)) for f in ReshardPlan(ckpt, layout).files()]
 
 
-def _write_files(staged: Path, jobs: list[_Job], outcome: str, workers: int) -> list[FileEntry]:
-    """Write the jobs' files into ``staged`` (``stream.write_parallel``: fsynced by their writers,
-    described by the digest computed while written, the first failure cancels the rest)."""
-    written = write_parallel([(staged / name, write) for name, write in jobs], workers, outcome=outcome,
+def _write_share(staged: Path, share: list[_Job], workers: int, outcome: str) -> list[FileEntry]:
+    """Write this process's files into ``staged`` (``stream.write_parallel``: fsynced by their
+    writers, described by the digest computed while written, the first failure cancels the rest)."""
+    written = write_parallel([(staged / j.name, j.write) for j in share], workers, outcome=outcome,
                              thread_name="shardkit-reshard")
-    return [FileEntry(name, d.size, d.sha256) for (name, _), d in zip(jobs, written)]
+    return [FileEntry(j.name, d.size, d.sha256) for j, d in zip(share, written)]
+
+
+def _check_hashes(hashed: list[tuple[Path, Future[str]]], expected: dict[str, str]) -> None:
+    for f, future in hashed:
+        got = future.result()
+        if got != expected[f.name]:
+            raise CheckpointError(
+                f"refusing to publish the reshard of {f.parent}: {f} fails verification: its sha256 is {got}, its "
+                f"manifest says {expected[f.name]} (the file is corrupted, or was modified after the save). Nothing "
+                f"was written. Fix: restore the file or reshard another tag (`shardkit verify {f.parent}` lists every "
+                "problem)")
+
+
+def _signature(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _check_unchanged(before: dict[Path, tuple[int, int, int]]) -> None:
+    """A source file replaced or rewritten while it was read (a run saving the same tag) is refused:
+    the output would mix bytes of two saves."""
+    for path, sig in before.items():
+        try:
+            now = _signature(path)
+        except FileNotFoundError:
+            now = None
+        if now != sig:
+            what = "removed" if now is None else "modified"
+            raise CheckpointError(
+                f"{path}: was {what} while the reshard read it (size/mtime/inode changed): the output would mix two "
+                "saves. Nothing was written; re-run the reshard once the source is no longer being saved")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -1,0 +1,278 @@
+"""One output written by several processes (on one node or many) without a process group: the
+staging folder is claimed by one writer, every process writes its share of the files into it and
+reports them in a part file, and process 0 seals: one manifest, then the usual publish (rename,
+``latest`` last).
+
+Coordination goes through the output's filesystem only (it must be shared between the nodes
+anyway), so ``shardkit reshard`` under ``srun``/``torchrun`` needs neither torch.distributed nor a
+rendezvous port. The files, all inside ``root/.shardkit-tmp-<tag>/``:
+
+- ``.shardkit-owner.json``: the claim (job id, host, pid), made by process 0 with an exclusive
+  ``mkdir``; another run finds it and refuses while the owner is alive, or removes it when the
+  owner is gone (same host: its pid no longer exists; another host: no heartbeat for ``STALE_S``).
+- ``.shardkit-alive-<rank>``: touched every ``HEARTBEAT_S`` by each process while it writes.
+- ``.shardkit-part-<rank>.json``: written last by each process: its files' sizes and sha256, or
+  the error that stopped it. Process 0 waits for every part; a process that never joins, stops
+  its heartbeat or reports an error fails the run, named, and the staging folder is removed.
+
+These bookkeeping files are removed before the folder is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from shardkit.checkpoint.io.atomic import atomic_write_text, publish_tag, remove_stale_saves, staging_dir
+from shardkit.checkpoint.io.manifest import FileEntry, Manifest, write_manifest
+from shardkit.checkpoint.io.tags import LATEST_NAME
+from shardkit.core.errors import CheckpointError, UsageError
+
+OWNER_NAME = ".shardkit-owner.json"
+_PART = ".shardkit-part-{rank}.json"
+_ALIVE = ".shardkit-alive-{rank}"
+#: Seconds between heartbeats of a writing process.
+HEARTBEAT_S = 5.0
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+#: A claim or a heartbeat older than this belongs to a process that is gone (another host's
+#: process cannot be asked directly).
+STALE_S = _seconds("SHARDKIT_STALE_S", 60.0)
+#: How long processes wait for each other to appear (process 0's claim, the others' first heartbeat).
+JOIN_TIMEOUT_S = _seconds("SHARDKIT_JOIN_TIMEOUT_S", 300.0)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Which share of the work this process does: process ``rank`` of ``world`` in job ``job``."""
+
+    rank: int
+    world: int
+    job: str
+    """The same on every process of one run, different for another run (staging folder ownership)."""
+    launcher: str
+    """Where rank and world came from, for messages ('srun', 'torchrun', 'single process')."""
+    host: str
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def launch_from_env(env: Mapping[str, str] | None = None) -> Launch:
+    """This process's share from the launcher's variables: an ``srun`` step (``SLURM_PROCID``,
+    ``SLURM_STEP_NUM_TASKS``), ``torchrun`` or any launcher setting ``RANK``/``WORLD_SIZE``; else
+    one process doing everything.
+
+    An ``sbatch`` script itself (outside ``srun``) has ``SLURM_NTASKS`` but is one process: only
+    a step's own task count is used, so the batch script never waits for processes it did not start.
+    """
+    env = os.environ if env is None else env
+    host = socket.gethostname()
+
+    def ints(rank_key: str, world_key: str) -> tuple[int, int] | None:
+        if rank_key not in env or world_key not in env:
+            return None
+        try:
+            rank, world = int(env[rank_key]), int(env[world_key])
+        except ValueError:
+            raise UsageError(f"{rank_key}={env[rank_key]!r} / {world_key}={env[world_key]!r}: not integers; the "
+                             "launcher's variables say which share of the files this process writes. Unset them "
+                             "to run as a single process") from None
+        if world < 1 or not 0 <= rank < world:
+            raise UsageError(f"{rank_key}={rank} with {world_key}={world}: the rank must be in 0..{world - 1}. Fix the "
+                             "launcher's variables, or unset them to run as a single process")
+        return rank, world
+
+    slurm = ints("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+    if slurm is not None and slurm[1] > 1:
+        job = f"slurm-{env.get('SLURM_JOB_ID', '?')}.{env.get('SLURM_STEP_ID', '?')}"
+        return Launch(slurm[0], slurm[1], job, "srun", host)
+    torchrun = ints("RANK", "WORLD_SIZE")
+    if torchrun is not None and torchrun[1] > 1:
+        parts = [env.get("TORCHELASTIC_RUN_ID"), env.get("MASTER_ADDR"), env.get("MASTER_PORT"),
+                 env.get("TORCHELASTIC_RESTART_COUNT")]
+        if not any(parts[:3]):
+            raise UsageError(f"RANK={torchrun[0]} WORLD_SIZE={torchrun[1]} without MASTER_ADDR/MASTER_PORT or "
+                             "TORCHELASTIC_RUN_ID: the processes of one run cannot be told from another run's. Launch "
+                             "with torchrun or srun, or unset RANK/WORLD_SIZE to run as a single process")
+        return Launch(torchrun[0], torchrun[1], "torchrun-" + "-".join(p or "" for p in parts), "torchrun", host)
+    return Launch(0, 1, f"pid-{host}-{os.getpid()}-{time.time_ns()}", "single process", host)
+
+
+# --- the claim -------------------------------------------------------------------------------------
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def owner_alive(staged: Path) -> tuple[bool, str]:
+    """Whether the run that made ``staged`` may still be writing into it, and who that is."""
+    owner = _read_json(staged / OWNER_NAME)
+    newest = min(_age(staged), _age(staged / OWNER_NAME))
+    if owner is None:
+        # claimed a moment ago (the owner file follows the mkdir), or a killed save's leftover
+        return newest < STALE_S, f"an unknown writer (no {OWNER_NAME} in {staged})"
+    who = f"job {owner.get('job')!r}, pid {owner.get('pid')} on host {owner.get('host')!r}"
+    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
+        return _pid_alive(owner["pid"]) and newest < 10 * STALE_S, who
+    return newest < STALE_S, who
+
+
+def claim(root: Path, tag: str, launch: Launch) -> Path:
+    """Process 0: create ``root`` and an empty staging folder for ``tag`` that this run owns.
+
+    A staging folder left by a run that is gone is removed first (with the other leftovers of
+    killed saves, ``atomic.remove_stale_saves``); one whose owner is alive is another writer of
+    the same output: refused, naming it, and nothing of its files is touched.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    staged = staging_dir(root, tag)
+    for _ in range(3):
+        try:
+            staged.mkdir()
+        except FileExistsError:
+            alive, who = owner_alive(staged)
+            if alive:
+                raise CheckpointError(
+                    f"{root / tag}: another shardkit run ({who}) is writing this output right now (its staging folder "
+                    f"{staged} is live). One writer per output: wait for it to finish, or write to another -o/--tag. "
+                    f"If no such run exists (it was killed on another host), remove {staged}") from None
+            shutil.rmtree(staged, ignore_errors=True)
+            continue
+        remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
+        atomic_write_text(staged / OWNER_NAME, json.dumps({"job": launch.job, "host": launch.host, "pid": os.getpid(),
+                                                           "world": launch.world, "started": time.time()}))
+        return staged
+    raise CheckpointError(f"{staged}: could not be claimed (it kept coming back); is another run writing {root / tag}?")
+
+
+def join(root: Path, tag: str, launch: Launch) -> Path:
+    """Processes 1..N-1: wait until process 0 of this run has claimed the staging folder."""
+    staged = staging_dir(root, tag)
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while True:
+        owner = _read_json(staged / OWNER_NAME)
+        if owner is not None and owner.get("job") == launch.job:
+            return staged
+        if time.monotonic() > deadline:
+            seen = f"it is owned by job {owner.get('job')!r}" if owner else "it does not exist"
+            raise CheckpointError(
+                f"rank {launch.rank} of {launch.world} ({launch.launcher}, host {launch.host}): rank 0 did not claim the "
+                f"staging folder {staged} within {JOIN_TIMEOUT_S:.0f} s ({seen}; this run is job {launch.job!r}). Rank 0 "
+                "failed or never started (see its output), or the nodes do not share the output filesystem: -o must be "
+                "on storage every node sees")
+        time.sleep(0.2)
+
+
+# --- heartbeats and parts --------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def heartbeat(staged: Path, rank: int) -> Iterator[None]:
+    """Touch this process's alive file (and, for rank 0, the claim) every ``HEARTBEAT_S`` while the block runs."""
+    paths = [staged / _ALIVE.format(rank=rank)] + ([staged / OWNER_NAME] if rank == 0 else [])
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            for p in paths:
+                with contextlib.suppress(OSError):
+                    p.touch()
+            if stop.wait(HEARTBEAT_S):
+                return
+
+    thread = threading.Thread(target=beat, name="shardkit-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def write_part(staged: Path, launch: Launch, files: list[FileEntry], error: str | None) -> None:
+    """Report this process's share: the files it wrote, or the error that stopped it."""
+    body = {"rank": launch.rank, "host": launch.host, "pid": os.getpid(), "error": error,
+            "files": [[e.path, e.size, e.sha256] for e in files]}
+    atomic_write_text(staged / _PART.format(rank=launch.rank), json.dumps(body))
+
+
+def gather_parts(staged: Path, launch: Launch, started: float) -> list[FileEntry]:
+    """Process 0: every process's files, once all have reported; CheckpointError naming the first
+    process that failed, stopped its heartbeat, or never joined."""
+    got: dict[int, list[FileEntry]] = {}
+    while len(got) < launch.world:
+        for rank in range(launch.world):
+            if rank in got:
+                continue
+            part = _read_json(staged / _PART.format(rank=rank))
+            if part is not None:
+                if part.get("error"):
+                    raise CheckpointError(f"rank {rank} of {launch.world} (host {part.get('host')!r}, pid {part.get('pid')}) "
+                                          f"failed writing its share: {part['error']}")
+                got[rank] = [FileEntry(p, int(size), sha) for p, size, sha in part.get("files") or []]
+                continue
+            alive = staged / _ALIVE.format(rank=rank)
+            if alive.exists() and _age(alive) > STALE_S:
+                raise CheckpointError(
+                    f"rank {rank} of {launch.world} stopped while writing its share: no heartbeat for {_age(alive):.0f} s "
+                    f"(killed, or its node went down). Its files are incomplete; run the whole command again")
+            if not alive.exists() and time.monotonic() - started > JOIN_TIMEOUT_S:
+                raise CheckpointError(
+                    f"rank {rank} of {launch.world} never joined within {JOIN_TIMEOUT_S:.0f} s ({launch.launcher} job "
+                    f"{launch.job!r}): it did not start, or its node does not see {staged.parent} (-o must be on storage "
+                    "every node shares). Run the whole command again")
+        if len(got) < launch.world:
+            time.sleep(0.1)
+    return [e for rank in sorted(got) for e in got[rank]]
+
+
+def seal(staged: Path, root: Path, tag: str, manifest: Manifest | None) -> Path:
+    """Process 0: remove the bookkeeping files, write the manifest (the completion marker) and
+    publish the tag (rename into place, ``latest`` last)."""
+    for p in staged.iterdir():
+        if p.name == OWNER_NAME or p.name.startswith((".shardkit-part-", ".shardkit-alive-")):
+            p.unlink()
+    if manifest is not None:
+        write_manifest(staged, manifest)
+    return publish_tag(root, staged, tag)
+
+
+def outcome_unchanged(root: Path) -> str:
+    return f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"

@@ -1,0 +1,210 @@
+"""What a reshard writes, file by file, without torch: each new rank's optimizer and model-states
+files as a pickle plus storage records that are byte ranges of the source rank files and zero runs.
+
+The source files are parsed by ``read_structure`` (no ``import torch``, no tensor unpickled); a
+new rank's flat partition of sub-group ``j`` is, parameter by parameter, the source ranks' pieces
+of that parameter that fall in its range, then its zero padding (``_partition_segments``). The
+layout arithmetic is ``repartition.plan_layout``'s (DeepSpeed's own sub-group rule); the dicts
+written are those ``repartition.optim_state_for_rank`` / ``model_state_for_rank`` build for the
+in-process resume, key for key.
+
+A file's pickle and segments are built by the worker that writes it (``OutputFile.build``), from
+the source structures it reads lazily: a process writing 8 of 1,024 new ranks reads the few source
+files those ranks draw from, and nothing grows with the world size times the tensor count.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shardkit.checkpoint.io.torch_load import _ITEMSIZE, TensorRef, TorchSize, read_structure
+from shardkit.checkpoint.io.torch_pickle import NewTensor, pickle_structure
+from shardkit.checkpoint.io.torch_zip import RecordData, Segment
+from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint, zero3_optimizer_sd
+from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
+from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
+from shardkit.checkpoint.zero3.repartition import TargetLayout
+from shardkit.core.errors import CheckpointError
+
+#: What a worker writes for one output file: ``data.pkl`` and the storage records, in order.
+Built = tuple[bytes, list[tuple[str, RecordData]]]
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """One file of the resharded tag folder."""
+
+    name: str
+    nbytes: int
+    """About how many bytes it will hold (the tensor records): what the workers' shares are balanced on."""
+    build: Callable[[], Built]
+
+
+class ReshardPlan:
+    """The files of ``ckpt`` at ``layout.world_size`` ranks (``ckpt`` opened with ``torch_free=True``)."""
+
+    def __init__(self, ckpt: Zero3Checkpoint, layout: TargetLayout):
+        self.ckpt, self.layout = ckpt, layout
+        self.prefix = "bf16_" if ckpt.optim_files[0].name.startswith("bf16_") else ""
+        self._optim0 = self._optim(0)
+
+    @functools.lru_cache(maxsize=64)
+    def _optim(self, rank: int) -> dict[str, Any]:
+        sd = read_structure(self.ckpt.optim_files[rank])
+        zero3_optimizer_sd(sd, self.ckpt.optim_files[rank])  # the same refusal as the torch reader's
+        return sd
+
+    @functools.lru_cache(maxsize=64)
+    def _model(self, rank: int) -> dict[str, Any]:
+        return self.ckpt.model_state if rank == 0 else read_structure(self.ckpt.model_files[rank])
+
+    def files(self) -> list[OutputFile]:
+        """Every output file: the optimizer files first (the large ones), then the model files."""
+        ranks = range(self.layout.world_size)
+        flat_bytes = sum(self.layout.sub_group_numel(j) for j in range(len(self.layout.sub_groups)))
+        per_element = 4 + sum(_ITEMSIZE[d] for d in self._state_dtypes().values())
+        optim = [OutputFile(OPTIM_FILE.format(prefix=self.prefix, rank=r), flat_bytes * per_element,
+                            functools.partial(self._build_optim, r)) for r in ranks]
+        model = [OutputFile(MODEL_FILE.format(rank=r), 0, functools.partial(self._build_model, r)) for r in ranks]
+        return optim + model
+
+    # --- the optimizer file of one new rank -------------------------------------------------------
+
+    def _state_dtypes(self) -> dict[str, str]:
+        state = self._optim0["optimizer_state_dict"]["optimizer_state_dict"].get("state") or {}
+        out: dict[str, str] = {}
+        for entry in state.values():
+            for k, v in entry.items():
+                if k in self.ckpt.state_keys and isinstance(v, TensorRef):
+                    out[k] = v.dtype
+        return out
+
+    def _flat(self, rank: int, key: str, sub_group: int) -> TensorRef:
+        osd = self._optim(rank)["optimizer_state_dict"]
+        if key == FP32:
+            t = osd["fp32_flat_groups"][sub_group]
+        else:
+            entry = (osd["optimizer_state_dict"].get("state") or {}).get(sub_group) or {}
+            t = entry.get(key)
+        want = self.ckpt.sub_group_numel[sub_group]
+        path = self.ckpt.optim_files[rank]
+        if not isinstance(t, TensorRef):
+            raise CheckpointError(f"{path}: optimizer state {key!r} of sub-group {sub_group} is missing (rank 0's file "
+                                  "has it): the rank files come from different saves, or the file is damaged")
+        if t.numel != want or not t.is_contiguous():
+            raise CheckpointError(f"{path}: {key} of sub-group {sub_group} has {t.numel} elements, expected {want} from "
+                                  f"param_shapes at world size {self.ckpt.world_size}. The rank files come from different "
+                                  "saves or the file is damaged.")
+        return t
+
+    def _partition(self, rank: int, sub_group: int, key: str, dtype: str) -> NewTensor:
+        """New rank ``rank``'s flat ``key`` tensor of ``sub_group``: source byte ranges and zero runs."""
+        size = _ITEMSIZE[dtype]
+        segs: list[Segment] = []
+
+        def add(path: str | None, offset: int, nbytes: int) -> None:
+            last = segs[-1] if segs else None
+            if last is not None and last.path == path and (path is None or last.offset + last.nbytes == offset):
+                segs[-1] = Segment(path, last.offset, last.nbytes + nbytes)
+            else:
+                segs.append(Segment(path, offset, nbytes))
+
+        for tp in self.layout.sub_groups[sub_group]:
+            src = tp.source
+            lo, hi = tp.rank_range(rank)
+            for s in range(self.ckpt.world_size):
+                s_lo, s_hi = src.rank_range(s)
+                a, b = max(lo, s_lo), min(hi, s_hi)
+                if b > a:
+                    flat = self._flat(s, key, src.sub_group)
+                    if flat.dtype != dtype:
+                        raise CheckpointError(f"{self.ckpt.optim_files[s]}: {key} of sub-group {src.sub_group} is "
+                                              f"{flat.dtype}, rank 0's is {dtype}: the rank files come from different saves")
+                    assert flat.file_offset is not None and flat.path is not None
+                    add(flat.path, flat.file_offset + (src.offset + a - s_lo) * size, (b - a) * size)
+            if tp.partition_numel > hi - lo:
+                add(None, 0, (tp.partition_numel - (hi - lo)) * size)
+        return NewTensor(dtype, self.layout.sub_group_numel(sub_group), segs)
+
+    def _build_optim(self, rank: int) -> Built:
+        layout, optim0 = self.layout, self._optim0
+        src = optim0["optimizer_state_dict"]
+        src_inner = src["optimizer_state_dict"]
+        src_state = src_inner.get("state") or {}
+        state: dict[int, dict[str, Any]] = {}
+        for j, params in enumerate(layout.sub_groups):
+            # a new sub-group's scalar state (step) is that of the source sub-group of its first parameter
+            entry = src_state.get(params[0].source.sub_group if params else 0)
+            if entry is None:
+                continue  # the optimizer never stepped: no state to carry
+            state[j] = {k: (self._partition(rank, j, k, v.dtype) if k in self.ckpt.state_keys and isinstance(v, TensorRef)
+                            else v) for k, v in entry.items()}
+        param_groups = []
+        for g, group in enumerate(src_inner.get("param_groups") or [{}]):
+            new_group = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+            new_group["params"] = [j for j, owner in enumerate(layout.sub_group_param_group) if owner == g]
+            param_groups.append(new_group)
+        fp32 = [self._partition(rank, j, FP32, "float32") for j in range(len(layout.sub_groups))]
+        osd: dict[str, Any] = {}
+        for k, v in src.items():
+            if k == "optimizer_state_dict":
+                osd[k] = {"state": state, "param_groups": param_groups}
+            elif k == "fp32_flat_groups":
+                osd[k] = fp32
+            elif k == "partition_count":
+                osd[k] = layout.world_size
+            elif k == "ds_zero_partition_groups":
+                continue  # AutoEP placement metadata is topology-specific
+            else:
+                osd[k] = v
+        out = {k: v for k, v in optim0.items() if k != "optimizer_state_dict"}
+        return pickle_structure({"optimizer_state_dict": osd, **out})
+
+    # --- the model-states file of one new rank ----------------------------------------------------
+
+    def _build_model(self, rank: int) -> Built:
+        layout = self.layout
+        same = layout.world_size == self.ckpt.world_size
+        # the same partitioning: this rank's own file, so its own client_state entries survive
+        sd = dict(self._model(rank) if same else self.ckpt.model_state)
+        sd["dp_world_size"] = layout.world_size
+        sd["param_shapes"] = [OrderedDict((tp.source.name, TorchSize(tp.source.shape)) for tp in params)
+                              for params in layout.sub_groups]
+        shapes = self.ckpt.frozen_param_shapes
+        if shapes:
+            sd["frozen_param_fragments"] = OrderedDict((name, self._frozen(name, shape, rank)) for name, shape in shapes.items())
+        return pickle_structure(sd)
+
+    def _frozen(self, name: str, shape: tuple[int, ...], rank: int) -> NewTensor:
+        """New rank ``rank``'s fragment of frozen parameter ``name``: the concatenation of the source
+        ranks' fragments (the last one padded) cut at the new partition size, zero-padded."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        pn = partition_numel(numel, self.layout.world_size)
+        lo, hi = rank_range(rank, pn, numel)
+        segs: list[Segment] = []
+        dtype = None
+        at = 0  # where source rank s's fragment starts in the concatenation
+        for s in range(self.ckpt.world_size):
+            frag = (self._model(s).get("frozen_param_fragments") or {}).get(name)
+            if not isinstance(frag, TensorRef) or not frag.is_contiguous():
+                raise CheckpointError(f"{self.ckpt.model_files[s]}: frozen_param_fragments has no {name!r} (rank 0's "
+                                      "frozen_param_shapes lists it): the rank files come from different saves")
+            dtype = dtype or frag.dtype
+            a, b = max(lo, at), min(hi, at + frag.numel)
+            if b > a:
+                assert frag.file_offset is not None and frag.path is not None
+                segs.append(Segment(frag.path, frag.file_offset + (a - at) * frag.itemsize, (b - a) * frag.itemsize))
+            at += frag.numel
+        if at < numel:
+            raise CheckpointError(f"{self.ckpt.tag_dir}: the fragments of frozen parameter {name!r} hold {at} elements, "
+                                  f"its shape {list(shape)} needs {numel}: the rank files come from different saves")
+        assert dtype is not None
+        if pn > hi - lo:
+            segs.append(Segment(None, 0, (pn - (hi - lo)) * _ITEMSIZE[dtype]))
+        return NewTensor(dtype, pn, segs)
