@@ -43,14 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's cancel, ``kill``, torchrun tearing down its workers) raised in the main
+    thread, so the writers stop and the staging folder is removed as on Ctrl-C."""
+
+
+def _terminate_as_interrupt() -> None:
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if getattr(args, "sigterm_cleans_up", False):
+        _terminate_as_interrupt()
     try:
         return int(args.func(args) or 0)
+    except Terminated:
+        print(f"shardkit {args.command}: terminated (SIGTERM); nothing was published, the staging folder was removed",
+              file=sys.stderr)
+        return 143
     except ShardkitError as exc:
         print(f"shardkit {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -115,7 +115,7 @@ def test_refuses_to_overwrite_its_source_and_bad_world_size(sources, run_cli):
 def test_cli_flags_are_stable(run_cli):
     code, out, _ = run_cli("reshard", "--help")
     assert code == 0
-    for flag in ("--world-size", "-o", "--output", "--tag", "--sub-group-size", "--no-manifest", "example:"):
+    for flag in ("--world-size", "-o", "--output", "--tag", "--sub-group-size", "--no-manifest", "--workers", "example:"):
         assert flag in out
     code, out, _ = run_cli("consolidate", "--help")
     for flag in ("-o", "--output", "--dtype", "--exclude-frozen", "example:"):

@@ -44,7 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
     p.add_argument("--no-verify", action="store_true",
                    help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
-    p.set_defaults(func=reshard_command)
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="files written at once by this process (default: one per file, at least the usable cores, "
+                        "at most max(cores, 8)); under srun/torchrun every launched process writes its share")
+    p.set_defaults(func=reshard_command, sigterm_cleans_up=True)
 
 
 def reshard_command(args: argparse.Namespace) -> int:
@@ -55,6 +58,8 @@ def reshard_command(args: argparse.Namespace) -> int:
 
     if args.world_size < 1:
         raise UsageError(f"--world-size {args.world_size}: must be at least 1")
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: must be at least 1 (files written at once)")
     if args.sub_group_size is not None and args.sub_group_size < 1:
         raise UsageError(f"--sub-group-size {args.sub_group_size}: must be at least 1")
     trainer_checkpoint = locate_trainer_checkpoint(args.checkpoint)
@@ -67,9 +72,16 @@ def reshard_command(args: argparse.Namespace) -> int:
               f"{parent} to write a checkpoint-N that Trainer.train(resume_from_checkpoint=...) resumes", file=sys.stderr)
     r = reshard_zero3(args.checkpoint, args.output, args.world_size, tag=args.tag,
                       sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
-                      verify=not args.no_verify, warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
+                      verify=not args.no_verify, workers=args.workers,
+                      warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
+    if r.rank != 0:
+        print(f"rank {r.rank} of {r.processes} ({r.launcher}): wrote its share, {r.share_files} files, "
+              f"{r.share_bytes / 2**20:,.1f} MiB, with {r.workers} writer(s); rank 0 seals {r.output / r.tag} once every "
+              "process has reported")
+        return 0
+    split = f" by {r.processes} processes ({r.launcher})" if r.processes > 1 else ""
     print(
-        f"wrote {r.output / r.tag}: {len(r.files)} files, {r.bytes / 2**20:,.1f} MiB, world size "
+        f"wrote {r.output / r.tag}{split}: {len(r.files)} files, {r.bytes / 2**20:,.1f} MiB, world size "
         f"{r.source_world_size} -> {r.world_size}; resume with engine.load_checkpoint({str(r.output)!r}) "
         f"on {r.world_size} rank(s)"
     )
@@ -82,13 +94,21 @@ def reshard_command(args: argparse.Namespace) -> int:
 def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint") -> int:
     """A Hugging Face Trainer checkpoint-N (or output_dir): -o is the new checkpoint-N folder."""
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
+    from shardkit.checkpoint.io.shared_save import launch_from_env
     from shardkit.checkpoint.ops.reshard_trainer import reshard_trainer_checkpoint
+    from shardkit.core.errors import UsageError
 
+    launch = launch_from_env()
+    if launch.distributed:
+        # the Trainer folder is staged under a name of its own per process: one process does it
+        raise UsageError(f"{args.checkpoint} is a Trainer checkpoint, resharded by one process; this is rank "
+                         f"{launch.rank} of {launch.world} ({launch.launcher}). Run the command once, outside "
+                         "srun/torchrun (--workers N sets its writer threads)")
     if source.note():
         print(f"note: {source.note()}")
     t = reshard_trainer_checkpoint(source, args.output, args.world_size, tag=args.tag,
                                    sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
-                                   verify=not args.no_verify,
+                                   verify=not args.no_verify, workers=args.workers,
                                    warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
     r = t.reshard
     print(

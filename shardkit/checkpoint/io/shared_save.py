@@ -74,16 +74,19 @@ class Launch:
         return self.world > 1
 
 
-def launch_from_env(env: Mapping[str, str] | None = None) -> Launch:
+def launch_from_env(env: Mapping[str, str] | None = None, *, single: bool = False) -> Launch:
     """This process's share from the launcher's variables: an ``srun`` step (``SLURM_PROCID``,
     ``SLURM_STEP_NUM_TASKS``), ``torchrun`` or any launcher setting ``RANK``/``WORLD_SIZE``; else
     one process doing everything.
 
     An ``sbatch`` script itself (outside ``srun``) has ``SLURM_NTASKS`` but is one process: only
     a step's own task count is used, so the batch script never waits for processes it did not start.
+    ``single=True``: this process does everything whatever the variables say.
     """
     env = os.environ if env is None else env
     host = socket.gethostname()
+    if single:
+        return Launch(0, 1, f"pid-{host}-{os.getpid()}-{time.time_ns()}", "single process", host)
 
     def ints(rank_key: str, world_key: str) -> tuple[int, int] | None:
         if rank_key not in env or world_key not in env:

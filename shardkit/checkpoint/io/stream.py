@@ -27,7 +27,11 @@ from shardkit.checkpoint.io.torch_zip import (
     HashingWriter,
     RecordData,
     Segment,
+    SegmentedRecord,
+    WriteCancelled,
     WrittenFile,
+    check_cancelled,
+    set_cancel_event,
     write_torch_zip,
 )
 
@@ -99,8 +103,6 @@ def stream_save(obj: Any, path: str | Path, *, chunk_bytes: int = CHUNK_BYTES, f
 def _record_bytes(records: dict[str, Any]) -> Iterator[tuple[str, RecordData]]:
     """Each record's bytes, produced when the writer reaches it (a LazyTensor without segments is
     built here, one at a time, and dropped once written)."""
-    from shardkit.checkpoint.io.torch_zip import SegmentedRecord
-
     for key, rec in records.items():
         if isinstance(rec, _LazyStorage) and rec.owner.segments is not None:
             yield key, SegmentedRecord(rec.owner.nbytes, rec.owner.segments())
@@ -182,13 +184,19 @@ def write_parallel(jobs: Sequence[FileJob], workers: int, *, outcome: str,
 
     Each file is fsynced by the thread that wrote it (the fsyncs overlap the other files' writes;
     the staging folder's ``fsync_tree`` then finds nothing dirty). The first failure cancels the
-    jobs not yet started, waits for the running ones and is raised (a full disk as the
-    CheckpointError of ``disk_full_named``, ending with ``outcome``), so nothing more is written
-    into a staging folder the caller is about to remove. ``workers=1`` writes in this thread.
+    jobs not yet started and stops the running ones at their next buffer (``torch_zip``'s cancel
+    check), and is raised (a full disk as the CheckpointError of ``disk_full_named``, ending with
+    ``outcome``), so nothing more is written into a staging folder the caller is about to remove.
+    An interrupt (Ctrl-C, or SIGTERM turned into an exception by the command) stops them the same
+    way. ``workers=1`` writes in this thread.
     """
+    import threading
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
+    cancel = threading.Event()
+
     def run(path: Path, write: Callable[[Path], WrittenFile]) -> WrittenFile:
+        set_cancel_event(cancel)
         try:
             with disk_full_named(path, outcome):
                 digest = write(path)
@@ -199,19 +207,27 @@ def write_parallel(jobs: Sequence[FileJob], workers: int, *, outcome: str,
             # a write or fsync on an open descriptor fails without a file name (EIO ...): name the
             # file here, so the caller's os_errors_named message says which one
             raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        finally:
+            set_cancel_event(None)
         return digest
 
     if workers <= 1 or len(jobs) <= 1:
         return [run(path, write) for path, write in jobs]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name) as pool:
         futures = [pool.submit(run, path, write) for path, write in jobs]
-        wait(futures, return_when=FIRST_EXCEPTION)
-        for f in futures:
-            f.cancel()  # only the queued ones: leaving the block waits for the running writers
-    for f in futures:
-        exc = None if f.cancelled() else f.exception()
-        if exc is not None:
-            raise exc
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        finally:
+            if any(f.done() and not f.cancelled() and f.exception() is not None for f in futures) or \
+                    not all(f.done() for f in futures):
+                cancel.set()
+            for f in futures:
+                f.cancel()  # the queued ones; the running ones stop at their next buffer
+    failures = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    # the first real failure, not the WriteCancelled of the files it stopped
+    real = [e for e in failures if not isinstance(e, WriteCancelled)]
+    if real or failures:
+        raise (real or failures)[0]  # type: ignore[misc]
     return [f.result() for f in futures]
 
 
@@ -225,6 +241,7 @@ def copy_file_hashed(src: str | Path, dst: str | Path, *, chunk_bytes: int = CHU
     with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as raw:
         out = HashingWriter(raw)
         while True:
+            check_cancelled()
             n = fin.readinto(buf)
             if not n:
                 break

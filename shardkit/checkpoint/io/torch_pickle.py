@@ -67,7 +67,8 @@ class StubPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
             # what the real object's own reduce gives: Enum -> REDUCE cls(value); a plain object ->
             # NEWOBJ cls() then BUILD with its attributes
             state = {k: v for k, v in vars(o).items() if k != "args"}
-            return (copyreg.__newobj__, (type(o), *o.args), state) if state else (type(o), o.args)
+            args = getattr(o, "args", ())
+            return (copyreg.__newobj__, (type(o), *args), state) if state else (type(o), args)  # type: ignore[attr-defined]
         if isinstance(o, TorchSize):
             return (torch_global("torch", "Size"), (tuple(o),))
         if isinstance(o, _Dtype):
@@ -82,10 +83,10 @@ class StubPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
         elif isinstance(o, _Dtype):
             module, attr = "torch", str(o)  # torch.dtype.__reduce__ is its name in module torch
         else:
-            super().save_global(o, name)
+            super().save_global(o, name)  # type: ignore[misc]
             return
-        self.write(pickle.GLOBAL + f"{module}\n{attr}\n".encode())
-        self.memoize(o)
+        self.write(pickle.GLOBAL + f"{module}\n{attr}\n".encode())  # type: ignore[attr-defined]
+        self.memoize(o)  # type: ignore[attr-defined]
 
 
 class _Storage:
@@ -113,7 +114,7 @@ class _StructurePickler(StubPickler):
                 raise ValueError(f"{o!r} was not read from a file: its bytes are unknown")
             record = SegmentedRecord(o.record_nbytes, [Segment(o.path, o.record_offset, o.record_nbytes)])
             storage = self._storage((o.path, o.key), o.dtype, record)
-            args = (storage, o.storage_offset, tuple(o.shape), tuple(o.stride), o.requires_grad, OrderedDict())
+            args: tuple[Any, ...] = (storage, o.storage_offset, tuple(o.shape), tuple(o.stride), o.requires_grad, OrderedDict())
             rebuild: tuple[Any, ...] = (torch_global("torch._utils", "_rebuild_tensor_v2"), args)
             if o.py_state:
                 # Tensor.__reduce_ex__ for a tensor with attributes: _rebuild_from_type_v2(func, type, args, state)

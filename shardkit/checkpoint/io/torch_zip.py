@@ -16,9 +16,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import random
 import struct
 import sys
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +161,7 @@ class ZipWriter:
                     done += n
                     fill += n
                     if fill == len(buf):
+                        check_cancelled()
                         crc = zlib.crc32(buf, crc)
                         self.out.write(buf)
                         fill = 0
@@ -179,7 +180,11 @@ class ZipWriter:
         combined = 0
         for e in self.entries:
             combined = zlib.crc32(struct.pack("<I", e.crc), combined)
-        self.add_bytes(".data/serialization_id", f"{combined:020d}{random.getrandbits(64):020d}".encode())
+        # torch draws the second half at random; a digest of the records' crcs keeps the id unique
+        # per content while the same input gives the same bytes (a reshard by 1 or 64 processes, or
+        # run twice, writes identical files)
+        salt = int.from_bytes(hashlib.sha256(self.prefix.encode() + struct.pack("<I", combined)).digest()[:8], "little")
+        self.add_bytes(".data/serialization_id", f"{combined:020d}{salt:020d}".encode())
         cd_offset = self.out.size
         for e in self.entries:
             big_size, big_offset = e.size >= ZIP64_AT, e.offset >= ZIP64_AT
@@ -219,6 +224,25 @@ def pread_exact(fd: int, window: memoryview, offset: int, path: str) -> None:
             raise OSError(f"{path}: ended at byte {offset + done}, {len(window) - done} bytes short of the "
                           "tensor data it should hold (the file was truncated while being read)")
         done += got
+
+
+class WriteCancelled(Exception):
+    """A write stopped because another file of the same operation failed or the run was interrupted."""
+
+
+_local = threading.local()
+
+
+def set_cancel_event(event: threading.Event | None) -> None:
+    """Make this thread's copy loops stop (``WriteCancelled``) once ``event`` is set: a failed or
+    interrupted operation does not wait for gigabytes of other files to finish first."""
+    _local.cancel = event
+
+
+def check_cancelled() -> None:
+    event = getattr(_local, "cancel", None)
+    if event is not None and event.is_set():
+        raise WriteCancelled("cancelled: another file of this operation failed, or the run was interrupted")
 
 
 @dataclass(frozen=True)

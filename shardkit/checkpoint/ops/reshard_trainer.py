@@ -29,6 +29,7 @@ from shardkit.checkpoint.hf_trainer.folder import (
 from shardkit.checkpoint.hf_trainer.rng_files import RngPlan, plan_rng_files
 from shardkit.checkpoint.io.atomic import os_errors_named, publish_dir
 from shardkit.checkpoint.io.manifest import MANIFEST_NAME
+from shardkit.checkpoint.io.shared_save import launch_from_env
 from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, read_latest
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
@@ -186,6 +187,7 @@ def reshard_trainer_checkpoint(
     force: bool = False,
     verify: bool = True,
     warn: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> TrainerReshardResult:
     """Write ``source`` resharded for ``world_size`` ranks as the new ``checkpoint-N`` folder ``output``.
 
@@ -211,7 +213,7 @@ def reshard_trainer_checkpoint(
     staged = _staging_folder(final)
     try:
         r = reshard_zero3(src, staged, world_size, tag=new_tag, sub_group_size=sub_group_size, manifest=manifest,
-                          verify=verify, warn=warn)
+                          verify=verify, warn=warn, workers=workers, launch=launch_from_env(single=True))
         # the resharded tag is written anew; a stale folder named like the new tag would collide with it
         copied, skipped = _copy_trainer_files(src, staged, {src_tag, new_tag}, rng)
         publish_dir(staged, final)  # fsyncs the tree; an existing (forced) folder is swapped, never half-replaced

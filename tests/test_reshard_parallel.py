@@ -1,0 +1,226 @@
+"""`shardkit reshard` split across processes and against careless use: under torchrun every launched
+process writes its share and the result is byte-identical to one process's; a rank killed mid-write
+or never started fails the run, named, with nothing published; two runs writing one output at once:
+one wins, the other refuses; SIGTERM stops the writers and removes the staging folder; a corrupted
+or changing source is never published. Real processes (torchrun, the CLI), hard timeouts."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks._scale_zero3 import scale_checkpoint
+from shardkit.checkpoint.io.manifest import read_manifest
+from shardkit.checkpoint.io.shared_save import launch_from_env
+from shardkit.checkpoint.io.tags import STAGING_PREFIX
+from shardkit.core.errors import CheckpointError, UsageError
+from tests import _ranks_zero3 as R
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory):
+    return R.build_sources(tmp_path_factory.getbasetemp() / "zero3")
+
+
+@pytest.fixture(scope="session")
+def big(sources, tmp_path_factory) -> Path:
+    """The fp32 source scaled 150x (~250 MB, sealed): large enough to interrupt mid-write."""
+    return scale_checkpoint(sources["fp32"], tmp_path_factory.mktemp("big"), 150).parent
+
+
+def _cli(*args: object, env: dict[str, str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "shardkit", *map(str, args)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
+    env.update(extra)
+    return env
+
+
+def _files(out: Path) -> dict[str, tuple[int, str]]:
+    m = read_manifest(out / (out / "latest").read_text())
+    return {e.path: (e.size, e.sha256) for e in m.files}
+
+
+def _nothing_published(out: Path) -> None:
+    assert not out.exists() or [p.name for p in out.iterdir()] == [], list(out.iterdir())
+
+
+def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources, tmp_path):
+    one = tmp_path / "one"
+    done = subprocess.run(_cli("reshard", sources["bf16_offload"], "--world-size", "3", "-o", one), env=_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardkit",
+           "reshard", str(sources["bf16_offload"]), "--world-size", "3", "-o", str(two), "--workers", "1"]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert re.search(r"wrote .*two/global_step1 by 2 processes \(torchrun\): 6 files", done.stdout), done.stdout
+    assert re.search(r"rank 1 of 2 \(torchrun\): wrote its share, [1-5] files", done.stdout), done.stdout
+    assert _files(two) == _files(one)  # same names, sizes and sha256: byte-identical files
+    assert not any(p.name.startswith(STAGING_PREFIX) for p in two.iterdir())
+    verify = subprocess.run(_cli("verify", two), env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert verify.returncode == 0, verify.stdout
+
+
+def _start_rank(rank: int, world: int, src: Path, out: Path, port: str, **extra: str) -> subprocess.Popen[str]:
+    env = _env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+    return subprocess.Popen(_cli("reshard", src, "--world-size", "3", "-o", out, "--workers", "1"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path_glob: Path, pattern: str, timeout: float = 60) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list(path_glob.glob(pattern)) if path_glob.exists() else []
+        if found:
+            return found[0]
+        time.sleep(0.005)
+    raise AssertionError(f"{pattern} never appeared under {path_glob}")
+
+
+def test_a_rank_killed_mid_write_fails_the_run_naming_it(big, tmp_path):
+    out = tmp_path / "out"
+    fast = {"SHARDKIT_STALE_S": "3"}
+    r1 = _start_rank(1, 2, big, out, "29611", **fast)
+    r0 = _start_rank(0, 2, big, out, "29611", **fast)
+    try:
+        _wait_for(out, f"{STAGING_PREFIX}*/.shardkit-alive-1")
+        os.kill(r1.pid, signal.SIGKILL)  # rank 1 dies with its share half written
+        _, err = r0.communicate(timeout=TIMEOUT_S)
+    finally:
+        for p in (r0, r1):
+            p.kill()
+            p.wait()
+    assert r0.returncode == 1, err
+    assert re.search(r"rank 1 of 2 stopped while writing its share: no heartbeat for \d+ s \(killed, or its node went "
+                     r"down\).*run the whole command again", err), err
+    _nothing_published(out)
+
+
+def test_a_rank_that_never_starts_is_named_within_the_timeout(sources, tmp_path):
+    out = tmp_path / "out"
+    r0 = _start_rank(0, 2, sources["fp32"], out, "29612", SHARDKIT_JOIN_TIMEOUT_S="3")
+    _, err = r0.communicate(timeout=TIMEOUT_S)
+    assert r0.returncode == 1
+    assert re.search(r"rank 1 of 2 never joined within 3 s \(torchrun job .*\): it did not start, or its node does not "
+                     r"see .* \(-o must be on storage every node shares\)", err), err
+    _nothing_published(out)
+    # the other way round: rank 1 alone waits for a claim that never comes, and says so
+    r1 = _start_rank(1, 2, sources["fp32"], out, "29613", SHARDKIT_JOIN_TIMEOUT_S="2")
+    _, err = r1.communicate(timeout=TIMEOUT_S)
+    assert r1.returncode == 1 and "rank 0 did not claim the staging folder" in err and "it does not exist" in err, err
+
+
+def test_two_runs_writing_one_output_at_once_one_wins_the_other_refuses(big, tmp_path):
+    out = tmp_path / "out"
+    runs = [subprocess.Popen(_cli("reshard", big, "--world-size", "3", "-o", out), env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=TIMEOUT_S), p.stderr.read() if p.stderr else "") for p in runs]
+    for p in runs:
+        p.stdout.close() if p.stdout else None
+        p.stderr.close() if p.stderr else None
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 1], results
+    loser = next(err for code, err in results if code == 1)
+    # at once: the live claim is named; a moment later: the finished checkpoint is
+    assert ("another shardkit run (job" in loser and "is writing this output right now" in loser) or \
+        "already holds checkpoint 'global_step2'" in loser, loser
+    verify = subprocess.run(_cli("verify", out), env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert verify.returncode == 0, verify.stdout
+
+
+def test_sigterm_mid_write_stops_the_writers_and_removes_the_staging_folder(big, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "older").mkdir()
+    scale_checkpoint(big, out, 1)  # a checkpoint already there: 'latest' must still name it afterwards
+    before = (out / "latest").read_text()
+    run = subprocess.Popen(_cli("reshard", big, "--world-size", "3", "-o", out, "--tag", "new"), env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(out, f"{STAGING_PREFIX}new/*optim_states.pt")
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=TIMEOUT_S)
+    finally:
+        run.kill()
+        run.wait()
+    assert run.returncode == 143, err
+    assert "terminated (SIGTERM); nothing was published, the staging folder was removed" in err
+    assert sorted(p.name for p in out.iterdir()) == sorted(["older", before, "latest"])
+    assert (out / "latest").read_text() == before
+
+
+def test_a_corrupted_source_is_never_published(sources, tmp_path):
+    """The repartition reads byte ranges; the source's sha256 is checked beside the writes and
+    nothing is published unless it matched."""
+    from tests._corrupt import flip_a_byte
+
+    src = tmp_path / "src"
+    scale_checkpoint(sources["fp32"], src, 2)
+    victim = next((src / "global_step2").glob("*rank_1*optim_states.pt"))
+    flip_a_byte(victim)
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+
+    with pytest.raises(CheckpointError, match=rf"refusing to publish the reshard of .*: {re.escape(str(victim))} fails "
+                       r"verification: its sha256 is [0-9a-f]{64}, its manifest says [0-9a-f]{64}.*Nothing was written"):
+        reshard_zero3(src, tmp_path / "out", 3)
+    _nothing_published(tmp_path / "out")
+    done = reshard_zero3(src, tmp_path / "unverified", 3, verify=False, warn=lambda m: None)
+    assert done.verified == "sizes"
+
+
+def test_a_source_rewritten_while_it_is_read_is_refused(sources, tmp_path, monkeypatch):
+    import shardkit.checkpoint.ops.reshard as reshard
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["fp32"], src)
+    victim = next((src / "global_step2").glob("*rank_0*optim_states.pt"))
+    real = reshard.write_torch_zip
+
+    def write_then_a_save_rewrites_the_source(path, data, records, **kw):
+        out = real(path, data, records, **kw)
+        os.utime(victim, ns=(time.time_ns(), time.time_ns() + 10**9))
+        return out
+
+    monkeypatch.setattr(reshard, "write_torch_zip", write_then_a_save_rewrites_the_source)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))}: was modified while the reshard read it "
+                       r"\(size/mtime/inode changed\): the output would mix two saves\. Nothing was written"):
+        reshard.reshard_zero3(src, tmp_path / "out", 3, warn=lambda m: None)
+    _nothing_published(tmp_path / "out")
+
+
+@pytest.mark.parametrize(("env", "want"), [
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, (0, 1, "single process")),  # the sbatch script itself
+    ({"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}, (2, 4, "srun")),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, (1, 2, "torchrun")),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, (0, 1, "single process")),
+    ({}, (0, 1, "single process")),
+])
+def test_the_share_comes_from_the_launcher_of_the_step(env, want):
+    launch = launch_from_env(env)
+    assert (launch.rank, launch.world, launch.launcher) == want
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RANK": "1", "WORLD_SIZE": "2"}, r"RANK=1 WORLD_SIZE=2 without MASTER_ADDR/MASTER_PORT or TORCHELASTIC_RUN_ID"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, r"RANK=2 with WORLD_SIZE=2: the rank must be in 0\.\.1"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, r"RANK='x' / WORLD_SIZE='2': not integers"),
+])
+def test_launcher_variables_that_cannot_be_a_share_are_refused(env, message):
+    with pytest.raises(UsageError, match=message):
+        launch_from_env(env)
