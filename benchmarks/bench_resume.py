@@ -339,9 +339,84 @@ def run(workdir: Path) -> dict[str, Any]:
                                              before=lambda: fresh(same))
     shutil.rmtree(same, ignore_errors=True)
     results["resume_inprocess"] = resume("shardkit load_zero3_checkpoint", "shardkit_inprocess", ckpt)
+    results.update(scaling_rows(workdir, ckpt, env))
     if _have_convert():
         results.update(convert_rows(workdir, ckpt, env, resume))
     return results
+
+
+#: Writer threads tried for the scaling rows (`--workers`), and the size factor of the large case.
+WORKERS = (1, 2, 4)
+SCALE = int(os.environ.get("SHARDKIT_BENCH_SCALE", "10"))
+
+
+def scaling_rows(workdir: Path, ckpt: Path, env: dict[str, str]) -> dict[str, Any]:
+    """``shardkit reshard`` with 1..N writer threads, as 2 launched processes (what srun/torchrun
+    start on two nodes, here on one machine), and on a checkpoint SCALE times larger
+    (``_scale_zero3``), beside ``cp -r`` + fsync of that one."""
+    out: dict[str, Any] = {}
+    target = workdir / "scaled_out"
+
+    def fresh() -> None:
+        shutil.rmtree(target, ignore_errors=True)
+
+    def reshard(src: Path, *extra: str) -> list[str]:
+        return _py("-m", "shardkit", "reshard", str(src), "--world-size", str(RESUME_WORLD), "-o", str(target), *extra)
+
+    for n in WORKERS:
+        out[f"reshard_workers_{n}"] = measure_median(f"shardkit reshard --workers {n}", reshard(ckpt, "--workers", str(n)),
+                                                     env, inputs=ckpt, before=fresh)
+    cmd = " ".join(f"'{a}'" for a in reshard(ckpt, "--workers", "1"))
+    two = ["sh", "-c", "; ".join(f"RANK={r} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29700 {cmd} & p{r}=$!"
+                                 for r in range(2)) + "; wait $p0 && wait $p1"]
+    out["reshard_two_processes"] = measure_median("shardkit reshard: 2 launched processes x 1 writer", two, env,
+                                                  inputs=ckpt, before=fresh)
+    fresh()
+    big_root = workdir / f"ckpt_x{SCALE}"
+    if not (big_root / "latest").exists():
+        sys.path.insert(0, str(REPO))
+        from benchmarks._scale_zero3 import scale_checkpoint
+
+        t0 = time.perf_counter()
+        scale_checkpoint(ckpt, big_root, SCALE)
+        out["scaled_generate_s"] = time.perf_counter() - t0
+    big_tag = big_root / (big_root / "latest").read_text().strip()
+    out["scaled_bytes"] = _dir_bytes(big_tag)
+    copy = workdir / "copy_big"
+    shutil.rmtree(copy, ignore_errors=True)
+    # one run each: the source (SCALE x 1.9 GB) no longer fits the page cache beside the output
+    out["scaled_copy_fsync"] = measure(f"cp -r + fsync, {SCALE}x checkpoint",
+                                       ["sh", "-c", f'cp -r "{big_root}" "{copy}" && find "{copy}" -type f -exec sync {{}} +'])
+    shutil.rmtree(copy, ignore_errors=True)
+    out["scaled_reshard"] = measure(f"shardkit reshard, {SCALE}x checkpoint", reshard(big_root), env)
+    fresh()
+    if os.environ.get("SHARDKIT_BENCH_KEEP_SCALED") != "1":
+        shutil.rmtree(big_root, ignore_errors=True)
+    return out
+
+
+def scaling_table(r: dict[str, Any]) -> str:
+    gbs = lambda nbytes, m: nbytes / 1e9 / m.wall_s  # noqa: E731
+    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    size, big = r["ckpt_bytes"], r["scaled_bytes"]
+    base = r["reshard_workers_1"]
+    rows = ["| `shardkit reshard` 2 -> 3 | checkpoint | wall (s) | GB/s | peak RSS (MiB) | vs 1 writer | vs `cp -r` + fsync |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for n in WORKERS:
+        m = r[f"reshard_workers_{n}"]
+        rows.append(f"| `--workers {n}` | {size / 1e9:.1f} GB | {m.wall_s:.2f} | {gbs(size, m):.2f} | {mib(m.peak_rss)} | "
+                    f"{base.wall_s / m.wall_s:.2f}x | {m.wall_s / r['copy_fsync'].wall_s:.2f}x the time |")
+    m = r["reshard_two_processes"]
+    rows.append(f"| 2 launched processes x 1 writer (RANK/WORLD_SIZE, as srun/torchrun on 2 nodes) | {size / 1e9:.1f} GB | "
+                f"{m.wall_s:.2f} | {gbs(size, m):.2f} | {mib(m.peak_rss)} | {base.wall_s / m.wall_s:.2f}x | "
+                f"{m.wall_s / r['copy_fsync'].wall_s:.2f}x the time |")
+    m, c = r["scaled_reshard"], r["scaled_copy_fsync"]
+    rows.append(f"| default writers, {SCALE}x checkpoint (generated) | {big / 1e9:.1f} GB | {m.wall_s:.1f} | {gbs(big, m):.2f} | "
+                f"{mib(m.peak_rss)} | | {m.wall_s / c.wall_s:.2f}x the time ({c.wall_s:.1f} s, {gbs(big, c):.2f} GB/s) |")
+    small = r["reshard"]
+    rows += ["", f"{SCALE}x the bytes: reshard time x{m.wall_s / small.wall_s:.1f} ({SCALE}x would be linear), peak RSS "
+             f"{mib(small.peak_rss)} -> {mib(m.peak_rss)} MiB ({m.peak_rss / small.peak_rss - 1:+.0%})."]
+    return "\n".join(rows)
 
 
 def _have_convert() -> bool:
@@ -416,6 +491,8 @@ def table(r: dict[str, Any]) -> str:
         f"whole resume processes incl. spawn and engine build: universal {r['resume_universal'].wall_s:.0f} s, "
         f"resharded {r['resume_resharded'].wall_s:.0f} s, in-process {r['resume_inprocess'].wall_s:.0f} s."
     )
+    if "scaled_reshard" in r:
+        rows += ["", scaling_table(r)]
     if "convert_to_dcp" in r:
         rows += ["", convert_table(r)]
     return "\n".join(rows)

@@ -128,7 +128,9 @@ def test_a_corrupted_source_is_refused_by_reshard_and_consolidate(sealed, tmp_pa
     flip_a_byte(bad)
     refused = rf"refusing to read {re.escape(str(sealed / TAG))}: it fails verification: \[{bad.name}\] .*sha256 mismatch"
     code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", tmp_path / "ws3")
-    assert code == 1 and re.search(refused, err), err
+    # reshard hashes the source beside its writes and refuses to publish
+    assert code == 1 and re.search(rf"refusing to publish the reshard of {re.escape(str(sealed / TAG))}: "
+                                   rf"{re.escape(str(bad))} fails verification: its sha256 is", err), err
     assert not (tmp_path / "ws3").exists()  # no fresh manifest vouching for the corruption
     code, _, err = run_cli("consolidate", sealed, "-o", tmp_path / "m.safetensors")
     assert code == 1 and re.search(refused, err), err
@@ -154,7 +156,7 @@ def test_a_source_without_manifest_is_read_with_a_warning_and_recorded_as_unveri
     assert code == 0, err
     assert re.search(rf"warning: {re.escape(str(plain / TAG))} has no shardkit_manifest\.json .* its files cannot be "
                      "verified", err), err
-    assert "source checked before reading: not verified (no shardkit manifest)" in stdout
+    assert "source checked: not verified (no shardkit manifest)" in stdout
     assert read_manifest(tmp_path / "ws3" / TAG).extra["resharded_from"]["verified"] == "none"
     code, _, err = run_cli("consolidate", plain, "-o", tmp_path / "m.safetensors")
     assert code == 0 and "cannot be verified" in err
@@ -305,13 +307,14 @@ def test_disk_full_during_reshard_names_the_file_and_leaves_nothing_half_written
     out = tmp_path / "ws3"
     assert run_cli("reshard", sealed, "--world-size", "3", "-o", out, "--tag", "before")[0] == 0
     before = _digest(out)
-    real_save, calls = reshard.stream_save, []
+    real_save, calls = reshard.write_torch_zip, []
 
-    def second_file_hits_a_full_disk(obj, path):
+    def second_file_hits_a_full_disk(path, data, records, **kw):
         calls.append(path)
-        return real_save(obj, "/dev/full" if Path(path).name == "zero_pp_rank_1_mp_rank_00_optim_states.pt" else path)
+        full = Path(path).name == "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        return real_save("/dev/full" if full else path, data, records, **kw)
 
-    monkeypatch.setattr(reshard, "stream_save", second_file_hits_a_full_disk)
+    monkeypatch.setattr(reshard, "write_torch_zip", second_file_hits_a_full_disk)
     code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", out)
     assert code == 1 and "Traceback" not in err
     assert re.search(rf"error: disk full at {re.escape(str(out))}/\.shardkit-tmp-{TAG}/zero_pp_rank_1_mp_rank_00_"

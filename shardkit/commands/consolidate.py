@@ -36,19 +36,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replace FILE if it exists (only ever a regular file, never one inside a checkpoint)")
     p.add_argument("--no-verify", action="store_true",
                    help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
-    p.set_defaults(func=consolidate_command)
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="source files hashed and rank files copied at once (default: one per file, at least the "
+                        "usable cores, at most max(cores, 8))")
+    p.set_defaults(func=consolidate_command, sigterm_cleans_up=True)
 
 
 def consolidate_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import resolve_source
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+    from shardkit.core.errors import UsageError
+
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: must be at least 1 (rank files copied at once)")
 
     # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
     source = resolve_source(args.checkpoint, lambda m: print(f"note: {m}"))
     result = consolidate_zero3(
         source, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,
         verify=not args.no_verify, warn=lambda m: print(f"shardkit consolidate: warning: {m}", file=sys.stderr),
+        workers=args.workers,
     )
     print(
         f"wrote {result.output}: {result.tensors} tensors, {result.parameters:,} parameters, "

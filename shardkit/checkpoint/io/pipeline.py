@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, Manifest
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME, Manifest, sha256_file
+from shardkit.checkpoint.io.shared_save import owner_alive
 from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, tag_problem
 from shardkit.checkpoint.io.verify import verify_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
@@ -51,21 +52,24 @@ def warn_unverified(message: str) -> None:
     warnings.warn(message, UnverifiedCheckpointWarning, stacklevel=4)
 
 
-def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = True) -> SourceCheck:
+def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = True, workers: int = 1) -> SourceCheck:
     """What a converter (reshard, consolidate) calls on the tag folder it is about to read, before
     anything is unpickled: the same checks as ``shardkit verify`` (sizes always, sha256 unless
     ``checksums=False``), so a corrupted checkpoint is refused instead of converted into a new one
     whose fresh manifest would vouch for the corruption.
 
     Raises one CheckpointError naming the first problem. A folder without a manifest (a plain
-    ``engine.save_checkpoint``) cannot be verified: it is read, with a warning.
+    ``engine.save_checkpoint``) cannot be verified: it is read, with a warning. ``workers > 1``
+    hashes that many files at once (hashlib releases the GIL: one file per core).
     """
     tag_dir = Path(tag_dir)
     if not os.path.lexists(tag_dir / MANIFEST_NAME):
         return SourceCheck("none", [
             f"{tag_dir} has no {MANIFEST_NAME} (it was not saved by shardkit), so its files cannot be verified: a "
             "truncated or corrupted rank file is read as is. Save with shardkit to get a manifest"])
-    report = verify_checkpoint(tag_dir, checksums=checksums)
+    report = verify_checkpoint(tag_dir, checksums=checksums and workers <= 1)
+    if checksums and workers > 1 and not report.errors and report.manifest is not None:
+        _hash_in_parallel(tag_dir, report.manifest, workers)
     if report.errors:
         first = report.errors[0]
         more = f" ({len(report.errors) - 1} more problem(s): run `shardkit verify {tag_dir}`)" if len(report.errors) > 1 else ""
@@ -77,6 +81,21 @@ def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = 
         notes.append(f"--no-verify: the sha256 of the {n} file(s) of {tag_dir} was not checked (their sizes were); "
                      "a corrupted file of the right size is read as is")
     return SourceCheck("sha256" if checksums else "sizes", notes, report.manifest)
+
+
+def _hash_in_parallel(tag_dir: Path, manifest: Manifest, workers: int) -> None:
+    """The sha256 half of ``verify_checkpoint``, ``workers`` files at a time (sizes already checked)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-verify") as pool:
+        digests = list(pool.map(lambda e: sha256_file(tag_dir / e.path), manifest.files))
+    for entry, got in zip(manifest.files, digests):
+        if got != entry.sha256:
+            f = tag_dir / entry.path
+            raise CheckpointError(f"refusing to read {tag_dir}: it fails verification: [{entry.path}] {f}: content "
+                                  "differs from the manifest (sha256 mismatch): the file is corrupted or was modified "
+                                  "after the save. Fix: restore the file from a good copy or resume from another tag")
 
 
 def source_tag_as_new_tag(checkpoint: str | Path, source_dir: Path, source_tag: str) -> str:
@@ -133,11 +152,17 @@ def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = F
     if not root.is_dir():
         raise UsageError(f"-o {root}: exists and is not a folder; pass a new or empty folder (the resharded "
                          f"checkpoint is written as OUT/{tag}/ and OUT/{LATEST_NAME})")
-    # staging folders are the save sequence's own (a killed save's, or a live writer's: the claim
-    # names that one), never a reason to call the folder foreign
-    entries = sorted(e for e in root.iterdir() if not e.name.startswith(STAGING_PREFIX))
-    if not entries:
-        return
+    entries = sorted(root.iterdir())
+    ours = root / f"{STAGING_PREFIX}{tag}"
+    if ours.is_dir():
+        alive, who = owner_alive(ours)
+        if alive:
+            raise CheckpointError(
+                f"{final}: another shardkit run ({who}) is writing this output right now (its staging folder {ours} is "
+                "live). One writer per output: wait for it to finish, or write to another -o/--tag. If no such run "
+                f"exists (it was killed on another host), remove {ours}")
+    if all(e.name.startswith(STAGING_PREFIX) and e.is_dir() for e in entries):
+        return  # empty, or only what killed saves left: the save sequence removes those
     checkpoints = [e for e in entries if e.is_dir() and not e.name.startswith(STAGING_PREFIX)
                    and REPLACED_MARK not in e.name and (e / MANIFEST_NAME).is_file()]
     if not checkpoints:

@@ -54,7 +54,7 @@ def _seconds(name: str, default: float) -> float:
 #: process cannot be asked directly).
 STALE_S = _seconds("SHARDKIT_STALE_S", 60.0)
 #: How long processes wait for each other to appear (process 0's claim, the others' first heartbeat).
-JOIN_TIMEOUT_S = _seconds("SHARDKIT_JOIN_TIMEOUT_S", 300.0)
+JOIN_TIMEOUT_S = _seconds("SHARDKIT_JOIN_TIMEOUT_S", 120.0)
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def owner_alive(staged: Path) -> tuple[bool, str]:
     newest = min(_age(staged), _age(staged / OWNER_NAME))
     if owner is None:
         # claimed a moment ago (the owner file follows the mkdir), or a killed save's leftover
-        return newest < STALE_S, f"an unknown writer (no {OWNER_NAME} in {staged})"
+        return newest < STALE_S, f"one that has not written its {OWNER_NAME} yet"
     who = f"job {owner.get('job')!r}, pid {owner.get('pid')} on host {owner.get('host')!r}"
     if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
         return _pid_alive(owner["pid"]) and newest < 10 * STALE_S, who

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, os_errors_named
-from shardkit.checkpoint.io.pipeline import verify_before_reading, warn_unverified
+from shardkit.checkpoint.io.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX
 from shardkit.checkpoint.io.torch_load import _ITEMSIZE, read_structure
 from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint
@@ -98,6 +98,7 @@ def consolidate_zero3(
     force: bool = False,
     verify: bool = True,
     warn: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> ConsolidateResult:
     """Write the full weights of the ZeRO-3 checkpoint at ``checkpoint`` to ``output`` (.safetensors).
 
@@ -109,15 +110,21 @@ def consolidate_zero3(
     The source is checked against its manifest first (sizes, and sha256 unless ``verify=False``);
     one without a manifest is read with a warning through ``warn`` (default ``warnings.warn``). An
     existing output is replaced only with ``force=True`` and only when it is a regular file; a
-    path inside a checkpoint folder (or a root's ``latest``) is never written.
+    path inside a checkpoint folder (or a root's ``latest``) is never written. ``workers``: source
+    files hashed and rank files copied at once, each copier owning the disjoint byte ranges of its
+    rank's pieces (default ``default_workers``).
     """
 
+    if workers is not None and workers < 1:
+        raise UsageError(f"workers={workers}: must be at least 1 (rank files copied at once)")
     if dtype not in OUTPUT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
     out_name = _OUT_NAMES[dtype]
     source_dir, _ = resolve_tag_dir(checkpoint)
     out = check_output_file(Path(output), source_dir, force=force)
-    checked = verify_before_reading(source_dir, checksums=verify)
+    n_files = sum(1 for f in source_dir.iterdir() if f.name.endswith(".pt"))
+    workers = workers or default_workers(max(1, n_files))
+    checked = verify_before_reading(source_dir, checksums=verify, workers=workers)
     for note in checked.warnings:
         (warn or warn_unverified)(note)
     # The common case (fp32 out, no buffers, no frozen parameters) never imports torch: the files
@@ -160,10 +167,13 @@ def consolidate_zero3(
         # Rank-major: one rank file at a time; each rank's piece of a parameter is a contiguous
         # run of the row-major flattened tensor, so it goes to one offset. Without a cast the
         # bytes go file to file in the kernel (copy_file_range): nothing is paged into this process.
-        for rank in range(ckpt.world_size):
-            if ckpt.torch_free or out_name == "float32":
-                _copy_rank_fp32(ckpt, rank, fd, targets)
-            else:
+        if ckpt.torch_free or out_name == "float32":
+            # each rank's pieces go to their own byte ranges of the output: copied by rank files
+            # at once (copy_file_range runs in the kernel, without the GIL)
+            _in_parallel([lambda r=r: _copy_rank_fp32(ckpt, r, fd, targets) for r in range(ckpt.world_size)], workers)
+        else:
+            # a cast builds each piece in memory: one rank file mapped at a time keeps the peak low
+            for rank in range(ckpt.world_size):
                 with ckpt.open_rank(rank) as part:
                     for slot in ckpt.slots:
                         start, stop = slot.rank_range(rank)
@@ -181,6 +191,20 @@ def consolidate_zero3(
 #: the rank-0 files DeepSpeed writes. Nothing is ever written inside such a folder.
 _CHECKPOINT_MARKERS = ("shardkit_manifest.json", "zero_pp_rank_0_mp_rank_00_model_states.pt",
                        "mp_rank_00_model_states.pt")
+
+
+def _in_parallel(tasks: list[Callable[[], None]], workers: int) -> None:
+    """Run ``tasks`` ``workers`` at a time; the first failure is raised once all have stopped."""
+    if workers <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-consolidate") as pool:
+        futures = [pool.submit(task) for task in tasks]
+    for f in futures:
+        f.result()
 
 
 def check_output_file(output: Path, source_dir: Path, *, force: bool = False) -> Path:

@@ -30,6 +30,7 @@ hash is the check.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -140,7 +141,10 @@ def reshard_zero3(
     source_dir, source_tag = resolve_tag_dir(checkpoint)
     tag = output_tag(tag, checkpoint, source_dir, source_tag)
     root = Path(output)
-    check_output_root(root, tag, source_dir, force=force)
+    if launch.rank == 0:
+        # the others write into the staging folder rank 0 claims after this check (by the time
+        # they run it, that folder may already be in ``root``)
+        check_output_root(root, tag, source_dir, force=force)
     # sizes now (a truncated file is refused before it is parsed); sha256 while the output is written
     checked = verify_before_reading(source_dir, checksums=False)
     if launch.rank == 0:
@@ -164,6 +168,7 @@ def reshard_zero3(
         workers = default_workers(max(1, len(share)))
     before = {f: _signature(f) for f in sources}
     started = time.monotonic()
+    made_root = not os.path.lexists(root)
     staged = claim(root, tag, launch) if launch.rank == 0 else join(root, tag, launch)
     try:
         with heartbeat(staged, launch.rank):
@@ -197,6 +202,9 @@ def reshard_zero3(
     except BaseException:
         if launch.rank == 0:
             shutil.rmtree(staged, ignore_errors=True)
+            if made_root:
+                with contextlib.suppress(OSError):
+                    root.rmdir()  # the folder this run made, if nothing else was put there meanwhile
         raise
     final = root / tag
     return ReshardResult(
