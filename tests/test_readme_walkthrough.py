@@ -251,6 +251,13 @@ def check_command(cmd: DocCommand, launcher_lines: list[tuple[str, str, list[str
         prog = argv[0]
         if prog in ("python", "python3") and argv[1:3] == ["-m", "shardkit"]:
             prog, argv = "shardkit", ["shardkit", *argv[3:]]
+        if prog in ("srun", "torchrun") and "shardkit" in argv:
+            # a shardkit command run once per task/process (reshard's share per process): the
+            # launcher needs a cluster; the shardkit command after it must parse
+            at = argv.index("shardkit")
+            if prog == "torchrun" and argv[at - 1] != "-m":
+                problems.append(f"`{' '.join(argv)}`: torchrun runs a module with -m shardkit")
+            prog, argv = "shardkit", argv[at:]
         if prog == "shardkit":
             err, ns = shardkit_parse(argv[1:])
             if err:

@@ -224,3 +224,20 @@ def test_the_share_comes_from_the_launcher_of_the_step(env, want):
 def test_launcher_variables_that_cannot_be_a_share_are_refused(env, message):
     with pytest.raises(UsageError, match=message):
         launch_from_env(env)
+
+
+def test_two_converts_writing_one_output_at_once_one_wins_the_other_refuses(big, tmp_path):
+    """The save sequence every writer shares (staged_save.atomic_checkpoint) claims its staging
+    folder exclusively: two converts into one -o no longer share it (both used to exit 0 with a
+    published checkpoint failing verify)."""
+    out = tmp_path / "out"
+    runs = [subprocess.Popen(_cli("convert", big, "--to", "fsdp2", "-o", out), env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=TIMEOUT_S) + (p.returncode,) for p in runs]
+    codes = sorted(code for _, _, code in results)
+    assert codes in ([0, 1], [0, 2]), results
+    loser = next(err for _, err, code in results if code != 0)
+    assert ("another shardkit run (" in loser and "is writing this output right now" in loser) or \
+        "already holds checkpoint" in loser, loser
+    verify = subprocess.run(_cli("verify", out), env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert verify.returncode == 0, verify.stdout

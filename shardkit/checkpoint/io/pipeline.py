@@ -155,7 +155,7 @@ def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = F
     entries = sorted(root.iterdir())
     ours = root / f"{STAGING_PREFIX}{tag}"
     if ours.is_dir():
-        alive, who = owner_alive(ours)
+        alive, who = owner_alive(ours, grace=1.0)
         if alive:
             raise CheckpointError(
                 f"{final}: another shardkit run ({who}) is writing this output right now (its staging folder {ours} is "

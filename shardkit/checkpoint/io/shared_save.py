@@ -145,13 +145,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def owner_alive(staged: Path) -> tuple[bool, str]:
-    """Whether the run that made ``staged`` may still be writing into it, and who that is."""
+def owner_alive(staged: Path, grace: float = 0.0) -> tuple[bool, str]:
+    """Whether the run that made ``staged`` may still be writing into it, and who that is.
+
+    A folder without an owner file is a killed save's leftover (older shardkit saves wrote none),
+    unless one appears within ``grace`` seconds: a claim writes it right after its ``mkdir``, so a
+    writer racing for the same tag waits that long before judging.
+    """
     owner = _read_json(staged / OWNER_NAME)
+    deadline = time.monotonic() + grace
+    while owner is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+        owner = _read_json(staged / OWNER_NAME)
     newest = min(_age(staged), _age(staged / OWNER_NAME))
     if owner is None:
-        # claimed a moment ago (the owner file follows the mkdir), or a killed save's leftover
-        return newest < STALE_S, f"one that has not written its {OWNER_NAME} yet"
+        return False, f"a killed save (no {OWNER_NAME})"
     who = f"job {owner.get('job')!r}, pid {owner.get('pid')} on host {owner.get('host')!r}"
     if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
         return _pid_alive(owner["pid"]) and newest < 10 * STALE_S, who
@@ -171,7 +179,7 @@ def claim(root: Path, tag: str, launch: Launch) -> Path:
         try:
             staged.mkdir()
         except FileExistsError:
-            alive, who = owner_alive(staged)
+            alive, who = owner_alive(staged, grace=1.0)
             if alive:
                 raise CheckpointError(
                     f"{root / tag}: another shardkit run ({who}) is writing this output right now (its staging folder "
@@ -207,9 +215,10 @@ def join(root: Path, tag: str, launch: Launch) -> Path:
 # --- heartbeats and parts --------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def heartbeat(staged: Path, rank: int) -> Iterator[None]:
-    """Touch this process's alive file (and, for rank 0, the claim) every ``HEARTBEAT_S`` while the block runs."""
-    paths = [staged / _ALIVE.format(rank=rank)] + ([staged / OWNER_NAME] if rank == 0 else [])
+def heartbeat(staged: Path, rank: int, *, alive_file: bool = True) -> Iterator[None]:
+    """Touch this process's alive file (and, for rank 0, the claim) every ``HEARTBEAT_S`` while the
+    block runs. ``alive_file=False``: the claim only (a save whose ranks meet in a process group)."""
+    paths = ([staged / _ALIVE.format(rank=rank)] if alive_file else []) + ([staged / OWNER_NAME] if rank == 0 else [])
     stop = threading.Event()
 
     def beat() -> None:

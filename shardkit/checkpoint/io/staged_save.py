@@ -8,15 +8,18 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from shardkit.checkpoint.io.atomic import disk_full_error, is_disk_full, publish_tag, remove_stale_saves, staging_dir
+from shardkit.checkpoint.io.atomic import disk_full_error, is_disk_full, publish_tag, staging_dir
 from shardkit.checkpoint.io.manifest import Manifest, describe_files_distributed, write_manifest
+from shardkit.checkpoint.io.shared_save import OWNER_NAME, Launch, claim, heartbeat
 from shardkit.checkpoint.io.tags import LATEST_NAME, check_tag
 from shardkit.core.errors import CheckpointError
-from shardkit.platform.dist import all_gather_object, broadcast_object, rank_world
+from shardkit.platform.dist import all_gather_object, barrier, broadcast_object, rank_world
 from shardkit.platform.versions import library_versions
 
 
@@ -62,10 +65,13 @@ def atomic_checkpoint(
     err: str | None = None
     if rank == 0:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            remove_stale_saves(root)
-            staged.mkdir()
-        except (OSError, CheckpointError) as exc:
+            # an exclusive claim: a second writer of the same output (another convert, say) is
+            # refused while this one runs, instead of both writing into one staging folder
+            host = socket.gethostname()
+            claim(root, tag, Launch(0, world, f"save-{host}-{os.getpid()}-{time.time_ns()}", "process group", host))
+        except CheckpointError as exc:
+            err = str(exc)
+        except OSError as exc:
             err = f"cannot prepare the save of {tag!r} in {root} ({_one_line(exc)}); check the path and its permissions"
     err = broadcast_object(err)
     if err:
@@ -73,7 +79,8 @@ def atomic_checkpoint(
     save = StagedSave(path=staged, final=root / tag, rank=rank, world_size=world, facts=dict(facts))
     local: Exception | None = None
     try:
-        yield save
+        with heartbeat(staged, rank, alive_file=False):
+            yield save
     except Exception as exc:  # noqa: BLE001 - every rank must hear about it before anyone waits
         local = exc
     statuses = all_gather_object(None if local is None else _one_line(local))
@@ -92,7 +99,11 @@ def atomic_checkpoint(
         raise CheckpointError(f"saving {tag!r} in {root} failed on rank {r} ({s}); the previous checkpoint and "
                               "'latest' are unchanged")
     known = {e.path: e for e in save.known_files}
-    files = describe_files_distributed(staged, exclude=set(known)) if manifest else []
+    files = describe_files_distributed(staged, exclude={*known, OWNER_NAME}) if manifest else []
+    barrier()  # every rank has listed the folder: the claim can go
+    if rank == 0:
+        with contextlib.suppress(FileNotFoundError):
+            (staged / OWNER_NAME).unlink()
     if rank == 0 and manifest:
         fields = dict(save.facts)
         fields.setdefault("world_size", world)
