@@ -25,12 +25,15 @@ real classes, for code that hands the objects back to a DeepSpeed engine or re-s
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import zipfile
 from pathlib import Path
 from typing import Any, Iterable
 
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import file_kind
 
 #: Non-torch globals that DeepSpeed ZeRO checkpoints contain (see module docstring for provenance).
 DEEPSPEED_SAFE_GLOBALS: tuple[str, ...] = (
@@ -141,6 +144,12 @@ def _check_file(p: Path) -> None:
         raise CheckpointError(f"{p}: is a directory, expected a checkpoint file (*.pt)")
     if not p.exists():
         raise CheckpointError(f"{p}: checkpoint file does not exist. Was a rank's save lost, or is the path wrong?")
+    mode = p.stat().st_mode
+    if not stat.S_ISREG(mode):
+        # a FIFO would block the reader forever, a device would stream without end
+        link = f" (a symlink to {os.path.realpath(p)})" if p.is_symlink() else ""
+        raise CheckpointError(f"{p}{link}: is {file_kind(mode)}, not a regular file, so it is not read; a checkpoint "
+                              "file is always a regular file. Restore the rank file from a copy of the checkpoint")
     if p.stat().st_size == 0:
         raise CheckpointError(
             f"{p}: checkpoint file is empty (0 bytes): the save that wrote it did not finish. "
