@@ -309,3 +309,25 @@ def test_accelerate_mixed_precision_fp16_gets_the_machines_cpu_fp16_row(tmp_path
     (f,) = [f for f in check_file(p, accelerator=False, environment=no_fp16).errors if "cpu-fp16" in f.rule]
     assert f.key == "mixed_precision"  # named by the YAML key that turns fp16 on
     assert not [f for f in check_file(p, accelerator=True, environment=no_fp16).errors if "cpu-fp16" in f.rule]
+
+
+@pytest.mark.parametrize("text", [
+    '// written by hand\n{"train_batch_size": 8, "zero_optimization": {"stage": 3,},}',
+    '{"train_batch_size": 8, /* ZeRO */ "zero_optimization": {stage: 3}}',
+    '# a comment\n{"train_batch_size": 8, "zero_optimization": {"stage": 3}}',
+])
+def test_comments_and_trailing_commas_are_read_as_deepspeed_reads_them_with_a_warning(tmp_path, run_cli, text):
+    """DeepSpeed loads its config file with hjson (runtime/config.py), so comments, trailing commas
+    and unquoted keys are valid for it; transformers and accelerate read the same file with
+    json.load. The check reads it as DeepSpeed does, checks it, and warns for the HF path."""
+    import deepspeed.runtime.config as ds_config
+
+    p = tmp_path / "ds.json"
+    p.write_text(text)
+    assert ds_config.hjson.loads(text)["zero_optimization"]["stage"] == 3  # DeepSpeed's own loader takes it
+    code, out, err = run_cli("check", p, "--json")
+    assert "Traceback" not in err
+    findings = json.loads(out)["findings"]
+    syntax = [f for f in findings if f["key"] == "<syntax>"]
+    assert len(syntax) == 1 and syntax[0]["severity"] == "warning" and "json.load" in syntax[0]["message"], findings
+    assert "remove the comments and trailing commas" in syntax[0]["fix"]

@@ -16,7 +16,7 @@ from shardkit.checks.offload import offload_findings
 from shardkit.checks.schema import deepspeed_schema_findings
 from shardkit.checks.training import training_findings
 from shardkit.config.loading import config_kind, read_config
-from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
+from shardkit.config.parsing import duplicate_key_findings, non_finite_findings, syntax_findings
 from shardkit.config.view import deepspeed_view
 from shardkit.core.errors import UsageError
 from shardkit.core.findings import Finding, Report, Severity
@@ -38,6 +38,7 @@ def check_config(
     environment: Any = None,
     duplicate_keys: Iterable[tuple[str, Any, Any]] = (),
     config_dir: Path | None = None,
+    syntax: str = "json",
 ) -> Report:
     """Every static finding about a DeepSpeed or shardkit-FSDP2 config.
 
@@ -50,6 +51,7 @@ def check_config(
     use, for the table's environment rows (None: the config alone; check_file probes this machine).
     ``duplicate_keys``: what loading.read_config saw repeated (check_file passes it).
     ``config_dir``: the config file's folder (for files an Accelerate config names).
+    ``syntax``: how the file was parsed (``LoadedConfig.syntax``): hjson gets a warning.
     """
     if world_size is not None and world_size < 1:
         raise UsageError(f"world_size {world_size}: must be at least 1 (the number of data-parallel ranks)")
@@ -60,7 +62,7 @@ def check_config(
         )
         return report
     # what parsing hid applies to every kind of config
-    report.extend(map(_compact, duplicate_key_findings(duplicate_keys) + non_finite_findings(cfg)))
+    report.extend(map(_compact, duplicate_key_findings(duplicate_keys) + non_finite_findings(cfg) + syntax_findings(syntax)))
     if is_accelerate_config(cfg):
         report.extend(map(_compact, accelerate_findings(cfg, model_classes=_model_classes(model))))
         if accelerate_deepspeed.is_deepspeed(cfg):
@@ -214,4 +216,5 @@ def check_file(
         environment=environment,
         duplicate_keys=loaded.duplicate_keys,
         config_dir=Path(path).parent if config_dir is None else config_dir,
+        syntax=loaded.syntax,
     )

@@ -41,6 +41,9 @@ class LoadedConfig:
     duplicate_keys: list[tuple[str, Any, Any]] = field(default_factory=list)
     """(key path, key, the value kept) for every key written more than once in one mapping: JSON, YAML and
     DeepSpeed keep the last value silently, so an earlier ``"stage": 3`` is lost."""
+    syntax: str = "json"
+    """'json', 'hjson' (comments, trailing commas, unquoted keys: what DeepSpeed's own loader, hjson,
+    accepts and ``json.load`` does not) or 'yaml'."""
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -92,12 +95,47 @@ def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
         try:
             return _mapping(_parse_json(text, source), source)
         except json.JSONDecodeError as exc:
+            # DeepSpeed reads its config file with hjson (runtime/config.py: hjson.load): comments and
+            # trailing commas are fine for it, so they are for the check (with a warning, since
+            # transformers and accelerate read the same file with json.load)
+            looks_json = text.lstrip().startswith(("{", "[", "//", "/*", "#")) or source.endswith(".json")
+            hjson_loaded = _parse_hjson(text, source) if looks_json else None
+            if hjson_loaded is not None:
+                return _mapping(hjson_loaded, source)
             if text.lstrip().startswith(("{", "[")):
                 raise ConfigError(
-                    f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}. "
-                    "Fix the syntax there (trailing commas and comments are not JSON)."
+                    f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}, and not valid "
+                    "hjson (DeepSpeed's own loader) either. Fix the syntax there."
                 ) from exc
-    return _mapping(_parse_yaml(text, source), source)
+    loaded = _mapping(_parse_yaml(text, source), source)
+    loaded.syntax = "yaml"
+    return loaded
+
+
+def _parse_hjson(text: str, source: str) -> LoadedConfig | None:
+    """``text`` as DeepSpeed's loader reads it (hjson), or None when hjson is missing or refuses it."""
+    try:
+        import hjson
+    except ImportError:  # DeepSpeed depends on it; without DeepSpeed, JSON's verdict stands
+        return None
+    repeated: list[tuple[dict[str, Any], list[Any]]] = []
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            repeated.append((d, _repeats(k for k, _ in pairs)))
+        return d
+
+    try:
+        data = hjson.loads(text, object_pairs_hook=pairs_hook)
+    except RecursionError:
+        raise _too_deep(source) from None
+    except (ValueError, TypeError):  # HjsonDecodeError is a ValueError
+        return None
+    if not isinstance(data, dict):
+        return None
+    _check_shape(data, source)
+    return LoadedConfig(data, _duplicate_paths(data, {id(d): keys for d, keys in repeated}), syntax="hjson")
 
 
 def _mapping(loaded: LoadedConfig, source: str) -> LoadedConfig:

@@ -47,3 +47,15 @@ def non_finite_findings(cfg: Any) -> list[Finding]:
                 )
             )
     return out
+
+
+def syntax_findings(syntax: str) -> list[Finding]:
+    """A config that only hjson reads: fine for DeepSpeed, fatal where transformers or accelerate load it."""
+    if syntax != "hjson":
+        return []
+    return [Finding(
+        Severity.WARNING, "<syntax>", "hjson",
+        "not JSON (comments, trailing commas or unquoted keys): DeepSpeed reads it (its loader is hjson), but "
+        "transformers' and accelerate's HfDeepSpeedConfig read the file with json.load and fail on it "
+        "(`--deepspeed ds.json` in the HF Trainer, `deepspeed_config_file` in an Accelerate config)",
+        "remove the comments and trailing commas, and quote every key", "config-syntax-hjson")]
