@@ -116,7 +116,10 @@ class ReshardPlan:
         for tp in self.layout.sub_groups[sub_group]:
             src = tp.source
             lo, hi = tp.rank_range(rank)
-            for s in range(self.ckpt.world_size):
+            # only the source ranks whose pieces overlap [lo, hi): a few, not the whole world
+            span = range(lo // src.partition_numel, min(self.ckpt.world_size, (hi - 1) // src.partition_numel + 1)) \
+                if hi > lo else range(0)
+            for s in span:
                 s_lo, s_hi = src.rank_range(s)
                 a, b = max(lo, s_lo), min(hi, s_hi)
                 if b > a:
@@ -188,22 +191,24 @@ class ReshardPlan:
         pn = partition_numel(numel, self.layout.world_size)
         lo, hi = rank_range(rank, pn, numel)
         segs: list[Segment] = []
+        # every source rank's fragment holds ceil(numel / source world) elements (the last padded):
+        # source rank s's starts at s * src_pn in the concatenation
+        src_pn = partition_numel(numel, self.ckpt.world_size)
+        # rank 0's fragment at least (its dtype), then the ranks overlapping [lo, hi)
+        span = range(lo // src_pn, min(self.ckpt.world_size, (hi - 1) // src_pn + 1)) if hi > lo else range(1)
         dtype = None
-        at = 0  # where source rank s's fragment starts in the concatenation
-        for s in range(self.ckpt.world_size):
+        for s in span:
             frag = (self._model(s).get("frozen_param_fragments") or {}).get(name)
-            if not isinstance(frag, TensorRef) or not frag.is_contiguous():
-                raise CheckpointError(f"{self.ckpt.model_files[s]}: frozen_param_fragments has no {name!r} (rank 0's "
-                                      "frozen_param_shapes lists it): the rank files come from different saves")
+            if not isinstance(frag, TensorRef) or not frag.is_contiguous() or frag.numel != src_pn:
+                raise CheckpointError(f"{self.ckpt.model_files[s]}: frozen_param_fragments[{name!r}] is not a "
+                                      f"contiguous tensor of {src_pn} elements (ceil({numel} / {self.ckpt.world_size})) "
+                                      f"as rank 0's frozen_param_shapes needs: the rank files come from different saves")
             dtype = dtype or frag.dtype
+            at = s * src_pn
             a, b = max(lo, at), min(hi, at + frag.numel)
             if b > a:
                 assert frag.file_offset is not None and frag.path is not None
                 segs.append(Segment(frag.path, frag.file_offset + (a - at) * frag.itemsize, (b - a) * frag.itemsize))
-            at += frag.numel
-        if at < numel:
-            raise CheckpointError(f"{self.ckpt.tag_dir}: the fragments of frozen parameter {name!r} hold {at} elements, "
-                                  f"its shape {list(shape)} needs {numel}: the rank files come from different saves")
         assert dtype is not None
         if pn > hi - lo:
             segs.append(Segment(None, 0, (pn - (hi - lo)) * _ITEMSIZE[dtype]))
