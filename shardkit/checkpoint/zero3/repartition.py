@@ -67,12 +67,13 @@ def plan_layout(ckpt: Zero3Checkpoint, world_size: int, sub_group_size: int | No
     """The layout DeepSpeed builds at ``world_size`` for the checkpoint's parameters, in their order."""
     if world_size < 1:
         raise UsageError(f"world_size {world_size}: must be at least 1 (the number of data-parallel ranks)")
-    if world_size > MAX_WORLD_SIZE or world_size > ckpt.num_params:
+    elements = sum(slot.numel for slot in ckpt.slots)
+    if world_size > MAX_WORLD_SIZE or world_size > elements:
         # two files per rank: a typo (an extra zero or two) would fill the disk with files that
         # hold nothing but padding
         raise UsageError(f"world_size {world_size:,}: more ranks than "
                          + (f"shardkit writes ({MAX_WORLD_SIZE:,}, two files each)" if world_size > MAX_WORLD_SIZE else
-                            f"the checkpoint's {ckpt.num_params:,} trainable elements (every extra rank would hold only "
+                            f"the checkpoint's {elements:,} trainable elements (every extra rank would hold only "
                             "padding)") + "; pass the data-parallel world size of the resuming run")
     if sub_group_size is None:
         sub_group_size = saved_sub_group_size(ckpt)
