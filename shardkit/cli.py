@@ -68,8 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except Terminated:
-        print(f"shardkit {args.command}: terminated (SIGTERM); nothing was published, the staging folder was removed",
-              file=sys.stderr)
+        print(f"shardkit {args.command}: terminated (SIGTERM); nothing was published: the partial output (staging "
+              "folder or temporary file) was removed, the previous output is unchanged", file=sys.stderr)
         return 143
     except ShardkitError as exc:
         print(f"shardkit {args.command}: error: {exc}", file=sys.stderr)

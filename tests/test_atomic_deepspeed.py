@@ -37,14 +37,13 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_and_latest(killed_save):
     assert (record / "killed_after").read_text() == "zero_pp_rank_1_mp_rank_00_model_states.pt"
     assert (root / "latest").read_text() == "step2"
     assert not (root / "step4").exists()
-    staged = root / ".shardkit-tmp-step4"
-    assert (staged / "zero_pp_rank_1_mp_rank_00_model_states.pt").exists()  # the kill really was mid-save
+    # rank 0 sees rank 1 vanish in the save's collective and removes the staging folder it claimed
+    # (a leftover of a save killed on every rank is covered in test_atomic: never loaded, noted by verify)
+    assert not (root / ".shardkit-tmp-step4").exists()
     rep = verify_checkpoint(root, world_size=2, engine="deepspeed")
     assert rep.ok, rep.to_json()
     assert rep.tag_dir == str(root / "step2") and rep.manifest.step == 2 and rep.manifest.zero_stage == 3
-    assert [f.rule for f in rep.findings] == ["ckpt.staging.leftover"]
-    with pytest.raises(CheckpointError, match="staging directory of a save that never completed"):
-        check_resumable(staged)
+    assert rep.findings == []
 
     # DeepSpeed's plain load_checkpoint(root) resumes the step-2 state bit for bit, and trains on
     loaded = run_ranks(targets.load_and_fingerprint, 2, args=(str(root),), timeout=240, backend="gloo")

@@ -184,3 +184,22 @@ def test_an_output_folder_removed_mid_write_fails_and_publishes_nothing(sources,
     assert run.returncode == 1 and "Traceback" not in err, err
     assert "No such file or directory" in err and ".shardkit-tmp-global_step2" in err, err
     assert not out.exists() or not (out / "latest").exists()
+
+
+def test_a_staging_folder_left_by_a_save_killed_on_every_rank_is_noted_never_loaded(src, tmp_path):
+    """SIGKILL on every rank leaves the staging folder (nobody survives to remove it): verify names
+    it as a leftover, loaders refuse it, and the next save into that root removes it."""
+    from shardkit.checkpoint.io.manifest import seal
+    from shardkit.checkpoint.io.verify import check_resumable, verify_checkpoint
+    from shardkit.core.errors import CheckpointError
+
+    seal(src / TAG, engine="deepspeed", world_size=2, zero_stage=3)
+    staged = src / ".shardkit-tmp-global_step4"
+    staged.mkdir()
+    (staged / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"half")
+    rep = verify_checkpoint(src, world_size=2, engine="deepspeed")
+    assert rep.ok and [f.rule for f in rep.findings] == ["ckpt.staging.leftover"], rep.to_json()
+    with pytest.raises(CheckpointError, match="staging directory of a save that never completed"):
+        check_resumable(staged)
+    done = _run("reshard", src, "--world-size", "2", "-o", tmp_path / "out", "--sub-group-size", "1000")
+    assert done.returncode == 0, done.stderr

@@ -160,7 +160,7 @@ def test_sigterm_mid_write_stops_the_writers_and_removes_the_staging_folder(big,
         run.kill()
         run.wait()
     assert run.returncode == 143, err
-    assert "terminated (SIGTERM); nothing was published, the staging folder was removed" in err
+    assert "terminated (SIGTERM); nothing was published: the partial output (staging folder or temporary file) was removed" in err
     assert sorted(p.name for p in out.iterdir()) == sorted(["older", before, "latest"])
     assert (out / "latest").read_text() == before
 
@@ -241,3 +241,24 @@ def test_two_converts_writing_one_output_at_once_one_wins_the_other_refuses(big,
         "already holds checkpoint" in loser, loser
     verify = subprocess.run(_cli("verify", out), env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert verify.returncode == 0, verify.stdout
+
+
+@pytest.mark.parametrize(("command", "sig", "code"), [
+    ("reshard", signal.SIGINT, 130), ("convert", signal.SIGTERM, 143), ("convert", signal.SIGINT, 130)])
+def test_an_interrupt_mid_write_leaves_no_staging_folder(big, tmp_path, command, sig, code):
+    """Ctrl-C or a scheduler's SIGTERM while the files are written: the writers stop, the staging
+    folder is removed (the shared save sequence convert uses included), nothing is published."""
+    out = tmp_path / "out"
+    argv = (["reshard", big, "--world-size", "3", "-o", out] if command == "reshard"
+            else ["convert", big, "--to", "fsdp2", "-o", out])
+    run = subprocess.Popen(_cli(*argv), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(out, f"{STAGING_PREFIX}*")
+        run.send_signal(sig)
+        _, err = run.communicate(timeout=TIMEOUT_S)
+    finally:
+        run.kill()
+        run.wait()
+    assert run.returncode == code, err
+    assert ("interrupted" if code == 130 else "terminated (SIGTERM)") in err and "Traceback" not in err, err
+    _nothing_published(out)

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
     p.add_argument("--no-verify", action="store_true",
                    help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
-    p.set_defaults(func=convert_command)
+    p.set_defaults(func=convert_command, sigterm_cleans_up=True)
 
 
 def convert_command(args: argparse.Namespace) -> int:

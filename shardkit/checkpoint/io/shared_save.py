@@ -187,9 +187,14 @@ def claim(root: Path, tag: str, launch: Launch) -> Path:
                     f"If no such run exists (it was killed on another host), remove {staged}") from None
             shutil.rmtree(staged, ignore_errors=True)
             continue
-        remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
-        atomic_write_text(staged / OWNER_NAME, json.dumps({"job": launch.job, "host": launch.host, "pid": os.getpid(),
-                                                           "world": launch.world, "started": time.time()}))
+        try:
+            remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
+            atomic_write_text(staged / OWNER_NAME, json.dumps({"job": launch.job, "host": launch.host,
+                                                               "pid": os.getpid(), "world": launch.world,
+                                                               "started": time.time()}))
+        except BaseException:  # an interrupt right after the mkdir leaves nothing either
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
         return staged
     raise CheckpointError(f"{staged}: could not be claimed (it kept coming back); is another run writing {root / tag}?")
 

@@ -37,6 +37,8 @@ class StagedSave:
     """Manifest fields (step, dtype, zero_stage, extra ...); the body may add to them."""
     known_files: list[Any] = field(default_factory=list)
     """FileEntry items the body already hashed (the rest are hashed after the writes)."""
+    published: bool = False
+    """The staging folder has been renamed into place (it is no longer this save's to remove)."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -63,26 +65,50 @@ def atomic_checkpoint(
     rank, world = rank_world()
     staged = staging_dir(root, tag)
     err: str | None = None
+    claimed = False
     if rank == 0:
         try:
             # an exclusive claim: a second writer of the same output (another convert, say) is
             # refused while this one runs, instead of both writing into one staging folder
             host = socket.gethostname()
             claim(root, tag, Launch(0, world, f"save-{host}-{os.getpid()}-{time.time_ns()}", "process group", host))
+            claimed = True
         except CheckpointError as exc:
             err = str(exc)
         except OSError as exc:
             err = f"cannot prepare the save of {tag!r} in {root} ({_one_line(exc)}); check the path and its permissions"
-    err = broadcast_object(err)
-    if err:
-        raise CheckpointError(err)
     save = StagedSave(path=staged, final=root / tag, rank=rank, world_size=world, facts=dict(facts))
+    try:
+        err = broadcast_object(err)
+        if err:
+            raise CheckpointError(err)
+        yield from _write_and_publish(save, staged, root, tag, engine=engine, manifest=manifest)
+    except BaseException:
+        # whatever stopped it (a failed rank, a full disk, Ctrl-C or SIGTERM between any two steps):
+        # the staging folder this save claimed goes (never another writer's: a refused claim
+        # leaves it alone), unless it was already published under its tag
+        if claimed and not save.published:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+
+
+def _write_and_publish(save: StagedSave, staged: Path, root: Path, tag: str, *, engine: str,
+                       manifest: bool) -> Iterator[StagedSave]:
+    """The body of ``atomic_checkpoint`` once the staging folder is claimed."""
+    rank, world = save.rank, save.world_size
+    err: str | None = None
     local: Exception | None = None
     try:
         with heartbeat(staged, rank, alive_file=False):
             yield save
     except Exception as exc:  # noqa: BLE001 - every rank must hear about it before anyone waits
         local = exc
+    except BaseException:
+        # Ctrl-C or SIGTERM (the CLI turns it into an exception): no collective can be trusted now;
+        # rank 0 removes what was staged, so nothing half-written is left behind
+        if rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
     statuses = all_gather_object(None if local is None else _one_line(local))
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if failed:
@@ -121,6 +147,7 @@ def atomic_checkpoint(
     if rank == 0 and err is None:
         try:
             publish_tag(root, staged, tag)
+            save.published = True
         except (OSError, CheckpointError) as exc:
             err = (f"{root / tag}: the save was written but could not be completed on rank 0 ({_one_line(exc)}); "
                    f"'latest' was not moved to it. Free disk space or fix permissions in {root} and save again")
