@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Sequence
@@ -27,6 +29,7 @@ from shardkit.core.errors import UsageError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.platform.environment.facts import EnvironmentFacts, probe_environment, run_has_accelerator
 from shardkit.run.accelerate_config import AccelerateRun, launch_findings, load_run, parse_accelerate_args
+from shardkit.run.rendezvous_diagnosis import Rendezvous, StderrTail, diagnose, rendezvous_of
 
 Launcher = Literal["deepspeed", "torchrun", "accelerate"]
 LAUNCHERS: tuple[Launcher, ...] = ("deepspeed", "torchrun", "accelerate")
@@ -75,6 +78,9 @@ class LaunchPlan:
     script_config_path: str | None = None
     """--launcher accelerate: a config the script names itself (``accelerate launch train.py
     --deepspeed ds.json``, the HF Trainer recipe); checked beside the Accelerate config."""
+    rendezvous: Rendezvous | None = None
+    """torchrun across nodes (c10d): a rendezvous that times out or cannot be reached is named after
+    torchrun's own output (see :mod:`shardkit.run.rendezvous_diagnosis`)."""
 
 
 def split_script(args: Sequence[str]) -> tuple[list[str], str, list[str]]:
@@ -212,6 +218,7 @@ def build_launch(
         world_size=infer_world_size(launcher, launcher_args),
         preflight=preflight,
         is_module=is_module,
+        rendezvous=rendezvous_of(launcher_args) if launcher == "torchrun" else None,
     )
 
 
@@ -368,7 +375,9 @@ def run_launch(plan: LaunchPlan) -> int:
         if failed_dir:
             shutil.rmtree(failed_dir, ignore_errors=True)
     if failures:
-        print(preflight_summary(failures, plan.world_size), file=sys.stderr, flush=True)
+        # across nodes each node's launch sees only its own ranks' markers: say whose they are
+        node = socket.gethostname() if plan.rendezvous is not None else None
+        print(preflight_summary(failures, plan.world_size, node), file=sys.stderr, flush=True)
         return EXIT_CODE
     return code
 
@@ -383,9 +392,12 @@ def preflight_failures(folder: str | Path) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
-def preflight_summary(failures: dict[int, str], world_size: int | None) -> str:
-    """The launch's last line after ranks failed their preflight."""
+def preflight_summary(failures: dict[int, str], world_size: int | None, node: str | None = None) -> str:
+    """The launch's last line after ranks failed their preflight (``node``: this node's name, in a
+    run over several nodes, where each node's launch names its own ranks)."""
     of = f" of {world_size}" if world_size else ""
+    if node:
+        of += f" on this node ({node}; every node names its own ranks)"
     first = next(iter(failures.values()), "") or "placement preflight failed"
     return (
         f"shardkit launch: placement preflight failed on rank(s) {sorted(failures)}{of} before the first optimizer "
@@ -396,19 +408,46 @@ def preflight_summary(failures: dict[int, str], world_size: int | None) -> str:
 
 def _run_argv(plan: LaunchPlan, env: dict[str, str]) -> int:
     try:
-        proc = subprocess.Popen(plan.argv, env=env)
+        # across nodes, torchrun's stderr is copied through so a rendezvous failure can be named
+        stderr = subprocess.PIPE if plan.rendezvous is not None else None
+        proc = subprocess.Popen(plan.argv, env=env, stderr=stderr)
     except FileNotFoundError as exc:
         raise UsageError(f"cannot start {plan.argv[0]!r}: {exc}. Is {plan.launcher} installed in this environment?") from exc
+    tail = StderrTail(proc.stderr) if proc.stderr is not None else None
+    failed_dir = env.get(ENV_FAILED_DIR)
+    waiting = True
 
     def forward(signum: int, _frame: object) -> None:
         proc.send_signal(signum)
-
-    import threading
+        # Stopped by the scheduler (srun --kill-on-bad-exit) because another node's launch failed:
+        # when this node's ranks already failed their preflight, the outcome is known, so end now
+        # with exit 3 rather than be killed (SIGKILL after KillWait) while torchrun winds down.
+        if waiting and signum == signal.SIGTERM and failed_dir and preflight_failures(failed_dir):
+            raise _PreflightAlreadyFailed
 
     on_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
     try:
-        return proc.wait()
+        try:
+            code = proc.wait()
+        except _PreflightAlreadyFailed:
+            return EXIT_CODE
+        waiting = False  # a signal from here on is passed on (to nothing) and the exit status kept
+        if tail is not None and plan.rendezvous is not None:
+            text = tail.text()  # also lets the last of torchrun's output through before our line
+            message = diagnose(plan.rendezvous, text) if code != 0 else None
+            if message:
+                print(message, file=sys.stderr, flush=True)
+        return code
     finally:
+        decided = plan.rendezvous is not None and failed_dir is not None and bool(preflight_failures(failed_dir))
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            # Across nodes the scheduler stops every node's step once one node's launch has ended
+            # (srun --kill-on-bad-exit). When this node's ranks failed their preflight its outcome
+            # is decided and it is only exiting: a SIGTERM now must not turn its exit 3 into 143
+            # (the job's ExitCode is the highest of its tasks').
+            signal.signal(s, signal.SIG_IGN if decided and s == signal.SIGTERM else handler)
+
+
+class _PreflightAlreadyFailed(Exception):
+    """Raised out of the launch's wait by a SIGTERM that came after this node's ranks failed their preflight."""
