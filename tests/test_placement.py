@@ -44,6 +44,16 @@ def test_replaced_head_is_named_with_its_device_and_the_expected_one():
         preflight(model=model)
 
 
+def test_the_table_ends_with_one_fix_per_kind_of_misplaced_tensor():
+    model = Classifier().to("cpu")
+    model.out_head = nn.Linear(32, 7, device="meta")  # two parameters, one kind: one fix line
+    with pytest.raises(PreflightError) as info:
+        preflight(model=model)
+    text = str(info.value)
+    assert text.count("fix (param): move the model to its device before building the optimizer") == 1
+    assert "fix (optimizer_state)" not in text
+
+
 def test_clean_model_and_optimizer_pass_and_count_bytes():
     model = Classifier()
     opt = torch.optim.AdamW(model.parameters())

@@ -3,6 +3,7 @@ later, and the two offload blocks disagreeing with each other."""
 
 from __future__ import annotations
 
+from shardkit.checks.offload_ratio import offload_ratio_findings
 from shardkit.config.view import DeepSpeedView, OffloadView
 from shardkit.core.findings import Finding, Severity
 from shardkit.platform.versions import pin_memory_default
@@ -17,6 +18,7 @@ def offload_findings(
     out += _nvme_path_rules(opt, par)
     out += _disagreement_rules(view, opt, par)
     out += _pin_memory_rules(view, deepspeed_version, accelerator)
+    out += offload_ratio_findings(view)
     return out
 
 
@@ -39,7 +41,7 @@ def _device_key(o: OffloadView) -> str:
 
 
 def _stage_rules(view: DeepSpeedView, opt: OffloadView, par: OffloadView) -> list[Finding]:
-    out = []
+    out: list[Finding] = []
     stage = view.stage
     if stage is None:
         return out
@@ -96,37 +98,11 @@ def _stage_rules(view: DeepSpeedView, opt: OffloadView, par: OffloadView) -> lis
                 "offload-stage0",
             )
         )
-    if opt.ratio is not None and opt.ratio < 1 and opt.active and stage != 3:
-        out.append(
-            Finding(
-                Severity.ERROR,
-                f"{opt.key}.ratio",
-                opt.ratio,
-                f"partial optimizer offload (ratio < 1) is only implemented for ZeRO stage 3 with DeepSpeed's CPU "
-                f"Adam; at stage {stage} DeepSpeed refuses it",
-                'use "ratio": 1.0, or set "zero_optimization.stage": 3',
-                "offload-ratio",
-            )
-        )
-    if opt.ratio is not None and opt.ratio < 1 and opt.active and stage == 3:
-        if view.optimizer_type is None or view.optimizer_type.lower() not in ("adam", "adamw"):
-            out.append(
-                Finding(
-                    Severity.ERROR,
-                    f"{opt.key}.ratio",
-                    opt.ratio,
-                    "partial optimizer offload (ratio < 1) runs part of the step on the accelerator and part in "
-                    "DeepSpeedCPUAdam; it needs an Adam/AdamW 'optimizer' section "
-                    f"(optimizer.type is {view.optimizer_type!r})",
-                    'set "optimizer": {"type": "AdamW", ...}, or "ratio": 1.0',
-                    "offload-ratio",
-                )
-            )
     return out
 
 
 def _nvme_path_rules(opt: OffloadView, par: OffloadView) -> list[Finding]:
-    out = []
+    out: list[Finding] = []
     consequence = {
         "offload_param": "zero.Init fails with an AssertionError",
         "offload_optimizer": "the first optimizer step fails with a TypeError deep inside the swapper",
@@ -149,7 +125,7 @@ def _nvme_path_rules(opt: OffloadView, par: OffloadView) -> list[Finding]:
 
 
 def _disagreement_rules(view: DeepSpeedView, opt: OffloadView, par: OffloadView) -> list[Finding]:
-    out = []
+    out: list[Finding] = []
     if view.stage != 3:
         return out
     if par.active and not opt.active:
@@ -183,7 +159,7 @@ def _disagreement_rules(view: DeepSpeedView, opt: OffloadView, par: OffloadView)
 
 
 def _pin_memory_rules(view: DeepSpeedView, deepspeed_version: str | None, accelerator: bool | None) -> list[Finding]:
-    out = []
+    out: list[Finding] = []
     active = view.active_offloads
     if not active:
         return out

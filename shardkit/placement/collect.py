@@ -82,6 +82,7 @@ def collect_records(
         zero3_partitions=collected.zero3_partitions,
         zero3_partition_ranks=collected.zero3_partition_ranks,
         unmanaged=collected.unmanaged,
+        node_rank=int(os.environ["GROUP_RANK"]) if os.environ.get("GROUP_RANK", "").isdigit() else -1,
     )
 
 

@@ -125,7 +125,23 @@ def _zero3(engine: Any, rank: int, expected: ExpectedDevices, out: EngineRecords
     inner = _inner_optimizer(engine)
     if inner is not None:
         out.records += _state_records(inner, rank, devs, labels, expected)
+    out.records += _backup_state_records(zopt, rank, devs, labels, expected)
     out.records += _attr_records(zopt, rank, expected)
+
+
+def _backup_state_records(zopt: Any, rank: int, devs: dict[int, str], labels: dict[int, str], expected: ExpectedDevices) -> list[R.PlacementRecord]:
+    """Partial offload (``ratio < 1``): the sub-groups kept on the accelerator are stepped by a plain
+    torch AdamW, ``zopt.backup_optimizer`` (stage3.py:313-326, 1249-1258), whose Adam state lives
+    beside their fp32 partitions. It is not the inner optimizer, so without this its state would go
+    unchecked. Named by sub-group, like the inner optimizer's (``zero.backup_optimizer.state[2].exp_avg``)."""
+    import torch
+
+    backup = getattr(zopt, "backup_optimizer", None)
+    if not isinstance(backup, torch.optim.Optimizer):
+        return []
+    why = (f"accelerator-side AdamW of partial offload (ratio={expected.offload_ratio:g}): its state follows "
+           "its sub-group's fp32 partition")
+    return optimizer_records(backup, rank, devs, expected.compute, why=why, prefix="zero.backup_optimizer", state_index=labels)
 
 
 def _attr_records(zopt: Any, rank: int, expected: ExpectedDevices) -> list[R.PlacementRecord]:

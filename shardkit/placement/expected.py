@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from shardkit.config.view import deepspeed_view
+from shardkit.platform.device_rules import zero3_first_cpu_subgroup, zero3_offload_ratio
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,35 @@ class ExpectedDevices:
     optimizer_why: str = ""
     """The config key (and value) that decided ``optimizer``."""
     offload_ratio: float = 1.0
-    """ZeRO-3 ``offload_optimizer.ratio``: the fraction of fp32 sub-groups kept on the CPU."""
+    """ZeRO-3 ``offload_optimizer.ratio`` as DeepSpeed reads it: roughly the fraction of fp32 sub-groups
+    on the CPU (exactly: ``platform.device_rules.zero3_first_cpu_subgroup``). 1.0 wherever DeepSpeed
+    ignores the ratio (no optimizer offload) or refuses it (stages 0-2: its config check)."""
+    optimizer_offloaded: bool = False
+    """``offload_optimizer.device`` is cpu or nvme: the inner optimizer is DeepSpeed's CPU optimizer."""
     param_nvme: bool = False
     """ZeRO-3 ``offload_param.device=nvme``: partitions may be swapped out to disk."""
     optimizer_nvme: bool = False
     """ZeRO-3 ``offload_optimizer.device=nvme``: fp32 partitions and states are swapped to disk."""
+
+    @property
+    def partial_offload(self) -> bool:
+        """ZeRO-3 optimizer offload with ``ratio < 1``: sub-groups are split between the two sides."""
+        return self.optimizer_offloaded and self.offload_ratio < 1.0
+
+    def first_cpu_subgroup(self, count: int) -> int:
+        """Index of the first of ``count`` ZeRO-3 sub-groups whose fp32 partition is on the CPU
+        (``count`` when none is: no optimizer offload, or ratio 0)."""
+        if not self.optimizer_offloaded:
+            return count
+        return zero3_first_cpu_subgroup(self.offload_ratio, count)
+
+    def _split(self, count: int) -> str:
+        first = self.first_cpu_subgroup(count)
+        gpu = "none" if first == 0 else f"0-{first - 1}" if first > 1 else "0"
+        cpu = "none" if first == count else f"{first}-{count - 1}" if count - first > 1 else str(first)
+        return (f"{self.optimizer_why}, ratio={self.offload_ratio:g} over {count} sub-group(s): DeepSpeed keeps "
+                f"sub-groups {gpu} on the accelerator and {cpu} on cpu (first cpu sub-group = "
+                f"int((1 - {self.offload_ratio:g}) * {count}) = {first}, stage3.py _create_fp32_partitions)")
 
     def fp32_subgroup(self, index: int, count: int) -> tuple[str, str]:
         """Device and reason for ZeRO-3 fp32 sub-group ``index`` of ``count``.
@@ -40,11 +65,26 @@ class ExpectedDevices:
         Mirrors DeepSpeed's partial offload (stage3.py ``_create_fp32_partitions``): sub-group ``i``
         goes to the CPU when ``i >= int((1 - ratio) * count)``, the rest stay on the accelerator.
         """
-        if self.optimizer == "cpu" and self.offload_ratio < 1.0:
-            if index >= int((1 - self.offload_ratio) * count):
-                return "cpu", f"{self.optimizer_why}, ratio={self.offload_ratio} puts sub-group {index} on cpu"
-            return self.compute, f"{self.optimizer_why}, ratio={self.offload_ratio} keeps sub-group {index} on the accelerator"
+        if self.partial_offload:
+            side = "cpu" if index >= self.first_cpu_subgroup(count) else self.compute
+            return side, f"{self._split(count)}; this is sub-group {index}"
         return self.optimizer, self.optimizer_why
+
+    def inner_state(self, k: int, count: int) -> tuple[str, str]:
+        """Device and reason for ``state[k]`` of the ZeRO-3 inner optimizer, counted as ``state`` is
+        (the order its partitions were first stepped), of ``count`` sub-groups.
+
+        Without partial offload the inner optimizer steps every sub-group, so ``state[k]`` is
+        sub-group ``k``. With ``ratio < 1`` it is DeepSpeedCPUAdam and steps only the CPU sub-groups
+        (``_optimizer_step``, stage3.py:1249-1258; the accelerator ones go to a torch AdamW,
+        ``backup_optimizer``, stage3.py:313-326): its ``state[k]`` is sub-group ``first_cpu + k``.
+        """
+        if not self.partial_offload:
+            return self.fp32_subgroup(k, count)
+        first = self.first_cpu_subgroup(count)
+        dev, why = self.fp32_subgroup(first + k, count)
+        return dev, (f"DeepSpeedCPUAdam steps only the cpu sub-groups and numbers its state from the first of "
+                     f"them, so state[{k}] is sub-group {first + k}. {why}")
 
 
 def torch_expected(compute: str) -> ExpectedDevices:
@@ -80,14 +120,24 @@ def deepspeed_expected(config: Mapping[str, Any], compute: str) -> ExpectedDevic
     else:
         param_shard = compute
         param_why = "no param offload: the rank's accelerator" if compute != "cpu" else "no param offload; no accelerator: cpu"
-    ratio = opt.ratio if opt.ratio is not None else 1.0
+    # DeepSpeed reads the ratio only where it offloads the optimizer at stage 3 (stage3.py:1100 builds
+    # subgroup_to_device under `if self.offload_optimizer`); stages 0-2 refuse a ratio < 1 in their
+    # config check, and a value DeepSpeed refuses never reaches an engine: 1.0 then.
+    ratio = 1.0
+    if stage == 3 and opt_dev in ("cpu", "nvme"):
+        zero = view.raw.get("zero_optimization")
+        block = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+        raw = block.get("ratio", 1.0) if isinstance(block, dict) else 1.0
+        parsed = zero3_offload_ratio(raw)
+        ratio = parsed if parsed is not None else 1.0
     return ExpectedDevices(
         compute=compute,
         param_shard=param_shard,
         optimizer=optimizer,
         param_shard_why=param_why,
         optimizer_why=optimizer_why,
-        offload_ratio=ratio if stage == 3 else 1.0,
+        offload_ratio=ratio,
+        optimizer_offloaded=opt_dev in ("cpu", "nvme"),
         param_nvme=par_dev == "nvme",
         optimizer_nvme=opt_dev == "nvme" and stage == 3,
     )

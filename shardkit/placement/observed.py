@@ -253,7 +253,9 @@ class _Rules:
         if m:
             k, key = int(m.group(1)), m.group(2)
             if self.kind == "deepspeed":
-                home, home_why = x.fp32_subgroup(k, fp32_count) if self.stage == 3 else (x.optimizer, x.optimizer_why)
+                # ZeRO-3: state[k] is numbered by the inner optimizer, which under partial offload
+                # steps only the cpu sub-groups (ExpectedDevices.inner_state), not sub-group k.
+                home, home_why = x.inner_state(k, fp32_count) if self.stage == 3 else (x.optimizer, x.optimizer_why)
             else:
                 home, home_why = x.optimizer, x.optimizer_why
             if key == "step":

@@ -102,6 +102,9 @@ class RankReport:
     """Under ZeRO-3: size of the group a parameter is partitioned over (the world, or a MiCS shard group)."""
     unmanaged: list[str] = field(default_factory=list)
     """Parameters an engine should shard but does not manage (ZeRO-3 params without ``ds_id``)."""
+    node_rank: int = -1
+    """The launcher agent (node) that started this rank (torchrun's GROUP_RANK); -1 when unknown. Two
+    nodes reporting one host name are told apart by it."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

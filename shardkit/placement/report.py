@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit.core.findings import Finding, Severity
+from shardkit.placement.fixes import fix_for, fix_lines
 from shardkit.placement.records import PlacementRecord, RankReport
 from shardkit.placement.summary import MAX_NAMED_PER_RANK, RankSummary, summarize
 
@@ -88,6 +89,11 @@ class PlacementReport:
                 per[key] = per.get(key, 0) + n
         return out
 
+    def _engine(self) -> str:
+        """The one engine every judged rank ran (``deepspeed-zero3`` ...), '' when they differ."""
+        engines = {s.engine for s in self._summaries()}
+        return engines.pop() if len(engines) == 1 else ""
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
@@ -95,6 +101,7 @@ class PlacementReport:
             "missing_ranks": self.missing_ranks,
             "mismatch_count": self.mismatch_count,
             "mismatches": [r.to_dict() for r in self.mismatches],
+            "fixes": {k: fix_for(k, self._engine()) for k in dict.fromkeys(r.kind for r in self.mismatches)},
             "findings": [f.to_dict() for f in self.findings],
             "bytes_by_device": {str(k): v for k, v in self.bytes_by_device().items()},
             "ranks": [rep.to_dict() for rep in self.ranks],
@@ -107,6 +114,7 @@ class PlacementReport:
         summaries = self._summaries()
         n_tensors = self.tensor_count
         engines = sorted({s.engine for s in summaries}) or ["?"]
+        engine = self._engine()
         head = f"placement preflight ({', '.join(engines)}, {self.rank_count} rank(s), {n_tensors} tensors)"
         if self.ok:
             lines.append(f"{head}: ok")
@@ -128,6 +136,8 @@ class PlacementReport:
                 lines.append(f"... and {self.mismatch_count - shown} more (each rank names its first "
                              f"{MAX_NAMED_PER_RANK} in the JSON report, json_path= / --json; the full list is in "
                              "collect_records on that rank)")
+            lines.append("how to fix:")
+            lines += fix_lines([r.kind for r in mm], engine)
         if self.findings:
             lines.append("")
             lines.append("cross-rank findings:")

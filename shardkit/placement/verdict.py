@@ -121,8 +121,23 @@ def _accelerator_indices(reports: list[RankSummary]) -> list[Finding]:
         if rep.compute_device.split(":")[0] in ("cpu", "meta"):
             continue  # CPU ranks share the host by design
         users[(rep.host, rep.compute_device)].append(rep.rank)
+    node_of = {rep.rank: rep.node_rank for rep in reports}
     for (host, dev), ranks in sorted(users.items()):
-        if len(ranks) > 1:
+        nodes = sorted({node_of[r] for r in ranks if node_of[r] >= 0})
+        if len(ranks) > 1 and len(nodes) > 1:
+            # Different launcher agents (nodes) saying one host name: either two machines share a
+            # hostname (containers started with one --hostname), or two agents run on one machine.
+            by_node = "; ".join(f"node {n}: ranks {[r for r in ranks if node_of[r] == n]}" for n in nodes)
+            out.append(Finding(
+                Severity.ERROR, f"host {host}: {dev}", ranks,
+                f"ranks {ranks} claim the same (host, device) = ({host}, {dev}) but were started by {len(nodes)} "
+                f"different nodes ({by_node}): either those nodes report one hostname, so ranks cannot be told apart "
+                "by host (and per-host checks and NCCL's topology detection go wrong), or the launchers of two nodes "
+                "run on one machine and their ranks share its accelerators.",
+                "Give every node a unique hostname (`hostname` on each must differ; containers: a distinct --hostname), "
+                "and start one launcher per machine (srun --ntasks-per-node=1).",
+                rule="placement.shared_accelerator"))
+        elif len(ranks) > 1:
             out.append(Finding(
                 Severity.ERROR, f"host {host}: {dev}", ranks,
                 f"ranks {ranks} all compute on {dev} on {host}: they share one accelerator (memory and speed divided, "
@@ -135,18 +150,30 @@ def _accelerator_indices(reports: list[RankSummary]) -> list[Finding]:
 
 def _versions(reports: list[RankSummary]) -> list[Finding]:
     out: list[Finding] = []
+    # across hosts, say which host runs which version: that names the node whose environment differs
+    hosts = {rep.host for rep in reports if rep.host}
+    host_of = {rep.rank: rep.host for rep in reports} if len(hosts) > 1 else {}
     for pkg in ("torch", "deepspeed", "python", "shardkit"):
         seen: dict[str, list[int]] = defaultdict(list)
         for rep in reports:
             seen[rep.versions.get(pkg, "not installed")].append(rep.rank)
         if len(seen) > 1:
-            detail = "; ".join(f"{v} on ranks {rs}" for v, rs in sorted(seen.items()))
+            detail = "; ".join(f"{v} on ranks {rs}{_hosts(rs, host_of)}" for v, rs in sorted(seen.items()))
             out.append(Finding(
                 Severity.ERROR, f"versions.{pkg}", dict(seen),
                 f"ranks run different {pkg} versions ({detail}): collectives and checkpoint layouts can differ silently.",
                 f"Install the same {pkg} version in every node's environment (pip install '{pkg}=={max(seen, key=lambda k: len(seen[k]))}').",
                 rule="placement.version_skew"))
     return out
+
+
+def _hosts(ranks: list[int], host_of: dict[int, str]) -> str:
+    """' (host node1)' / ' (hosts node1, node2)' when the ranks report hosts, '' when none do."""
+    hosts = sorted({host_of[r] for r in ranks if host_of.get(r)})
+    if not hosts:
+        return ""
+    shown = ", ".join(hosts[:4]) + (f" ... and {len(hosts) - 4} more" if len(hosts) > 4 else "")
+    return f" (host{'s' if len(hosts) > 1 else ''} {shown})"
 
 
 def _config_digest(reports: list[RankSummary]) -> list[Finding]:

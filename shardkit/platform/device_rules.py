@@ -54,6 +54,52 @@ def step_device(param_device: "torch.device", group: Mapping[str, Any]) -> "torc
     return torch.device("cpu")
 
 
+def zero3_first_cpu_subgroup(ratio: float, subgroups: int) -> int:
+    """Index of the first ZeRO-3 fp32 sub-group DeepSpeed puts on the CPU under
+    ``offload_optimizer`` with ``ratio``: sub-groups ``[0, first)`` keep their fp32 partition (and
+    Adam state) on the accelerator, ``[first, subgroups)`` go to the CPU.
+
+    DeepSpeed 0.19.8 ``runtime/zero/stage3.py:1100-1108`` (``_create_fp32_partitions``)::
+
+        for i in range(sub_group_size):          # here: the number of sub-groups
+            if i >= int((1 - self.partial_offload) * sub_group_size): -> 'cpu'
+            else: -> get_accelerator()._name
+
+    The same float expression is evaluated here, so the rounding is DeepSpeed's: ``(1 - 0.9) * 10``
+    is 0.999..., so ratio 0.9 over 10 sub-groups keeps *none* on the accelerator, and with a single
+    sub-group every ratio above 0 offloads everything. ``ratio`` 1.0 (the default) gives 0: all on
+    the CPU; 0.0 gives ``subgroups``: none on the CPU.
+    """
+    first = int((1 - ratio) * subgroups)
+    return min(max(first, 0), subgroups)
+
+
+def zero3_offload_ratio(value: Any) -> float | None:
+    """``offload_optimizer.ratio`` as DeepSpeed 0.19.8 reads it, or None where it refuses the value.
+
+    The field is ``ratio: float = Field(1.0, ge=0.0, le=1.0)`` (``runtime/zero/offload_config.py:99``),
+    a pydantic float in lax mode: ``"0.5"`` is 0.5 and ``true`` is 1.0; NaN, strings that are not
+    numbers and values outside [0, 1] are refused. The same rule is applied here so the preflight
+    splits sub-groups by the ratio DeepSpeed really uses.
+    """
+    import math
+
+    if isinstance(value, bool):
+        number: float | None = float(value)
+    elif isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    else:
+        number = None
+    if number is None or math.isnan(number) or not 0.0 <= number <= 1.0:
+        return None
+    return number
+
+
 def same_device(a: "torch.device", b: "torch.device") -> bool:
     """Device equality where ``cuda`` means ``cuda:<current>`` is not assumed: both must be explicit.
 
