@@ -35,8 +35,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("shardkit._version", "shardkit.core"),
     # config files -> typed views; generated configs
     ("shardkit.config",),
-    # what the machine and its software are: versions, environment probes, device rules, dist
-    ("shardkit.platform",),
+    # what the machine and its software are: versions, environment probes, device rules, dist; and what a
+    # run will need of it (the memory estimate)
+    ("shardkit.platform", "shardkit.estimate"),
     # checkpoint plumbing (atomic files, manifest, verify, streaming) and engine glue
     ("shardkit.checkpoint.io", "shardkit.engines"),
     # config rules; placement records and verdicts; what each engine writes and how to read it

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from shardkit.commands._parser import HelpFormatter, add_command
+from shardkit.commands.estimate import add_fit_flags
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         k.add_argument("--hf-auto", action="store_true",
                        help='emit "auto" for the values the HF Trainer/Accelerate fills in')
         k.add_argument("-o", "--output", default="-", metavar="FILE", help="output file ('-' for stdout, the default)")
+        add_fit_flags(k, name)
         k.set_defaults(func=config_command, stage=stage)
 
     f = kinds.add_parser(
@@ -83,6 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--format", choices=["shardkit", "accelerate"], default="shardkit",
                    help="shardkit JSON (default) or an Accelerate config (YAML unless FILE ends in .json)")
     f.add_argument("-o", "--output", default="-", metavar="FILE", help="output file ('-' for stdout, the default)")
+    add_fit_flags(f, "fsdp")
     f.set_defaults(func=config_command, stage=None)
 
 
@@ -153,6 +156,10 @@ def config_command(args: argparse.Namespace, facts: Any = None) -> int:
     # The file is judged exactly as the `shardkit check FILE ...` it is said to pass: that command
     # (check_file) probes this machine's environment, so this check does too.
     facts = facts or probe_environment()
+    if getattr(args, "fit", None):  # sets the offload flags to the least offloading config that fits
+        from shardkit.commands.estimate import fit
+
+        fit(args, lambda ns: build_config(ns, facts))
     cfg = build_config(args, facts)
     accelerator = run_has_accelerator(args, facts)
     world_size = getattr(args, "world_size", None) if args.kind != "fsdp" else None
