@@ -275,7 +275,12 @@ def test_refuses_bad_sources_and_arguments(runs, tmp_path):
     flip_a_byte(bad / "step2" / "__1_0.distcp")
     with pytest.raises(CheckpointError, match=r"refusing to read .*__1_0\.distcp.*sha256"):
         convert_dcp_to_zero3(bad, tmp_path / "e", world_size=2)
-    done = convert_dcp_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000)
+    # an FSDP2 save keeps float32 parameters also under bf16 mixed precision: without the resuming
+    # run's config the files' precision (bf16_ names or not) is not guessed (issue 20)
+    with pytest.raises(UsageError, match=r"no --ds-config given and the source does not tell the precision of the "
+                       r"resuming run: its manifest's dtype 'float32'"):
+        convert_dcp_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000)
+    done = convert_dcp_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000, ds_config=B.ds_config(2, False))
     assert any("sub-group(s) at sub_group_size 5000" in note for note in done.notes)
     with pytest.raises(UsageError, match=r"already holds checkpoint 'step2' .* pass --force"):
         convert_dcp_to_zero3(src, tmp_path / "f", world_size=2)
@@ -297,7 +302,14 @@ def test_cli_convert_to_zero3(runs, tmp_path, capsys):
     assert (tmp_path / "cli" / "bf16" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
     assert main(["convert", str(runs["src"]), "--to", "fsdp2", "-o", str(tmp_path / "x"), "--ds-config", str(cfg)]) == 2
     assert re.search(r"--ds-config .* with --to fsdp2: .*drop --ds-config", capsys.readouterr().err)
-    assert main(argv) == 0
+    # no --ds-config: the float32 FSDP2 source does not tell bf16 from fp32, so nothing is guessed
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not tell the precision of the resuming run: its manifest's dtype 'float32'" in err
+    assert "--ds-config ds_config.json" in err and not (tmp_path / "cli" / "step2").exists()
+    fp32 = tmp_path / "fp32.json"
+    fp32.write_text(json.dumps(B.ds_config(2, False)))
+    assert main([*argv, "--ds-config", str(fp32)]) == 0
     out = capsys.readouterr().out
     assert "fsdp2 -> zero3, 21 parameters" in out and "engine.load_checkpoint" in out
     assert sorted(p.name for p in (tmp_path / "cli" / "step2").glob("*.pt")) == [
@@ -356,6 +368,6 @@ def test_the_first_failed_rank_file_stops_the_rest_and_leaves_nothing(runs, tmp_
 
     monkeypatch.setattr(d2z, "stream_save", rank0_fails)
     with pytest.raises(CheckpointError, match=r"converting the checkpoint failed \(OSError: rank 0's disk went away\)"):
-        convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=8)
+        convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=8, ds_config=B.ds_config(2, False))
     assert len(started) <= 9, started  # 8 writers: the 8 optim files, at most one model file of the 8 queued
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []

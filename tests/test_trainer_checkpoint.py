@@ -412,3 +412,100 @@ def test_convert_names_every_trainer_file_it_leaves_behind(tmp_path):
     assert all(line.endswith(f"the FSDP2/DCP checkpoint has no slot for it: it stays in {ckpt})") for line in lines)
     assert "scheduler.pt (the Trainer's LR scheduler state;" in lines[4]
     assert "global_step2/ (a DeepSpeed tag 'latest' does not name, never loaded;" in lines[1]
+
+
+# --- FSDP Trainer checkpoints: the files accelerate 1.15 really writes (issue 20) ------------------
+
+FSDP_LAYOUTS = {  # label: (FSDP version, fsdp_state_dict_type, use_dcp)
+    "fsdp1_sharded": (1, "SHARDED_STATE_DICT", True),
+    "fsdp1_local": (1, "LOCAL_STATE_DICT", True),
+    "fsdp2_sharded": (2, "SHARDED_STATE_DICT", True),
+    "fsdp2_full": (2, "FULL_STATE_DICT", True),
+    "fsdp2_sharded_per_rank": (2, "SHARDED_STATE_DICT", False),
+}
+
+
+def save_fsdp_layouts(base: str) -> dict[str, list[str]]:
+    """Rank target: a small model under real FSDP1 (``FullyShardedDataParallel``) and FSDP2
+    (``fully_shard``), one AdamW step, saved into ``base/<label>/checkpoint-2`` by accelerate's own
+    ``save_fsdp_model``/``save_fsdp_optimizer`` as ``Trainer._save_optimizer_and_scheduler`` calls
+    them. The accelerator argument is accelerate's ``PartialState`` over this process group (its
+    ``Accelerator`` refuses FSDP without a GPU; the save functions read only the process count and
+    index from it). Returns each folder's listing."""
+    import torch.distributed as dist
+    from accelerate import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model, save_fsdp_optimizer
+
+    os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()),
+                      LOCAL_RANK=str(dist.get_rank()), LOCAL_WORLD_SIZE=str(dist.get_world_size()))
+    state = PartialState(cpu=True)
+    assert (state.num_processes, state.process_index) == (dist.get_world_size(), dist.get_rank())
+    out = {}
+    for label, (version, kind, use_dcp) in FSDP_LAYOUTS.items():
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=version, state_dict_type=kind, cpu_ram_efficient_loading=False)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        if version == 1:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            model = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, 16)).sum().backward()
+        opt.step()
+        folder = Path(base) / label / "checkpoint-2"
+        save_fsdp_model(plugin, state, model, str(folder), use_dcp=use_dcp)
+        save_fsdp_optimizer(plugin, state, opt, model, str(folder), use_dcp=use_dcp)
+        dist.barrier()
+        out[label] = sorted(e.name + ("/" if e.is_dir() else "") for e in folder.iterdir())
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoints(tmp_path_factory) -> tuple[Path, dict[str, list[str]]]:
+    from shardkit.run.spawn.process import run_ranks
+
+    base = tmp_path_factory.mktemp("fsdp_trainer")
+    listing = run_ranks(save_fsdp_layouts, 2, args=(str(base),), timeout=300, device="cpu")[0].value
+    return base, listing
+
+
+FSDP_SAID = {
+    "fsdp1_sharded": (["optimizer_0/", "pytorch_model_fsdp_0/"], [
+        "fsdp_state_dict_type SHARDED_STATE_DICT (model: pytorch_model_fsdp_0/; optimizer: optimizer_0/; written by "
+        "2 rank(s)): torch.distributed.checkpoint folders, the same layout under FSDP1 and FSDP2",
+        "The Trainer resumes it at any world size as it is (DCP reshards while loading)"]),
+    "fsdp2_sharded": (["optimizer_0/", "pytorch_model_fsdp_0/"], [
+        "fsdp_state_dict_type SHARDED_STATE_DICT (model: pytorch_model_fsdp_0/; optimizer: optimizer_0/; written by "
+        "2 rank(s))", "nothing to reshard"]),
+    "fsdp2_full": (["optimizer.bin", "pytorch_model_fsdp.bin"], [
+        "fsdp_state_dict_type FULL_STATE_DICT (model: pytorch_model_fsdp.bin; optimizer: optimizer.bin)",
+        "the whole, unsharded optimizer state, saved by rank 0", "pytorch_model_fsdp.bin already hold the full weights"]),
+    "fsdp1_local": (["optimizer_0/", "pytorch_model_fsdp_rank0.bin", "pytorch_model_fsdp_rank1.bin"], [
+        "fsdp_state_dict_type LOCAL_STATE_DICT (model: pytorch_model_fsdp_rank0.bin, pytorch_model_fsdp_rank1.bin; "
+        "optimizer: optimizer_0/; written by 2 rank(s))", "which only 2 ranks can load", "Resume with 2 ranks"]),
+    "fsdp2_sharded_per_rank": (["optimizer_0_rank0.bin", "optimizer_0_rank1.bin", "pytorch_model_fsdp_0_rank0.bin",
+                                "pytorch_model_fsdp_0_rank1.bin"], [
+        "fsdp_state_dict_type SHARDED_STATE_DICT (use_dcp=False)", "which only 2 ranks can load",
+        "save again with fsdp_state_dict_type SHARDED_STATE_DICT"]),
+}
+
+
+@pytest.mark.parametrize("label", sorted(FSDP_LAYOUTS))
+def test_fsdp_trainer_checkpoints_are_refused_saying_what_accelerate_wrote(fsdp_checkpoints, tmp_path, label):
+    base, listing = fsdp_checkpoints
+    files, said = FSDP_SAID[label]
+    assert listing[label] == files  # what accelerate 1.15 writes, as the refusal describes it
+    ckpt = base / label / "checkpoint-2"
+    for argv in (["reshard", ckpt, "--world-size", "3", "-o", tmp_path / "x"],
+                 ["consolidate", ckpt, "-o", tmp_path / "x.safetensors"],
+                 ["convert", ckpt, "--to", "fsdp2", "-o", tmp_path / "y"]):
+        code, _, err = _cli(*argv)
+        assert code == 1 and f"{ckpt}: a Hugging Face Trainer checkpoint without a DeepSpeed checkpoint" in err, err
+        for phrase in said:
+            assert phrase in err, (phrase, err)
+        assert "accelerate's FSDP files" in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

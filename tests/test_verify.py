@@ -267,3 +267,93 @@ def test_latest_naming_a_folder_outside_the_root_is_an_error_not_checked(tmp_pat
     assert f"{root / 'latest'}: holds {content!r}, which is not a checkpoint tag" in rep.errors[0].message
     code, out, _ = run_cli("verify", root, "--json")
     assert code == 1 and "not a checkpoint tag" in json.loads(out)["findings"][0]["message"]
+
+
+def test_a_link_leading_outside_the_tag_is_refused_and_named_even_when_not_listed(tmp_path):
+    """Issue 20: a rank file swapped for a link to another run's file (same bytes: the sha256
+    would match), and an extra link nobody listed, are both refused by name; the file behind them
+    is never opened (a FIFO there would hang any reader)."""
+    import os
+
+    root = tmp_path / "root"
+    tag = _ckpt(root)
+    elsewhere = tmp_path / "other_run"
+    elsewhere.mkdir()
+    rank1 = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (elsewhere / rank1.name).write_bytes(rank1.read_bytes())  # identical content: only the link is wrong
+    rank1.unlink()
+    rank1.symlink_to(elsewhere / rank1.name)
+    os.mkfifo(elsewhere / "pipe")  # read through the link, it would block forever
+    (tag / "extra").symlink_to(elsewhere / "pipe")
+    rep = verify_checkpoint(root)
+    assert sorted(e.rule for e in rep.errors) == ["ckpt.file.outside", "ckpt.link.outside"], rep.errors
+    extra = next(e for e in rep.errors if e.rule == "ckpt.link.outside")
+    assert extra.key == "extra" and extra.message == (
+        f"{tag / 'extra'}: a symlink to {str(elsewhere / 'pipe')!r}, which leads outside the checkpoint folder "
+        f"{tag.resolve()} (to {elsewhere / 'pipe'}); shardkit never reads or writes through it")
+    assert "replace the link with a copy of the file" in extra.fix
+    listed = next(e for e in rep.errors if e.rule == "ckpt.file.outside")
+    assert listed.key == rank1.name and f"(to {elsewhere / rank1.name}" in listed.message
+    with pytest.raises(CheckpointError, match=r"\[.*\] .*leads outside the checkpoint folder.*1 more problem"):
+        check_resumable(root)
+
+
+def test_a_link_inside_the_tag_is_read_and_a_manifest_linked_from_outside_is_not(tmp_path):
+    root = tmp_path / "root"
+    tag = _ckpt(root)
+    (tag / "alias").symlink_to(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stays inside: harmless
+    rep = verify_checkpoint(root)
+    assert rep.ok and [f.rule for f in rep.warnings] == ["ckpt.file.extra"]
+    (tag / "alias").unlink()
+    other = _ckpt(tmp_path / "other", tag="step7")
+    (tag / MANIFEST_NAME).unlink()
+    (tag / MANIFEST_NAME).symlink_to(other / MANIFEST_NAME)  # another run's manifest vouching for these files
+    with pytest.raises(CheckpointError, match=r"shardkit_manifest\.json: a symlink leading outside the checkpoint "
+                       r"folder \(to .*other/step7/shardkit_manifest\.json\); a manifest must be the folder's own file"):
+        check_resumable(tag)
+
+
+def test_the_hash_never_follows_a_link_swapped_in_after_the_path_was_checked(tmp_path):
+    from shardkit.checkpoint.io.manifest import sha256_file
+
+    tag = _ckpt(tmp_path)
+    f = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(f.read_bytes())
+    f.unlink()
+    f.symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"leads outside the checkpoint folder .* it is not read"):
+        sha256_file(f, inside=tag.resolve())
+
+
+def test_readers_of_a_folder_without_manifest_refuse_links_leaving_it(tmp_path):
+    from shardkit.checkpoint.io.verify import refuse_links_leaving
+
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    (tmp_path / "secret").write_bytes(b"x")
+    (tag / "zero_pp_rank_0_mp_rank_00_model_states.pt").symlink_to(tmp_path / "secret")
+    (tag / "sub").symlink_to("/", target_is_directory=True)
+    with pytest.raises(CheckpointError, match=r"refusing to convert .*global_step1: .*global_step1/sub: a symlink to "
+                       r"'/', which leads outside the checkpoint folder .* \(to /\); shardkit never reads or writes "
+                       r"through it \(1 more such link\(s\)\)\. Fix: replace the link"):
+        refuse_links_leaving(tag, "convert")
+
+
+def test_files_named_for_another_precision_than_the_resuming_run_are_named_before_deepspeed_reads(tmp_path):
+    """DeepSpeed 0.19.8's load_checkpoint looks only for its own naming (bf16_zero_pp_rank_* under
+    bf16) and fails with FileNotFoundError; verify, told the run's bf16.enabled, names it first."""
+    tag = _ckpt(tmp_path)  # zero_pp_rank_* files: written by a run without bf16
+    assert verify_checkpoint(tmp_path, bf16=False).ok
+    rep = verify_checkpoint(tmp_path, bf16=True)
+    (err,) = rep.errors
+    assert err.rule == "ckpt.precision.mismatch" and err.key == "bf16.enabled" and err.value is True
+    assert err.message == (f"{tag}: its ZeRO optimizer files are named for a run without bf16 (fp32 or fp16) "
+                           "(zero_pp_rank_0_mp_rank_00_optim_states.pt), but this engine runs bf16 (bf16.enabled: "
+                           "true), so DeepSpeed's load_checkpoint looks for bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt "
+                           "and stops with FileNotFoundError (DeepSpeed 0.19.8 never falls back to the other naming)")
+    assert err.fix.startswith("resume with the precision the checkpoint was written in (set bf16.enabled to false")
+    with pytest.raises(CheckpointError, match=r"\[bf16\.enabled\] .*named for a run without bf16"):
+        check_resumable(tmp_path, bf16=True)
+    # shardkit's own loader (allow_reshard) reads either naming: no error there
+    assert verify_checkpoint(tmp_path, bf16=True, allow_reshard=True).ok

@@ -183,21 +183,27 @@ def kernel_resume_one_step(base: str) -> dict:
     """Rank target in fresh processes: per case, DeepSpeed's plain load (first, while the kernel
     object is fresh), shardkit's loader, plain load + restore_cpu_adam_kernel_state; one step each."""
     import gc
+    import warnings
 
     import torch.distributed as dist
 
     from shardkit.checkpoint.ops.cpu_adam_kernel import restore_cpu_adam_kernel_state
-    from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+    from shardkit.checkpoint.ops.resume_zero3 import guard_plain_loads, load_zero3_checkpoint, restore_after_plain_load
     from shardkit.core.errors import CheckpointError
     from shardkit.engines.deepspeed import initialize
     from shardkit.engines.model_factory import tiny_llama
 
     out: dict = {}
     for label, dtype, offload in KERNEL_CASES:
-        for mode in ("plain", "shardkit", "plain+restore"):
+        for mode in ("plain", "shardkit", "plain+restore", "plain+guard"):
             engine = R._build(dtype, offload)
             if mode == "shardkit":
                 replays = load_zero3_checkpoint(engine, f"{base}/{label}", preflight=False).kernel_replays
+            elif mode == "plain+guard":
+                # the user's own plain load_checkpoint call, nothing by hand afterwards
+                path, _ = guard_plain_loads(engine).load_checkpoint(f"{base}/{label}")
+                assert path is not None
+                replays = engine.shardkit_kernel_replays
             else:
                 path, _ = engine.load_checkpoint(f"{base}/{label}")
                 assert path is not None
@@ -210,13 +216,57 @@ def kernel_resume_one_step(base: str) -> dict:
             }
             del engine
             gc.collect()
+    # the bf16 checkpoint (bf16_zero_pp_rank_* files) resumed by an fp32 engine
+    bf16_ckpt = f"{base}/{KERNEL_CASES[0][0]}"
+    try:
+        guard_plain_loads(R._build("fp32", False)).load_checkpoint(bf16_ckpt)
+        out["fp32_engine_guarded"] = "loaded"
+    except CheckpointError as exc:
+        out["fp32_engine_guarded"] = str(exc)
+    gc.collect()
+    try:  # DeepSpeed alone: what the guard spares the user
+        R._build("fp32", False).load_checkpoint(bf16_ckpt)
+        out["fp32_engine_deepspeed"] = "loaded"
+    except Exception as exc:
+        out["fp32_engine_deepspeed"] = f"{type(exc).__name__}: {exc}"
+    gc.collect()
+    out["fp32_engine_shardkit_notes"] = load_zero3_checkpoint(R._build("fp32", False), bf16_ckpt, preflight=False).notes
+    gc.collect()
+    # a copy whose rank-1 optim file is a link to the same bytes outside the tag folder
+    linked = f"{base}/linked"
+    if dist.get_rank() == 0:
+        import shutil
+        from pathlib import Path
+
+        shutil.copytree(bf16_ckpt, linked)
+        tag_dir = Path(linked) / f"step{KERNEL_SAVE_AT}"
+        victim = tag_dir / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        shutil.move(victim, Path(base) / "outside.pt")
+        victim.symlink_to(Path(base) / "outside.pt")
+    dist.barrier()
+    for how in ("guarded", "shardkit"):
+        engine = R._build("bf16", False)
+        try:
+            if how == "guarded":
+                guard_plain_loads(engine).load_checkpoint(linked)
+            else:
+                load_zero3_checkpoint(engine, linked, preflight=False, verify=False)
+            out[f"linked_{how}"] = "loaded"
+        except CheckpointError as exc:
+            out[f"linked_{how}"] = str(exc)
+        del engine
+        gc.collect()
     cfg = R.ds_config("fp32", False, dist.get_world_size())
     cfg["zero_optimization"] = {"stage": 2}
+    zero2 = initialize(tiny_llama(R.MODEL_SIZE, seed=0), cfg)
     try:
-        restore_cpu_adam_kernel_state(initialize(tiny_llama(R.MODEL_SIZE, seed=0), cfg))
+        restore_cpu_adam_kernel_state(zero2)
         out["zero2"] = "accepted"
     except CheckpointError as exc:
         out["zero2"] = str(exc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["zero2_guarded"] = (restore_after_plain_load(zero2), [f"{w.category.__name__}: {w.message}" for w in caught])
     return out
 
 
@@ -235,7 +285,7 @@ def test_first_step_after_resume_is_bit_exact_because_the_kernel_step_state_is_r
     reference, resumed = kernel_runs
     kernel = {"fused_adam": "FusedAdam CPU kernel (adamw mode)", "cpu_adam": "DeepSpeedCPUAdam"}[label]
     for rank, (ref, got) in enumerate(zip(reference, resumed)):
-        for mode in ("shardkit", "plain+restore"):
+        for mode in ("shardkit", "plain+restore", "plain+guard"):
             run = got[(label, mode)]
             assert run["optimizer"] == optimizer
             for a, b in zip(ref[label], run["masters"]):
@@ -252,3 +302,44 @@ def test_kernel_replay_refuses_engines_other_than_zero3(kernel_runs):
     msg = resumed[0]["zero2"]
     assert re.match(r"restore_cpu_adam_kernel_state: this engine runs ZeRO stage 2; only stage 3 engines are handled", msg), msg
     assert "engine.optimizer.optimizer" in msg
+
+
+def test_a_guarded_plain_load_of_files_named_for_another_precision_is_refused_before_deepspeed_reads(kernel_runs):
+    """Issue 20: DeepSpeed 0.19.8 looks only for its own naming (bf16_zero_pp_rank_* under bf16)
+    and fails deep in the load; the guard names the key, both values and the fix first, and
+    shardkit's own loader reads the other naming with a note."""
+    _, resumed = kernel_runs
+    for rank, got in enumerate(resumed):
+        assert re.match(r"FileNotFoundError: .*zero_pp_rank_\d_mp_rank_00_optim_states\.pt", got["fp32_engine_deepspeed"]), (
+            rank, got["fp32_engine_deepspeed"])
+        msg = got["fp32_engine_guarded"]
+        assert re.search(r"fused_adam/step2: its ZeRO optimizer files are named for bf16 \(bf16\.enabled: true\) "
+                         r"\(bf16_zero_pp_rank_0_mp_rank_00_optim_states\.pt\), but this engine runs without bf16 "
+                         r"\(bf16\.enabled: false\), so DeepSpeed's load_checkpoint looks for "
+                         r"zero_pp_rank_0_mp_rank_00_optim_states\.pt and stops with FileNotFoundError", msg), (rank, msg)
+        assert "Fix: resume with the precision the checkpoint was written in (set bf16.enabled to true" in msg
+        assert "shardkit.load_zero3_checkpoint(engine, path), which reads either naming" in msg
+        (note,) = [n for n in got["fp32_engine_shardkit_notes"] if "was written by a bf16 run" in n]
+        assert "this engine runs fp32: the fp32 masters and Adam moments were loaded as they are" in note
+
+
+def test_a_guarded_load_says_where_the_kernel_state_cannot_be_restored(kernel_runs):
+    _, resumed = kernel_runs
+    replays, caught = resumed[0]["zero2_guarded"]
+    assert replays == []
+    (warning,) = caught
+    assert warning.startswith("KernelNotRestoredWarning: DeepSpeed's CPU Adam kernel state (beta**step, kept outside "
+                              "the checkpoint) was not restored after load_checkpoint: the engine runs ZeRO stage 2")
+    assert "shardkit.restore_cpu_adam_kernel_state(engine.optimizer.optimizer)" in warning
+
+
+def test_a_load_never_reads_through_a_link_leading_out_of_the_tag_folder(kernel_runs):
+    """Issue 20: neither the guarded plain load nor shardkit's loader (verify off: no manifest
+    check stands between) reads a rank file through a link to a file outside the tag."""
+    _, resumed = kernel_runs
+    for got in resumed:
+        for how in ("guarded", "shardkit"):
+            msg = got[f"linked_{how}"]
+            assert re.search(r"refusing to load .*linked/step2: .*bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt: a "
+                             r"symlink to '.*outside\.pt', which leads outside the checkpoint folder .*; shardkit never "
+                             r"reads or writes through it\. Fix: replace the link", msg), (how, msg)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, fsdp_refusal
 from shardkit.checkpoint.hf_trainer.rng_files import RNG_RANK_FILE, RNG_SINGLE_FILE, plan_rng_files
 from shardkit.checkpoint.io.atomic import os_errors_named
 from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX, read_latest
@@ -76,15 +77,21 @@ def _no_deepspeed_message(p: Path, picked_from: Path | None) -> str:
     names = sorted(e.name for e in p.iterdir())
     where = f" (the newest checkpoint of the output_dir {picked_from})" if picked_from else ""
     head = f"{p}{where}: a Hugging Face Trainer checkpoint without a DeepSpeed checkpoint inside (no '{LATEST_NAME}', no {DEEPSPEED_TAG_PREFIX}*/ folder)"
-    if any(n.startswith("pytorch_model_fsdp") for n in names):
-        return (f"{head}; it was saved by FSDP through Accelerate (pytorch_model_fsdp*). shardkit's reshard, consolidate "
-                "and convert read DeepSpeed ZeRO-3 checkpoint-N folders; sharded FSDP checkpoints are "
-                "torch.distributed.checkpoint shards, which DCP reshards itself when the Trainer loads them at "
-                "another world size")
-    if "optimizer.pt" in names or any(n.startswith("model") and n.endswith((".safetensors", ".bin")) for n in names):
+    fsdp = fsdp_layout(p)
+    if fsdp is not None:
+        return fsdp_refusal(head, fsdp, p)
+    weights = [n for n in names if n.startswith("model") and n.endswith((".safetensors", ".bin"))]
+    if "optimizer.pt" in names:
         return (f"{head}; it was saved without DeepSpeed (DDP or one process: {', '.join(n for n in names if n.startswith(('model', 'optimizer', 'scheduler')))}). "
                 "Its optimizer.pt holds the whole, unsharded optimizer state and the Trainer resumes it at any world "
-                "size as it is: there is nothing to reshard, and model.safetensors already holds the full weights")
+                f"size as it is: there is nothing to reshard, and {', '.join(weights) or 'the model files'} already "
+                "hold the full weights")
+    if weights:
+        # weights alone: save_only_model (a DDP/one-process or FSDP FULL_STATE_DICT run alike)
+        return (f"{head}; it holds the model weights only ({', '.join(weights)}) and no optimizer state "
+                "(TrainingArguments.save_only_model=True keeps only the weights, or the save was interrupted): it can "
+                "start a new run, not resume one, and there is nothing to reshard. Pass a checkpoint-N folder saved "
+                "with the optimizer state")
     shown = names[:8] + (["..."] if len(names) > 8 else [])
     return (f"{head}; it holds {shown}. The DeepSpeed save did not happen (TrainingArguments.save_only_model=True "
             "keeps only the weights) or was interrupted. Pass a checkpoint-N folder saved with the optimizer state")

@@ -8,6 +8,7 @@ dtype, library versions and a digest of the training config.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -243,10 +244,30 @@ def _depth_exceeds(obj: Any, limit: int) -> bool:
     return False
 
 
-def sha256_file(path: str | os.PathLike[str], chunk: int = _CHUNK) -> str:
-    """sha256 of a file, streamed in chunks."""
+def sha256_file(path: str | os.PathLike[str], chunk: int = _CHUNK, *, inside: Path | None = None) -> str:
+    """sha256 of a file, streamed in chunks.
+
+    ``inside``: the (resolved) checkpoint folder the file must be in. The file is then opened by its
+    resolved path with ``O_NOFOLLOW``, so a link swapped in after verify looked at the path (a
+    rank file replaced by ``-> /elsewhere``) is refused by the kernel (ELOOP) instead of hashed:
+    what is hashed is what was checked to be inside."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    if inside is None:
+        fh = open(path, "rb")
+    else:
+        real = Path(os.path.realpath(path))
+        if not real.is_relative_to(inside):
+            raise CheckpointError(f"{path}: leads outside the checkpoint folder {inside} (to {real}); it is not read. "
+                                  "Replace the link with the real file, or resume from another tag")
+        try:
+            fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CheckpointError(f"{path}: became a symlink while it was being verified (a save or a copy is "
+                                      "changing the checkpoint); it is not read. Re-run when nothing writes to it") from None
+            raise
+        fh = os.fdopen(fd, "rb")
+    with fh:
         while True:
             block = fh.read(chunk)
             if not block:
@@ -309,6 +330,14 @@ def read_manifest(tag_dir: str | os.PathLike[str]) -> Manifest:
     the value and why, for a manifest that parses but cannot be right) when it is missing,
     malformed, too large or too deeply nested."""
     path = Path(tag_dir) / MANIFEST_NAME
+    if path.is_symlink():
+        # a manifest vouches for the folder it is in; one borrowed from elsewhere through a link
+        # (-> another run's manifest) would make that folder's files look verified
+        real = Path(os.path.realpath(path))
+        if not real.is_relative_to(Path(tag_dir).resolve()):
+            raise CheckpointError(f"{path}: a symlink leading outside the checkpoint folder (to {real}); a manifest "
+                                  "must be the folder's own file, so it is not read. Replace the link with the "
+                                  "checkpoint's own manifest, or re-save the checkpoint")
     try:
         # the type is checked on the open descriptor: a FIFO swapped in after a check never blocks
         raw = read_regular_file(path, MAX_MANIFEST_BYTES)

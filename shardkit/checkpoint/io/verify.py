@@ -152,6 +152,86 @@ def resolve_checkpoint(path: str | os.PathLike[str], report: CheckpointReport) -
     return None
 
 
+def links_leaving(tag_dir: Path) -> list[tuple[str, str]]:
+    """Every symlink under ``tag_dir`` (to a file or a folder, listed in the manifest or not) whose
+    target resolves outside it, as ``(relative path, where it leads)``, sorted.
+
+    Why every link and not only the listed files: a reader that trusts the folder (DeepSpeed's own
+    ``load_checkpoint``, a converter reading a file by its rank name) opens what is there, and a
+    rank file swapped for ``zero_pp_rank_0_... -> /home/other/run/...`` would be read, hashed or, by
+    a later save into the same folder, written through. Folders that are links are not descended
+    (``os.walk`` never follows them), so a loop of links cannot hang it."""
+    inside = tag_dir.resolve()
+    out = []
+    for dirpath, dirnames, filenames in os.walk(tag_dir):
+        for name in (*dirnames, *filenames):
+            entry = Path(dirpath, name)
+            if not entry.is_symlink():
+                continue
+            real = Path(os.path.realpath(entry))
+            if not real.is_relative_to(inside):
+                out.append((entry.relative_to(tag_dir).as_posix(), str(real)))
+    return sorted(out)
+
+
+def link_outside_message(tag_dir: Path, rel: str, real: str) -> str:
+    """One line for a link ``links_leaving`` found: which link, where it leads, and that it is not followed."""
+    try:
+        shown = os.readlink(tag_dir / rel)
+    except OSError:
+        shown = real
+    return (f"{tag_dir / rel}: a symlink to {shown!r}, which leads outside the checkpoint folder {tag_dir.resolve()} "
+            f"(to {real}); shardkit never reads or writes through it")
+
+
+LINK_OUTSIDE_FIX = ("replace the link with a copy of the file it points to (cp --remove-destination TARGET LINK) if "
+                    "that file really belongs to this checkpoint, or resume from another tag")
+
+
+def refuse_links_leaving(tag_dir: str | os.PathLike[str], doing: str) -> None:
+    """Raise one CheckpointError naming the first symlink in ``tag_dir`` that leads outside it (and
+    how many more there are). For readers of a folder without a manifest, which ``verify_checkpoint``
+    never sees: ``doing`` says what was about to happen ('convert', 'read')."""
+    tag_dir = Path(tag_dir)
+    found = links_leaving(tag_dir)
+    if found:
+        rel, real = found[0]
+        more = f" ({len(found) - 1} more such link(s))" if len(found) > 1 else ""
+        raise CheckpointError(f"refusing to {doing} {tag_dir}: {link_outside_message(tag_dir, rel, real)}{more}. "
+                              f"Fix: {LINK_OUTSIDE_FIX}")
+
+
+def precision_naming_problem(tag_dir: Path, bf16: bool) -> tuple[str, str] | None:
+    """(message, fix) when the ZeRO optimizer files in ``tag_dir`` are named for another precision
+    than a run with ``bf16.enabled: bf16`` looks for; None when it finds its own naming (or there
+    are no such files).
+
+    DeepSpeed names them ``bf16_zero_pp_rank_R_...`` under bf16 and ``zero_pp_rank_R_...``
+    otherwise, and 0.19.8's ``load_checkpoint`` looks for its own naming only: its fallback to the
+    other (``DeepSpeedEngine._get_all_zero_checkpoints``, with the warning "Loading bf16 zero
+    checkpoints into fp16 training engine") runs only when ``_get_all_zero_checkpoint_names`` returns
+    None, which it never does. The user meets ``FileNotFoundError: ...bf16_zero_pp_rank_0_...``."""
+    files = sorted(f.name for f in tag_dir.iterdir() if (m := _RANK_NAME.match(f.name)) and m.group(2) == "optim")
+    if not files:
+        return None
+    bf16_files = [f for f in files if f.startswith("bf16_")]
+    plain_files = [f for f in files if not f.startswith("bf16_")]
+    if bf16_files if bf16 else plain_files:
+        return None  # the run finds its own naming (a missing rank file is named elsewhere)
+    seen = (bf16_files or plain_files)[0]
+    expected = f"bf16_{seen}" if bf16 else seen.removeprefix("bf16_")
+    files_for = "bf16 (bf16.enabled: true)" if bf16_files else "a run without bf16 (fp32 or fp16)"
+    run = "bf16" if bf16 else "without bf16"
+    message = (f"{tag_dir}: its ZeRO optimizer files are named for {files_for} ({seen}), but this engine runs "
+               f"{run} (bf16.enabled: {str(bf16).lower()}), so DeepSpeed's load_checkpoint looks for {expected} "
+               "and stops with FileNotFoundError (DeepSpeed 0.19.8 never falls back to the other naming)")
+    fix = (f"resume with the precision the checkpoint was written in (set bf16.enabled to {str(not bf16).lower()} "
+           "in the DeepSpeed config), or load with shardkit.load_zero3_checkpoint(engine, path), which reads either "
+           "naming (the fp32 masters are the same); for a `shardkit convert --to zero3` output, convert again with "
+           "--ds-config set to this run's config")
+    return message, fix
+
+
 _RANK_NAME = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d{1,9})_mp_rank_\d+_(optim|model)_states\.pt$")
 #: Missing ranks named one by one; beyond that one finding counts the rest.
 _MISSING_RANKS_SHOWN = 5
@@ -179,7 +259,8 @@ def _missing_rank_files(m: Manifest) -> list[tuple[str, int, list[int]]]:
         count = m.world_size - len(have)
         if count == 0:
             continue
-        first, r = [], 0
+        first: list[int] = []
+        r = 0
         while len(first) < _MISSING_RANKS_SHOWN and r < m.world_size:  # <= len(have) + shown steps
             if r not in have:
                 first.append(r)
@@ -196,12 +277,15 @@ def verify_checkpoint(
     engine: str | None = None,
     checksums: bool = True,
     allow_reshard: bool = False,
+    bf16: bool | None = None,
 ) -> CheckpointReport:
     """Check one checkpoint (a root with ``latest``, or a tag directory) against its manifest.
 
     Errors: a listed file missing, shorter/longer than recorded (truncated), or with another
     sha256 (corrupted); a rank file the world size requires absent from the manifest; a
-    different engine; a different world size (except for FSDP2/DCP, or ``allow_reshard``).
+    different engine; a different world size (except for FSDP2/DCP, or ``allow_reshard``);
+    ZeRO files named for another precision than the resuming run's ``bf16`` (its
+    ``bf16.enabled``; None: not checked), which DeepSpeed's own load would not find.
     """
     report = CheckpointReport(subject=str(path))
     if engine is not None and engine not in ENGINES:
@@ -219,6 +303,12 @@ def verify_checkpoint(
     report.manifest = m
     listed = {f.path for f in m.files}
     inside = tag_dir.resolve()
+    leaving = links_leaving(tag_dir)
+    for rel, real_target in leaving:
+        # a link listed in the manifest is named once below, with the file it stands for
+        if not any(entry == rel or entry.startswith(rel + "/") for entry in listed):
+            report.add(_err(rel, real_target, link_outside_message(tag_dir, rel, real_target), LINK_OUTSIDE_FIX,
+                            "ckpt.link.outside"))
     for entry in m.files:
         f = tag_dir / entry.path  # entry.path is relative, without '..' (Manifest.from_dict checks)
         real = f.resolve()
@@ -246,7 +336,7 @@ def verify_checkpoint(
                             "the copy or the save was cut short; restore the file or resume from another tag",
                             "ckpt.file.size"))
             continue
-        if checksums and sha256_file(f) != entry.sha256:
+        if checksums and sha256_file(f, inside=inside) != entry.sha256:
             report.add(_err(entry.path, "sha256 mismatch", f"{f}: content differs from the manifest (sha256 "
                             "mismatch): the file is corrupted or was modified after the save",
                             "restore the file from a good copy or resume from another tag", "ckpt.file.checksum"))
@@ -264,6 +354,11 @@ def verify_checkpoint(
         if rel not in listed:
             report.add(Finding(Severity.WARNING, rel, None, f"{tag_dir / rel}: file not listed in the manifest "
                                "(added after the save)", "remove it, or re-save the checkpoint", "ckpt.file.extra"))
+    if bf16 is not None and m.engine == "deepspeed" and not allow_reshard:
+        # allow_reshard: shardkit's own loader, which reads either naming
+        problem = precision_naming_problem(tag_dir, bf16)
+        if problem is not None:
+            report.add(_err("bf16.enabled", bf16, problem[0], problem[1], "ckpt.precision.mismatch"))
     if engine is not None and engine != m.engine:
         report.add(_err("engine", m.engine, f"checkpoint was written by engine {m.engine!r}, this run uses {engine!r}",
                         f"load it with the {m.engine} loader, or convert it", "ckpt.engine.mismatch"))
@@ -294,11 +389,12 @@ def check_resumable(
     engine: str | None = None,
     checksums: bool = True,
     allow_reshard: bool = False,
+    bf16: bool | None = None,
 ) -> CheckpointReport:
     """``verify_checkpoint`` for loaders: raise one CheckpointError naming the file or field of the
     first problem (and how many more there are); return the report when the checkpoint is usable."""
     report = verify_checkpoint(path, world_size=world_size, engine=engine, checksums=checksums,
-                               allow_reshard=allow_reshard)
+                               allow_reshard=allow_reshard, bf16=bf16)
     if report.errors:
         first = report.errors[0]
         more = f" ({len(report.errors) - 1} more problem(s): run `shardkit verify {path}`)" if len(report.errors) > 1 else ""
@@ -313,6 +409,7 @@ def check_resumable_distributed(
     engine: str | None = None,
     checksums: bool = True,
     allow_reshard: bool = False,
+    bf16: bool | None = None,
 ) -> CheckpointReport:
     """``check_resumable`` for N ranks resuming together. Collective when a process group exists.
 
@@ -328,13 +425,14 @@ def check_resumable_distributed(
     report: CheckpointReport | None = None
     try:
         report = verify_checkpoint(path, world_size=world_size, engine=engine, checksums=False,
-                                   allow_reshard=allow_reshard)
+                                   allow_reshard=allow_reshard, bf16=bf16)
         local += [(f.key, f.message, f.fix) for f in report.errors]
         if not report.errors and checksums and report.manifest is not None and report.tag_dir is not None:
             tag_dir = Path(report.tag_dir)
+            inside = tag_dir.resolve()
             for entry in report.manifest.files[rank::world]:
                 f = tag_dir / entry.path
-                if sha256_file(f) != entry.sha256:
+                if sha256_file(f, inside=inside) != entry.sha256:
                     local.append((entry.path, f"{f}: content differs from the manifest (sha256 mismatch): the file "
                                   "is corrupted or was modified after the save",
                                   "restore the file from a good copy or resume from another tag"))

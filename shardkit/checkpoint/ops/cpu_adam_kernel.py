@@ -65,8 +65,9 @@ def restore_cpu_adam_kernel_state(target: "DeepSpeedEngine | torch.optim.Optimiz
     each param group in order, as ``DeepSpeedCPUAdam.step`` calls the kernel; ``FusedAdam`` calls
     it once per group, which this matches when a group's tensors share one step count and dtype,
     as DeepSpeed's flat partitions do). Call it on every
-    rank after the optimizer state is loaded: ``load_zero3_checkpoint`` does; after
-    ``engine.load_checkpoint`` or ``optimizer.load_state_dict`` call it yourself. Returns one entry
+    rank after the optimizer state is loaded: ``load_zero3_checkpoint`` does, and so does every
+    ``engine.load_checkpoint`` of an engine guarded by ``resume_zero3.guard_plain_loads``; after
+    an unguarded ``engine.load_checkpoint`` or ``optimizer.load_state_dict`` call it yourself. Returns one entry
     per kernel replayed; empty when the optimizer keeps no such state (torch optimizers, CUDA
     FusedAdam, a checkpoint at step 0).
     """
@@ -78,7 +79,7 @@ def restore_cpu_adam_kernel_state(target: "DeepSpeedEngine | torch.optim.Optimiz
                 "handled (their sub-group step order is known). For another stage pass the CPU Adam optimizer "
                 "itself, engine.optimizer.optimizer, once you have checked it steps one tensor per param group"
             )
-        return _replay(_zero3_units(target.optimizer))
+        return _replay(_zero3_units(target.optimizer))  # type: ignore[union-attr]  # an engine: hasattr above
     return _replay(_optimizer_units(target))
 
 

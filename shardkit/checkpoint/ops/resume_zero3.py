@@ -13,19 +13,34 @@ The order follows ``DeepSpeedEngine.load_checkpoint`` (0.19.8): checkpoint prolo
 (buffers, frozen fragments), LR scheduler and counters, optimizer, the step state DeepSpeed's CPU
 Adam kernels keep outside the checkpoint (``cpu_adam_kernel``), epilogue. Afterwards the
 placement preflight (``shardkit.preflight``) checks every tensor is where the config says.
+
+For runs that keep DeepSpeed's own ``engine.load_checkpoint``, ``guard_plain_loads(engine)`` wraps
+that one engine's method: a checkpoint whose optimizer files are named for another precision is
+refused before DeepSpeed reads it, and so is a symlink leading out of the tag folder
+(``check_files_match_engine``), and the CPU Adam kernel state is
+replayed after every load (``restore_after_plain_load``; a ``KernelNotRestoredWarning`` where it
+cannot be).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.io.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.stream import materialize
+from shardkit.checkpoint.io.tags import LATEST_NAME, read_latest
 from shardkit.checkpoint.io.torch_load import safe_torch_load
-from shardkit.checkpoint.io.verify import check_resumable_distributed
+from shardkit.checkpoint.io.verify import (
+    check_resumable_distributed,
+    precision_naming_problem,
+    refuse_links_leaving,
+)
 from shardkit.checkpoint.ops.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_numel
@@ -90,8 +105,11 @@ def load_zero3_checkpoint(
 
     opt = _zero3_optimizer(engine)
     ckpt = open_zero3_checkpoint(path)
+    # a link out of the tag folder is never read through, manifest or not (verify names it too)
+    refuse_links_leaving(ckpt.tag_dir, "load")
     if verify:
         _verify_manifest(ckpt, dist.get_world_size(group=opt.dp_process_group))
+    precision_note = _precision_note(ckpt, engine)
     layout = engine_layout(engine, ckpt)
     rank = dist.get_rank(group=opt.dp_process_group)
 
@@ -139,6 +157,8 @@ def load_zero3_checkpoint(
     note = client_state_note(ckpt, layout.world_size)
     if note:
         result.notes.append(note)
+    if precision_note:
+        result.notes.append(precision_note)
     if preflight:
         result.placement_checked = _run_preflight(engine)
     return result
@@ -249,3 +269,118 @@ def _verify_manifest(ckpt: Zero3Checkpoint, world_size: int) -> None:
 def _run_preflight(engine: Any) -> bool:
     placement_preflight(engine)
     return True
+
+
+def _engine_precision(engine: Any) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+
+
+def _precision_note(ckpt: Zero3Checkpoint, engine: Any) -> str | None:
+    """What ``load_zero3_checkpoint`` says when the checkpoint was written in another precision: it
+    reads the fp32 masters whichever way the files are named, so this is a note, not a refusal."""
+    now = _engine_precision(engine)
+    if ckpt.precision == now:
+        return None
+    return (f"{ckpt.tag_dir} was written by a {ckpt.precision} run, this engine runs {now}: the fp32 masters and Adam "
+            f"moments were loaded as they are and the {now} weights rebuilt from them (DeepSpeed's plain "
+            "load_checkpoint would not find the files: they are named for the other precision)")
+
+
+# --- DeepSpeed's plain load_checkpoint, guarded ---------------------------------------------------
+
+
+def _tag_dir_deepspeed_loads(load_dir: str | Path, tag: str | None) -> Path | None:
+    """The folder ``engine.load_checkpoint(load_dir, tag)`` reads: ``load_dir/tag``, or the tag
+    its ``latest`` file names (DeepSpeed reads that file as is; None when there is none, and
+    DeepSpeed then loads nothing)."""
+    root = Path(load_dir)
+    if tag is None:
+        if not (root / LATEST_NAME).is_file():
+            return None
+        try:
+            tag = read_latest(root)
+        except CheckpointError:
+            return None  # DeepSpeed reads it its own way; verify names what is wrong with it
+        if tag is None:
+            return None
+    tag_dir = root / str(tag)
+    return tag_dir if tag_dir.is_dir() else None
+
+
+def check_files_match_engine(engine: "DeepSpeedEngine", load_dir: str | Path, tag: str | None = None) -> None:
+    """Refuse, before DeepSpeed opens anything, a ZeRO checkpoint whose optimizer files are named for
+    another precision than ``engine`` runs (``verify.precision_naming_problem``: DeepSpeed 0.19.8's
+    ``load_checkpoint`` would stop with ``FileNotFoundError`` deep inside the load, with no word
+    about the config), naming the key, both values and the fix; and one holding a symlink that
+    leads out of its folder (``verify.refuse_links_leaving``)."""
+    tag_dir = _tag_dir_deepspeed_loads(load_dir, tag)
+    if tag_dir is None:
+        return
+    # DeepSpeed opens the rank files by name and follows any link: one leading out of the folder is
+    # refused here, before it is read
+    refuse_links_leaving(tag_dir, "load")
+    problem = precision_naming_problem(tag_dir, bool(engine.bfloat16_enabled()))
+    if problem is not None:
+        message, fix = problem
+        raise CheckpointError(f"{message}. Fix: {fix}")
+
+
+class KernelNotRestoredWarning(UserWarning):
+    """A plain ``load_checkpoint`` was followed, but DeepSpeed's CPU Adam kernel state could not be
+    replayed: the next step may differ from an uninterrupted run in the last bit."""
+
+
+def guard_plain_loads(engine: "DeepSpeedEngine") -> "DeepSpeedEngine":
+    """Make every later ``engine.load_checkpoint(...)`` on this engine safe to resume from as is.
+
+    Before DeepSpeed reads anything, a checkpoint whose optimizer files are named for another
+    precision is refused with the fix (``check_files_match_engine``). After a load that restored
+    optimizer state, the beta powers DeepSpeed's CPU Adam kernels keep outside every checkpoint are
+    replayed (``restore_cpu_adam_kernel_state``), so the continuation is bit-exact with no call by
+    hand; ``engine.shardkit_kernel_replays`` holds what was replayed. Where that cannot be done
+    (ZeRO stage 1/2, NVMe-swapped optimizer state) a ``KernelNotRestoredWarning`` says so and what
+    to do. Returns the engine; a second call does nothing. Only this engine object is changed
+    (its ``load_checkpoint`` attribute), never DeepSpeed's class."""
+    if getattr(engine, "_shardkit_guarded_loads", False):
+        return engine
+    original = engine.load_checkpoint
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        check_files_match_engine(engine, given["load_dir"], given.get("tag"))
+        loaded = original(*args, **kwargs)
+        path = loaded[0] if isinstance(loaded, tuple) else loaded
+        optimizer_loaded = given.get("load_optimizer_states", True) and not given.get("load_module_only", False)
+        if path is not None and optimizer_loaded:
+            engine.shardkit_kernel_replays = restore_after_plain_load(engine)  # type: ignore[attr-defined]
+        return loaded
+
+    engine.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+    engine._shardkit_guarded_loads = True  # type: ignore[attr-defined]
+    return engine
+
+
+def restore_after_plain_load(engine: Any) -> list[KernelReplay]:
+    """``restore_cpu_adam_kernel_state(engine)`` after DeepSpeed's own load, or a
+    ``KernelNotRestoredWarning`` naming why it cannot run and what to do instead."""
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
+    why = None
+    if stage != 3:
+        why = (f"the engine runs ZeRO stage {stage}, whose CPU Adam call order shardkit does not replay; if its "
+               "optimizer steps one tensor per param group, call shardkit.restore_cpu_adam_kernel_state("
+               "engine.optimizer.optimizer) after the load")
+    elif getattr(engine.optimizer, "swap_optimizer", False):
+        why = ("zero_optimization.offload_optimizer.device is 'nvme': the optimizer state (and its step) is swapped "
+               "out, so the step to replay is not in memory; resume with offload_optimizer 'cpu' for a bit-exact "
+               "continuation")
+    if why is not None:
+        warnings.warn(f"DeepSpeed's CPU Adam kernel state (beta**step, kept outside the checkpoint) was not restored "
+                      f"after load_checkpoint: {why}. Without it the first step after the resume can differ from an "
+                      "uninterrupted run in the last bit of about half the fp32 masters", KernelNotRestoredWarning,
+                      stacklevel=3)
+        return []
+    return restore_cpu_adam_kernel_state(engine)

@@ -33,8 +33,9 @@ other than float32) is loaded whole through ``load_dcp_state`` (``weights_only``
 Bit-exactness: fp32 masters, ``exp_avg``, ``exp_avg_sq`` and ``step`` are copied bit for bit
 (float32 sources; other dtypes are upcast and said so). What the files cannot hold: DeepSpeed's CPU
 Adam kernels (``DeepSpeedCPUAdam`` with offload, ``FusedAdam`` on a CPU run) keep ``beta**step``
-in C++; after a plain ``engine.load_checkpoint`` call ``shardkit.restore_cpu_adam_kernel_state
-(engine)`` on every rank (see ``checkpoint/ops/cpu_adam_kernel.py``). The update rule itself
+in C++; a plain ``engine.load_checkpoint`` of an engine guarded by
+``resume_zero3.guard_plain_loads`` replays it, else call ``shardkit.restore_cpu_adam_kernel_state
+(engine)`` on every rank after it (see ``checkpoint/ops/cpu_adam_kernel.py``). The update rule itself
 differs from torch's AdamW in rounding, so the continued loss curve matches an FSDP2 continuation
 to a tolerance, not bit for bit (README "Convert").
 
@@ -58,7 +59,15 @@ from shardkit.checkpoint.io.manifest import MANIFEST_NAME, read_manifest
 from shardkit.checkpoint.io.pipeline import check_output_root, verify_before_reading, warn_unverified
 from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.checkpoint.io.tags import LATEST_NAME, check_tag
-from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import check_target_config, plan_zero3_target, read_ds_config
+from shardkit.checkpoint.io.verify import refuse_links_leaving
+from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import (
+    check_target_config,
+    decide_precision,
+    plan_zero3_target,
+    read_ds_config,
+    source_precision,
+    target_names,
+)
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, classify_source, resolve_dcp_tag_dir
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_write import RankStates, write_rank_files
 from shardkit.checkpoint.ops.convert.result import ConvertResult
@@ -79,6 +88,7 @@ def convert_dcp_to_zero3(
     verify: bool = True,
     warn: Callable[[str], None] | None = None,
     ds_config: str | os.PathLike[str] | dict[str, Any] | None = None,
+    name_prefix: str | None = None,
     **options: Any,
 ) -> ConvertResult:
     """Write the FSDP2 (DCP) checkpoint ``source`` as the ZeRO-3 files of a DeepSpeed run at
@@ -88,8 +98,13 @@ def convert_dcp_to_zero3(
     ``ds_config`` (path or dict): the resuming run's DeepSpeed config; gives ``sub_group_size``,
     bf16 (``bf16_`` optim file names, module placeholders), the optimizer whose param-group format
     is written (FusedAdam; DeepSpeedCPUAdam with ``offload_optimizer``; torch's with ``torch_adam``
-    or no ``optimizer`` block), and is recorded as ``ds_config``. Without it: DeepSpeed's defaults,
-    FusedAdam, fp32. ``options``: ``sub_group_size`` overrides the config's.
+    or no ``optimizer`` block), and is recorded as ``ds_config``. Without it: DeepSpeed's defaults
+    and FusedAdam, in the precision the source records (a ZeRO-3 origin's, or bfloat16 parameters);
+    a source that does not tell (float32 FSDP2 parameters, also kept under a bf16 mixed-precision
+    policy) is refused, naming ``--ds-config``. ``name_prefix``: ``"module."`` when the resuming
+    engine's model is a wrapper holding it as ``.module``, ``""`` when not; None keeps the source's
+    names (or restores the prefix a ZeRO-3 origin had). ``options``: ``sub_group_size`` overrides
+    the config's.
 
     The source is verified against its manifest first (sizes, sha256 unless ``verify=False``);
     ``output`` must be new, empty or a shardkit checkpoint folder (an existing tag only with
@@ -119,6 +134,8 @@ def convert_dcp_to_zero3(
         if sub_group_size < 1:
             raise UsageError(f"sub_group_size {sub_group_size}: must be at least 1")
     checked = verify_before_reading(tag_dir, checksums=verify)
+    # a folder without a manifest is not verified: a link out of it must still never be read
+    refuse_links_leaving(tag_dir, "convert")
     for note in checked.warnings:
         warn(note)
     manifest = read_manifest(tag_dir) if (tag_dir / MANIFEST_NAME).is_file() else None
@@ -130,12 +147,16 @@ def convert_dcp_to_zero3(
     extra = manifest.extra if manifest is not None else {}
     hint = extra.get("buffers", (extra.get("converted_from") or {}).get("buffer_names"))
     plan = classify_source(src, [str(n) for n in hint] if isinstance(hint, list) else None)
+    precision = decide_precision(cfg, precision, source_precision(manifest, plan), tag_dir, plan.notes)
+    names = target_names(plan, manifest, name_prefix, tag_dir)
     target = plan_zero3_target(plan, cfg, manifest, world_size, sub_group_size, tag_dir)
     opt, layout, client = target.opt, target.layout, target.client
+    if cfg is None and precision == "bf16":
+        target.cfg["bf16"] = {"enabled": True}  # the recorded config says what the files were written for
 
     out = RankStates(src=src, plan=plan, layout=layout, opt=opt, groups=target.groups, sub_steps=target.sub_steps,
                      precision=precision, global_steps=target.global_steps, counters=target.counters, client=client,
-                     cfg=target.cfg)
+                     cfg=target.cfg, names=names)
     facts: dict[str, Any] = dict(world_size=world_size, step=target.global_steps, zero_stage=3, dtype=precision,
                  config_digest=config_digest(target.cfg),
                  extra={"converted_from": {"path": str(tag_dir), "engine": "fsdp2",
@@ -158,8 +179,9 @@ def convert_dcp_to_zero3(
     notes.append(f"param groups written in {opt.name}'s format ({'AdamW' if opt.adam_w_mode else 'Adam'}); "
                  f"{len(layout.sub_groups)} sub-group(s) at sub_group_size {sub_group_size}")
     if opt.name in ("FusedAdam", "DeepSpeedCPUAdam"):
-        notes.append("after engine.load_checkpoint, call shardkit.restore_cpu_adam_kernel_state(engine) on every rank of "
-                     "a CPU run (DeepSpeed's CPU Adam kernels keep beta**step outside the checkpoint)")
+        notes.append("on a CPU run, load with shardkit.checkpoint.ops.resume_zero3.guard_plain_loads(engine)"
+                     ".load_checkpoint(OUT), or call shardkit.restore_cpu_adam_kernel_state(engine) on every rank after "
+                     "engine.load_checkpoint (DeepSpeed's CPU Adam kernels keep beta**step outside the checkpoint)")
     return ConvertResult(
         output=root, tag=tag, source_engine="fsdp2", target_engine="zero3", world_size=world_size,
         source_world_size=manifest.world_size if manifest is not None else 0,

@@ -16,7 +16,7 @@ from typing import Any
 
 from shardkit.checkpoint.io.manifest import Manifest
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import SourcePlan
-from shardkit.checkpoint.ops.convert.names import ADAM_TYPES
+from shardkit.checkpoint.ops.convert.names import ADAM_TYPES, DEEPSPEED_PREFIX
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, DEFAULT_SUB_GROUP_SIZE
 from shardkit.checkpoint.zero3.repartition import TargetLayout, plan_layout
@@ -136,6 +136,130 @@ def check_target_config(cfg: dict[str, Any] | None) -> tuple[int, str]:
     return int(value), precision
 
 
+#: How a manifest's ``dtype`` (shardkit writes the torch name, ``bfloat16``; a conversion from ZeRO-3
+#: writes ``bf16``/``fp16``/``fp32`` into ``extra.converted_from.precision``) reads as a precision.
+_PRECISIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+               "fp32": "fp32", "float32": "fp32", "float": "fp32"}
+
+
+@dataclass(frozen=True)
+class SourcePrecision:
+    """What the source says about the precision its run trained in."""
+
+    precision: str | None
+    """'bf16', 'fp16' or 'fp32' when the source tells it for sure; None when it cannot (float32
+    tensors from FSDP2, which keeps float32 parameters also under a bf16 MixedPrecisionPolicy)."""
+    seen: str
+    """Where that was read, with the value: for messages."""
+
+
+def source_precision(manifest: Manifest | None, plan: SourcePlan) -> SourcePrecision:
+    """The training precision of the run that wrote the FSDP2 source, as far as it can be known.
+
+    A checkpoint ``--to fsdp2`` made from ZeRO-3 records the DeepSpeed run's precision
+    (``extra.converted_from.precision``): certain. Parameters saved as bfloat16/float16 (manifest
+    ``dtype``, or the DCP tensors' dtype) mean a run in that precision. Float32 parameters say
+    nothing: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` trains in bf16 and keeps
+    (and saves) float32 sharded parameters, exactly as an fp32 run does."""
+    came = (manifest.extra.get("converted_from") if manifest is not None else None) or {}
+    recorded = came.get("precision") if came.get("engine") == "deepspeed" else None
+    if isinstance(recorded, str) and recorded in _PRECISIONS:
+        return SourcePrecision(_PRECISIONS[recorded], f"its manifest's extra.converted_from.precision {recorded!r} "
+                               "(the DeepSpeed run it was converted from)")
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in plan.trainable})
+    low = [d for d in dtypes if d in ("bfloat16", "float16")]
+    if manifest is not None and isinstance(manifest.dtype, str) and _PRECISIONS.get(manifest.dtype) in ("bf16", "fp16"):
+        return SourcePrecision(_PRECISIONS[manifest.dtype], f"its manifest's dtype {manifest.dtype!r}")
+    if low:
+        return SourcePrecision(_PRECISIONS[low[0]], f"its parameters saved as {low[0]}")
+    shown = repr(manifest.dtype) if manifest is not None and manifest.dtype else f"{dtypes} (no manifest)"
+    return SourcePrecision(None, f"its manifest's dtype {shown}" if manifest is not None and manifest.dtype
+                           else f"its parameters' dtype {shown}")
+
+
+def decide_precision(cfg: dict[str, Any] | None, config_precision: str, seen: SourcePrecision, tag_dir: Path,
+                     notes: list[str]) -> str:
+    """The precision the files are written for: the resuming run's config when one was given, else
+    the source's own when it tells it; refused when neither does.
+
+    It decides the optim files' names (``bf16_zero_pp_rank_0_...`` for bf16) and DeepSpeed
+    0.19.8's ``load_checkpoint`` looks for exactly one naming: its fallback to the other
+    (``_get_all_zero_checkpoints``) only runs when ``_get_all_zero_checkpoint_names`` returns None,
+    which it never does, so a guess that is wrong ends in ``FileNotFoundError: ...bf16_zero_pp_rank_0_...``
+    inside DeepSpeed."""
+    if cfg is not None:
+        if seen.precision is not None and seen.precision != config_precision:
+            notes.append(f"the source trained in {seen.precision} ({seen.seen}); the files are written for the given "
+                         f"config's {config_precision} (the fp32 masters and moments are the same either way)")
+        return config_precision
+    if seen.precision == "fp16":
+        raise UsageError(f"{tag_dir}: trained in fp16 ({seen.seen}) and no --ds-config was given: an fp16 ZeRO-3 run "
+                         "needs its loss-scaler state, which an FSDP2 checkpoint does not hold. Pass the resuming run's "
+                         "config with bf16 or fp32: --ds-config FILE (ds_config= in Python)")
+    if seen.precision is not None:
+        notes.append(f"precision {seen.precision} taken from the source ({seen.seen}): the optim files are named "
+                     f"{'bf16_zero_pp_rank_*' if seen.precision == 'bf16' else 'zero_pp_rank_*'}; no --ds-config was "
+                     "given, so DeepSpeed's other defaults apply (sub_group_size 1e9, FusedAdam, no offload)")
+        return seen.precision
+    raise UsageError(
+        f"{tag_dir}: no --ds-config given and the source does not tell the precision of the resuming run: "
+        f"{seen.seen}, and FSDP2 keeps float32 parameters also when a MixedPrecisionPolicy trains in bf16. The "
+        "precision decides the files' names (bf16: bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt; fp32: "
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt) and DeepSpeed's load_checkpoint finds only its own (a wrong "
+        "guess fails later with FileNotFoundError). Pass the resuming run's DeepSpeed config: --ds-config "
+        "ds_config.json (ds_config= in Python; it also gives sub_group_size and offload)")
+
+
+NAME_PREFIXES = ("", DEEPSPEED_PREFIX)
+"""What ``name_prefix`` may be: no prefix, or the ``module.`` a wrapped model's names carry."""
+
+
+def target_names(plan: SourcePlan, manifest: Manifest | None, name_prefix: str | None, tag_dir: Path) -> dict[str, str]:
+    """Source FQN -> the name the resuming engine's module has, for every model key that changes.
+
+    ``engine.load_checkpoint`` matches the ``module`` dict and the frozen fragments by name against
+    ``engine.module`` (a strict ``load_state_dict``), so they must be the resuming model's names:
+    with ``module.`` when the model handed to ``deepspeed.initialize`` is itself a wrapper holding it
+    as ``.module`` (a DDP-style wrapper), without it otherwise. ``name_prefix``: ``"module."`` or
+    ``""``; None: the prefix a ZeRO-3 checkpoint had before ``--to fsdp2`` removed it (recorded in
+    ``extra.converted_from.name_prefix``), else the source's names as they are. A source where some
+    names carry the prefix and others do not cannot be mapped either way without guessing: refused."""
+    if name_prefix is not None and name_prefix not in NAME_PREFIXES:
+        raise UsageError(f"name_prefix {name_prefix!r}: must be 'module.' (the resuming engine's model is a wrapper "
+                         "holding it as .module, names like module.model.embed_tokens.weight) or '' (names as the "
+                         "model's own named_parameters())")
+    came = (manifest.extra.get("converted_from") if manifest is not None else None) or {}
+    recorded = came.get("name_prefix") if came.get("engine") == "deepspeed" else None
+    want = name_prefix if name_prefix is not None else (recorded if recorded in NAME_PREFIXES else None)
+    keys = plan.model_keys
+    with_prefix = [n for n in keys if n.startswith(DEEPSPEED_PREFIX)]
+    without = [n for n in keys if not n.startswith(DEEPSPEED_PREFIX)]
+    if want is None:
+        if with_prefix and not without:
+            plan.notes.append(f"every name starts with {DEEPSPEED_PREFIX!r} (the FSDP2 model was a wrapper) and is "
+                              "written so: the resuming DeepSpeed model must be wrapped the same way; for an "
+                              "unwrapped one convert with name_prefix=''")
+        return {}
+    if with_prefix and without:
+        raise UsageError(
+            f"{tag_dir}: cannot give every name the prefix {want!r} or none: some model keys have "
+            f"{DEEPSPEED_PREFIX!r} ({with_prefix[:2]}) and some do not ({without[:2]}), so which of them belong to "
+            "a wrapper is ambiguous (a submodule named 'module' looks the same). Save the FSDP2 checkpoint from the "
+            "unwrapped model, or convert with name_prefix=None to keep the names as they are")
+    if want == DEEPSPEED_PREFIX and without:
+        mapping = {n: DEEPSPEED_PREFIX + n for n in keys}
+        plan.notes.append(f"names written with the prefix {DEEPSPEED_PREFIX!r} (e.g. {mapping[keys[0]]}): the "
+                          "resuming engine's model is a wrapper holding the model as .module"
+                          + (" (recorded when this checkpoint was converted from ZeRO-3)" if name_prefix is None else ""))
+        return mapping
+    if want == "" and with_prefix:
+        mapping = {n: n[len(DEEPSPEED_PREFIX):] for n in keys}
+        plan.notes.append(f"the prefix {DEEPSPEED_PREFIX!r} removed from every name (e.g. {keys[0]} -> "
+                          f"{mapping[keys[0]]}): the resuming engine's model is not wrapped")
+        return mapping
+    return {}
+
+
 def plan_zero3_target(plan: SourcePlan, cfg: dict[str, Any] | None, manifest: Manifest | None, world_size: int,
                       sub_group_size: int, tag_dir: Path) -> Zero3Target:
     """The ZeRO-3 files for ``world_size`` ranks of the run ``cfg`` configures (None: DeepSpeed's
@@ -160,9 +284,6 @@ def plan_zero3_target(plan: SourcePlan, cfg: dict[str, Any] | None, manifest: Ma
         plan.notes.append(f"parameters/moments saved as {dtypes} were upcast to float32 (ZeRO-3's masters and moments "
                           "are fp32); they are exact, but are not a float32 run's values")
     record_cfg = cfg if cfg is not None else _minimal_config(plan.groups[0], opt)
-    if cfg is None:
-        plan.notes.append("no ds_config given: DeepSpeed's defaults (sub_group_size 1e9, fp32, FusedAdam param groups); "
-                          "pass the resuming run's config (--ds-config) when it sets sub_group_size, bf16 or offload")
     if cfg is not None and cfg.get("scheduler") is not None:
         plan.not_carried.append("lr_scheduler (ds_config has a 'scheduler'): the FSDP2 checkpoint holds no scheduler "
                                 "state; load with engine.load_checkpoint(OUT, load_lr_scheduler_states=False) (the "

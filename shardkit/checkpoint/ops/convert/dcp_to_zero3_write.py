@@ -19,7 +19,8 @@ from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import TargetOptimizer
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, SourcePlan
 from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, MODEL_KEY, OPTIM_KEY
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
-from shardkit.checkpoint.zero3.repartition import TargetLayout, repartition_frozen
+from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
+from shardkit.checkpoint.zero3.repartition import TargetLayout
 
 if TYPE_CHECKING:
     import torch
@@ -48,9 +49,11 @@ def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str
     workers = default_workers(world_size) if out.all_segments() else 1
     # hashed as written (the manifest needs no second read), fsynced by the thread that wrote
     # it; the first failure cancels the files not yet started (stream.write_parallel)
-    digests = write_parallel(
-        [(folder / name, lambda path, produce=produce: stream_save(produce(), path)) for name, produce in files],
-        workers, outcome=outcome, thread_name="shardkit-convert")
+    def job(produce: Callable[[], dict[str, Any]]) -> Callable[[Path], Any]:
+        return lambda path: stream_save(produce(), path)
+
+    digests = write_parallel([(folder / name, job(produce)) for name, produce in files],
+                             workers, outcome=outcome, thread_name="shardkit-convert")
     return [FileEntry(name, d.size, d.sha256) for (name, _), d in zip(files, digests)]
 
 
@@ -59,7 +62,8 @@ class RankStates:
 
     def __init__(self, *, src: DcpSource, plan: SourcePlan, layout: TargetLayout, opt: TargetOptimizer,
                  groups: list[dict[str, Any]], sub_steps: list[tuple[int, Any]], precision: str, global_steps: int,
-                 counters: dict[str, Any], client: dict[str, Any], cfg: dict[str, Any]):
+                 counters: dict[str, Any], client: dict[str, Any], cfg: dict[str, Any],
+                 names: dict[str, str] | None = None):
         import deepspeed
         import torch
 
@@ -67,15 +71,25 @@ class RankStates:
         self.global_steps, self.counters, self.client, self.cfg = global_steps, counters, client, cfg
         self.ds_version = deepspeed.__version__
         self.module_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        # source FQN -> the name the resuming engine's module has (``module.`` added or removed:
+        # ``dcp_to_zero3_plan.target_names``); the DCP keys are always read under the source's
+        names = names or {}
+        self.name: Callable[[str], str] = lambda fqn: names.get(fqn, fqn)
         buffers = src.load([f"{MODEL_KEY}.{n}" for n in plan.buffers]) if plan.buffers else {}
-        self.frozen_full = src.load([f"{MODEL_KEY}.{p.fqn}" for p in plan.frozen]) if plan.frozen else {}
         params = {p.fqn for p in plan.trainable} | {p.fqn for p in plan.frozen} | set(plan.aliases)
         # a partitioned ZeRO-3 module's state_dict holds an empty tensor per parameter, buffers whole
         self.module: OrderedDict[str, Any] = OrderedDict(
-            (n, torch.empty(0, dtype=self.module_dtype) if n in params else buffers[f"{MODEL_KEY}.{n}"])
+            (self.name(n), torch.empty(0, dtype=self.module_dtype) if n in params else buffers[f"{MODEL_KEY}.{n}"])
             for n in plan.model_keys)
-        self.param_shapes = [OrderedDict((tp.source.name, torch.Size(tp.source.shape)) for tp in sub)
+        self.param_shapes = [OrderedDict((self.name(tp.source.name), torch.Size(tp.source.shape)) for tp in sub)
                              for sub in layout.sub_groups]
+        # Frozen parameters are never loaded whole: each rank's fragment is a lazy tensor, byte
+        # ranges of the .distcp file where the dtype already is the module's (so a LoRA model whose
+        # weights are mostly frozen converts at the peak memory of a fully trained one), else its
+        # slice read and cast when the file is written. They used to be dcp.load-ed all at once.
+        self.frozen_fragments = [
+            OrderedDict((p.fqn, self._frozen_fragment(p.fqn, p.numel, r)) for p in plan.frozen)
+            for r in range(layout.world_size)]
         owners: dict[int, list[int]] = {}
         for j, g in enumerate(layout.sub_group_param_group):
             owners.setdefault(g, []).append(j)
@@ -87,12 +101,12 @@ class RankStates:
 
         plan, n = self.plan, self.layout.world_size
         sd: dict[str, Any] = dict(
-            module=self.module, buffer_names=list(plan.buffers), optimizer=None, param_shapes=self.param_shapes,
-            frozen_param_shapes=OrderedDict((p.fqn, torch.Size(p.shape)) for p in plan.frozen),
-            shared_params=dict(plan.aliases),
+            module=self.module, buffer_names=[self.name(b) for b in plan.buffers], optimizer=None,
+            param_shapes=self.param_shapes,
+            frozen_param_shapes=OrderedDict((self.name(p.fqn), torch.Size(p.shape)) for p in plan.frozen),
+            shared_params={self.name(a): self.name(o) for a, o in plan.aliases.items()},
             frozen_param_fragments=OrderedDict(
-                (p.fqn, repartition_frozen(self.frozen_full[f"{MODEL_KEY}.{p.fqn}"].to(self.module_dtype), n, rank))
-                for p in plan.frozen),
+                (self.name(fqn), fragment) for fqn, fragment in self.frozen_fragments[rank].items()),
             lr_scheduler=self.counters.get("lr_scheduler"), data_sampler=None, random_ltd=None,
             skipped_steps=self.counters["skipped_steps"], global_steps=self.global_steps)
         if "global_samples" in self.counters:
@@ -127,9 +141,43 @@ class RankStates:
         return {"optimizer_state_dict": osd, "ds_config": self.cfg, "ds_version": self.ds_version}
 
     def all_segments(self) -> bool:
-        """Every flat tensor of every rank is a list of byte ranges (no ``dcp.load`` needed)."""
-        return all(self._lazy(j, r, key).segments is not None for r in range(self.layout.world_size)
-                   for j in range(len(self.layout.sub_groups)) for key in (FP32, *ADAM_STATE_KEYS))
+        """Every flat tensor and frozen fragment of every rank is a list of byte ranges (no
+        ``dcp.load`` needed: the files can be written by several threads at once)."""
+        return (all(self._lazy(j, r, key).segments is not None for r in range(self.layout.world_size)
+                    for j in range(len(self.layout.sub_groups)) for key in (FP32, *ADAM_STATE_KEYS))
+                and all(f.segments is not None for frags in self.frozen_fragments for f in frags.values()))
+
+    def _frozen_fragment(self, fqn: str, numel: int, rank: int) -> LazyTensor:
+        """Rank ``rank``'s ZeRO-3 fragment of the frozen parameter ``fqn`` (``ceil(numel/N)``
+        elements in the module's dtype, the last rank's tail zero), produced only when written."""
+        key = f"{MODEL_KEY}.{fqn}"
+        pn = partition_numel(numel, self.layout.world_size)
+        lo, hi = rank_range(rank, pn, numel)
+        meta = self.src.tensor_meta(key)
+        chunks = self.src.slices.chunks(key) if hi > lo else []
+        segments: list[Segment] | None = None
+        if meta is not None and chunks is not None and meta.properties.dtype == self.module_dtype:
+            size = self.module_dtype.itemsize
+            segments = []
+            for ch in chunks:
+                a, b = max(lo, ch.start), min(hi, ch.start + ch.numel)
+                if b > a:
+                    segments.append(Segment(str(ch.file), ch.data_offset + (a - ch.start) * size, (b - a) * size))
+            if pn > hi - lo:
+                segments.append(Segment(None, 0, (pn - (hi - lo)) * size))
+        src, dtype = self.src, self.module_dtype
+
+        def produce() -> "torch.Tensor":
+            import torch
+
+            source_dtype = meta.properties.dtype if meta is not None else torch.float32
+            out = torch.zeros(pn, dtype=source_dtype)
+            if hi > lo and not src.slices.read_into(key, lo, out.narrow(0, 0, hi - lo)):
+                # a layout the slice reader does not take: this one tensor whole, then its slice
+                out.narrow(0, 0, hi - lo).copy_(src.load([key])[key].reshape(-1)[lo:hi])
+            return out.to(dtype)
+
+        return LazyTensor(pn, dtype, produce, segments=(lambda: segments) if segments is not None else None)
 
     def _lazy(self, j: int, rank: int, key: str) -> LazyTensor:
         """Rank ``rank``'s flat ``key`` tensor of sub-group ``j``, written later by ``stream_save``:

@@ -51,6 +51,7 @@ from shardkit.checkpoint.io.pipeline import (
 from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.checkpoint.io.tags import LATEST_NAME
 from shardkit.checkpoint.io.torch_load import safe_torch_load
+from shardkit.checkpoint.io.verify import refuse_links_leaving
 from shardkit.checkpoint.ops.convert.names import MODEL_KEY, OPTIM_KEY, not_carried_lines, refuse_if_any
 from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_plan import plan_dcp_target
@@ -88,6 +89,8 @@ def convert_zero3_to_dcp(
     root = Path(output)
     check_output_root(root, tag, source_dir, force=force)
     checked = verify_before_reading(source_dir, checksums=verify)
+    # a folder without a manifest is not verified: a link out of it must still never be read
+    refuse_links_leaving(source_dir, "convert")
     for note in checked.warnings:
         warn(note)
     ckpt = open_zero3_checkpoint(source_dir)
@@ -99,6 +102,8 @@ def convert_zero3_to_dcp(
              "converted_from": {"engine": "deepspeed", "zero_stage": 3, "path": str(ckpt.tag_dir),
                                 "world_size": ckpt.world_size, "ds_version": ckpt.ds_version,
                                 "precision": ckpt.precision, "verified": checked.level,
+                                # the prefix removed from every name: --to zero3 puts it back
+                                "name_prefix": plan.names.prefix,
                                 # which model keys are buffers: a frozen parameter written by one
                                 # process looks like a buffer otherwise (--to zero3 reads this)
                                 "buffer_names": [plan.names.fsdp_name(b) for b in ckpt.buffers()],

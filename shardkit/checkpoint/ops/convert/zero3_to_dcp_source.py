@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from shardkit.checkpoint.io.stream import LazyTensor, Segment
+from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.ops.convert.names import (
     ADAM_STATE_KEYS,
     MODEL_KEY,
@@ -26,6 +27,8 @@ from shardkit.checkpoint.ops.convert.names import (
 )
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_plan import DcpTarget
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, RankPartitions, Zero3Checkpoint
+from shardkit.checkpoint.zero3.file_offsets import FileOffsets
+from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 
 if TYPE_CHECKING:
     import torch
@@ -101,13 +104,44 @@ class _ShapedLazyTensor(LazyTensor):
 
 
 def _frozen_producer(fragments: list[dict[str, Any]], name: str, shape: tuple[int, ...]) -> Callable[[], Any]:
+    """The whole frozen parameter built from every rank's fragment (the fallback when a rank
+    file's byte offsets are unknown): copied piece by piece into one tensor, never concatenated
+    and then cut (which held it twice)."""
     def make() -> Any:
         import torch
 
-        # clone: the record is the tensor's whole storage, which must not include the padding
-        return torch.cat([f[name].reshape(-1) for f in fragments])[: math.prod(shape)].clone().view(shape)
+        numel = math.prod(shape)
+        out = torch.empty(numel, dtype=fragments[0][name].dtype)
+        pn = partition_numel(numel, len(fragments))
+        for r, f in enumerate(fragments):
+            start, stop = rank_range(r, pn, numel)
+            if stop > start:
+                out.narrow(0, start, stop - start).copy_(f[name].reshape(-1)[: stop - start])
+        return out.view(shape)
 
     return make
+
+
+def _frozen_segments(ckpt: Zero3Checkpoint, loaded: list[dict[str, Any]], name: str,
+                     shape: tuple[int, ...]) -> list[Segment] | None:
+    """The frozen parameter ``name`` as byte ranges of the rank model-states files (each rank's
+    fragment without its padding, in rank order), or None when an offset is unknown. Frozen
+    weights then stay on disk, memory-mapped, and are copied through the writer's buffer like
+    the masters and moments: a LoRA-style model whose weights are mostly frozen converts at the
+    peak memory of a fully trained one (they were gathered into one tensor each)."""
+    numel = math.prod(shape)
+    pn = partition_numel(numel, len(loaded))
+    segments = []
+    for r, sd in enumerate(loaded):
+        start, stop = rank_range(r, pn, numel)
+        if stop <= start:
+            continue
+        fragment = sd["frozen_param_fragments"][name]
+        at = FileOffsets(ckpt.model_files[r], sd).of(fragment)
+        if at is None:
+            return None
+        segments.append(Segment(str(ckpt.model_files[r]), at, (stop - start) * fragment.element_size()))
+    return segments
 
 
 def state_template(ckpt: Zero3Checkpoint, plan: DcpTarget, parts: list[RankPartitions]) -> tuple[dict[str, Any], dict[str, LazyTensor]]:
@@ -137,13 +171,17 @@ def state_template(ckpt: Zero3Checkpoint, plan: DcpTarget, parts: list[RankParti
             lazy[dcp_optim_key(fqn, key)] = lazy_slot(slot, key)
         optim_state[fqn] = entry
     if ckpt.frozen_param_shapes:
-        fragments = [ckpt.frozen_fragments(r) for r in range(ckpt.world_size)]
+        # every rank's model states, memory-mapped (rank 0's is already open)
+        loaded = [ckpt.model_state if r == 0 else safe_torch_load(ckpt.model_files[r], mmap=True)
+                  for r in range(ckpt.world_size)]
+        fragments = [dict(sd.get("frozen_param_fragments") or {}) for sd in loaded]
         for name, shape in ckpt.frozen_param_shapes.items():
             fqn = names.fsdp_name(name)
             dtype = fragments[0][name].dtype
             model[fqn] = torch.empty(shape, dtype=dtype, device="meta")
             by_fqn[fqn] = lazy[dcp_model_key(fqn)] = _ShapedLazyTensor(
-                tuple(shape), dtype, _frozen_producer(fragments, name, shape), None)
+                tuple(shape), dtype, _frozen_producer(fragments, name, shape),
+                _frozen_segments(ckpt, loaded, name, tuple(shape)))
     for name, tensor in ckpt.buffers().items():
         model[names.fsdp_name(name)] = tensor.detach().clone()
     for alias, owner in names.aliases.items():

@@ -1,0 +1,119 @@
+"""What a Hugging Face Trainer ``checkpoint-N`` saved under FSDP holds, from its files and folders.
+
+The Trainer (transformers 5.24, ``Trainer._save_optimizer_and_scheduler``) calls accelerate's
+``save_fsdp_model`` and ``save_fsdp_optimizer`` (accelerate 1.15, ``utils/fsdp_utils.py``) with
+``model_index``/``optimizer_index`` 0; ``save_model`` adds ``model.safetensors`` only under
+``FULL_STATE_DICT``. What they write depends on ``fsdp_state_dict_type``, the same for FSDP1 and
+FSDP2 (FSDP2 has no ``LOCAL_STATE_DICT``):
+
+- ``SHARDED_STATE_DICT`` (``use_dcp=True``, the Trainer's and accelerate's default): two
+  ``torch.distributed.checkpoint`` folders, ``pytorch_model_fsdp_0/`` (``{"model": ...}``) and
+  ``optimizer_0/`` (``{"optimizer": ...}``), each ``.metadata`` plus one ``__R_0.distcp`` per rank.
+  DCP reshards while loading: the Trainer resumes them at any world size.
+- ``SHARDED_STATE_DICT`` with ``use_dcp=False`` (accelerate's own ``save_state`` option for very
+  large jobs): ``pytorch_model_fsdp_0_rank{R}.bin`` and ``optimizer_0_rank{R}.bin``, one
+  ``torch.save`` per rank, loadable only by the same number of ranks.
+- ``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin`` (the whole model, rank 0) and ``optimizer.bin``
+  (the whole optimizer state, rank 0), plus ``model.safetensors``: resumable at any world size.
+- ``LOCAL_STATE_DICT`` (FSDP1 only): ``pytorch_model_fsdp_rank{R}.bin`` (each rank's flat
+  shard, the same number of ranks only) and the optimizer as ``optimizer_0/`` (DCP).
+
+``tests/test_trainer_checkpoint.py`` writes each layout with accelerate's own save functions over
+real FSDP1 and FSDP2 models on 2 gloo ranks and checks what is said about it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+#: ``accelerate.utils.constants.FSDP_MODEL_NAME`` and ``OPTIMIZER_NAME``.
+FSDP_MODEL_NAME = "pytorch_model_fsdp"
+OPTIMIZER_NAME = "optimizer"
+_DCP_METADATA = ".metadata"
+_MODEL_DCP = re.compile(rf"^{FSDP_MODEL_NAME}_(\d+)$")
+_OPTIM_DCP = re.compile(rf"^{OPTIMIZER_NAME}_(\d+)$")
+_MODEL_PER_RANK = re.compile(rf"^{FSDP_MODEL_NAME}_(\d+)_rank(\d+)\.bin$")
+_OPTIM_PER_RANK = re.compile(rf"^{OPTIMIZER_NAME}_(\d+)_rank(\d+)\.bin$")
+_MODEL_LOCAL = re.compile(rf"^{FSDP_MODEL_NAME}_rank(\d+)\.bin$")
+_MODEL_FULL = re.compile(rf"^{FSDP_MODEL_NAME}(?:_\d+)?\.bin$")
+_OPTIM_FULL = re.compile(rf"^{OPTIMIZER_NAME}(?:_\d+)?\.bin$")
+
+
+@dataclass(frozen=True)
+class FsdpLayout:
+    """What one FSDP Trainer checkpoint holds."""
+
+    state_dict_type: str
+    """'SHARDED_STATE_DICT', 'SHARDED_STATE_DICT (use_dcp=False)', 'FULL_STATE_DICT' or 'LOCAL_STATE_DICT'."""
+    model: list[str]
+    """The model's files/folders, as named in the checkpoint (a folder with a trailing '/')."""
+    optimizer: list[str]
+    """The optimizer's files/folders (empty: saved without optimizer state)."""
+    ranks: int | None
+    """How many ranks wrote it, where the files tell (.distcp files, or rank files)."""
+    any_world_size: bool
+    """True when the Trainer resumes it at another world size as it is."""
+
+
+def _distcp_ranks(folder: Path) -> int | None:
+    n = sum(1 for f in folder.iterdir() if f.name.endswith(".distcp"))
+    return n or None
+
+
+def fsdp_layout(folder: Path) -> FsdpLayout | None:
+    """The FSDP layout of the Trainer checkpoint ``folder``, or None when it holds no FSDP file."""
+    entries = sorted(folder.iterdir(), key=lambda e: e.name)
+    dirs = {e.name: e for e in entries if e.is_dir()}
+    files = [e.name for e in entries if e.is_file()]
+    model_dcp = [n for n, d in dirs.items() if _MODEL_DCP.match(n) and (d / _DCP_METADATA).is_file()]
+    optim_dcp = [n for n, d in dirs.items() if _OPTIM_DCP.match(n) and (d / _DCP_METADATA).is_file()]
+    per_rank = [n for n in files if _MODEL_PER_RANK.match(n)]
+    per_rank_optim = [n for n in files if _OPTIM_PER_RANK.match(n)]
+    local = [n for n in files if _MODEL_LOCAL.match(n)]
+    full = [n for n in files if _MODEL_FULL.match(n)]
+    full_optim = [n for n in files if _OPTIM_FULL.match(n)]
+
+    def shown(names: list[str]) -> list[str]:
+        return [f"{n}/" if n in dirs else n for n in names]
+
+    if model_dcp:
+        return FsdpLayout("SHARDED_STATE_DICT", shown(model_dcp), shown(optim_dcp),
+                          _distcp_ranks(dirs[model_dcp[0]]), any_world_size=True)
+    if per_rank:
+        return FsdpLayout("SHARDED_STATE_DICT (use_dcp=False)", per_rank, per_rank_optim,
+                          len({m.group(2) for n in per_rank if (m := _MODEL_PER_RANK.match(n))}), any_world_size=False)
+    if local:
+        return FsdpLayout("LOCAL_STATE_DICT", local, shown(optim_dcp), len(local), any_world_size=False)
+    if full:
+        return FsdpLayout("FULL_STATE_DICT", full, full_optim, None, any_world_size=True)
+    return None
+
+
+def fsdp_refusal(head: str, layout: FsdpLayout, folder: Path) -> str:
+    """Why ``folder`` (an FSDP Trainer checkpoint) is not something shardkit reshards, consolidates
+    or converts, and what the user can do with it instead, true to the layout found."""
+    what = (f"it was saved by FSDP through Accelerate with fsdp_state_dict_type {layout.state_dict_type} "
+            f"(model: {', '.join(layout.model)}; optimizer: {', '.join(layout.optimizer) or 'none saved'}"
+            f"{f'; written by {layout.ranks} rank(s)' if layout.ranks else ''})")
+    not_ours = ("shardkit's reshard, consolidate and convert read DeepSpeed ZeRO-3 checkpoint-N folders and "
+                "shardkit's own FSDP2 checkpoints (save_fsdp_checkpoint), not accelerate's FSDP files")
+    if not layout.optimizer:
+        return (f"{head}; {what}. It holds no optimizer state (TrainingArguments.save_only_model=True, or the save "
+                f"was interrupted), so it can start a new run but not resume one. {not_ours}")
+    if layout.state_dict_type == "SHARDED_STATE_DICT":
+        return (f"{head}; {what}: torch.distributed.checkpoint folders, the same layout under FSDP1 and FSDP2. "
+                "The Trainer resumes it at any world size as it is (DCP reshards while loading), so there is nothing "
+                f"to reshard. {not_ours}; for one file of full weights, save with fsdp_state_dict_type "
+                "FULL_STATE_DICT (the Trainer then writes model.safetensors)")
+    if layout.state_dict_type == "FULL_STATE_DICT":
+        safetensors = " and model.safetensors" if (folder / "model.safetensors").is_file() else ""
+        return (f"{head}; {what}: the whole model and the whole, unsharded optimizer state, saved by rank 0. The "
+                f"Trainer resumes it at any world size as it is, so there is nothing to reshard, and "
+                f"{layout.model[0]}{safetensors} already hold the full weights. {not_ours}")
+    ranks = f"{layout.ranks} ranks" if layout.ranks else "the ranks that wrote it"
+    return (f"{head}; {what}: each rank's own shard in its own file, which only {ranks} can load (neither accelerate "
+            f"nor shardkit repartitions it). Resume with {ranks}; to change the world size, resume once at "
+            f"{ranks} and save again with fsdp_state_dict_type SHARDED_STATE_DICT (DCP folders, reshardable on load). "
+            f"{not_ours}")
