@@ -203,3 +203,22 @@ def test_a_staging_folder_left_by_a_save_killed_on_every_rank_is_noted_never_loa
         check_resumable(staged)
     done = _run("reshard", src, "--world-size", "2", "-o", tmp_path / "out", "--sub-group-size", "1000")
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("command", ["reshard", "consolidate"])
+def test_a_rank_file_linking_outside_a_checkpoint_without_manifest_is_never_read(src, tmp_path, command):
+    elsewhere = tmp_path / "elsewhere.pt"
+    f = src / TAG / RANK1
+    shutil.copy(f, elsewhere)
+    f.unlink()
+    f.symlink_to(elsewhere)
+    out = tmp_path / ("out" if command == "reshard" else "model.safetensors")
+    done = _run(*_command(command, src, out))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert RANK1 in done.stderr and str(elsewhere) in done.stderr, done.stderr
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_name_prefix_is_refused_where_it_means_nothing(src, tmp_path):
+    done = _run("convert", src, "--to", "fsdp2", "-o", tmp_path / "out", "--name-prefix", "module")
+    assert done.returncode == 2 and "--name-prefix module with --to fsdp2" in done.stderr, done.stderr

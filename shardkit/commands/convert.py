@@ -39,8 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(AdamW, on) or L2 (Adam, off); needed only when weight_decay is not 0")
     p.add_argument("--ds-config", default=None, metavar="FILE",
                    help="--to zero3 only: the resuming run's DeepSpeed config (sub_group_size, bf16, offload decide "
-                        "the files' layout and param-group format; recorded as ds_config). Default: DeepSpeed's "
-                        "defaults (fp32, FusedAdam)")
+                        "the files' layout and param-group format; recorded as ds_config). Without it the precision "
+                        "comes from the source (its recorded precision, or bf16 parameters) and a float32 source is "
+                        "refused, since FSDP2 keeps float32 parameters whatever it trains in")
+    p.add_argument("--name-prefix", choices=("module", "none"), default=None,
+                   help="--to zero3 only: 'module' writes the parameter names with DeepSpeed's 'module.' prefix (a "
+                        "target engine wrapping the model), 'none' strips it (default: the source's names; a ZeRO-3 "
+                        "origin gets its own prefix back)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
     p.add_argument("--no-verify", action="store_true",
@@ -65,6 +70,9 @@ def convert_command(args: argparse.Namespace) -> int:
         if args.ds_config is not None:
             raise UsageError(f"--ds-config {args.ds_config} with --to fsdp2: the ZeRO-3 checkpoint records its own "
                              "config; drop --ds-config")
+        if args.name_prefix is not None:
+            raise UsageError(f"--name-prefix {args.name_prefix} with --to fsdp2: DCP names are the model's own (the "
+                             "'module.' prefix is removed and recorded); drop --name-prefix")
         adam_w = None if args.adam_w_mode is None else args.adam_w_mode == "on"
         # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
         trainer = locate_trainer_checkpoint(args.source)
@@ -85,8 +93,10 @@ def convert_command(args: argparse.Namespace) -> int:
         if args.adam_w_mode is not None:
             raise UsageError(f"--adam-w-mode {args.adam_w_mode} with --to zero3: the FSDP2 checkpoint's param "
                              "groups already record decoupled_weight_decay; drop --adam-w-mode")
+        prefix = {"module": "module.", "none": "", None: None}[args.name_prefix]
         r = convert_dcp_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
-                                 force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config)
+                                 force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config,
+                                 name_prefix=prefix)
         resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"
     print(f"wrote {r.output / r.tag}: {r.source_engine} -> {r.target_engine}, {r.params} parameters, "
           f"{r.bytes / 2**20:,.1f} MiB; resume with {resume}")

@@ -16,7 +16,7 @@ from pathlib import Path
 from shardkit.checkpoint.io.manifest import MANIFEST_NAME, Manifest, sha256_file
 from shardkit.checkpoint.io.shared_save import owner_alive
 from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, tag_problem
-from shardkit.checkpoint.io.verify import verify_checkpoint
+from shardkit.checkpoint.io.verify import refuse_links_leaving, verify_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
 
 
@@ -64,6 +64,8 @@ def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = 
     """
     tag_dir = Path(tag_dir)
     if not os.path.lexists(tag_dir / MANIFEST_NAME):
+        # without a manifest verify never looks: a link leaving the tag is refused here, not read through
+        refuse_links_leaving(tag_dir, "read")
         return SourceCheck("none", [
             f"{tag_dir} has no {MANIFEST_NAME} (it was not saved by shardkit), so its files cannot be verified: a "
             "truncated or corrupted rank file is read as is. Save with shardkit to get a manifest"])
