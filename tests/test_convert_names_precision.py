@@ -320,7 +320,7 @@ def test_convert_refuses_a_source_with_a_link_leading_outside_even_without_a_man
     outside = tmp_path / "elsewhere.distcp"
     shutil.move(victim, outside)
     victim.symlink_to(outside)
-    with pytest.raises(CheckpointError, match=rf"refusing to convert {src}: {victim}: a symlink to '{outside}', which "
+    with pytest.raises(CheckpointError, match=rf"refusing to (convert|read) {src}: {victim}: a symlink to '{outside}', which "
                        r"leads outside the checkpoint folder"):
         convert_dcp_to_zero3(src, tmp_path / "out", world_size=1, ds_config=_ds_config(1))
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -54,6 +55,10 @@ def _break_rank_file(src: Path, how: str) -> Path:
         os.mkfifo(f)
     elif how == "device":
         f.symlink_to("/dev/zero")
+    elif how == "chardev":
+        if os.geteuid() != 0:
+            pytest.skip("mknod of a character device needs root")
+        os.mknod(f, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # what /dev/zero is, inside the tag
     elif how == "empty":
         f.write_bytes(b"")
     elif how == "sparse":
@@ -66,7 +71,9 @@ def _break_rank_file(src: Path, how: str) -> Path:
 
 SOURCE_CASES = {
     "fifo": r"is a FIFO \(named pipe\), not a regular file, so it is not read",
-    "device": r"\(a symlink to /dev/zero\): is a character device, not a regular file, so it is not read",
+    # a link leaving the tag is refused before the file is even looked at (pipeline.verify_before_reading)
+    "device": r"a symlink to '/dev/zero', which leads outside the checkpoint folder .*shardkit never reads or writes through it",
+    "chardev": r"is a character device, not a regular file, so it is not read",
     "empty": r"checkpoint file is empty \(0 bytes\): the save that wrote it did not finish",
     "sparse": r"cannot be read as a torch checkpoint \(BadZipFile: .*\)\. The file is truncated or corrupted",
     "folder": r"is a directory, expected a checkpoint file",
@@ -222,3 +229,16 @@ def test_a_rank_file_linking_outside_a_checkpoint_without_manifest_is_never_read
 def test_name_prefix_is_refused_where_it_means_nothing(src, tmp_path):
     done = _run("convert", src, "--to", "fsdp2", "-o", tmp_path / "out", "--name-prefix", "module")
     assert done.returncode == 2 and "--name-prefix module with --to fsdp2" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", ["reshard", "consolidate", "convert"])
+def test_workers_is_a_count_of_writers(src, tmp_path, command):
+    out = tmp_path / ("model.safetensors" if command == "consolidate" else "out")
+    argv = (_command(command, src, out) if command != "convert"
+            else ["convert", src, "--to", "fsdp2", "-o", out])
+    refused = _run(*argv, "--workers", "0")
+    assert refused.returncode == 2 and "--workers 0: must be at least 1" in refused.stderr, refused.stderr
+    done = _run(*argv, "--workers", "1")
+    assert done.returncode == 0, done.stderr
+    if command != "consolidate":
+        assert _run("verify", out).returncode == 0

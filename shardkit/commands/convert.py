@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--to zero3 only: 'module' writes the parameter names with DeepSpeed's 'module.' prefix (a "
                         "target engine wrapping the model), 'none' strips it (default: the source's names; a ZeRO-3 "
                         "origin gets its own prefix back)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="files written at once (default: one per file, at least the usable cores, at most "
+                        "max(cores, 8))")
     p.add_argument("--force", action="store_true",
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
     p.add_argument("--no-verify", action="store_true",
@@ -63,6 +66,8 @@ def convert_command(args: argparse.Namespace) -> int:
     def warn(message: str) -> None:
         print(f"shardkit convert: warning: {message}", file=sys.stderr)
 
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: must be at least 1 (files written at once)")
     if args.to == "fsdp2":
         if args.world_size is not None:
             raise UsageError(f"--world-size {args.world_size} with --to fsdp2: a DCP checkpoint loads at any world "
@@ -80,7 +85,7 @@ def convert_command(args: argparse.Namespace) -> int:
             print(f"note: {trainer.note()}")
         source = args.source if trainer is None else trainer.folder
         r = convert_zero3_to_dcp(source, args.output, tag=args.tag, force=args.force,
-                                 verify=not args.no_verify, warn=warn, adam_w_mode=adam_w)
+                                 verify=not args.no_verify, warn=warn, adam_w_mode=adam_w, workers=args.workers)
         if trainer is not None:  # trainer_state.json, scheduler.pt, rng_state_*.pth ...: named, never dropped silently
             r.not_carried.extend(trainer_files_not_converted(trainer.folder))
         resume = f"load_fsdp_checkpoint(model, optimizer, {str(r.output)!r}) at any world size"
@@ -96,7 +101,7 @@ def convert_command(args: argparse.Namespace) -> int:
         prefix = {"module": "module.", "none": "", None: None}[args.name_prefix]
         r = convert_dcp_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
                                  force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config,
-                                 name_prefix=prefix)
+                                 name_prefix=prefix, workers=args.workers)
         resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"
     print(f"wrote {r.output / r.tag}: {r.source_engine} -> {r.target_engine}, {r.params} parameters, "
           f"{r.bytes / 2**20:,.1f} MiB; resume with {resume}")

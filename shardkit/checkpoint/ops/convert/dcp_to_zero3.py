@@ -89,6 +89,7 @@ def convert_dcp_to_zero3(
     warn: Callable[[str], None] | None = None,
     ds_config: str | os.PathLike[str] | dict[str, Any] | None = None,
     name_prefix: str | None = None,
+    workers: int | None = None,
     **options: Any,
 ) -> ConvertResult:
     """Write the FSDP2 (DCP) checkpoint ``source`` as the ZeRO-3 files of a DeepSpeed run at
@@ -103,13 +104,16 @@ def convert_dcp_to_zero3(
     a source that does not tell (float32 FSDP2 parameters, also kept under a bf16 mixed-precision
     policy) is refused, naming ``--ds-config``. ``name_prefix``: ``"module."`` when the resuming
     engine's model is a wrapper holding it as ``.module``, ``""`` when not; None keeps the source's
-    names (or restores the prefix a ZeRO-3 origin had). ``options``: ``sub_group_size`` overrides
-    the config's.
+    names (or restores the prefix a ZeRO-3 origin had). ``workers``: rank files written at once
+    (default: one per new rank's file, ``default_workers``). ``options``: ``sub_group_size``
+    overrides the config's.
 
     The source is verified against its manifest first (sizes, sha256 unless ``verify=False``);
     ``output`` must be new, empty or a shardkit checkpoint folder (an existing tag only with
     ``force``). Run it in one process (no process group): DCP reads would otherwise be collective.
     """
+    if workers is not None and workers < 1:
+        raise UsageError(f"workers={workers}: must be at least 1 (rank files written at once)")
     import torch
 
     unknown = sorted(set(options) - {"sub_group_size"})
@@ -164,7 +168,7 @@ def convert_dcp_to_zero3(
                                            "verified": checked.level}})
     outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
     with atomic_checkpoint(root, tag, engine="deepspeed", **facts) as save, closing(src.slices):
-        save.known_files = write_rank_files(save.path, out, precision, outcome)
+        save.known_files = write_rank_files(save.path, out, precision, outcome, workers)
         written = [e.path for e in save.known_files]
     final = root / tag
     carried = ["fp32 masters", "exp_avg", "exp_avg_sq", "step", "param_groups (lr, betas, eps, weight_decay)"]

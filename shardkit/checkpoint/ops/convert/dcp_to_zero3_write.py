@@ -32,7 +32,8 @@ BATCH_BYTES = 64 * 2**20
 """Full source tensors read per ``dcp.load`` call while a partition is produced (bounds memory)."""
 
 
-def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str) -> list[FileEntry]:
+def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str,
+                     workers: int | None = None) -> list[FileEntry]:
     """Every rank's optim and model-states file of ``out`` written into the staging folder
     ``folder`` (``bf16_`` optim file names for a bf16 run); the files written, for the manifest."""
     world_size = out.layout.world_size
@@ -46,7 +47,8 @@ def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str
 
     # Byte-range copies release the GIL (preadv, crc32, sha256, write): one thread per rank file
     # (reshard's rule). Tensors that need dcp.load are produced one at a time.
-    workers = default_workers(world_size) if out.all_segments() else 1
+    if workers is None:
+        workers = default_workers(world_size) if out.all_segments() else 1
     # hashed as written (the manifest needs no second read), fsynced by the thread that wrote
     # it; the first failure cancels the files not yet started (stream.write_parallel)
     def job(produce: Callable[[], dict[str, Any]]) -> Callable[[Path], Any]:

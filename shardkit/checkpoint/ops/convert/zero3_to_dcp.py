@@ -60,6 +60,7 @@ from shardkit.checkpoint.ops.convert.zero3_to_dcp_write import write_dcp_files
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.config.loading import config_digest
+from shardkit.core.errors import UsageError
 
 
 @os_errors_named("converting the checkpoint")
@@ -72,6 +73,7 @@ def convert_zero3_to_dcp(
     verify: bool = True,
     warn: Callable[[str], None] | None = None,
     adam_w_mode: bool | None = None,
+    workers: int | None = None,
 ) -> ConvertResult:
     """Write the ZeRO-3 checkpoint ``source`` (root or tag folder) as a DCP checkpoint under
     ``output/<tag>`` + ``output/latest`` for ``load_fsdp_checkpoint``.
@@ -81,7 +83,10 @@ def convert_zero3_to_dcp(
     ``force``). What cannot be carried is refused (CheckpointError naming each item) or listed in
     ``ConvertResult.not_carried``. ``adam_w_mode`` decides decoupled weight decay for a client
     optimizer the checkpoint does not name (only needed when a group's weight_decay is not 0).
+    ``workers``: tensor files written at once (default ``default_workers``).
     """
+    if workers is not None and workers < 1:
+        raise UsageError(f"workers={workers}: must be at least 1 (files written at once)")
     warn = warn or warn_unverified
     source_dir, source_tag = resolve_tag_dir(source)
     refuse_if_any(layout_refusals(source_dir), source_dir, "fsdp2")
@@ -116,7 +121,7 @@ def convert_zero3_to_dcp(
         # world_size=1: one process wrote it (one chunk per tensor); loading at N ranks is a reshard
         with atomic_checkpoint(root, tag, engine="fsdp2", world_size=1, step=step, dtype="float32",
                                config_digest=config_digest(ckpt.ds_config or None), extra=extra) as save:
-            save.known_files = write_dcp_files(save.path, state, lazy, outcome)
+            save.known_files = write_dcp_files(save.path, state, lazy, outcome, workers)
     final = root / tag
     return ConvertResult(
         output=root, tag=tag, source_engine="zero3", target_engine="fsdp2", world_size=ckpt.world_size,

@@ -19,13 +19,14 @@ from shardkit.checkpoint.io.pipeline import default_workers
 from shardkit.checkpoint.io.stream import FileJob, LazyTensor, WrittenFile, stream_save, write_parallel
 
 
-def write_dcp_files(path: Path, state: dict[str, Any], lazy: dict[str, LazyTensor], outcome: str) -> list[FileEntry]:
+def write_dcp_files(path: Path, state: dict[str, Any], lazy: dict[str, LazyTensor], outcome: str,
+                    workers: int | None = None) -> list[FileEntry]:
     """``state`` saved by ``dcp.save`` into the staging folder ``path``, each of the ``lazy``
     tensors (keyed by flattened DCP key) streamed into its own file; the files written, for the
     manifest (``.metadata`` is hashed by ``atomic_checkpoint``). A failure is raised as itself."""
     # the tensor files are written from here on, while the main thread imports DCP (~0.9 s)
     # and plans; dcp.save's writer then only waits for them
-    with _TensorFiles(path, lazy, outcome) as files:
+    with _TensorFiles(path, lazy, outcome, workers) as files:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -52,10 +53,11 @@ class _TensorFiles:
     are copied from the rank files through one 1 MiB buffer per thread, crc'd and hashed as
     written, while the main thread imports DCP. preadv, crc32, sha256, write and fsync release the GIL."""
 
-    def __init__(self, path: Path, lazy: dict[str, LazyTensor], outcome: str):
+    def __init__(self, path: Path, lazy: dict[str, LazyTensor], outcome: str, workers: int | None = None):
         import threading
 
         self.lazy, self.outcome = lazy, outcome
+        self.workers = workers
         # "__0_0.distcp" is the small items' file (the names DCP's writer would give rank 0's files)
         self.names = {key: f"__0_{n + 1}.distcp" for n, key in enumerate(lazy)}
         # largest first, so the last files to finish are small ones and no thread idles long
@@ -68,7 +70,8 @@ class _TensorFiles:
 
     def _run(self, jobs: list[FileJob]) -> None:
         try:
-            written = write_parallel(jobs, default_workers(len(jobs)), outcome=self.outcome, thread_name="shardkit-convert")
+            written = write_parallel(jobs, self.workers or default_workers(len(jobs)), outcome=self.outcome,
+                                     thread_name="shardkit-convert")
             self._digests = dict(zip(self._order, written, strict=True))
         except BaseException as exc:  # noqa: BLE001 - raised in the main thread by written()
             self._error = exc
