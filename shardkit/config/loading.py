@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from shardkit.config.paths import join
 from shardkit.core.errors import ConfigError
@@ -118,14 +118,7 @@ def _parse_hjson(text: str, source: str) -> LoadedConfig | None:
         import hjson
     except ImportError:  # DeepSpeed depends on it; without DeepSpeed, JSON's verdict stands
         return None
-    repeated: list[tuple[dict[str, Any], list[Any]]] = []
-
-    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        d = dict(pairs)
-        if len(d) != len(pairs):
-            repeated.append((d, _repeats(k for k, _ in pairs)))
-        return d
-
+    pairs_hook, repeated = _duplicate_recorder()
     try:
         data = hjson.loads(text, object_pairs_hook=pairs_hook)
     except RecursionError:
@@ -165,14 +158,7 @@ def _too_many(source: str, what: str) -> ConfigError:
 
 
 def _parse_json(text: str, source: str) -> LoadedConfig:
-    repeated: list[tuple[dict[str, Any], list[Any]]] = []  # keeps each dict alive, so ids stay unique
-
-    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        d = dict(pairs)
-        if len(d) != len(pairs):
-            repeated.append((d, _repeats(k for k, _ in pairs)))
-        return d
-
+    pairs_hook, repeated = _duplicate_recorder()
     try:
         data = json.loads(text, object_pairs_hook=pairs_hook)
     except RecursionError:  # the C decoder recurses once per level
@@ -183,6 +169,20 @@ def _parse_json(text: str, source: str) -> LoadedConfig:
         raise ConfigError(f"{source}: a value cannot be read: {exc}. Fix that value.") from exc
     _check_shape(data, source)
     return LoadedConfig(data, _duplicate_paths(data, {id(d): keys for d, keys in repeated}))
+
+
+def _duplicate_recorder() -> tuple[Callable[[list[tuple[str, Any]]], dict[str, Any]], list[tuple[dict[str, Any], list[Any]]]]:
+    """An ``object_pairs_hook`` (json and hjson take the same one) and the list it fills with every
+    mapping that repeated a key (each dict is kept alive there, so ``id``s stay unique)."""
+    repeated: list[tuple[dict[str, Any], list[Any]]] = []
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            repeated.append((d, _repeats(k for k, _ in pairs)))
+        return d
+
+    return pairs_hook, repeated
 
 
 def _repeats(keys: Iterator[Any]) -> list[Any]:

@@ -261,16 +261,25 @@ def optim_state_for_rank(
             else:
                 new_entry[k] = copy.deepcopy(v)
         state[j] = new_entry
-    param_groups = []
-    for g, group in enumerate(src_inner.get("param_groups") or [{}]):
-        new_group = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
-        new_group["params"] = [j for j, owner in enumerate(layout.sub_group_param_group) if owner == g]
-        param_groups.append(new_group)
     fp32 = [
         LazyTensor(layout.sub_group_numel(j), torch.float32, _producer(ckpt, layout, rank, j, FP32, torch.float32),
                    _segments(source, ckpt, layout, rank, j, FP32, torch.float32))
         for j in range(len(layout.sub_groups))
     ]
+    return optim_dict(optim0, layout, state, fp32)
+
+
+def optim_dict(optim0: dict[str, Any], layout: TargetLayout, state: dict[int, dict[str, Any]],
+               fp32: list[Any]) -> dict[str, Any]:
+    """A new rank's optim_states dict: rank 0's with the new ``state`` and fp32 partitions, param
+    groups indexing the new sub-groups, ``partition_count`` the new world size (the torch path and
+    the torch-free ``reshard_plan`` both build theirs here)."""
+    src = optim0["optimizer_state_dict"]
+    param_groups = []
+    for g, group in enumerate(src["optimizer_state_dict"].get("param_groups") or [{}]):
+        new_group = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+        new_group["params"] = [j for j, owner in enumerate(layout.sub_group_param_group) if owner == g]
+        param_groups.append(new_group)
     osd: dict[str, Any] = {}
     for k, v in src.items():
         if k == "optimizer_state_dict":

@@ -15,7 +15,6 @@ files those ranks draw from, and nothing grows with the world size times the ten
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from shardkit.checkpoint.io.torch_zip import RecordData, Segment
 from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint, zero3_optimizer_sd
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
-from shardkit.checkpoint.zero3.repartition import TargetLayout
+from shardkit.checkpoint.zero3.repartition import TargetLayout, optim_dict
 from shardkit.core.errors import CheckpointError
 
 #: What a worker writes for one output file: ``data.pkl`` and the storage records, in order.
@@ -146,26 +145,8 @@ class ReshardPlan:
                 continue  # the optimizer never stepped: no state to carry
             state[j] = {k: (self._partition(rank, j, k, v.dtype) if k in self.ckpt.state_keys and isinstance(v, TensorRef)
                             else v) for k, v in entry.items()}
-        param_groups = []
-        for g, group in enumerate(src_inner.get("param_groups") or [{}]):
-            new_group = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
-            new_group["params"] = [j for j, owner in enumerate(layout.sub_group_param_group) if owner == g]
-            param_groups.append(new_group)
         fp32 = [self._partition(rank, j, FP32, "float32") for j in range(len(layout.sub_groups))]
-        osd: dict[str, Any] = {}
-        for k, v in src.items():
-            if k == "optimizer_state_dict":
-                osd[k] = {"state": state, "param_groups": param_groups}
-            elif k == "fp32_flat_groups":
-                osd[k] = fp32
-            elif k == "partition_count":
-                osd[k] = layout.world_size
-            elif k == "ds_zero_partition_groups":
-                continue  # AutoEP placement metadata is topology-specific
-            else:
-                osd[k] = v
-        out = {k: v for k, v in optim0.items() if k != "optimizer_state_dict"}
-        return pickle_structure({"optimizer_state_dict": osd, **out})
+        return pickle_structure(optim_dict(optim0, layout, state, fp32))
 
     # --- the model-states file of one new rank ----------------------------------------------------
 
