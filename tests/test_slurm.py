@@ -7,32 +7,25 @@ the cluster (not root, no apt-get, the install failed, the daemons did not come 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from tests._slurm_jobs import CLUSTER, REPO, TEMPLATE, Job, run_grouped, submit
 from tests.test_launch import GOOD_AND_BAD
 
-REPO = Path(__file__).resolve().parents[1]
-CLUSTER = REPO / "launch" / "slurm_local_cluster.sh"
-TEMPLATE = REPO / "launch" / "slurm_multinode.sbatch"
 # A fresh machine installs slurm-wlm + munge first (about 20 s here, minutes on a slow mirror).
 START_TIMEOUT_S = 240
 # A 2-rank ZeRO-3 job took 60-75 s on this shared 2-core machine.
 JOB_TIMEOUT_S = 240
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 
 def _free_ports(n: int) -> list[int]:
     """``n`` distinct free ports: every socket stays bound until all are chosen, so the kernel cannot
@@ -42,18 +35,6 @@ def _free_ports(n: int) -> list[int]:
         for s in socks:
             s.bind(("127.0.0.1", 0))
         return [int(s.getsockname()[1]) for s in socks]
-
-
-def _run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run in its own process group; at the timeout kill the whole group and raise TimeoutExpired."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise subprocess.TimeoutExpired(argv, timeout, output=out) from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
 
 
 def _live_daemons(state: Path) -> dict[str, int]:
@@ -88,7 +69,7 @@ def cluster() -> Iterator[dict[str, str]]:
     }
     try:
         try:
-            r = _run(["bash", str(CLUSTER), "start"], env, START_TIMEOUT_S)
+            r = run_grouped(["bash", str(CLUSTER), "start"], env, START_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             pytest.skip(f"the Slurm cluster did not come up within {START_TIMEOUT_S}s (install included): {str(exc.output)[-800:]}")
         if r.returncode in (2, 3):  # 2: cannot host (root, apt-get, install); 3: daemons did not come up
@@ -97,7 +78,7 @@ def cluster() -> Iterator[dict[str, str]]:
         assert "cluster up in" in r.stdout, r.stdout
         yield env
     finally:
-        stop = _run(["bash", str(CLUSTER), "stop"], env, 120)
+        stop = run_grouped(["bash", str(CLUSTER), "stop"], env, 120)
         survivors = _live_daemons(state)
         for pid in survivors.values():
             os.kill(pid, signal.SIGKILL)
@@ -106,64 +87,12 @@ def cluster() -> Iterator[dict[str, str]]:
         assert not survivors, f"`slurm_local_cluster.sh stop` left {survivors} running (killed now): {logs}"
 
 
-@dataclass
-class Job:
-    job_id: int
-    state: str
-    """Slurm's JobState at the end (COMPLETED, FAILED ...)."""
-    exit_code: str
-    """Slurm's ExitCode, "status:signal"."""
-    output: str
-    """The job's --output file: the batch script, srun, torchrun and every rank."""
-    preflight: dict | None
-    """Rank 0's preflight report (SHARDKIT_AUTOPREFLIGHT_JSON), when it wrote one."""
-
-
-def _scontrol_job(job_id: int, env: dict[str, str]) -> dict[str, str]:
-    r = _run(["scontrol", "show", "job", "-o", str(job_id)], env, 30)
-    return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
-
-
-def _submit(env: dict[str, str], folder: Path, script: Path, ds_config: str, *script_args: str) -> Job:
-    """sbatch the template (1 node, 2 CPU ranks), wait for it with a hard timeout, read its output."""
-    folder.mkdir(parents=True, exist_ok=True)
-    report = folder / "preflight.json"
-    job_env = {
-        **env,
-        # the job runs `shardkit` from PATH: this interpreter's console scripts first
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-        "DEVICE": "cpu", "NPROC_PER_NODE": "2", "SCRIPT": str(script), "DS_CONFIG": ds_config,
-        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SHARDKIT_AUTOPREFLIGHT_JSON": str(report),
-    }
-    # 2 CPUs for the launcher and its ranks, or all the node has (a 1-CPU runner could never start it)
-    node_cpus = int(_run(["sinfo", "-h", "-N", "-o", "%c"], env, 30).stdout.split()[0])
-    r = _run(
-        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={min(2, node_cpus)}", "--time=10",
-         f"--chdir={folder}", f"--output={folder}/job-%j.out", str(TEMPLATE), *script_args],
-        job_env, 60,
-    )
-    assert r.returncode == 0, f"sbatch refused the template: {r.stdout}"
-    job_id = int(r.stdout.strip().splitlines()[-1].split(";")[0])
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    info = _scontrol_job(job_id, env)
-    while info.get("JobState") not in TERMINAL_STATES:
-        if time.monotonic() > deadline:
-            _run(["scancel", str(job_id)], env, 30)
-            out = folder / f"job-{job_id}.out"
-            pytest.fail(f"job {job_id} still {info.get('JobState')} after {JOB_TIMEOUT_S}s (cancelled): "
-                        f"{out.read_text()[-3000:] if out.exists() else '(no output)'}")
-        time.sleep(2)
-        info = _scontrol_job(job_id, env)
-    output = (folder / f"job-{job_id}.out").read_text(errors="replace")
-    preflight = json.loads(report.read_text()) if report.exists() else None
-    return Job(job_id, info["JobState"], info.get("ExitCode", "?"), output, preflight)
-
-
 @pytest.fixture(scope="module")
 def zero3_job(cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Job:
     """The template's default: train_tiny.py with DeepSpeed ZeRO-3 (the shipped preset), 2 CPU ranks."""
     folder = tmp_path_factory.mktemp("zero3-job")
-    return _submit(cluster, folder, REPO / "launch" / "train_tiny.py", str(REPO / "ds_configs" / "zero3.json"), "--steps", "3")
+    return submit(cluster, folder, REPO / "launch" / "train_tiny.py", str(REPO / "ds_configs" / "zero3.json"),
+                  "--steps", "3", nodes=1, timeout_s=JOB_TIMEOUT_S)
 
 
 @pytest.mark.slurm
@@ -193,7 +122,7 @@ def test_the_preflight_ran_on_both_ranks_before_the_first_step(zero3_job: Job):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_one_launcher_per_node_with_the_rendezvous_on_the_first_node(zero3_job: Job, cluster: dict[str, str]):
-    node = _run(["sinfo", "-h", "-N", "-o", "%N"], cluster, 30).stdout.split()[0]
+    node = run_grouped(["sinfo", "-h", "-N", "-o", "%N"], cluster, 30).stdout.split()[0]
     port = 20000 + zero3_job.job_id % 20000  # the template's MASTER_PORT from the job id
     starts = [line for line in zero3_job.output.splitlines() if line.startswith("shardkit launch: ") and "starting: " in line]
     assert len(starts) == 1, starts  # one `shardkit launch` (one torchrun agent) on the one node
@@ -208,7 +137,7 @@ def test_one_launcher_per_node_with_the_rendezvous_on_the_first_node(zero3_job: 
 def test_a_module_replaced_after_init_fails_the_job_with_exit_3(cluster: dict[str, str], tmp_path: Path):
     script = tmp_path / "train.py"
     script.write_text(GOOD_AND_BAD)
-    job = _submit(cluster, tmp_path / "job", script, "", "--replace-head")
+    job = submit(cluster, tmp_path / "job", script, "", "--replace-head", nodes=1, timeout_s=JOB_TIMEOUT_S)
     # the rank's exit 3 reaches Slurm: torchrun -> shardkit launch -> srun -> the batch script
     assert (job.state, job.exit_code) == ("FAILED", "3:0"), job.output[-4000:]
     assert "shardkit launch: placement preflight failed on rank(s) [0, 1] of 2 before the first optimizer step" in job.output
@@ -220,13 +149,13 @@ def test_a_second_cluster_on_the_same_ports_exits_3_with_the_daemons_logs(cluste
     state = Path(tempfile.mkdtemp(prefix="sk-slurm-", dir="/tmp" if os.path.isdir("/tmp") else None))
     env = {**cluster, "SHARDKIT_SLURM_DIR": str(state), "SLURM_CONF": str(state / "slurm.conf")}
     try:
-        r = _run(["bash", str(CLUSTER), "start"], env, 90)
+        r = run_grouped(["bash", str(CLUSTER), "start"], env, 90)
         assert r.returncode == 3, r.stdout
         assert "the node is not idle after" in r.stdout and "exited: slurmctld slurmd); logs follow" in r.stdout
         assert "Address already in use" in r.stdout  # from the daemons' logs, printed with the failure
         assert _live_daemons(state) == {}  # its munged was stopped with the rest
     finally:
-        _run(["bash", str(CLUSTER), "stop"], env, 60)
+        run_grouped(["bash", str(CLUSTER), "stop"], env, 60)
         for pid in _live_daemons(state).values():
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(state, ignore_errors=True)
@@ -238,7 +167,7 @@ def test_a_second_cluster_on_the_same_ports_exits_3_with_the_daemons_logs(cluste
 @pytest.mark.parametrize("nproc", ["", "0", "two"])
 def test_the_template_without_a_rank_count_stops_naming_the_fix(nproc: str):
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_GPUS_ON_NODE", "NPROC_PER_NODE")}
-    r = _run(["bash", str(TEMPLATE)], {**env, "NPROC_PER_NODE": nproc, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}, 30)
+    r = run_grouped(["bash", str(TEMPLATE)], {**env, "NPROC_PER_NODE": nproc, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}, 30)
     assert r.returncode == 2, r.stdout
     assert (f"slurm_multinode.sbatch: NPROC_PER_NODE='{nproc}' (SLURM_GPUS_ON_NODE=''): cannot tell how many ranks "
             "to start per node; request GPUs (--gpus-per-node=N) or set NPROC_PER_NODE=N (with DEVICE=cpu for CPU ranks)") in r.stdout
@@ -246,20 +175,20 @@ def test_the_template_without_a_rank_count_stops_naming_the_fix(nproc: str):
 
 def test_the_template_outside_a_slurm_job_says_to_submit_it():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    r = _run(["bash", str(TEMPLATE)], {**env, "NPROC_PER_NODE": "2"}, 30)
+    r = run_grouped(["bash", str(TEMPLATE)], {**env, "NPROC_PER_NODE": "2"}, 30)
     assert r.returncode == 2, r.stdout
     assert ("slurm_multinode.sbatch: not inside a Slurm job (SLURM_JOB_ID='', SLURM_JOB_NODELIST=''): "
             "submit it with `sbatch launch/slurm_multinode.sbatch`") in r.stdout
 
 
 def test_the_cluster_script_names_its_modes():
-    r = _run(["bash", str(CLUSTER), "restart"], dict(os.environ), 30)
+    r = run_grouped(["bash", str(CLUSTER), "restart"], dict(os.environ), 30)
     assert r.returncode == 1
     assert "usage: " in r.stdout and "start|stop|status|env (got 'restart')" in r.stdout
 
 
 def test_the_cluster_script_prints_the_client_environment(tmp_path: Path):
-    r = _run(["bash", str(CLUSTER), "env"], {**os.environ, "SHARDKIT_SLURM_DIR": str(tmp_path)}, 30)
+    r = run_grouped(["bash", str(CLUSTER), "env"], {**os.environ, "SHARDKIT_SLURM_DIR": str(tmp_path)}, 30)
     assert r.returncode == 0 and r.stdout.strip() == f"export SLURM_CONF={tmp_path}/slurm.conf"
 
 
@@ -270,7 +199,7 @@ def test_the_cluster_script_without_slurm_and_no_install_exits_2_saying_how_to_g
     for tool in ("uname", "id", "mkdir", "chmod", "tr"):
         (bin_dir / tool).symlink_to(shutil.which(tool) or f"/usr/bin/{tool}")
     env = {**os.environ, "PATH": str(bin_dir), "SHARDKIT_SLURM_INSTALL": "0", "SHARDKIT_SLURM_DIR": str(tmp_path / "state")}
-    r = _run([shutil.which("bash") or "/bin/bash", str(CLUSTER), "start"], env, 30)
+    r = run_grouped([shutil.which("bash") or "/bin/bash", str(CLUSTER), "start"], env, 30)
     assert r.returncode == 2, r.stdout
     if os.geteuid() != 0:
         assert f"must run as root (uid {os.geteuid()})" in r.stdout

@@ -10,7 +10,6 @@ Skipped, with the reason, where the machine cannot host the cluster. All traffic
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,7 +20,6 @@ import sys
 import tempfile
 import textwrap
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -31,11 +29,9 @@ from shardkit.placement.summary import RankSummary
 from shardkit.placement.verdict import judge_summaries
 from shardkit.run.launcher import build_launch
 from shardkit.run.rendezvous_diagnosis import diagnose, rendezvous_of
+from tests._slurm_jobs import CLUSTER, REPO, Job, free_port, run_grouped, submit
 from tests.test_launch import GOOD_AND_BAD
 
-REPO = Path(__file__).resolve().parents[1]
-CLUSTER = REPO / "launch" / "slurm_local_cluster.sh"
-TEMPLATE = REPO / "launch" / "slurm_multinode.sbatch"
 NODES = ("sknode1", "sknode2")
 NODE_NET = "127.0.77"
 START_TIMEOUT_S = 240  # a fresh machine installs slurm-wlm + munge first
@@ -44,19 +40,6 @@ JOB_TIMEOUT_S = 480
 # The failure cases shorten torchrun's rendezvous timeouts (600 s / 60 s by default) so they end fast.
 JOIN_TIMEOUT_S = 30
 READ_TIMEOUT_S = 15
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
-
-
-def _run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run in its own process group; at the timeout kill the whole group and raise TimeoutExpired."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise subprocess.TimeoutExpired(argv, timeout, output=out) from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
 
 
 def _free_port_pair() -> int:
@@ -74,12 +57,6 @@ def _free_port_pair() -> int:
                     continue
                 return port
     raise RuntimeError("no two consecutive free ports on this machine")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _pids(state: Path) -> dict[str, int]:
@@ -116,7 +93,7 @@ def cluster() -> Iterator[dict[str, str]]:
     # it searchable by all (pytest's tmp folders are 0700)
     state = Path(tempfile.mkdtemp(prefix="sk-slurm2-", dir="/tmp" if os.path.isdir("/tmp") else None))
     slurmd_port = _free_port_pair()
-    ctld_port = _free_port()
+    ctld_port = free_port()
     env = {
         **os.environ,
         "SHARDKIT_SLURM_DIR": str(state),
@@ -130,7 +107,7 @@ def cluster() -> Iterator[dict[str, str]]:
     namespaces: set[str] = set()
     try:
         try:
-            r = _run(["bash", str(CLUSTER), "start"], env, START_TIMEOUT_S)
+            r = run_grouped(["bash", str(CLUSTER), "start"], env, START_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             pytest.skip(f"the 2-node Slurm cluster did not come up within {START_TIMEOUT_S}s: {str(exc.output)[-800:]}")
         if r.returncode in (2, 3):  # 2: cannot host (root, apt-get, namespaces); 3: daemons did not come up
@@ -142,7 +119,7 @@ def cluster() -> Iterator[dict[str, str]]:
         assert len(namespaces) == 2 and os.readlink("/proc/self/ns/uts") not in namespaces
         yield env
     finally:
-        stop = _run(["bash", str(CLUSTER), "stop"], env, 120)
+        stop = run_grouped(["bash", str(CLUSTER), "stop"], env, 120)
         survivors = _pids(state)
         for pid in survivors.values():
             os.kill(pid, signal.SIGKILL)
@@ -159,68 +136,19 @@ def cluster() -> Iterator[dict[str, str]]:
 
 @pytest.mark.slurm
 def test_each_node_has_its_own_hostname_and_hosts_file(cluster: dict[str, str]):
-    r = _run(["sinfo", "-h", "-N", "-o", "%N %t"], cluster, 30)
+    r = run_grouped(["sinfo", "-h", "-N", "-o", "%N %t"], cluster, 30)
     assert r.stdout.split() == ["sknode1", "idle", "sknode2", "idle"], r.stdout
-    seen = _run(["bash", str(CLUSTER), "exec", "sknode2", "sh", "-c", "hostname; getent hosts sknode1"], cluster, 30)
+    seen = run_grouped(["bash", str(CLUSTER), "exec", "sknode2", "sh", "-c", "hostname; getent hosts sknode1"], cluster, 30)
     assert seen.stdout.split() == ["sknode2", f"{NODE_NET}.1", "sknode1"], seen.stdout
     # a job step on each node sees that node's hostname (slurmstepd inherits its slurmd's namespaces)
-    step = _run(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=2", "hostname"], cluster, 60)
+    step = run_grouped(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=2", "hostname"], cluster, 60)
     assert sorted(step.stdout.split()) == list(NODES), step.stdout
-
-
-@dataclass
-class Job:
-    job_id: int
-    state: str
-    exit_code: str
-    output: str
-    preflight: dict | None
-    master_port: int
-    folder: Path
-    """The job's working folder (its output, and what its ranks wrote)."""
-
-
-def _scontrol_job(job_id: int, env: dict[str, str]) -> dict[str, str]:
-    r = _run(["scontrol", "show", "job", "-o", str(job_id)], env, 30)
-    return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
 
 
 def _submit(env: dict[str, str], folder: Path, script: Path, ds_config: str, *script_args: str,
             extra_env: dict[str, str] | None = None) -> Job:
-    """sbatch the template on 2 nodes x 2 CPU ranks, wait for it with a hard timeout, read its output."""
-    folder.mkdir(parents=True, exist_ok=True)
-    report = folder / "preflight.json"
-    # a free port per job: the template's default (20000 + job id) could meet another cluster's job
-    master_port = _free_port()
-    job_env = {
-        **env,
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-        "DEVICE": "cpu", "NPROC_PER_NODE": "2", "SCRIPT": str(script), "DS_CONFIG": ds_config,
-        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SHARDKIT_AUTOPREFLIGHT_JSON": str(report),
-        "MASTER_PORT": str(master_port),
-        **(extra_env or {}),
-    }
-    node_cpus = int(_run(["sinfo", "-h", "-N", "-o", "%c"], env, 30).stdout.split()[0])
-    r = _run(
-        ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", f"--cpus-per-task={min(2, node_cpus)}", "--time=10",
-         f"--chdir={folder}", f"--output={folder}/job-%j.out", str(TEMPLATE), *script_args],
-        job_env, 60,
-    )
-    assert r.returncode == 0, f"sbatch refused the template: {r.stdout}"
-    job_id = int(r.stdout.strip().splitlines()[-1].split(";")[0])
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    info = _scontrol_job(job_id, env)
-    while info.get("JobState") not in TERMINAL_STATES:
-        if time.monotonic() > deadline:
-            _run(["scancel", str(job_id)], env, 30)
-            out = folder / f"job-{job_id}.out"
-            pytest.fail(f"job {job_id} still {info.get('JobState')} after {JOB_TIMEOUT_S}s (cancelled): "
-                        f"{out.read_text()[-3000:] if out.exists() else '(no output)'}")
-        time.sleep(2)
-        info = _scontrol_job(job_id, env)
-    output = (folder / f"job-{job_id}.out").read_text(errors="replace")
-    preflight = json.loads(report.read_text()) if report.exists() else None
-    return Job(job_id, info["JobState"], info.get("ExitCode", "?"), output, preflight, master_port, folder)
+    """The template on 2 nodes x 2 CPU ranks."""
+    return submit(env, folder, script, ds_config, *script_args, nodes=2, timeout_s=JOB_TIMEOUT_S, extra_env=extra_env)
 
 
 @pytest.fixture(scope="module")
@@ -470,7 +398,7 @@ def test_a_rendezvous_failure_in_torchrun_output_is_named_and_other_failures_are
 ])
 def test_the_cluster_script_refuses_settings_that_would_leave_loopback_or_break_names(tmp_path: Path, name: str, value: str, says: str):
     env = {**os.environ, "SHARDKIT_SLURM_DIR": str(tmp_path), "SHARDKIT_SLURM_NODES": "2", name: value}
-    r = _run(["bash", str(CLUSTER), "start"], env, 30)
+    r = run_grouped(["bash", str(CLUSTER), "start"], env, 30)
     assert r.returncode == 1, r.stdout
     assert says in r.stdout
     assert not list(tmp_path.iterdir())  # refused before anything was written or started
@@ -478,7 +406,7 @@ def test_the_cluster_script_refuses_settings_that_would_leave_loopback_or_break_
 
 def test_exec_names_the_nodes_when_the_node_is_not_running(tmp_path: Path):
     env = {**os.environ, "SHARDKIT_SLURM_DIR": str(tmp_path), "SHARDKIT_SLURM_NODES": "2"}
-    r = _run(["bash", str(CLUSTER), "exec", "sknode3", "hostname"], env, 30)
+    r = run_grouped(["bash", str(CLUSTER), "exec", "sknode3", "hostname"], env, 30)
     assert r.returncode == 1
     assert f"no running slurmd for node 'sknode3' in {tmp_path}" in r.stdout and "the nodes are: sknode1 sknode2" in r.stdout
 
@@ -495,12 +423,12 @@ def test_the_two_node_checkpoint_resharded_by_both_nodes_each_writing_its_share(
     assert len(list((src / "global_step3").glob("*optim_states.pt"))) == 4  # one per rank, both nodes'
     out = tmp_path / "ckpt_ws3"
     env = {**cluster, "PATH": os.pathsep.join([str(Path(sys.executable).parent), cluster.get("PATH", "")])}
-    r = _run(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=5", "--kill-on-bad-exit=1",
+    r = run_grouped(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=5", "--kill-on-bad-exit=1",
               "shardkit", "reshard", str(src), "--world-size", "3", "-o", str(out)], env, 300)
     assert r.returncode == 0, r.stdout[-4000:]
     assert re.search(r"wrote .*ckpt_ws3/global_step3 by 2 processes \(srun\): \d+ files", r.stdout), r.stdout[-3000:]
     assert re.search(r"rank 1 of 2 \(srun\): wrote its share, [1-9]\d* files", r.stdout), r.stdout[-3000:]
-    verify = _run([sys.executable, "-m", "shardkit", "verify", str(out), "--world-size", "3"], env, 120)
+    verify = run_grouped([sys.executable, "-m", "shardkit", "verify", str(out), "--world-size", "3"], env, 120)
     assert verify.returncode == 0, verify.stdout[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["global_step3", "latest"], list(out.iterdir())
 
@@ -516,7 +444,7 @@ def test_two_nodes_without_unshare_exit_2_saying_what_is_missing(tmp_path: Path)
         (bin_dir / tool).symlink_to(found)
     env = {**os.environ, "PATH": str(bin_dir), "SHARDKIT_SLURM_INSTALL": "0", "SHARDKIT_SLURM_NODES": "2",
            "SHARDKIT_SLURM_DIR": str(tmp_path / "state")}
-    r = _run([shutil.which("bash") or "/bin/bash", str(CLUSTER), "start"], env, 30)
+    r = run_grouped([shutil.which("bash") or "/bin/bash", str(CLUSTER), "start"], env, 30)
     assert r.returncode == 2, r.stdout
     if os.geteuid() != 0:
         assert f"must run as root (uid {os.geteuid()})" in r.stdout
