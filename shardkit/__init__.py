@@ -56,6 +56,10 @@ _LAZY: dict[str, str] = {
     "run_smoke": "shardkit.run.smoke.runs",
     "SmokeOptions": "shardkit.run.smoke.options",
     "build_launch": "shardkit.run.launcher",
+    "estimate_memory": "shardkit.estimate.compute",
+    "model_shape": "shardkit.estimate.meta_model",
+    "settings_from_config": "shardkit.estimate.settings",
+    "RunShape": "shardkit.estimate.report",
 }
 
 __all__ = ["__version__", *_LAZY]

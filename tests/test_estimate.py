@@ -197,6 +197,26 @@ def test_estimate_command_exit_codes_and_json(capsys):
     assert "does NOT fit in 500.00 MiB" in capsys.readouterr().out
 
 
+def test_the_python_api_gives_the_command_s_estimate(tmp_path, capsys):
+    """docs/estimate.md's Python example: ``shardkit.estimate_memory`` on the same inputs prints the same
+    totals as ``shardkit estimate --json``."""
+    import shardkit
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    est = shardkit.estimate_memory(shardkit.model_shape(str(tmp_path / "config.json")),
+                                   shardkit.settings_from_config(cfg, hidden_size=SMALL["hidden_size"]),
+                                   shardkit.RunShape(world_size=8, gpus_per_node=8, micro_batch=4, seq_len=4096),
+                                   gpu_memory=80 * 2**30)
+    assert main(["estimate", str(tmp_path / "ds.json"), "--model", str(tmp_path / "config.json"), "--world-size", "8",
+                 "--gpus-per-node", "8", "--micro-batch", "4", "--seq-len", "4096", "--gpu-memory", "80GiB",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert est.totals() == data["totals"] and est.fits() is data["fits"] is True
+    assert est.totals()["gpu_peak_bytes"] > est.totals()["gpu_held_bytes"] > 0
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--params", "7B", "--gpu-memory", "80G"], r"--gpu-memory '80G': cannot read a memory size"),
     (["--params", "7B", "--model", "x.json"], r"give one"),
