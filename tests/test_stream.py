@@ -214,3 +214,20 @@ def test_a_failed_write_without_a_file_name_is_named_by_its_file(tmp_path, worke
 
     with pytest.raises(CheckpointError, match=r"bad\.pt: converting the checkpoint failed \(OSError: Input/output error\)"):
         convert()
+
+
+def test_the_fast_crc32_is_zlib_s_crc32():
+    """torch_zip takes ISA-L's crc32 when installed: it must give zlib's values (the zip format's
+    CRC-32), chained over chunks of any size, or every record's crc would be wrong."""
+    import os
+    import zlib
+
+    from shardkit.checkpoint.io import torch_zip
+
+    data = memoryview(os.urandom(3 * (1 << 20) + 12345))
+    for cut in (1, 4096, 1 << 20, 777_777):
+        fast = slow = 0
+        for at in range(0, len(data), cut):
+            fast, slow = torch_zip.crc32(data[at : at + cut], fast), zlib.crc32(data[at : at + cut], slow)
+        assert fast == slow == zlib.crc32(data)
+    assert torch_zip.crc32(b"") == 0

@@ -5,7 +5,7 @@ records), every byte hashed (sha256, for the manifest) and crc'd as it is writte
 
 ``write_torch_zip`` takes the pickle (``data.pkl``) and the storage records; a record is bytes, or
 a ``SegmentedRecord``: byte ranges of source files and zero runs, copied through one fixed buffer
-so memory stays at ``chunk_bytes`` whatever the record's size. zlib's crc32, hashlib's sha256,
+so memory stays at ``chunk_bytes`` whatever the record's size. ISA-L's crc32, hashlib's sha256,
 ``os.preadv`` and ``write`` release the GIL on large buffers, so threads write files in parallel.
 Nothing here imports torch: ``stream.stream_save`` (lazy torch tensors) and the torch-free
 reshard (``zero3.reshard_plan``) both end here.
@@ -22,7 +22,17 @@ import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Sequence, Union
+from typing import BinaryIO, Callable, Iterable, Sequence, Union
+
+try:
+    # ISA-L's crc32 (CRC-32/ISO-HDLC, zlib's polynomial, same values) folds with PCLMULQDQ/PMULL:
+    # 0.013 s/GiB against zlib's 0.24 s/GiB on the benchmark machine, where zlib's crc was 20% of a
+    # reshard's CPU time. Optional: a platform without its wheel keeps zlib's.
+    from isal.isal_zlib import crc32 as _fast_crc32
+
+    crc32: Callable[..., int] = _fast_crc32
+except ImportError:  # pragma: no cover - isal is a dependency; this is for platforms without a wheel
+    crc32 = zlib.crc32
 
 #: Bytes copied per read/crc/hash/write round: large enough that syscalls and Python overhead
 #: vanish, small enough to stay in a core's L2 cache between the read, crc32, sha256 and write
@@ -134,7 +144,7 @@ class ZipWriter:
     def add_bytes(self, name: str, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
         entry = self._header(name, len(view))
-        entry.crc = zlib.crc32(view)
+        entry.crc = crc32(view)
         self.out.write(view)
         self._footer(entry)
 
@@ -162,11 +172,11 @@ class ZipWriter:
                     fill += n
                     if fill == len(buf):
                         check_cancelled()
-                        crc = zlib.crc32(buf, crc)
+                        crc = crc32(buf, crc)
                         self.out.write(buf)
                         fill = 0
             if fill:
-                crc = zlib.crc32(buf[:fill], crc)
+                crc = crc32(buf[:fill], crc)
                 self.out.write(buf[:fill])
         finally:
             for fd in fds.values():
