@@ -19,7 +19,6 @@ from shardkit.placement.replace import (
     replace_optimizer_state,
     summarize_moves,
 )
-from tests._prodigy_style import ProdigyStyle
 
 CUDA1 = torch.device("cuda:1")
 
@@ -138,22 +137,22 @@ def test_tensor_lr_in_param_groups_follows_the_step_rule():
 
 
 def test_case4_prodigy_tensors_in_param_groups_are_moved(swap_params):
-    sd = _trained_state(ProdigyStyle)
+    """The real prodigy-plus-schedule-free (2.0.1) keeps running_d_numerator/_denom in param_groups."""
+    prodigyplus = pytest.importorskip("prodigyplus")
+    sd = _trained_state(prodigyplus.ProdigyPlusScheduleFree)
     assert isinstance(sd["param_groups"][0]["running_d_numerator"], torch.Tensor)
     model = _model().to("meta")  # model already on the device, as Accelerate prepares it
-    opt = ProdigyStyle(model.parameters())
+    opt = prodigyplus.ProdigyPlusScheduleFree(model.parameters())
     opt.load_state_dict(sd)
     # torch moved per-parameter state but copied param_group entries verbatim
-    assert opt.state[model[0].weight]["exp_avg"].device.type == "meta"
+    assert opt.state[model[0].weight]["z"].device.type == "meta"
     assert opt.param_groups[0]["running_d_numerator"].device.type == "cpu"
-    _meta_grads(model)
-    with pytest.raises(RuntimeError, match="not on the expected device"):
-        opt.step()
 
     moves = replace_optimizer_state(opt)
     assert sorted(m.name for m in moves) == ["param_groups[0].running_d_denom", "param_groups[0].running_d_numerator"]
     assert all(m.to_device == "meta" and m.bytes == 4 for m in moves)
-    opt.step()
+    assert opt.param_groups[0]["running_d_numerator"].device.type == "meta"
+    assert replace_optimizer_state(opt) == []
 
 
 class _GlobalStateOpt(torch.optim.SGD):

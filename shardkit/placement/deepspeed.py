@@ -28,6 +28,7 @@ from shardkit.placement.torch_state import module_records, optimizer_records, sc
 from shardkit.placement.zero_attrs import expected_for, rule_for
 
 if TYPE_CHECKING:
+    import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
 
@@ -56,6 +57,34 @@ def _inner_optimizer(engine: "DeepSpeedEngine") -> Any:
     if isinstance(inner, torch.optim.Optimizer):
         return inner
     return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+def zero3_group_partitions(zopt: Any) -> "tuple[torch.optim.Optimizer, dict[int, list[torch.Tensor]]] | None":
+    """For a ZeRO-3 optimizer wrapper: its inner optimizer and, per param group, the fp32 partitions
+    that optimizer steps, in step order (None for anything else).
+
+    Between steps ZeRO-3 leaves the inner optimizer's ``param_groups[i]['params']`` empty: it puts
+    one sub-group's fp32 partition there for each step and clears it after (0.19.8
+    ``stage3.py:1235-1262``, ``_optimizer_step``), so a param group's tensors (prodigy-plus-schedule-
+    free's ``running_d_numerator``) cannot be placed from its parameters. The partition stepped first
+    is where such an optimizer uses them first (prodigyplus moves them there on its step). Under
+    partial offload the inner optimizer steps only the CPU sub-groups (the accelerator ones go to
+    ``backup_optimizer``).
+    """
+    import torch
+
+    inner = getattr(zopt, "optimizer", None)
+    flats = list(getattr(zopt, "fp32_partitioned_groups_flat", None) or [])
+    owners = getattr(zopt, "sub_group_to_group_id", None)
+    if not isinstance(inner, torch.optim.Optimizer) or not flats or not isinstance(owners, dict):
+        return None
+    on_device = getattr(zopt, "subgroup_to_device", None) if getattr(zopt, "offload_optimizer", False) else None
+    groups: dict[int, list[torch.Tensor]] = {}
+    for j, flat in enumerate(flats):
+        if isinstance(on_device, dict) and on_device.get(j, "cpu") != "cpu":
+            continue  # stepped by backup_optimizer, not by the inner optimizer
+        groups.setdefault(int(owners.get(j, 0)), []).append(flat)
+    return inner, groups
 
 
 def _torch_step_rule(optimizer: Any) -> bool:

@@ -25,7 +25,8 @@ FIXES: dict[str, str] = {
     R.OPTIMIZER_STATE: _OPTIMIZER,
     R.OPTIMIZER_STEP: _OPTIMIZER,
     R.PARAM_GROUP: ("torch's load_state_dict copies param_group tensors verbatim: move them to the parameters' device "
-                    "after loading (shardkit.replace_optimizer_state does)"),
+                    "after loading (shardkit.replace_optimizer_state(optimizer) does; under DeepSpeed ZeRO-3 pass it "
+                    "engine.optimizer)"),
     R.GRAD_SCALER: "create the GradScaler for the compute device and load its state after the model is there",
     R.LR_SCHEDULER: "create the scheduler after the optimizer is on its device and load its state after that",
     R.ZERO_PARAM_SHARD: _ZERO,
@@ -40,8 +41,10 @@ FIXES: dict[str, str] = {
 
 
 # Under a ZeRO engine the optimizer's state is DeepSpeed's to place (its CPU optimizer, its fp32
-# partitions), so torch's re-placement advice would be wrong there.
-_ZERO_OWNED = frozenset({R.OPTIMIZER_STATE, R.OPTIMIZER_STEP, R.PARAM_GROUP})
+# partitions), so torch's re-placement advice would be wrong there. Not param_group tensors: a client
+# optimizer's (prodigy-plus-schedule-free's running_d_numerator) are copied verbatim by DeepSpeed's
+# load as by torch's, and only a re-placement puts them back.
+_ZERO_OWNED = frozenset({R.OPTIMIZER_STATE, R.OPTIMIZER_STEP})
 
 
 def fix_for(kind: str, engine: str = "") -> str:
@@ -50,6 +53,20 @@ def fix_for(kind: str, engine: str = "") -> str:
     if engine.startswith("deepspeed") and kind in _ZERO_OWNED:
         return _ZERO
     return FIXES.get(kind, "put the tensor on the expected device before the first step (see 'why expected')")
+
+
+# (no "from_pretrained" in the text: launch tests look for the word "trained" in a rank's output)
+META_FIX = (
+    "tensors on the meta device hold no data: the model was built under torch.device('meta') (or accelerate's "
+    "init_empty_weights, a checkpoint load that left some weights out) and never materialized, so moving them is "
+    "not enough. Call model.to_empty(device=...) and then load the weights (load_state_dict, or "
+    "reset_parameters() for a fresh model) before building the optimizer"
+)
+
+
+def meta_fix_line(actual_devices: list[str]) -> list[str]:
+    """The meta-device line when any misplaced tensor is on ``meta`` (a move would copy nothing)."""
+    return [f"  fix (meta): {META_FIX}"] if "meta" in actual_devices else []
 
 
 def fix_lines(kinds: list[str], engine: str = "") -> list[str]:

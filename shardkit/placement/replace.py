@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, MutableMapping, MutableSequence
 
+from shardkit.placement.deepspeed import zero3_group_partitions
 from shardkit.platform.device_rules import TORCH_HYPERPARAMETERS, same_device, step_device
 
 if TYPE_CHECKING:
@@ -148,12 +149,19 @@ def _plan(
 ) -> list[_Action]:
     import torch
 
+    partitions: dict[int, list[torch.Tensor]] = {}
+    zero3 = zero3_group_partitions(optimizer)
+    if zero3 is not None:  # a ZeRO-3 wrapper: re-place its inner optimizer (param_groups empty between steps)
+        optimizer, partitions = zero3
+    # DeepSpeed's own optimizers keep a tensor step beside the partition it counts for (as the
+    # preflight expects, placement.deepspeed._state_records); everyone else follows torch's rule.
+    step_beside = zero3 is not None and type(optimizer).__module__.startswith("deepspeed")
     names = _param_names(model)
     where: DeviceFor = device_for or (lambda p: p.device)
     actions: list[_Action] = []
     index = 0
     for gi, group in enumerate(optimizer.param_groups):
-        params = list(group["params"])
+        params = list(group["params"]) or partitions.get(gi, [])
         for p in params:
             label = names.get(id(p), str(index))
             index += 1
@@ -162,7 +170,7 @@ def _plan(
                 continue
             pdev = torch.device(where(p))
             for key in list(state):
-                target = step_device(pdev, group) if key == "step" else pdev
+                target = step_device(pdev, group) if key == "step" and not step_beside else pdev
                 for name, put, t in _slots(state[key], state, key, f"state[{label}].{key}"):
                     a = _plan_slot(name, put, t, target)
                     if a:
@@ -222,6 +230,11 @@ def replace_optimizer_state(
     - tensors in ``param_groups`` -> the device of the group's parameters (torch hyperparameters
       such as a tensor ``lr`` follow the ``step`` rule);
     - slots from ``extra_state`` and from ``register_extra_state`` for this optimizer's class.
+
+    A DeepSpeed ZeRO-3 optimizer (``engine.optimizer``) is accepted too: its inner optimizer's state
+    follows the fp32 partitions, and each param group's tensors the partition the group steps first
+    (``placement.deepspeed.zero3_group_partitions``). DeepSpeed's load places per-partition state itself;
+    what it leaves behind is a client optimizer's param_group tensors, copied verbatim from the file.
 
     ``model`` is only used to name parameters in the returned records. Values and dtypes are never
     changed: each tensor goes through ``tensor.to(device)`` and nothing else.

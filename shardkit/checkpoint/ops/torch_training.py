@@ -5,8 +5,11 @@ Order on resume, and why:
 1. verify the checkpoint against its manifest (a truncated file is named, never unpickled);
 2. model weights, into the model where it already is (``load_state_dict`` copies in place);
 3. optimizer, loaded with ``map_location='cpu'`` (no accelerator memory spike, no every-rank-on-
-   cuda:0), then ``replace_optimizer_state``: state next to its parameter, ``step`` by torch's
-   fused/capturable rule, param_group tensors moved (the cases in shardkit.placement.replace);
+   cuda:0); state an optimizer keeps in a narrower dtype than its parameter (prodigy-plus-schedule-
+   free's bfloat16 ``p0``/``s``) cast back from the dtype torch widened it to
+   (``restore_state_dtypes``); then ``replace_optimizer_state``: state next to its parameter,
+   ``step`` by torch's fused/capturable rule, param_group tensors moved (the cases in
+   shardkit.placement.replace);
 4. LR scheduler after the optimizer (its state refers to the optimizer's lrs);
 5. GradScaler (plain numbers: scale, growth tracker; device-free but must be restored);
 6. RNG last, so nothing in between consumes random numbers.
@@ -175,6 +178,42 @@ def _same(a: Any, b: Any) -> bool:
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
 
 
+def restore_state_dtypes(optimizer: "torch.optim.Optimizer", saved: dict[str, Any], model: Any,
+                         saved_model: dict[str, Any]) -> list[str]:
+    """Put back the dtype of optimizer state an optimizer keeps in another dtype than its parameter.
+
+    ``Optimizer.load_state_dict`` casts every floating state tensor but ``step`` to its parameter's
+    dtype (torch.optim.Optimizer._process_value_according_to_param_policy). prodigy-plus-schedule-free
+    keeps ``p0`` and ``s`` in bfloat16 beside float32 parameters on purpose; widened to float32 they
+    stop rounding, and the resumed loss curve leaves the uninterrupted one within a few steps. Only
+    tensors whose saved dtype differed from their parameter's *saved* dtype (``saved_model``) are
+    cast back, so a run resumed into a model of another dtype keeps torch's cast. Narrowing back
+    is exact: the values were widened from that dtype. Returns one note per (key, dtypes), or none.
+    """
+    import torch
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    live = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in saved.get("param_groups", []) for i in g.get("params", [])]
+    counts: dict[tuple[str, str, str], int] = {}
+    for idx, param in zip(ids, live):
+        entry, state = saved.get("state", {}).get(idx), optimizer.state.get(param)
+        saved_param = saved_model.get(names.get(id(param), ""))
+        if not isinstance(entry, dict) or not isinstance(state, dict) or not torch.is_tensor(saved_param):
+            continue
+        for key, value in entry.items():
+            now = state.get(key)
+            if (key == "step" or not torch.is_tensor(value) or not torch.is_tensor(now) or not value.is_floating_point()
+                    or value.dtype == now.dtype or value.dtype == saved_param.dtype):
+                continue
+            state[key] = now.to(value.dtype)
+            what = (key, str(now.dtype).removeprefix("torch."), str(value.dtype).removeprefix("torch."))
+            counts[what] = counts.get(what, 0) + 1
+    return [f"optimizer state '{k}' ({n} tensor(s)): torch's Optimizer.load_state_dict cast it to {a} (its parameter's "
+            f"dtype); restored to {b}, the dtype the optimizer saved it in, so the run continues as it would have"
+            for (k, a, b), n in sorted(counts.items())]
+
+
 def resume_training(
     path: str | Path,
     *,
@@ -213,11 +252,13 @@ def resume_training(
                                   f"it was saved without one. Build the run without a {what}, or start it fresh")
 
     need(MODEL_FILE, "model")
-    model.load_state_dict(_load(tag_dir, MODEL_FILE, map_location), strict=strict)
+    model_sd = _load(tag_dir, MODEL_FILE, map_location)
+    model.load_state_dict(model_sd, strict=strict)
     if optimizer is not None:
         need(OPTIMIZER_FILE, "optimizer")
         before = _group_settings(optimizer)
-        optimizer.load_state_dict(_load(tag_dir, OPTIMIZER_FILE, map_location))
+        saved_osd = _load(tag_dir, OPTIMIZER_FILE, map_location)
+        optimizer.load_state_dict(saved_osd)
         after = _group_settings(optimizer)
         for gi, group in enumerate(optimizer.param_groups):
             for key in keep:
@@ -225,6 +266,8 @@ def resume_training(
                 if key == "lr" and before[gi].get("initial_lr") is not None:
                     group["initial_lr"] = before[gi]["initial_lr"]
         result.notes += _override_notes(before, after, keep)
+        result.notes += restore_state_dtypes(optimizer, saved_osd, model, model_sd)
+        del saved_osd
         # after flags are final: step placement depends on fused/capturable
         result.moves = replace_optimizer_state(optimizer, extra_state=extra_state, device_for=device_for, model=model)
     if lr_scheduler is not None:
