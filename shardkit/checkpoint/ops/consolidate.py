@@ -5,9 +5,10 @@ in memory and then serializes it, so its peak memory is about twice the fp32 mod
 safetensors header is computed up front (tensor order taken from safetensors itself), the output
 file is sized once, and every rank's unpadded piece of every parameter is copied straight from
 the rank file to its final byte offset with ``os.copy_file_range`` (a ``pread``/``pwrite`` loop
-where the kernel refuses). For the default fp32 output with no buffers or frozen parameters the
-files are parsed by ``read_structure`` and neither torch nor DeepSpeed is imported: the process
-stays at a few tens of MB whatever the model size. A cast (``--dtype bf16``) or buffers/frozen
+where the kernel refuses; the header and the copy are ``export.safetensors_file``'s, shared with
+``export``). For the default fp32 output with no buffers or frozen parameters the files are parsed
+by ``read_structure`` and neither torch nor DeepSpeed is imported: the process stays at a few tens
+of MB whatever the model size. A cast (``--dtype bf16``) or buffers/frozen
 parameters take the torch path, which maps one rank file at a time.
 
 The result is byte-for-byte the file ``safetensors.torch.save_file(state_dict, metadata={"format":
@@ -16,10 +17,8 @@ The result is byte-for-byte the file ``safetensors.torch.save_file(state_dict, m
 
 from __future__ import annotations
 
-import json
 import os
 import stat
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -27,7 +26,11 @@ from typing import TYPE_CHECKING, Callable
 from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.checkpoint.io.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX
-from shardkit.checkpoint.io.torch_load import _ITEMSIZE, read_structure
+from shardkit.checkpoint.io.torch_load import read_structure
+from shardkit.checkpoint.ops.export.safetensors_file import TensorEntry as _Entry
+from shardkit.checkpoint.ops.export.safetensors_file import copy_bytes as _copy_bytes
+from shardkit.checkpoint.ops.export.safetensors_file import header_layout as _layout
+from shardkit.checkpoint.ops.export.safetensors_file import write_header
 from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.gather import full_frozen_params
@@ -39,11 +42,6 @@ if TYPE_CHECKING:
     import torch
 
 OUTPUT_DTYPES = ("fp32", "bf16", "fp16")
-
-_ST_DTYPE = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
 
 
 @dataclass
@@ -60,25 +58,6 @@ class ConsolidateResult:
     tag: str
     verified: str = "sha256"
     """How the source was checked before it was read: 'sha256', 'sizes' (--no-verify) or 'none' (no manifest)."""
-
-
-@dataclass
-class _Entry:
-    name: str
-    dtype: str
-    """torch dtype name without the ``torch.`` prefix (``float32``, ``bfloat16``...)."""
-    shape: tuple[int, ...]
-    start: int = 0  # byte offset inside the data section
-
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        import math
-
-        return math.prod(self.shape) * self.itemsize
 
 
 _OUT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -156,10 +135,11 @@ def consolidate_zero3(
     # atomic_open: a temporary sibling, fsynced and renamed over ``out`` only when every byte is
     # written; positional writes go straight to its descriptor (nothing is buffered in the file object)
     outcome = f"nothing written: the partial file was removed, {out} is unchanged"
+    for note in remove_stale_temps(out):  # a run killed (SIGKILL, OOM) before it could remove its own
+        (warn or warn_unverified)(note)
     with disk_full_named(out, outcome), atomic_open(out, "wb") as fh:
         fd = fh.fileno()
-        os.pwrite(fd, struct.pack("<Q", len(header)) + header, 0)
-        os.ftruncate(fd, total)
+        write_header(fd, header, total)
         for name, t in small.items():
             buf = _as_bytes(t)
             for at in targets(name):
@@ -285,25 +265,6 @@ def _copy_rank_fp32(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets) -> N
         os.close(src_fd)
 
 
-def _copy_bytes(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int) -> None:
-    done = 0
-    use_kernel = hasattr(os, "copy_file_range")
-    while done < nbytes:
-        n = 0
-        if use_kernel:
-            try:
-                n = os.copy_file_range(src_fd, dst_fd, nbytes - done, src_off + done, dst_off + done)
-            except OSError:  # EXDEV on old kernels, ENOSYS, filesystems that refuse: copy in user space
-                use_kernel = False
-                continue
-        else:
-            chunk = os.pread(src_fd, min(64 << 20, nbytes - done), src_off + done)
-            n = os.pwrite(dst_fd, chunk, dst_off + done) if chunk else 0
-        if n <= 0:
-            raise CheckpointError(f"short read at byte {src_off + done}: the rank file is truncated")
-        done += n
-
-
 def _small_tensors(ckpt: Zero3Checkpoint, out_name: str, include_frozen: bool) -> dict[str, "torch.Tensor"]:
     """Buffers and frozen parameters (assembled whole in memory), cast as zero_to_fp32 casts them."""
     tensors = dict(ckpt.buffers())
@@ -313,27 +274,40 @@ def _small_tensors(ckpt: Zero3Checkpoint, out_name: str, include_frozen: bool) -
     return {n: (t.to(out_dtype) if t.is_floating_point() else t) for n, t in tensors.items()}
 
 
-def _layout(entries: dict[str, _Entry]) -> tuple[bytes, int]:
-    """The safetensors header for ``entries`` (sets each entry's ``start``) and where data begins."""
-    import safetensors
+#: A temporary file whose writer is gone and that has not changed for this long is a leftover.
+STALE_TEMP_AGE_S = 120.0
 
-    # Ask safetensors for its tensor order (dtype, then name) with zero-size stand-ins, so the
-    # file matches what save_file would write byte for byte (and no torch import is needed).
-    probe = safetensors.serialize(
-        {n: safetensors.TensorSpec(dtype=e.dtype, shape=(0,), data_ptr=0, data_len=0) for n, e in entries.items()},
-        metadata={"format": "pt"},
-    )
-    (n,) = struct.unpack("<Q", probe[:8])
-    order = [k for k in json.loads(probe[8 : 8 + n]) if k != "__metadata__"]
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in order:
-        e = entries[name]
-        if e.dtype not in _ST_DTYPE:
-            raise CheckpointError(f"tensor {name!r}: dtype {e.dtype} cannot be written to safetensors")
-        e.start = offset
-        header[name] = {"dtype": _ST_DTYPE[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)
-    return raw, 8 + len(raw)
+
+def remove_stale_temps(out: Path, min_age_s: float = STALE_TEMP_AGE_S) -> list[str]:
+    """Remove the hidden temporary siblings (``.NAME.tmp-PID-XXXXXXXX``, ``atomic_open``'s) that a
+    consolidate killed outright left beside ``out``: SIGTERM and Ctrl-C remove their own, SIGKILL or
+    the OOM killer cannot, and each is as large as the output. Only a file whose writer pid is not
+    running here *and* that has not changed for ``min_age_s`` is removed (on a shared filesystem the
+    pid may be another host's, whose live writer keeps changing it). Returns one note per removal."""
+    import time
+
+    notes = []
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        pid_text = tmp.name[len(f".{out.name}.tmp-"):].split("-", 1)[0]
+        if not pid_text.isdigit() or _pid_running(int(pid_text)):
+            continue
+        try:
+            info = tmp.lstat()
+            if not stat.S_ISREG(info.st_mode) or time.time() - info.st_mtime < min_age_s:
+                continue
+            tmp.unlink()
+        except OSError:
+            continue
+        notes.append(f"removed {tmp} ({info.st_size:,} bytes): the partial output of an earlier consolidate (pid "
+                     f"{pid_text}, no longer running) that was killed before it could remove it")
+    return notes
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True

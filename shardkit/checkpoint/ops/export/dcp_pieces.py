@@ -1,0 +1,65 @@
+"""An FSDP2 / torch.distributed.checkpoint (DCP) checkpoint's model tensors as ``Piece``s.
+
+The ``.metadata`` is read with the restricted unpickler (``dcp.reader.read_dcp_metadata``), and each
+tensor's stored chunks are located with ``dcp.slices.DcpSlices`` (dim-0 slabs in plain zip
+records: one byte range each). Model tensors are the keys under ``model.`` (shardkit's
+``save_fsdp_checkpoint`` saves ``{"model": ..., "optim": ...}``, accelerate's FSDP save of the
+Trainer ``{"model": ...}``); the optimizer's are ignored. A tensor whose chunks cannot be read as
+byte ranges is read whole through ``load_dcp_state`` (that tensor alone in memory).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state, read_dcp_metadata
+from shardkit.checkpoint.dcp.slices import DcpSlices
+from shardkit.checkpoint.ops.export.pieces import Piece, SourceTensor
+from shardkit.core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+MODEL_PREFIX = "model."
+
+
+def dcp_tensors(tag_dir: Path) -> dict[str, SourceTensor]:
+    """The model tensors of the DCP folder ``tag_dir`` (holding ``.metadata``), by name under ``model.``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = read_dcp_metadata(tag_dir / METADATA_NAME)
+    slices = DcpSlices(tag_dir, md)
+    out: dict[str, SourceTensor] = {}
+    try:
+        for key, meta in md.state_dict_metadata.items():
+            if not key.startswith(MODEL_PREFIX) or not isinstance(meta, TensorStorageMetadata):
+                continue
+            name = key[len(MODEL_PREFIX):]
+            dtype = str(meta.properties.dtype).removeprefix("torch.")
+            shape = tuple(int(d) for d in meta.size)
+            chunks = slices.chunks(key) if math.prod(shape) > 0 else []
+            if chunks is None:
+                out[name] = SourceTensor(name, dtype, shape, load=_loader(tag_dir, key, shape, meta.properties.dtype))
+            else:
+                out[name] = SourceTensor(name, dtype, shape, [Piece(c.file, c.data_offset, c.start, c.numel) for c in chunks])
+    finally:
+        slices.close()
+    if not out:
+        keys = sorted(md.state_dict_metadata)[:5]
+        raise CheckpointError(f"{tag_dir}: a DCP checkpoint without model tensors (no key under '{MODEL_PREFIX}'; it "
+                              f"holds {keys}): not a model checkpoint shardkit or the Trainer wrote (an optimizer-only "
+                              "folder such as optimizer_0/?). Pass the model's folder")
+    return out
+
+
+def _loader(tag_dir: Path, key: str, shape: tuple[int, ...], dtype: Any) -> Any:
+    def load() -> "torch.Tensor":
+        import torch
+
+        holder = {key: torch.empty(shape, dtype=dtype)}
+        load_dcp_state(holder, tag_dir)
+        return holder[key]
+
+    return load

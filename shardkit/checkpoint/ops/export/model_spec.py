@@ -1,0 +1,115 @@
+"""What the model class expects a saved folder to hold, from its ``config.json`` alone: the model is
+built on the meta device (no memory, no weights) and asked the questions ``save_pretrained`` asks.
+
+- names and shapes: ``model.state_dict()`` (persistent buffers included, non-persistent ones not);
+- tied weights: ``transformers.modeling_utils.remove_tied_weights_from_state_dict``, the function
+  ``save_pretrained`` calls, decides which alias is dropped (``lm_head.weight`` when
+  ``tie_word_embeddings``);
+- tensor order: the state dict's, which ``save_pretrained``'s shard split follows;
+- ``total_parameters``: ``model.num_parameters()``, as the index records it.
+
+Model classes whose ``save_pretrained`` renames or fuses weights on the way out (transformers'
+checkpoint conversion mappings: MoE experts, for one) are refused: their files are not the module's
+state dict, and writing the state dict would not load back faithfully.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardkit.core.errors import CheckpointError, UsageError
+
+CONFIG_NAME = "config.json"
+
+#: config ``dtype``/``torch_dtype`` -> ``--dtype``.
+CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass
+class ModelSpec:
+    """The tensors a ``from_pretrained`` of this config expects, in ``save_pretrained``'s order."""
+
+    class_name: str
+    shapes: dict[str, tuple[int, ...]]
+    """Every tensor to write (tied aliases already dropped), in state-dict order."""
+    tied_dropped: list[str]
+    """Aliases ``save_pretrained`` leaves out (the model re-ties them on load)."""
+    tied_to: dict[str, str]
+    """``{dropped alias: the name kept}``."""
+    non_persistent: set[str] = field(default_factory=set)
+    """Buffers the module has but its state dict leaves out (never written)."""
+    total_parameters: int = 0
+    config_dtype: str | None = None
+    """``fp32``/``bf16``/``fp16`` from the config's ``dtype`` (or ``torch_dtype``), None when absent."""
+
+
+def read_config(config_dir: Path) -> dict[str, Any]:
+    path = config_dir / CONFIG_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: cannot be read as a model config ({type(exc).__name__}: {exc}); pass --model-config "
+                         "DIR with the config.json the model was built from") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UsageError(f"{path}: not a transformers model config (no 'model_type'); pass --model-config DIR with the "
+                         "config.json the model was built from")
+    return data
+
+
+def config_dtype(cfg: dict[str, Any]) -> str | None:
+    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    return CONFIG_DTYPES.get(str(value).removeprefix("torch.")) if value else None
+
+
+def meta_model(config_dir: Path) -> Any:
+    """The config's model class (its ``architectures[0]``, else ``AutoModelForCausalLM``) built on
+    the meta device; refuses model types whose save format is not their state dict."""
+    import torch
+    import transformers
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    raw = read_config(config_dir)
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(str(config_dir))
+    except (ValueError, KeyError, OSError) as exc:
+        raise UsageError(f"{config_dir / CONFIG_NAME}: transformers cannot build a config from it ({exc}); pass "
+                         "--model-config DIR with the config.json the model was built from") from None
+    if get_checkpoint_conversion_mapping(cfg.model_type):
+        raise CheckpointError(
+            f"{config_dir / CONFIG_NAME}: model_type {cfg.model_type!r}: transformers renames or fuses this model's "
+            "weights when it saves and loads (a checkpoint conversion mapping, e.g. MoE experts), so its module state "
+            "dict is not its file format; shardkit export refuses rather than write files from_pretrained would "
+            "misread. Load the checkpoint into the model and call save_pretrained")
+    arch = (raw.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    with torch.device("meta"):
+        try:
+            return cls._from_config(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
+        except ValueError as exc:
+            raise UsageError(f"{config_dir / CONFIG_NAME}: no transformers model class for it ({exc}); pass "
+                             "--model-config DIR with a causal-LM config transformers knows") from None
+
+
+def model_spec(config_dir: Path) -> ModelSpec:
+    """Build the config's model class on the meta device and read off what it expects."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    model = meta_model(config_dir)
+    state = model.state_dict()
+    kept = remove_tied_weights_from_state_dict(dict(state), model)
+    dropped = [n for n in state if n not in kept]
+    ptr = {id(model.get_parameter_or_buffer(n)): n for n in kept}
+    tied_to = {n: ptr.get(id(model.get_parameter_or_buffer(n)), "") for n in dropped}
+    buffers = {n for n, _ in model.named_buffers()}
+    return ModelSpec(
+        class_name=type(model).__name__,
+        shapes={n: tuple(t.shape) for n, t in kept.items()},
+        tied_dropped=dropped,
+        tied_to=tied_to,
+        non_persistent=buffers - set(state),
+        total_parameters=model.num_parameters(),
+        config_dtype=config_dtype(read_config(config_dir)),
+    )

@@ -1,0 +1,96 @@
+"""The safetensors file format as shardkit's streaming writers need it: the header computed up
+front from names, dtypes and shapes (tensor order asked of safetensors itself, so a file matches
+what ``safetensors.torch.save_file`` writes byte for byte), and a file-to-file byte copy
+(``os.copy_file_range`` in the kernel, a ``pread``/``pwrite`` loop where the kernel refuses).
+Shared by ``consolidate`` and ``export``; imports neither torch nor numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+from shardkit.checkpoint.io.torch_load import _ITEMSIZE
+from shardkit.core.errors import CheckpointError
+
+#: torch dtype name (without ``torch.``) -> safetensors dtype code.
+ST_DTYPE = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+
+
+@dataclass
+class TensorEntry:
+    """One tensor of a safetensors file being laid out."""
+
+    name: str
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix (``float32``, ``bfloat16``...)."""
+    shape: tuple[int, ...]
+    start: int = 0
+    """Byte offset inside the data section (set by ``header_layout``)."""
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+def header_layout(entries: dict[str, TensorEntry], metadata: dict[str, str] | None = None) -> tuple[bytes, int]:
+    """The safetensors header for ``entries`` (sets each entry's ``start``) and where data begins."""
+    import safetensors
+
+    meta = metadata if metadata is not None else {"format": "pt"}
+    # Ask safetensors for its tensor order (dtype, then name) with zero-size stand-ins, so the
+    # file matches what save_file would write byte for byte (and no torch import is needed).
+    probe = safetensors.serialize(
+        {n: safetensors.TensorSpec(dtype=e.dtype, shape=(0,), data_ptr=0, data_len=0) for n, e in entries.items()},
+        metadata=meta,
+    )
+    (n,) = struct.unpack("<Q", probe[:8])
+    order = [k for k in json.loads(probe[8 : 8 + n]) if k != "__metadata__"]
+    header: dict[str, object] = {"__metadata__": meta}
+    offset = 0
+    for name in order:
+        e = entries[name]
+        if e.dtype not in ST_DTYPE:
+            raise CheckpointError(f"tensor {name!r}: dtype {e.dtype} cannot be written to safetensors")
+        e.start = offset
+        header[name] = {"dtype": ST_DTYPE[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    return raw, 8 + len(raw)
+
+
+def write_header(fd: int, header: bytes, total: int) -> None:
+    """Write the length prefix and ``header`` at the start of ``fd`` and size the file to ``total``."""
+    os.pwrite(fd, struct.pack("<Q", len(header)) + header, 0)
+    os.ftruncate(fd, total)
+
+
+def copy_bytes(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int) -> None:
+    """``nbytes`` from ``src_off`` of one file to ``dst_off`` of another, in the kernel where it can."""
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    while done < nbytes:
+        n = 0
+        if use_kernel:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, nbytes - done, src_off + done, dst_off + done)
+            except OSError:  # EXDEV on old kernels, ENOSYS, filesystems that refuse: copy in user space
+                use_kernel = False
+                continue
+        else:
+            chunk = os.pread(src_fd, min(64 << 20, nbytes - done), src_off + done)
+            n = os.pwrite(dst_fd, chunk, dst_off + done) if chunk else 0
+        if n <= 0:
+            raise CheckpointError(f"short read at byte {src_off + done}: the source file is truncated")
+        done += n

@@ -1,0 +1,147 @@
+"""Write safetensors shards from ``Piece``s, streaming: the header first (computed from names,
+dtypes and shapes), then every piece to its byte offset. A piece already in the output dtype is
+copied file to file in the kernel (``os.copy_file_range``: nothing paged into this process);
+one that needs a cast is read ``CHUNK_BYTES`` at a time into one reused buffer, cast, and written.
+Memory per writer thread is one chunk and its cast, whatever the model size.
+
+``write_shards`` runs one thread per shard file (each thread owns whole files, so no two threads
+write one file); ``stop`` is checked between chunks so Ctrl-C/SIGTERM ends the writers promptly.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardkit.checkpoint.io.torch_load import _ITEMSIZE
+from shardkit.checkpoint.ops.export.pieces import SourceTensor
+from shardkit.checkpoint.ops.export.safetensors_file import TensorEntry, copy_bytes, header_layout, write_header
+from shardkit.checkpoint.ops.export.shard_plan import Shard
+from shardkit.core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+#: Bytes of source data read per cast step: large enough to amortize the syscalls, small enough
+#: that a writer thread's memory stays a few tens of MB.
+CHUNK_BYTES = 16 << 20
+
+
+class Stopped(Exception):
+    """The writers were asked to stop (the main thread is unwinding an interrupt or an error)."""
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    shard: Shard
+    tensors: dict[str, SourceTensor]
+    """Output name -> source tensor, for this shard's names."""
+    out_dtype: str
+    """torch dtype name floating-point tensors are written as; others keep theirs."""
+
+
+def entry_dtype(t: SourceTensor, out_dtype: str) -> str:
+    return out_dtype if t.is_float else t.dtype
+
+
+def write_shard(path: Path, job: ShardJob, stop: threading.Event) -> int:
+    """Write one shard file at ``path``; returns its size in bytes."""
+    entries = {n: TensorEntry(n, entry_dtype(t, job.out_dtype), tuple(t.shape)) for n, t in job.tensors.items()}
+    header, data_start = header_layout(entries)
+    total = data_start + sum(e.nbytes for e in entries.values())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sources: dict[Path, int] = {}
+    try:
+        write_header(fd, header, total)
+        for name, t in job.tensors.items():
+            e = entries[name]
+            _write_tensor(fd, data_start + e.start, t, e.dtype, sources, stop)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        for sfd in sources.values():
+            os.close(sfd)
+    return total
+
+
+def _write_tensor(fd: int, at: int, t: SourceTensor, out: str, sources: dict[Path, int], stop: threading.Event) -> None:
+    if stop.is_set():
+        raise Stopped()
+    out_size = _ITEMSIZE[out]
+    if t.load is not None:
+        _write_cast(fd, at, t.load(), out)
+        return
+    src_size = _ITEMSIZE[t.dtype]
+    buf: bytearray | None = None
+    for p in t.pieces:
+        sfd = sources.get(p.file)
+        if sfd is None:
+            sfd = sources[p.file] = os.open(p.file, os.O_RDONLY)
+        if out == t.dtype:
+            copy_bytes(sfd, fd, p.numel * src_size, p.offset, at + p.start * out_size)
+            continue
+        import torch
+
+        per = max(1, CHUNK_BYTES // src_size)
+        if buf is None:
+            buf = bytearray(min(per, max(q.numel for q in t.pieces)) * src_size)
+        done = 0
+        while done < p.numel:
+            if stop.is_set():
+                raise Stopped()
+            n = min(per, p.numel - done)
+            view = memoryview(buf)[: n * src_size]
+            _read_exactly(sfd, view, p.offset + done * src_size, p.file)
+            cast = torch.frombuffer(view, dtype=getattr(torch, t.dtype)).to(getattr(torch, out))
+            _pwrite_all(fd, cast.view(torch.uint8).numpy().data, at + (p.start + done) * out_size)
+            done += n
+
+
+def _write_cast(fd: int, at: int, tensor: "torch.Tensor", out: str) -> None:
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.to(getattr(torch, out))
+    _pwrite_all(fd, flat.contiguous().view(torch.uint8).numpy().data, at)
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"{path}: ended {len(view) - done} bytes early at byte {offset + done}: the file is "
+                                  "truncated; restore it from a good copy or export another checkpoint")
+        done += n
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def write_shards(folder: Path, jobs: list[ShardJob], workers: int) -> list[int]:
+    """Write every job's shard into ``folder``, ``workers`` files at once; sizes in job order.
+
+    The first failure stops the other writers (between chunks) and is raised; so is an interrupt
+    of the main thread (Ctrl-C, or SIGTERM turned into one by the CLI) once the writers stopped.
+    """
+    stop = threading.Event()
+    if workers <= 1 or len(jobs) <= 1:
+        return [write_shard(folder / j.shard.filename, j, stop) for j in jobs]
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-export")
+    try:
+        # submitted inside the try: an interrupt between two submissions must stop the ones running
+        futures = [pool.submit(write_shard, folder / j.shard.filename, j, stop) for j in jobs]
+        return [f.result() for f in futures]
+    except BaseException:
+        stop.set()  # the others stop at their next chunk; shutdown below waits for them
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
