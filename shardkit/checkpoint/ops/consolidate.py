@@ -5,7 +5,7 @@ in memory and then serializes it, so its peak memory is about twice the fp32 mod
 safetensors header is computed up front (tensor order taken from safetensors itself), the output
 file is sized once, and every rank's unpadded piece of every parameter is copied straight from
 the rank file to its final byte offset with ``os.copy_file_range`` (a ``pread``/``pwrite`` loop
-where the kernel refuses; the header and the copy are ``export.safetensors_file``'s, shared with
+where the kernel refuses; the header and the copy are ``io.safetensors_file``'s, shared with
 ``export``). For the default fp32 output with no buffers or frozen parameters the files are parsed
 by ``read_structure`` and neither torch nor DeepSpeed is imported: the process stays at a few tens
 of MB whatever the model size. A cast (``--dtype bf16``) or buffers/frozen
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Callable
 
 from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.checkpoint.io.pipeline import default_workers, verify_before_reading, warn_unverified
+from shardkit.checkpoint.io.safetensors_file import TensorEntry as _Entry
+from shardkit.checkpoint.io.safetensors_file import copy_bytes as _copy_bytes
+from shardkit.checkpoint.io.safetensors_file import header_layout as _layout
+from shardkit.checkpoint.io.safetensors_file import write_header
 from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX
 from shardkit.checkpoint.io.torch_load import read_structure
-from shardkit.checkpoint.ops.export.safetensors_file import TensorEntry as _Entry
-from shardkit.checkpoint.ops.export.safetensors_file import copy_bytes as _copy_bytes
-from shardkit.checkpoint.ops.export.safetensors_file import header_layout as _layout
-from shardkit.checkpoint.ops.export.safetensors_file import write_header
 from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.gather import full_frozen_params

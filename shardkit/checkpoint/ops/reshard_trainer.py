@@ -10,11 +10,7 @@ A ``checkpoint-N`` *is* the DeepSpeed root ``Trainer.train(resume_from_checkpoin
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 import shutil
-import socket
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,6 +26,7 @@ from shardkit.checkpoint.hf_trainer.rng_files import RngPlan, plan_rng_files
 from shardkit.checkpoint.io.atomic import os_errors_named, publish_dir
 from shardkit.checkpoint.io.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.shared_save import launch_from_env
+from shardkit.checkpoint.io.sibling_staging import remove_stale_staging, staging_folder
 from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, read_latest
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
@@ -133,48 +130,6 @@ def _batch_note(tag_dir: Path, source_world: int, world_size: int) -> str | None
             "position is approximate when the global batch changes")
 
 
-#: what follows ``<STAGING_PREFIX><name>-`` in a staging folder's name: the writer's pid@host and a nonce
-_STAGING_OWNER = re.compile(r"^(\d+)@(.+)-[0-9a-f]{8}$")
-
-
-def _staging_folder(final: Path) -> Path:
-    """Where ``final`` is assembled: a hidden sibling naming its writer, so a later run can tell a
-    killed writer's leftover (``remove_stale_staging``) from a reshard still running beside it."""
-    return final.parent / f"{STAGING_PREFIX}{final.name}-{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        return True
-    return True
-
-
-def remove_stale_staging(final: Path) -> list[str]:
-    """Remove the staging folders of ``final`` left by killed reshards (SIGKILL, OOM, node loss skip
-    the ``except`` that removes them; each is as big as the checkpoint, often inside the user's
-    output_dir). ``remove_stale_saves`` may assume one writer per checkpoint root; ``final.parent``
-    is any folder, so only a folder whose writer process is gone goes: same host, pid no longer
-    running. Folders of other hosts (a shared filesystem) or without an owner are left. Returns the
-    names removed."""
-    prefix = f"{STAGING_PREFIX}{final.name}-"
-    if not final.parent.is_dir():
-        return []
-    host, removed = socket.gethostname(), []
-    for e in final.parent.iterdir():
-        if not e.name.startswith(prefix) or e.is_symlink() or not e.is_dir():
-            continue
-        m = _STAGING_OWNER.match(e.name[len(prefix):])
-        if m is None or m.group(2) != host or _process_alive(int(m.group(1))):
-            continue
-        shutil.rmtree(e, ignore_errors=True)
-        removed.append(e.name)
-    return sorted(removed)
-
-
 @os_errors_named("resharding the Trainer checkpoint")
 def reshard_trainer_checkpoint(
     source: TrainerCheckpoint,
@@ -210,7 +165,7 @@ def reshard_trainer_checkpoint(
     rng = plan_rng_files([e.name for e in src.iterdir() if e.is_file()], world_size)
     final.parent.mkdir(parents=True, exist_ok=True)
     leftovers = remove_stale_staging(final)
-    staged = _staging_folder(final)
+    staged = staging_folder(final)
     try:
         r = reshard_zero3(src, staged, world_size, tag=new_tag, sub_group_size=sub_group_size, manifest=manifest,
                           verify=verify, warn=warn, workers=workers, launch=launch_from_env(single=True))

@@ -22,12 +22,13 @@ from typing import Callable
 
 from shardkit.checkpoint.io.atomic import atomic_write_text, disk_full_named, os_errors_named, publish_dir
 from shardkit.checkpoint.io.pipeline import default_workers, verify_before_reading, warn_unverified
+from shardkit.checkpoint.io.sibling_staging import remove_stale_staging, staging_folder
 from shardkit.checkpoint.io.torch_load import _ITEMSIZE
 from shardkit.checkpoint.ops.export.adapter_spec import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_spec
 from shardkit.checkpoint.ops.export.dcp_pieces import dcp_tensors
 from shardkit.checkpoint.ops.export.match import adapter_names, match, normalize
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME, model_spec, read_config
-from shardkit.checkpoint.ops.export.output import check_output_dir, remove_staging, seal_export, staging_folder
+from shardkit.checkpoint.ops.export.output import check_output_dir, remove_staging, seal_export
 from shardkit.checkpoint.ops.export.pieces import SourceTensor
 from shardkit.checkpoint.ops.export.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -39,7 +40,6 @@ from shardkit.checkpoint.ops.export.shard_plan import (
 from shardkit.checkpoint.ops.export.sources import COMPANION_FILES, Source, find_config_dir, resolve_source
 from shardkit.checkpoint.ops.export.writer import ShardJob, entry_dtype, write_shards
 from shardkit.checkpoint.ops.export.zero3_pieces import zero3_tensors
-from shardkit.checkpoint.ops.reshard_trainer import remove_stale_staging
 from shardkit.core.errors import CheckpointError, UsageError
 
 OUTPUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

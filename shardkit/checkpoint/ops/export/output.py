@@ -4,21 +4,18 @@ is either absent, the previous export, or complete.
 
 ``-o`` is replaced only when it is empty or holds an earlier shardkit export (its manifest says
 so) and ``--force`` is given: a folder shardkit did not make (a ``save_pretrained`` folder, a
-checkpoint, anything else) is never replaced. Staging folders are named like ``reshard``'s Trainer
-staging (writer pid@host), so ``remove_stale_staging`` clears what killed runs left.
+checkpoint, anything else) is never replaced. Staging folders name their writer
+(``io.sibling_staging``), so ``remove_stale_staging`` clears what killed runs left.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import uuid
 from pathlib import Path
 from typing import Any
 
 from shardkit.checkpoint.io.manifest import MANIFEST_NAME, read_manifest, seal
-from shardkit.checkpoint.io.tags import STAGING_PREFIX, tag_problem
+from shardkit.checkpoint.io.tags import tag_problem
 from shardkit.core.errors import CheckpointError, UsageError
 
 #: ``extra["kind"]`` of an export's manifest: what makes a folder one shardkit may replace.
@@ -58,11 +55,6 @@ def check_output_dir(output: Path, sources: list[Path], *, force: bool) -> None:
     if not force:
         raise UsageError(f"-o {output}: already holds a shardkit export; pass --force to replace it, or export to "
                          "another folder")
-
-
-def staging_folder(final: Path) -> Path:
-    """A hidden sibling of ``final`` naming its writer (pid@host), where the folder is assembled."""
-    return final.parent / f"{STAGING_PREFIX}{final.name}-{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
 def seal_export(staged: Path, final: Path, *, dtype: str, extra: dict[str, Any]) -> None:
