@@ -15,7 +15,10 @@ Nothing is imported at interpreter start-up: a meta-path watcher waits for the s
   preflight also checks the state of the optimizer that belongs to the model (case 1: a resumed
   optimizer state left on the CPU);
 - a wrapper around ``deepspeed.initialize`` that remembers engines, so a DeepSpeed run is checked
-  through the engine (ZeRO partitions, fp32 masters, offload) rather than as a plain module;
+  through the engine (ZeRO partitions, fp32 masters, offload) rather than as a plain module, and
+  guards each engine's ``load_checkpoint`` (:func:`guard_engine_loads`: a precision mismatch named
+  before DeepSpeed reads a file, the CPU Adam kernel state restored after the load); this guard
+  stays after the preflight's hooks are gone, since a resume may come at any step;
 - a wrapper around ``transformers.Trainer.__init__`` that adds shardkit's PreflightCallback
   (shardkit.integrations.hf, installed beside these by the sitecustomize): it checks the Trainer's config once the "auto" values are filled and
   runs the preflight at ``on_train_begin``, after the Trainer built the engine and optimizer and
@@ -113,14 +116,67 @@ def _wrap_deepspeed_initialize(deepspeed: Any) -> None:
     original = deepspeed.initialize
 
     def initialize(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+        except AssertionError as exc:  # DeepSpeed's bare asserts: name the model's problem where there is one
+            model = kwargs.get("model", args[1] if len(args) > 1 else None)
+            problem = _untrainable(model)
+            if problem is None:
+                raise
+            from shardkit.core.errors import UsageError
+
+            raise UsageError(f"deepspeed.initialize stopped with a bare AssertionError ({_where(exc)}): {problem}") from exc
         engine = result[0] if isinstance(result, tuple) else result
         HookState.engines.add(engine)
+        guard_engine_loads(engine)
         return result
 
     initialize.__wrapped__ = original  # type: ignore[attr-defined]
     initialize.__doc__ = original.__doc__
     deepspeed.initialize = initialize
+
+
+def _untrainable(model: Any) -> str | None:
+    """Why ``model`` cannot be trained (no parameters, every one frozen), with the fix; None otherwise."""
+    if model is None or not hasattr(model, "parameters"):
+        return None
+    from shardkit.placement.collect import model_problems
+
+    found = model_problems(model)
+    return f"{found[0][1]} Fix: {found[0][2]}" if found else None
+
+
+def _where(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``exc`` (where DeepSpeed's assert sits)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "no traceback"
+    code = tb.tb_frame.f_code
+    return f"{'/'.join(code.co_filename.split('/')[-4:])}:{tb.tb_lineno} in {code.co_name}"
+
+
+def guard_engine_loads(engine: Any) -> None:
+    """Make the script's own ``engine.load_checkpoint(...)`` resume right, with no call by hand
+    (``shardkit.checkpoint.ops.resume_zero3.guard_plain_loads``): a checkpoint whose files are named
+    for another precision than the config is refused, named, before DeepSpeed's FileNotFoundError;
+    after a load, DeepSpeed's CPU Adam kernels get the step state they keep outside the checkpoint,
+    so the continuation is bit-exact. Where the guard cannot be put on (an engine without
+    ``load_checkpoint``, an import failing), a warning says the resume is not guarded and what to do."""
+    if not hasattr(engine, "load_checkpoint"):
+        return  # an inference engine: nothing is resumed through it
+    try:
+        from shardkit.checkpoint.ops.resume_zero3 import guard_plain_loads
+
+        guard_plain_loads(engine)
+    except Exception as exc:  # the launch goes on; the user is told what is not done for them
+        print(
+            f"shardkit autopreflight: warning: engine.load_checkpoint is not guarded ({type(exc).__name__}: {exc}): "
+            "a checkpoint of another precision fails inside DeepSpeed, and after a load on CPU call "
+            "shardkit.restore_cpu_adam_kernel_state(engine) for a bit-exact continuation",
+            file=sys.stderr,
+        )
 
 
 def _on_forward(module: Any, args: Any) -> None:

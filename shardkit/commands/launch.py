@@ -72,6 +72,7 @@ def launch_command(args: argparse.Namespace) -> int:
     import shlex
 
     from shardkit.core.render import print_report
+    from shardkit.platform.environment.report import require_no_hang_traps
     from shardkit.run.launcher import build_launch, check_launch_config, missing_script, run_launch
 
     plan = build_launch(args.argv, args.launcher, preflight=not args.no_preflight)
@@ -82,14 +83,19 @@ def launch_command(args: argparse.Namespace) -> int:
     report = check_launch_config(plan)
     # accelerate without a config file: its command-line settings were checked all the same
     checked_something = plan.config_path is not None or plan.accelerate is not None
-    if checked_something and report.findings:
+    if report.findings:  # the launching shell's variables are checked with or without a config
         print_report(report)
     for note in plan.notes:
         print(f"shardkit launch: {note}", file=sys.stderr)
-    subject = plan.config_path or "accelerate's command-line settings (no config file)"
+    subject = plan.config_path or (
+        "accelerate's command-line settings (no config file)" if plan.accelerate is not None else "the launching environment"
+    )
     if not report.ok:
         print(f"shardkit launch: not started: {len(report.errors)} error(s) in {subject}", file=sys.stderr)
         return 1
+    # a stale op-build lock or a socket interface this host lacks: every rank would wait in silence
+    rdzv = plan.rendezvous
+    require_no_hang_traps(plan.env, cross_node=(rdzv.host, rdzv.min_nodes) if rdzv is not None else None)
     checked = f"{subject} checked" if checked_something else "no config named"
     preflight = "placement preflight on every rank" if plan.preflight else "no preflight"
     if args.dry_run:

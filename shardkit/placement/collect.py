@@ -14,6 +14,7 @@ from shardkit.placement.fsdp import collect_fsdp, fsdp_expected_for, fsdp_mesh_d
 from shardkit.placement.records import EngineRecords, RankReport
 from shardkit.placement.torch_state import collect_torch, scaler_records, scheduler_records
 from shardkit.platform.device_rules import accelerator_device, module_compute_device
+from shardkit.platform.dist import rank_env_problems
 from shardkit.platform.versions import runtime_versions
 
 if TYPE_CHECKING:
@@ -83,7 +84,45 @@ def collect_records(
         zero3_partition_ranks=collected.zero3_partition_ranks,
         unmanaged=collected.unmanaged,
         node_rank=int(os.environ["GROUP_RANK"]) if os.environ.get("GROUP_RANK", "").isdigit() else -1,
+        problems=_env_problems(compute) + (model_problems(model) if engine is None and model is not None else []),
     )
+
+
+def _env_problems(compute: str) -> list[list[str]]:
+    """This rank's launcher variables against the process group and, on an accelerator run, the
+    devices it sees (a CPU run picks no device by LOCAL_RANK, so an unset one is harmless there)."""
+    import torch
+    import torch.distributed as dist
+
+    group = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else None
+    on_accelerator = not compute.startswith("cpu") and torch.accelerator.is_available()
+    found = rank_env_problems(os.environ, group=group, accelerators=torch.accelerator.device_count() if on_accelerator else 0)
+    return [["environment", *_split_fix(problem)] for problem in found]
+
+
+def _split_fix(problem: str) -> list[str]:
+    message, _, fix = problem.partition(" Fix: ")
+    return [message, fix]
+
+
+def model_problems(model: Any) -> list[list[str]]:
+    """A model the preflight cannot judge a training run of: no parameters at all (nothing to check,
+    nothing to train), or every parameter frozen (the optimizer steps nothing; DeepSpeed ZeRO-3
+    refuses such a model at initialize with a bare AssertionError)."""
+    params = list(model.parameters())
+    kind = type(model).__name__
+    if not params:
+        return [["model", f"the {kind} passed to the preflight has no parameters: there is nothing to place, check "
+                 "or train (a wrapper whose real model is an attribute, or a model never built).",
+                 "pass the module that holds the trained parameters (model=, or the DeepSpeed engine)"]]
+    if not any(p.requires_grad for p in params):
+        total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)  # ZeRO-3 leaves 0-element placeholders
+        return [["model", f"every parameter of the {kind} is frozen ({len(params)} tensors, {total:,} elements with "
+                 "requires_grad=False): the optimizer steps nothing, so this run would train nothing (DeepSpeed "
+                 "ZeRO-3 refuses such a model at deepspeed.initialize with a bare AssertionError).",
+                 "unfreeze what you mean to train (p.requires_grad_(True)), or add the trainable adapters (peft's "
+                 "get_peft_model) before building the optimizer; an evaluation-only run needs no preflight"]]
+    return []
 
 
 def _engine_device(engine: Any) -> str | None:

@@ -39,8 +39,12 @@ if TYPE_CHECKING:
     import torch
 
 # Every rank calls preflight the same number of times, so a per-process counter names the round.
+# Each rank also keeps its count under ``_CALLS/rank<N>`` (one key per rank, overwritten, never
+# growing): when a round times out, the message says how often each rank called, which names a call
+# made in a rank-dependent branch (rank 1 calls twice, rank 0 once) instead of a bare "missing".
 _ROUND = itertools.count()
 _KEY = "shardkit/preflight"
+_CALLS = f"{_KEY}/calls"
 # Rank 0 writes the verdict at most ``timeout`` after it arrives, plus the time to decode and judge
 # every report; the other ranks wait this much longer before deciding that rank 0 is gone.
 _JUDGE_GRACE_S = 60.0
@@ -104,7 +108,7 @@ class _Verdict:
         return cls(bool(d["ok"]), str(d["text"]), [int(r) for r in d["missing"]])
 
 
-def _text(report: PlacementReport, world: int, timeout: float) -> str:
+def _text(report: PlacementReport, world: int, timeout: float, calls: dict[int, int] | None = None) -> str:
     missing = report.missing_ranks
     if not missing:
         return report.render()
@@ -112,8 +116,44 @@ def _text(report: PlacementReport, world: int, timeout: float) -> str:
         f"ranks {missing} of {world} did not reach the placement preflight within {timeout:g}s: "
         "they exited, crashed, or are stuck before it (or call preflight a different number of times). "
         f"Check the logs of ranks {missing}; every rank must call shardkit.preflight at the same point.\n"
+        + _calls_line(calls)
         + report.render()
     )
+
+
+def _call_counts(store: Any, counted: str | None, world: int) -> dict[int, int] | None:
+    """How many times each rank has called the preflight so far (0: never), read from the store on
+    the timeout path only (one check per rank); None when the counts are not kept."""
+    if counted is None:
+        return None
+    counts: dict[int, int] = {}
+    try:
+        for r in range(world):
+            key = f"{counted}/rank{r}"
+            counts[r] = int(store.get(key)) if store.check([key]) else 0
+    except (RuntimeError, ValueError):  # the store itself is going away: the message does without
+        return None
+    return counts
+
+
+def _calls_line(calls: dict[int, int] | None) -> str:
+    """``preflight calls so far: 1 call: ranks [0]; 2 calls: ranks [1]`` when the ranks differ
+    (grouped by count, so it stays one line at any world size); '' when they agree or are unknown."""
+    if not calls or len(set(calls.values())) < 2:
+        return ""
+    by_count: dict[int, list[int]] = {}
+    for rank, n in sorted(calls.items()):
+        by_count.setdefault(n, []).append(rank)
+    shown = "; ".join(f"{n} call{'s' if n != 1 else ''}: ranks {_ranks_text(ranks)}" for n, ranks in sorted(by_count.items()))
+    return (
+        f"shardkit.preflight calls so far: {shown}. The ranks called it a different number of times: a call in "
+        "a branch only some ranks take (`if rank == 0:`), or in a loop whose length differs per rank; call it on "
+        "every rank, the same number of times.\n"
+    )
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 16 else f"[{', '.join(map(str, ranks[:16]))}, ... ({len(ranks)} ranks)]"
 
 
 def _collective(local: RankReport, timeout: float) -> tuple[PlacementReport, _Verdict]:
@@ -128,25 +168,32 @@ def _collective(local: RankReport, timeout: float) -> tuple[PlacementReport, _Ve
         store.delete_key
     except (AttributeError, RuntimeError, ValueError):
         return _gather_fallback(local, world, timeout)
-    return exchange(store, local, world, timeout, f"{_KEY}/{next(_ROUND)}")
+    round_ = next(_ROUND)
+    return exchange(store, local, world, timeout, f"{_KEY}/{round_}", calls=(_CALLS, round_ + 1))
 
 
-def exchange(store: Any, local: RankReport, world: int, timeout: float, base: str) -> tuple[PlacementReport, _Verdict]:
+def exchange(store: Any, local: RankReport, world: int, timeout: float, base: str,
+             calls: tuple[str, int] | None = None) -> tuple[PlacementReport, _Verdict]:
     """One preflight round over a c10d store (a TCPStore client per rank), keys under ``base``.
 
     Every rank writes its summary (a few hundred bytes); rank 0 reads them all, compares digests and
     writes one request naming the few ranks whose parameter maps it needs (usually none); those
     ranks write their detail; rank 0 judges and writes the verdict. Rank 0's report holds every
-    summary and its own full report; another rank's holds its own only.
+    summary and its own full report; another rank's holds its own only. ``calls``: (key prefix,
+    this rank's call count): the count is kept under ``<prefix>/rank<N>``, and a timeout's message
+    names every rank's count.
     """
     keys = [f"{base}/rank{r}" for r in range(world)]
     request_key, verdict_key, done_key = f"{base}/request", f"{base}/verdict", f"{base}/done"
+    if calls is not None:
+        store.set(f"{calls[0]}/rank{local.rank}", str(calls[1]))
+    counted = calls[0] if calls is not None else None
     mine = summarize(local)
     store.set(keys[local.rank], mine.encode())
     if local.rank == 0:
-        report, verdict = _rank0_decides(store, local, mine, keys, base, world, timeout)
+        report, verdict = _rank0_decides(store, local, mine, keys, base, world, timeout, counted)
     else:
-        report, verdict = _read_verdict(store, local, keys, base, world, timeout)
+        report, verdict = _read_verdict(store, local, keys, base, world, timeout, counted)
     # Nobody reads a summary or a detail once the verdict exists (rank 0 read them before writing
     # it). Rank 0's key stays: it is also the "rank 0 arrived" mark a slower rank may still wait on.
     if local.rank != 0:
@@ -159,7 +206,7 @@ def exchange(store: Any, local: RankReport, world: int, timeout: float, base: st
 
 
 def _rank0_decides(store: Any, local: RankReport, mine: RankSummary, keys: list[str], base: str, world: int,
-                   timeout: float) -> tuple[PlacementReport, _Verdict]:
+                   timeout: float, counted: str | None = None) -> tuple[PlacementReport, _Verdict]:
     verdict_key, request_key = f"{base}/verdict", f"{base}/request"
     if store.check([verdict_key]):
         # The other ranks gave up on rank 0 before it arrived: adopt their verdict (same failure everywhere).
@@ -181,7 +228,8 @@ def _rank0_decides(store: Any, local: RankReport, mine: RankSummary, keys: list[
             detail = RankDetail.decode(blob)
             details[detail.rank] = detail
     report = judge_summaries(summaries, details, missing, held=[local])
-    proposal = _Verdict(report.ok, _text(report, world, timeout), report.missing_ranks)
+    counts = _call_counts(store, counted, world) if report.missing_ranks else None
+    proposal = _Verdict(report.ok, _text(report, world, timeout, counts), report.missing_ranks)
     blob = proposal.encode()
     current = store.compare_set(verdict_key, "", blob)
     if current == blob:
@@ -201,7 +249,8 @@ def _wait_for(store: Any, keys: list[str], timeout: float, offset: int, ranks: l
         return [r for r, key in zip(who, keys) if not store.check([key])]
 
 
-def _read_verdict(store: Any, local: RankReport, keys: list[str], base: str, world: int, timeout: float) -> tuple[PlacementReport, _Verdict]:
+def _read_verdict(store: Any, local: RankReport, keys: list[str], base: str, world: int, timeout: float,
+                  counted: str | None = None) -> tuple[PlacementReport, _Verdict]:
     verdict_key, request_key = f"{base}/verdict", f"{base}/request"
     deadline = timedelta(seconds=timeout)
     # Rank 0 decides within its own deadline for the others, plus the time to compare summaries.
@@ -217,7 +266,8 @@ def _read_verdict(store: Any, local: RankReport, keys: list[str], base: str, wor
         # Rank 0 never arrived (or died judging): decide without it, unless it decided meanwhile.
         missing = [r for r in range(world) if not store.check([keys[r]])] or [0]
         mine = PlacementReport(ranks=[local], missing_ranks=missing)
-        decided = store.compare_set(verdict_key, "", _Verdict(False, _text(mine, world, timeout), missing).encode())
+        text = _text(mine, world, timeout, _call_counts(store, counted, world))
+        decided = store.compare_set(verdict_key, "", _Verdict(False, text, missing).encode())
     verdict = _Verdict.decode(decided)
     return PlacementReport(ranks=[local], missing_ranks=verdict.missing), verdict
 

@@ -105,6 +105,11 @@ class RankReport:
     node_rank: int = -1
     """The launcher agent (node) that started this rank (torchrun's GROUP_RANK); -1 when unknown. Two
     nodes reporting one host name are told apart by it."""
+    problems: list[list[str]] = field(default_factory=list)
+    """What is wrong on this rank besides where tensors are, as ``[key, message, fix]``: launcher
+    variables that disagree (``environment``: RANK, WORLD_SIZE, LOCAL_RANK against each other, the
+    visible devices and the process group, ``platform.dist.rank_env_problems``), a model with nothing
+    to train (``model``: no parameters, every parameter frozen)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

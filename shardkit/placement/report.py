@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit.core.findings import Finding, Severity
-from shardkit.placement.fixes import fix_for, fix_lines
+from shardkit.placement.fixes import fix_for, fix_lines, meta_fix_line
 from shardkit.placement.records import PlacementRecord, RankReport
 from shardkit.placement.summary import MAX_NAMED_PER_RANK, RankSummary, summarize
 
@@ -138,6 +138,7 @@ class PlacementReport:
                              "collect_records on that rank)")
             lines.append("how to fix:")
             lines += fix_lines([r.kind for r in mm], engine)
+            lines += meta_fix_line([r.actual for r in mm])
         if self.findings:
             lines.append("")
             lines.append("cross-rank findings:")

@@ -63,6 +63,9 @@ class RankSummary:
     unmanaged_count: int = 0
     node_rank: int = -1
     """The launcher agent (node) that started this rank (torchrun's GROUP_RANK); -1 when unknown."""
+    problems: list[list[str]] = field(default_factory=list)
+    """``RankReport.problems``: ``[key, message, fix]`` (empty on a healthy rank, so the summary
+    grows only where something is wrong)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,7 +140,7 @@ def summarize(report: RankReport) -> RankSummary:
         zero3_partition_ranks=report.zero3_partition_ranks,
         zero3_short=dict(list(short.items())[:MAX_NAMED_PER_RANK]), zero3_short_count=len(short),
         unmanaged=sorted(report.unmanaged)[:MAX_NAMED_PER_RANK], unmanaged_count=len(report.unmanaged),
-        node_rank=report.node_rank,
+        node_rank=report.node_rank, problems=[list(p) for p in report.problems],
     )
 
 

@@ -50,6 +50,7 @@ def judge_summaries(
     ``ranks_needing_detail`` named. Cost grows with the world size, never with world x tensors."""
     summaries = sorted(summaries, key=lambda s: s.rank)
     findings: list[Finding] = []
+    findings += _rank_problems(summaries)
     findings += _unmanaged(summaries)
     findings += _accelerator_indices(summaries)
     findings += _versions(summaries)
@@ -92,6 +93,20 @@ def _names(names: list[str], total: int | None = None) -> str:
     total = max(total or 0, len(names))
     shown = ", ".join(names[:MAX_NAMES])
     return shown + (f" ... and {total - min(len(names), MAX_NAMES)} more" if total > MAX_NAMES or total > len(names) else "")
+
+
+def _rank_problems(summaries: list[RankSummary]) -> list[Finding]:
+    """What ranks found wrong besides placement (``RankReport.problems``), ranks with the same
+    problem named together: every rank then fails with the same table, not alone with its own."""
+    ranks_by_problem: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for s in summaries:
+        for problem in s.problems:
+            ranks_by_problem[tuple(problem)].append(s.rank)
+    out = []
+    for (key, message, fix), ranks in ranks_by_problem.items():
+        out.append(Finding(Severity.ERROR, key, _who(ranks), f"{_who(ranks)}: {message}",
+                           (fix[:1].upper() + fix[1:] + ".") if fix else "", rule=f"placement.{key}"))
+    return out
 
 
 def _unmanaged(summaries: list[RankSummary]) -> list[Finding]:

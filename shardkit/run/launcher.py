@@ -29,7 +29,10 @@ from shardkit.core.errors import UsageError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.platform.environment.facts import EnvironmentFacts, probe_environment, run_has_accelerator
 from shardkit.run.accelerate_config import AccelerateRun, launch_findings, load_run, parse_accelerate_args
+from shardkit.run.launch_env import launch_env_findings, per_node_ranks
+from shardkit.run.launch_stop import LaunchStop, reap_leftovers, set_subreaper, stop_message
 from shardkit.run.rendezvous_diagnosis import Rendezvous, StderrTail, diagnose, rendezvous_of
+from shardkit.run.spawn.silence import LockWatch, silence_s
 
 Launcher = Literal["deepspeed", "torchrun", "accelerate"]
 LAUNCHERS: tuple[Launcher, ...] = ("deepspeed", "torchrun", "accelerate")
@@ -81,6 +84,8 @@ class LaunchPlan:
     rendezvous: Rendezvous | None = None
     """torchrun across nodes (c10d): a rendezvous that times out or cannot be reached is named after
     torchrun's own output (see :mod:`shardkit.run.rendezvous_diagnosis`)."""
+    launcher_args: list[str] = field(default_factory=list)
+    """The launcher's own arguments (before the script): how many ranks it starts on this node."""
 
 
 def split_script(args: Sequence[str]) -> tuple[list[str], str, list[str]]:
@@ -219,6 +224,7 @@ def build_launch(
         preflight=preflight,
         is_module=is_module,
         rendezvous=rendezvous_of(launcher_args) if launcher == "torchrun" else None,
+        launcher_args=list(launcher_args),
     )
 
 
@@ -271,11 +277,22 @@ def check_launch_config(plan: LaunchPlan, facts: EnvironmentFacts | None = None)
     an environment row (fp16 on a CPU-only machine) is then an error, not a "state --accelerator"
     warning.
     """
+    facts = facts or probe_environment(plan.env)
+    report = _check_config_of(plan, facts)
+    # the launching shell's RANK/WORLD_SIZE/CUDA_VISIBLE_DEVICES against the launch (launch_env)
+    report.extend(launch_env_findings(
+        plan.env, launcher=plan.launcher, world_size=plan.world_size,
+        per_node=per_node_ranks(plan.launcher, plan.launcher_args) if plan.accelerate is None else None,
+        gpus=facts.cuda.device_count if facts.has_cuda else 0, config_failed=not report.ok,
+    ))
+    return report
+
+
+def _check_config_of(plan: LaunchPlan, facts: EnvironmentFacts) -> Report:
     if plan.accelerate is not None:
         return _check_accelerate(plan, plan.accelerate, facts)
     if plan.config_path is None:
         return Report(subject="launch: no config named on the script's command line")
-    facts = facts or probe_environment(plan.env)
     checked = _check_script_config(plan, plan.config_path, facts)
     if checked is None:
         return Report(subject=plan.config_path)
@@ -407,6 +424,17 @@ def preflight_summary(failures: dict[int, str], world_size: int | None, node: st
 
 
 def _run_argv(plan: LaunchPlan, env: dict[str, str]) -> int:
+    # ranks whose launcher dies are re-parented here, so none outlives the launch (launch_stop)
+    subreaper = set_subreaper(True)
+    try:
+        return _run_and_reap(plan, env, subreaper)
+    finally:
+        if subreaper:
+            set_subreaper(False)
+
+
+def _run_and_reap(plan: LaunchPlan, env: dict[str, str], subreaper: bool) -> int:
+    stop = LaunchStop.starting_now()
     try:
         # across nodes, torchrun's stderr is copied through so a rendezvous failure can be named
         stderr = subprocess.PIPE if plan.rendezvous is not None else None
@@ -414,11 +442,15 @@ def _run_argv(plan: LaunchPlan, env: dict[str, str]) -> int:
     except FileNotFoundError as exc:
         raise UsageError(f"cannot start {plan.argv[0]!r}: {exc}. Is {plan.launcher} installed in this environment?") from exc
     tail = StderrTail(proc.stderr) if proc.stderr is not None else None
+    # a build lock whose builder dies during the run leaves every other rank waiting in silence
+    lock_watch = LockWatch(env, silence_s(env)).start()
     failed_dir = env.get(ENV_FAILED_DIR)
     waiting = True
 
     def forward(signum: int, _frame: object) -> None:
         proc.send_signal(signum)
+        if waiting:
+            stop.note(signum, proc.pid)
         # Stopped by the scheduler (srun --kill-on-bad-exit) because another node's launch failed:
         # when this node's ranks already failed their preflight, the outcome is known, so end now
         # with exit 3 rather than be killed (SIGKILL after KillWait) while torchrun winds down.
@@ -438,8 +470,14 @@ def _run_argv(plan: LaunchPlan, env: dict[str, str]) -> int:
             message = diagnose(plan.rendezvous, text) if code != 0 else None
             if message:
                 print(message, file=sys.stderr, flush=True)
-        return code
+        leftovers = reap_leftovers(stop, subreaper)
+        if stop.signum is not None or leftovers:
+            print(stop_message(plan.launcher, stop, leftovers), file=sys.stderr, flush=True)
+        if stop.exit_code is not None and code != 0:
+            return stop.exit_code  # 130 / 143: what stopped the run, not the launcher's own 1
+        return 128 - code if code < 0 else code  # the launcher killed by a signal: as a shell reports it
     finally:
+        lock_watch.stop()
         decided = plan.rendezvous is not None and failed_dir is not None and bool(preflight_failures(failed_dir))
         for s, handler in previous.items():
             # Across nodes the scheduler stops every node's step once one node's launch has ended

@@ -7,6 +7,7 @@ Kept out of the command module so tests call ``run_preflight(PreflightOptions(..
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from shardkit.config.loading import config_kind, load_config
 from shardkit.core.errors import DistributedError, UsageError
 from shardkit.core.render import print_report, write_json
 from shardkit.engines.model_factory import resolve_model_factory
+from shardkit.platform.environment.report import require_no_hang_traps
 from shardkit.run.preflight_rank import RankSpec, preflight_rank
 from shardkit.run.spawn.plan import RankPlan, plan_ranks, static_world
 from shardkit.run.spawn.process import run_ranks
@@ -72,6 +74,8 @@ def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     if plan is None:
         return 0
     resolve_model_factory(opts.model)  # a bad --model is a usage error here, not a crash in N ranks
+    # a stale op-build lock or a socket interface this host lacks: the ranks would wait in silence
+    require_no_hang_traps({**os.environ, **plan.env}, loads_deepspeed_ops=config_kind(cfg) != "fsdp")
     for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return _run_ranks(opts, cfg, config_kind(cfg), plan, out)

@@ -14,6 +14,11 @@ def _shardkit_install() -> None:
             from shardkit.autopreflight.hooks import install
 
             install({"transformers.trainer": wrap_trainer_init})
+            # a rank of `shardkit launch` silent for SHARDKIT_SILENCE_S (build lock, rendezvous,
+            # collective) says where it waits; a daemon thread sampling the main thread's stack
+            from shardkit.run.spawn.silence import start_from_env
+
+            start_from_env()
     except Exception as exc:  # never break interpreter start-up
         import sys
 

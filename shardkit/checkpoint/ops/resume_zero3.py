@@ -369,6 +369,8 @@ def restore_after_plain_load(engine: Any) -> list[KernelReplay]:
     ``KernelNotRestoredWarning`` naming why it cannot run and what to do instead."""
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
     why = None
+    if stage != 3 and not _steps_on_a_cpu_adam_kernel(engine):
+        return []  # torch's optimizers and the CUDA FusedAdam keep no step state outside the checkpoint
     if stage != 3:
         why = (f"the engine runs ZeRO stage {stage}, whose CPU Adam call order shardkit does not replay; if its "
                "optimizer steps one tensor per param group, call shardkit.restore_cpu_adam_kernel_state("
@@ -384,3 +386,17 @@ def restore_after_plain_load(engine: Any) -> list[KernelReplay]:
                       stacklevel=3)
         return []
     return restore_cpu_adam_kernel_state(engine)
+
+
+def _steps_on_a_cpu_adam_kernel(engine: Any) -> bool:
+    """Whether the engine's optimizer is one of DeepSpeed's CPU Adam kernels (``DeepSpeedCPUAdam``,
+    or ``FusedAdam`` on the CPU accelerator): only those keep beta powers outside the checkpoint, so
+    only they deserve the warning at a stage whose replay shardkit does not do."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    opt = getattr(engine, "optimizer", None)
+    inner = getattr(opt, "optimizer", opt)  # ZeRO-1/2 wrap the torch-style optimizer; stage 0 does not
+    if isinstance(inner, DeepSpeedCPUAdam):
+        return True
+    return isinstance(inner, FusedAdam) and get_accelerator().device_name() == "cpu"

@@ -31,8 +31,16 @@ wraps ``Trainer.__init__``), checks the config right there, before ``deepspeed.i
 refuse it, and the preflight then runs once: through the callback, never again through the torch
 hooks.
 
+**resume**: the Trainer resumes with DeepSpeed's plain ``engine.load_checkpoint``; the callback
+guards it (``resume_guard``): a checkpoint whose files are named for another precision is refused,
+named, before DeepSpeed's ``FileNotFoundError``, and the CPU Adam kernel state is restored after the
+load, so the continuation is bit-exact. A callback added with ``trainer.add_callback`` after the
+Trainer was built gets no event before the load: it restores the kernel state at ``on_train_begin``
+and says the precision check could not come first.
+
 Its modules: ``callback`` (:class:`PreflightCallback`, the events and the stop),
-``config_check`` (the filled config) and ``trainer_objects`` (the Trainer and what it built).
+``config_check`` (the filled config), ``trainer_objects`` (the Trainer and what it built) and
+``resume_guard`` (the Trainer's DeepSpeed resume).
 ``from shardkit.integrations.hf import PreflightCallback`` is the documented import; every other
 name is imported from the module that defines it.
 """

@@ -22,6 +22,7 @@ from shardkit.core.errors import ConfigError, UsageError
 from shardkit.core.findings import Report
 from shardkit.core.render import print_report
 from shardkit.integrations.hf.config_check import trainer_config_report
+from shardkit.integrations.hf.resume_guard import guard_trainer_loads, restore_unguarded_load
 from shardkit.integrations.hf.trainer_objects import calling_trainer, not_ready, preflight_arguments
 from shardkit.placement.preflight import preflight
 from shardkit.platform.environment.report import one_line
@@ -69,12 +70,17 @@ class PreflightCallback(TrainerCallback):
         # train() lets deepspeed.initialize refuse it with a message that has no fix.
         trainer = calling_trainer()
         if trainer is not None and self._in_charge(trainer):
+            guard_trainer_loads(trainer)  # a resume in train(): precision named first, CPU Adam state restored
             self._check_config(trainer, final=False)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = calling_trainer()
         if trainer is not None and not self._in_charge(trainer):
             return
+        if trainer is not None:
+            note = restore_unguarded_load(trainer)
+            if note and _rank() in ("0", "?"):
+                print(f"shardkit: PreflightCallback: {note}", file=sys.stderr, flush=True)
         self._pending = True
         self._maybe_run(trainer, kwargs)
 
@@ -176,6 +182,7 @@ def inject_preflight_callback(trainer: Any) -> PreflightCallback | None:
     callback = PreflightCallback()
     callback.injected = True
     trainer.add_callback(callback)
+    guard_trainer_loads(trainer)  # the launch's deepspeed.initialize wrapper guards the engine too
     callback._check_config(trainer, final=False)
     return callback
 

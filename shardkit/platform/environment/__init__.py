@@ -12,7 +12,12 @@ One module per thing probed, then the modules that judge the facts (bottom to to
   ``run_has_accelerator``.
 - ``fp16``: ``fp16_support``, whether DeepSpeed accepts fp16 on the accelerator a run here uses.
 - ``rows``: the table's environment rows evaluated against the facts -> Findings.
-- ``report``: what commands do with those findings (``require_runnable_here``, ``version_report``).
+- ``ext_lock``: op build locks left in the torch extensions cache by a killed build, and whether
+  their builder is alive (``inspect_locks``).
+- ``interfaces``: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming an interface this host lacks; a
+  rendezvous across nodes on this machine's loopback.
+- ``report``: what commands do with those findings (``require_runnable_here``,
+  ``require_no_hang_traps``, ``version_report``).
 
 This package re-exports nothing: import (and monkeypatch) a name from the module that defines it.
 Nothing here imports torch unless a fact needs it (the CUDA probe only for a CUDA build of torch,

@@ -6,12 +6,14 @@ table rows that apply, this machine's environment rows included).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from shardkit.config.loading import config_kind
 from shardkit.core.errors import ShardkitError
 from shardkit.core.findings import Finding, Report, Severity
+from shardkit.platform.environment.ext_lock import ExtensionLock, describe, extension_lock_findings, inspect_locks
 from shardkit.platform.environment.facts import EnvironmentFacts, probe_environment, run_has_accelerator
+from shardkit.platform.environment.interfaces import ifname_findings, loopback_rendezvous_warning
 from shardkit.platform.environment.rows import environment_findings
 from shardkit.platform.versions import (
     SUPPORTED_DEEPSPEED,
@@ -53,6 +55,40 @@ def require_runnable_here(
     return warnings
 
 
+def require_no_hang_traps(
+    environ: Mapping[str, str] | None = None,
+    *,
+    loads_deepspeed_ops: bool = True,
+    cross_node: tuple[str, int] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> list[ExtensionLock]:
+    """Stop before any rank starts when it would wait forever in silence: a build lock with no live
+    builder in the torch extensions cache the ranks use (``ext_lock``), or GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME naming an interface this host lacks (``interfaces``). ``environ``: the ranks'
+    environment. ``loads_deepspeed_ops``: False for runs known to load no op (FSDP2 only), where a
+    stale lock is only a warning. ``cross_node``: (rendezvous host, nodes) of a run across nodes,
+    warned about when the host is this machine's loopback. Other locks (a build in progress, or one
+    that cannot be told) are passed to ``warn`` (one line each, default stderr) and returned;
+    raises EnvironmentCheckError naming the problems."""
+    import sys
+
+    locks = inspect_locks(environ)
+    blocking = [lock for lock in locks if lock.verdict == "stale" and loads_deepspeed_ops]
+    problems = [describe(lock) for lock in blocking]
+    problems += [one_line(f) for f in ifname_findings(environ)]
+    if problems:
+        raise EnvironmentCheckError(
+            "not started: every rank would hang in silence or fail at its rendezvous: " + "; ".join(problems)
+        )
+    say = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+    for lock in locks:
+        say(f"warning: {describe(lock)}")
+    loopback = loopback_rendezvous_warning(*cross_node) if cross_node else None
+    if loopback:
+        say(f"warning: {loopback}")
+    return locks
+
+
 def version_report(
     cfg: dict[str, Any] | None,
     *,
@@ -77,6 +113,9 @@ def version_report(
     if environment is not False:
         engine = "fsdp" if cfg is not None and config_kind(cfg) == "fsdp" else "deepspeed"
         report.extend(environment_findings(cfg, facts=environment, deepspeed_version=ds, engine=engine))
+    if environment is None:  # this machine (not facts given by a caller): what would hang a run here
+        report.extend(extension_lock_findings())
+        report.extend(ifname_findings())
     data = {
         "installed": installed,
         "deepspeed": ds,

@@ -20,7 +20,7 @@ from typing import Any
 
 from shardkit.core.errors import ShardkitError, UsageError
 from shardkit.engines.deepspeed import PREBUILT_OPS, op_failure_line, prebuild_ops_in_subprocess
-from shardkit.platform.environment.report import require_runnable_here
+from shardkit.platform.environment.report import require_no_hang_traps, require_runnable_here
 from shardkit.run.smoke.options import ENGINES, Engine, SmokeOptions, config_for
 from shardkit.run.smoke.progress import _Progress
 from shardkit.run.smoke.report import EngineResult, SmokeReport, _compare
@@ -46,6 +46,9 @@ def run_smoke(opts: SmokeOptions, progress: bool = True) -> SmokeReport:
     # What this machine cannot run (a TORCH_CUDA_ARCH_LIST DeepSpeed cannot parse, fp16 on a CPU
     # without fp16 ...) stops here with one line and the fix, before op builds and ranks start.
     require_runnable_here({f"{e} ({src})": cfg for e, (cfg, src) in configs.items()}, accelerator=opts.device == "gpu")
+    # ... and what would make the ranks (or the op prebuild) wait forever in silence: a stale op-build
+    # lock in the extensions cache, a socket interface this host lacks
+    require_no_hang_traps({**os.environ, **plan.env}, loads_deepspeed_ops="zero3" in opts.engines)
     results = []
     with _Progress(progress) as bar:
         op_failure = _prebuild_deepspeed_ops(bar, opts.device) if "zero3" in opts.engines else None

@@ -20,6 +20,8 @@ One module per step of a run, in the order a run takes them:
 - ``lifetime``: ranks never outliving the parent (parent-death signal, watchdog, signal forwarding);
 - ``rendezvous``: the rank's torchrun environment and its ``file://`` process group;
 - ``results``: what a rank sends back (:class:`RankResult`), collected and summed up in one line.
+- ``silence``: a rank silent for ``SHARDKIT_SILENCE_S`` says where it waits (build lock, rendezvous,
+  collective), and the parent names every silent rank in one line.
 
 Import from the module that holds a name (``from shardkit.run.spawn.process import run_ranks``); this
 package re-exports nothing.

@@ -31,6 +31,7 @@ from shardkit.run.spawn.rendezvous import (
     set_rank_environment,
 )
 from shardkit.run.spawn.results import RankResult, _collect, _failure_message, clear_results, send_result
+from shardkit.run.spawn.silence import STATUS_SUFFIX, SilenceReporter, start_rank_watchdog
 
 # After the first rank fails, how long the others get to finish (or fail themselves, which gives a
 # better message) before they are killed.
@@ -78,6 +79,8 @@ def _rank_main(
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     set_rank_environment(rank, world_size, env)
+    # says where this rank waits once it has been silent for SHARDKIT_SILENCE_S (the parent names it too)
+    start_rank_watchdog(rank, result_dir)
     result: dict[str, Any] = {"rank": rank}
     code = 0
     try:
@@ -137,6 +140,9 @@ def run_ranks(
     # A reused workdir must not hand back an earlier run's results or rendezvous (the latter hangs).
     init_file = fresh_rendezvous(base)
     clear_results(base)
+    for old in base.glob(f"rank*{STATUS_SUFFIX}"):  # an earlier run's silent ranks are not this run's
+        old.unlink(missing_ok=True)
+    silent = SilenceReporter(base, world_size)
     child_env = {**plan.env, **(env or {})}
     procs: list[Any] = []
     forwarding = _ForwardSignals(procs)
@@ -160,6 +166,7 @@ def run_ranks(
                 first_failure = now
             if first_failure is not None and now - first_failure > FAILURE_GRACE_S:
                 break
+            silent.poll()
             time.sleep(0.05)
         killed = set()
         for rank, p in enumerate(procs):
