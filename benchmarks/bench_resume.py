@@ -485,6 +485,13 @@ def convert_rows(workdir: Path, ckpt: Path, env: dict[str, str], resume: Any) ->
     out["convert_to_dcp"] = measure("shardkit convert --to fsdp2", _py("-m", "shardkit", "convert", str(ckpt), "--to", "fsdp2",
                                                                        "-o", str(dcp)), env, inputs=ckpt)
     dcp_tag = dcp / (dcp / "latest").read_text().strip()
+    # the copy alone (issue 18: no torch in the process), against `cp -r` + sync of the same checkpoint
+    quick = workdir / "dcp_no_verify"
+    out["convert_to_dcp_no_verify"] = measure_median(
+        "shardkit convert --to fsdp2 --no-verify", _py("-m", "shardkit", "convert", str(ckpt), "--to", "fsdp2", "-o",
+                                                       str(quick), "--no-verify"), env, inputs=ckpt,
+        before=lambda: shutil.rmtree(quick, ignore_errors=True))
+    shutil.rmtree(quick, ignore_errors=True)
     full = workdir / "dcp_full.pt"
     out["dcp_to_torch_save"] = measure("torch dcp_to_torch_save", _py("-m", "torch.distributed.checkpoint.format_utils",
                                                                        "dcp_to_torch", str(dcp_tag), str(full)), env, inputs=dcp)
@@ -565,6 +572,9 @@ def convert_table(r: dict[str, Any]) -> str:
         f"| ZeRO-3 -> FSDP2, today: DeepSpeed `zero_to_fp32.py` (full weights) then load them | {z2f.wall_s:.1f} | {mib(z2f.peak_rss)} | {lost} |",
         f"| ZeRO-3 -> FSDP2: `shardkit convert --to fsdp2` (DCP) | {to_dcp.wall_s:.1f} | {mib(to_dcp.peak_rss)} | "
         f"everything: fp32 masters, Adam moments, step, param groups ({z2f.wall_s / to_dcp.wall_s:.2f}x the speed of zero_to_fp32) |",
+        *([f"| ZeRO-3 -> FSDP2: `shardkit convert --to fsdp2 --no-verify` | {r['convert_to_dcp_no_verify'].wall_s:.1f} | "
+           f"{mib(r['convert_to_dcp_no_verify'].peak_rss)} | the same; {r['convert_to_dcp_no_verify'].wall_s / r['copy_fsync'].wall_s:.2f}x "
+           "the time of `cp -r` + sync |"] if "convert_to_dcp_no_verify" in r else []),
         f"| FSDP2 -> ZeRO-3, today: torch `dcp_to_torch_save` (one full file) then load the weights | {d2t.wall_s:.1f} | {mib(d2t.peak_rss)} | "
         f"{lost}: DeepSpeed's load_checkpoint cannot take the file, only its weights can be loaded into the module |",
         f"| FSDP2 -> ZeRO-3: `shardkit convert --to zero3 --world-size {RESUME_WORLD}` | {to_z3.wall_s:.1f} | {mib(to_z3.peak_rss)} | "

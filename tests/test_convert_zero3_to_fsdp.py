@@ -125,7 +125,7 @@ def test_written_like_dcp_save_and_read_straight_from_the_files(converted, tmp_p
 
     from shardkit.checkpoint.dcp.reader import read_dcp_metadata
     from shardkit.checkpoint.dcp.slices import DcpSlices
-    from shardkit.checkpoint.ops.convert.zero3_to_dcp_plan import _torch_group_defaults
+    from shardkit.checkpoint.ops.convert.zero3_to_dcp_plan import ADAMW_GROUP_DEFAULTS
 
     out, _, _ = converted
     tag_dir = out / TAG
@@ -154,22 +154,30 @@ def test_written_like_dcp_save_and_read_straight_from_the_files(converted, tmp_p
             assert slices.read_into(key, 0, got) and torch.equal(got.view(torch.uint8), value.reshape(-1).view(torch.uint8))
     finally:
         slices.close()
-    # the group defaults come from the constructors' signatures (an instance imports torch._dynamo)
-    assert _torch_group_defaults() == dict(torch.optim.AdamW([torch.zeros(1)]).defaults)
+    # the group defaults are written out (the converter never imports torch): the installed torch's
+    assert ADAMW_GROUP_DEFAULTS == dict(torch.optim.AdamW([torch.zeros(1)]).defaults)
+
+
+def _force_torch_route(monkeypatch) -> None:
+    """What byte ranges cannot express goes through torch: pretend that is everything."""
+    from shardkit.checkpoint.ops.convert import zero3_to_dcp
+
+    monkeypatch.setattr(zero3_to_dcp, "dcp_items", lambda *a: "forced by the test")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_rank_files_with_unknown_offsets_are_gathered_instead(source, converted, tmp_path, monkeypatch):
-    """Where a rank file's data offsets are unknown (no byte ranges to copy), each tensor is
-    gathered in memory and written whole: the same values as the byte-range copies."""
+    """On the torch route, where a rank file's data offsets are unknown (no byte ranges to copy),
+    each tensor is gathered in memory and written whole: the same values as the byte-range copies."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from shardkit.checkpoint.dcp.reader import read_dcp_metadata
     from shardkit.checkpoint.zero3.checkpoint import RankPartitions
 
+    _force_torch_route(monkeypatch)
     monkeypatch.setattr(RankPartitions, "byte_offset", lambda self, slot, key: None)
     out = tmp_path / "gathered"
-    convert_zero3_to_dcp(source[0], out)
+    assert convert_zero3_to_dcp(source[0], out).route == "torch"
 
     def tensors(tag_dir: Path) -> dict:
         md = read_dcp_metadata(tag_dir / ".metadata")
@@ -185,7 +193,7 @@ def test_rank_files_with_unknown_offsets_are_gathered_instead(source, converted,
 
 
 def test_a_failed_tensor_write_names_the_file_and_leaves_nothing(source, tmp_path, monkeypatch):
-    """A write failing on a writer thread (a full disk here) is raised as itself, not inside DCP's
+    """On the torch route, a write failing on a writer thread (a full disk here) is raised as itself, not inside DCP's
     CheckpointException (a BaseException atomic_checkpoint would not see): the error names the
     file, the staging folder is removed and nothing is published."""
     import errno
@@ -196,6 +204,7 @@ def test_a_failed_tensor_write_names_the_file_and_leaves_nothing(source, tmp_pat
     def full(*_: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    _force_torch_route(monkeypatch)
     monkeypatch.setattr(RankPartitions, "byte_offset", lambda self, slot, key: None)
     monkeypatch.setattr(zero3_to_dcp_source, "_gather", full)
     out = tmp_path / "full"
@@ -393,3 +402,209 @@ def test_round_trip_with_frozen_tied_and_two_groups_is_tensor_equal(source, conv
                 pairs += [(sa[k], sb[k]) for k in ("exp_avg", "exp_avg_sq")]
         for ta, tb in pairs:
             assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name
+
+
+# --- the torch-free route and the split across processes (issue 18) ------------------------------
+
+def _everything(tag_dir: Path) -> dict:
+    """Every item of a DCP checkpoint, read by torch's own reader, by flattened key."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(tag_dir)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)  # our own test output: unrestricted is fine
+    return flatten_state_dict(state)[0]
+
+
+def _assert_same_items(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b) and len(a) > 40
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            other = b[key]
+            assert value.dtype == other.dtype and value.shape == other.shape, key
+            assert torch.equal(value.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8)), key
+        else:
+            assert value == b[key] and type(value) is type(b[key]), key
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_converts_without_importing_torch_and_equals_the_torch_route(source, tmp_path, monkeypatch):
+    """The usual route parses the rank files with read_structure and copies byte ranges: torch is
+    never imported by the converting process. What it writes equals, item for item and bit for bit
+    (fp32 masters, exp_avg, exp_avg_sq, step, frozen and tied weights, both param groups' values),
+    what the torch route (dcp.save of the lazy state dict) writes, read back by torch's own reader,
+    and its .metadata holds the same entries."""
+    import subprocess
+    import sys
+
+    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+
+    out = tmp_path / "bytes"
+    code = ("import sys; from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp; "
+            f"r = convert_zero3_to_dcp({str(source[0])!r}, {str(out)!r}, warn=lambda m: None); "
+            "print(r.route, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'numpy')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "bytes []"
+    _force_torch_route(monkeypatch)
+    ref = convert_zero3_to_dcp(source[0], tmp_path / "torch")
+    assert ref.route == "torch" and "written through torch (one process, slower, more memory): forced by the test" in ref.notes
+    ours, theirs = _everything(out / TAG), _everything(tmp_path / "torch" / TAG)
+    assert any(k.endswith(".exp_avg_sq") for k in ours) and any(k.startswith("optim.param_groups.1.") for k in ours)
+    _assert_same_items(ours, theirs)
+    a, b = read_dcp_metadata(out / TAG / ".metadata"), read_dcp_metadata(tmp_path / "torch" / TAG / ".metadata")
+    assert a.state_dict_metadata == b.state_dict_metadata and a.planner_data == b.planner_data
+    assert set(a.storage_data) == set(b.storage_data) and a.version == b.version
+    verify = subprocess.run([sys.executable, "-m", "shardkit", "verify", str(out)], capture_output=True, text=True,
+                            timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_a_failed_write_on_the_byte_route_names_the_file_and_leaves_nothing(source, tmp_path, monkeypatch):
+    import errno
+
+    from shardkit.checkpoint.ops.convert import zero3_to_dcp_bytes
+
+    def full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(zero3_to_dcp_bytes, "write_tensor_file", full)
+    out = tmp_path / "full"
+    with pytest.raises(CheckpointError, match=r"disk full at .*__0_\d+\.distcp.*nothing written: the staging folder "
+                                              r"was removed"):
+        convert_zero3_to_dcp(source[0], out)
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_corrupted_source_is_refused_before_anything_is_published(source, tmp_path):
+    """A rank file of the right size whose bytes changed fails its sha256 (each process checks its
+    share before copying): refused naming the file, nothing published."""
+    src = tmp_path / "src"
+    shutil.copytree(source[0], src)
+    victim = next((src / TAG).glob("*optim_states.pt"))
+    data = bytearray(victim.read_bytes())
+    data[-200] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=rf"refusing to convert .*{victim.name} fails verification: its sha256 is "
+                                              r"[0-9a-f]{64}, its manifest says"):
+        convert_zero3_to_dcp(src, out)
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_source_file_rewritten_during_the_copy_is_refused(source, tmp_path, monkeypatch):
+    """A run saving the same tag again while the conversion copies (here: a rank file's mtime moves
+    once the tensor files are written) is refused naming the file, also with --no-verify, and
+    nothing is published."""
+    import os
+
+    from shardkit.checkpoint.ops.convert import zero3_to_dcp_share
+
+    src = tmp_path / "src"
+    shutil.copytree(source[0], src)
+    victim = next((src / TAG).glob("*optim_states.pt"))
+    write = zero3_to_dcp_share.write_tensor_files
+
+    def write_then_touch(*args: object, **kwargs: object) -> object:
+        done = write(*args, **kwargs)  # type: ignore[arg-type]
+        os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 10**9))
+        return done
+
+    monkeypatch.setattr(zero3_to_dcp_share, "write_tensor_files", write_then_touch)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=rf"{victim.name}: was modified while the conversion read it .*Nothing "
+                                              "was published"):
+        convert_zero3_to_dcp(src, out, verify=False)
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_source_needing_the_torch_route_is_refused_under_a_launcher(source, tmp_path, monkeypatch):
+    from shardkit.checkpoint.io.shared_save import Launch
+    from shardkit.core.errors import UsageError
+
+    _force_torch_route(monkeypatch)
+    with pytest.raises(UsageError, match=r"needs the torch route \(forced by the test\), which runs in one process "
+                                         r"only; torchrun started 2\. Run shardkit convert once, without srun/torchrun"):
+        convert_zero3_to_dcp(source[0], tmp_path / "out", launch=Launch(0, 2, "job-1", "torchrun", "host"))
+    assert not (tmp_path / "out").exists()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
+    env.update(extra)
+    return env
+
+
+def _convert_cli(src: Path, out: Path) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "shardkit", "convert", str(src), "--to", "fsdp2", "-o", str(out), "--workers", "1"]
+
+
+def test_two_processes_under_torchrun_write_what_one_process_writes(source, tmp_path):
+    """Under torchrun every process writes its share of the tensor files and process 0 seals one
+    manifest: the same files, byte for byte, as one process writes (``.metadata`` differs only in
+    its save id and folder name), and the same items."""
+    import re
+    import subprocess
+    import sys
+
+    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+    from shardkit.checkpoint.io.manifest import read_manifest
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = subprocess.run(_convert_cli(source[0], one), env=_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardkit",
+           *_convert_cli(source[0], two)[3:]]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert re.search(rf"wrote .*two/{TAG} by 2 processes \(torchrun\): zero3 -> fsdp2, 20 parameters", done.stdout), done.stdout
+    assert re.search(r"rank 1 of 2 \(torchrun\): wrote its share, [1-9]\d* files", done.stdout), done.stdout
+
+    def files(out: Path) -> dict:
+        return {e.path: (e.size, e.sha256) for e in read_manifest(out / TAG).files if e.path != ".metadata"}
+
+    assert files(one) == files(two) and len(files(one)) > 40
+    a, b = read_dcp_metadata(one / TAG / ".metadata"), read_dcp_metadata(two / TAG / ".metadata")
+    assert a.state_dict_metadata == b.state_dict_metadata and a.storage_data == b.storage_data
+    assert sorted(p.name for p in two.iterdir()) == [TAG, "latest"]
+
+
+def _start_rank(rank: int, world: int, src: Path, out: Path, port: str, prefix: str = "", **extra: str):
+    import shlex
+    import subprocess
+
+    env = _env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+    cmd = prefix + shlex.join(_convert_cli(src, out))
+    return subprocess.Popen(["sh", "-c", cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_failed_or_missing_process_fails_the_run_naming_it(source, tmp_path):
+    """A process whose writes fail (a file-size limit here: EFBIG) reports it and process 0 fails the
+    run naming that rank; a process that never starts is named within the join timeout; nothing is
+    published either way."""
+    import re
+
+    out = tmp_path / "out"
+    r1 = _start_rank(1, 2, source[0], out, "29631", prefix="ulimit -f 1; exec ")
+    r0 = _start_rank(0, 2, source[0], out, "29631")
+    try:
+        _, err0 = r0.communicate(timeout=180)
+        _, err1 = r1.communicate(timeout=180)
+    finally:
+        for p in (r0, r1):
+            p.kill()
+            p.wait()
+    assert r1.returncode == 1 and "File too large" in err1, err1
+    assert r0.returncode == 1, err0
+    assert re.search(r"rank 1 of 2 \(host .*, pid \d+\) failed writing its share: .*File too large", err0), err0
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
+    r0 = _start_rank(0, 2, source[0], out, "29632", SHARDKIT_JOIN_TIMEOUT_S="3")
+    _, err = r0.communicate(timeout=180)
+    assert r0.returncode == 1 and re.search(r"rank 1 of 2 never joined within 3 s", err), err
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == []

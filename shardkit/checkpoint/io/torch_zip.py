@@ -274,21 +274,30 @@ def write_torch_zip(path: str | Path, data_pkl: bytes, records: Iterable[tuple[s
     order). ``records`` may be a generator: a record is produced only when it is written. Returns
     the size and sha256 of the bytes written; ``fsync=True`` flushes the file before returning."""
     with open(path, "wb", buffering=0) as raw:
-        out = HashingWriter(raw)
-        zw = ZipWriter(out, archive_name(path))
-        zw.add_bytes("data.pkl", data_pkl)
-        zw.add_bytes(".format_version", b"1")
-        zw.add_bytes(".storage_alignment", str(ALIGNMENT).encode())
-        zw.add_bytes("byteorder", sys.byteorder.encode())
-        buf: memoryview | None = None
-        for key, data in records:
-            if isinstance(data, SegmentedRecord):
-                if buf is None:
-                    buf = memoryview(bytearray(chunk_bytes))
-                zw.add_segments(f"data/{key}", data.nbytes, data.segments, buf)
-            else:
-                zw.add_bytes(f"data/{key}", data)
-        zw.finish()
+        written = write_torch_zip_to(raw, archive_name(path), data_pkl, records, chunk_bytes=chunk_bytes)
         if fsync:
             os.fsync(raw.fileno())
-        return WrittenFile(out.size, out.sha.hexdigest())
+        return written
+
+
+def write_torch_zip_to(raw: BinaryIO, archive: str, data_pkl: bytes, records: Iterable[tuple[str, RecordData]], *,
+                       chunk_bytes: int = CHUNK_BYTES) -> WrittenFile:
+    """``write_torch_zip`` into an open stream from its current position, the archive's own offsets
+    counted from there: what ``torch.save(obj, stream)`` writes (archive name ``"archive"`` for a
+    stream), e.g. one item of a DCP ``.distcp`` file (``FileSystemWriter._write_item``)."""
+    out = HashingWriter(raw)
+    zw = ZipWriter(out, archive)
+    zw.add_bytes("data.pkl", data_pkl)
+    zw.add_bytes(".format_version", b"1")
+    zw.add_bytes(".storage_alignment", str(ALIGNMENT).encode())
+    zw.add_bytes("byteorder", sys.byteorder.encode())
+    buf: memoryview | None = None
+    for key, data in records:
+        if isinstance(data, SegmentedRecord):
+            if buf is None:
+                buf = memoryview(bytearray(chunk_bytes))
+            zw.add_segments(f"data/{key}", data.nbytes, data.segments, buf)
+        else:
+            zw.add_bytes(f"data/{key}", data)
+    zw.finish()
+    return WrittenFile(out.size, out.sha.hexdigest())

@@ -5,10 +5,13 @@ target, writing it (the steps every operation shares, verify the source, reuse i
 output folder, stage and seal, come from ``checkpoint.io.pipeline`` and ``staged_save``):
 
 - ``zero3_to_dcp``: DeepSpeed ZeRO-3 -> a DCP checkpoint shardkit's FSDP2 resume loads at any world
-  size (``convert_zero3_to_dcp``); ``zero3_to_dcp_source`` (file-name refusals, the source's
-  tensors as a lazy state dict of rank-file byte ranges), ``zero3_to_dcp_plan`` (names, torch param
-  groups, what is carried, reported or refused), ``zero3_to_dcp_write`` (the ``.distcp`` files and
-  ``dcp.save``'s ``.metadata``).
+  size (``convert_zero3_to_dcp``); ``zero3_to_dcp_plan`` (names, torch param groups, what is
+  carried, reported or refused); the torch-free route: ``zero3_to_dcp_bytes`` (the output's items as
+  byte ranges of the rank files, their files), ``zero3_to_dcp_share`` (one process's share under
+  srun/torchrun, sealed by process 0) and ``dcp_format`` (DCP's item zips and ``.metadata`` pickle
+  without torch); the torch route for what bytes cannot express:
+  ``zero3_to_dcp_source`` (file-name refusals, the source's tensors as a lazy state dict of
+  rank-file byte ranges) and ``zero3_to_dcp_write`` (``dcp.save`` with streamed tensor files).
 - ``dcp_to_zero3``: the reverse, into per-rank files DeepSpeed's plain ``load_checkpoint`` accepts
   at N ranks (``convert_dcp_to_zero3``); ``dcp_to_zero3_source`` (the DCP folder, its items, what
   each model key is), ``dcp_to_zero3_plan`` (the resuming run's config and optimizer, param-group

@@ -30,3 +30,16 @@ class ConvertResult:
     notes: list[str] = field(default_factory=list)
     verified: str = "sha256"
     """How the source was checked before it was read: 'sha256', 'sizes' or 'none' (no manifest)."""
+    route: str = "bytes"
+    """'bytes': byte ranges copied without torch; 'torch': through dcp.save (what bytes cannot express)."""
+    rank: int = 0
+    """This process's share (under srun/torchrun; 0 alone)."""
+    processes: int = 1
+    """Processes that wrote the files (under srun/torchrun; 1 alone)."""
+    share_files: int = 0
+    """Tensor files this process wrote (torch-free route)."""
+    share_bytes: int = 0
+    """Tensor bytes this process wrote (torch-free route)."""
+    workers: int = 1
+    """Writer threads this process ran (torch-free route)."""
+    launcher: str = "single process"

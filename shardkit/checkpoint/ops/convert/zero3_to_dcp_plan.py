@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardkit.checkpoint.io.torch_load import TensorRef
 from shardkit.checkpoint.ops.convert.names import (
     ADAM_STATE_KEYS,
     ADAM_TYPES,
@@ -48,6 +49,11 @@ class DcpTarget:
     """JSON client state -> manifest ``extra.user`` (what ``load_fsdp_checkpoint`` hands back)."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """DeepSpeed facts with no FSDP2 slot, kept in manifest ``extra.converted_from``."""
+
+
+def _kind(value: Any) -> str:
+    """What a value is, in the user's words: a tensor read without torch is still a Tensor."""
+    return "Tensor" if isinstance(value, TensorRef) else type(value).__name__
 
 
 def _jsonable(value: Any) -> bool:
@@ -114,24 +120,15 @@ def _decoupled(ckpt: Zero3Checkpoint, group: dict[str, Any], index: int, adam_w_
     return True
 
 
-def _torch_group_defaults() -> dict[str, Any]:
-    """torch.optim.AdamW's param-group keys and defaults: DCP load needs every key the resuming
-    optimizer's groups hold (``optim.param_groups.<i>.<key>``).
-
-    Read from the constructors' signatures (AdamW's over Adam's, which has every key), not from an
-    instance: ``Optimizer.__init__`` imports torch._dynamo, 1.5 s of a 5 s conversion. The test
-    module checks the two agree."""
-    import inspect
-
-    import torch
-
-    out: dict[str, Any] = {}
-    for cls in (torch.optim.Adam, torch.optim.AdamW):
-        for key, p in inspect.signature(cls.__init__).parameters.items():
-            if key not in ("self", "params") and p.default is not inspect.Parameter.empty:
-                out[key] = p.default
-    out["decoupled_weight_decay"] = True  # what AdamW passes to Adam.__init__
-    return out
+#: torch.optim.AdamW's param-group keys and defaults (torch 2.13: AdamW's constructor over Adam's,
+#: which has every key, plus the ``decoupled_weight_decay=True`` AdamW passes on). DCP load needs
+#: every key the resuming optimizer's groups hold (``optim.param_groups.<i>.<key>``). Written out, not
+#: read from torch: the converter never imports torch (tests/test_convert_zero3_to_fsdp.py checks these
+#: against the installed torch's constructors).
+ADAMW_GROUP_DEFAULTS: dict[str, Any] = {
+    "lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08, "weight_decay": 0.01, "amsgrad": False, "foreach": None,
+    "maximize": False, "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+}
 
 
 def plan_dcp_target(ckpt: Zero3Checkpoint, optim0: dict[str, Any], adam_w_mode: bool | None) -> DcpTarget:
@@ -143,7 +140,7 @@ def plan_dcp_target(ckpt: Zero3Checkpoint, optim0: dict[str, Any], adam_w_mode: 
     steps = [float((state.get(j) or {}).get("step", 0)) for j in range(len(ckpt.sub_group_numel))]
     plan = DcpTarget(names=names, groups=[], steps=steps, notes=names.notes())
     _optimizer_checks(ckpt, plan)
-    defaults = _torch_group_defaults()
+    defaults = dict(ADAMW_GROUP_DEFAULTS)
     dropped_by_value: dict[str, list[int]] = {}
     for i, g in enumerate(ckpt.param_groups):
         group = dict(defaults)
@@ -154,7 +151,7 @@ def plan_dcp_target(ckpt: Zero3Checkpoint, optim0: dict[str, Any], adam_w_mode: 
             elif k in defaults or _jsonable(v):
                 group[k] = tuple(v) if k == "betas" else v
             else:
-                plan.uncarried.append(Uncarried(f"param_groups[{i}].{k}", type(v).__name__, "not a value torch can "
+                plan.uncarried.append(Uncarried(f"param_groups[{i}].{k}", _kind(v), "not a value torch can "
                                                 "keep in a param group's JSON", "set it again after loading",
                                                 refused=False))
         group["decoupled_weight_decay"] = _decoupled(ckpt, g, i, adam_w_mode, plan)
@@ -215,7 +212,7 @@ def _scheduler_and_client_state(ckpt: Zero3Checkpoint, plan: DcpTarget) -> None:
         if _jsonable(sched):
             plan.deepspeed["lr_scheduler"] = sched
         plan.uncarried.append(Uncarried("lr_scheduler", f"{len(sched)} keys" if isinstance(sched, dict) else
-                                        type(sched).__name__, "shardkit's FSDP2 checkpoint has no scheduler; the "
+                                        _kind(sched), "shardkit's FSDP2 checkpoint has no scheduler; the "
                                         "param groups' lr is carried, so training resumes at the current lr",
                                         f"its state_dict is {where}: load it into the script's scheduler",
                                         refused=False))
@@ -223,7 +220,7 @@ def _scheduler_and_client_state(ckpt: Zero3Checkpoint, plan: DcpTarget) -> None:
         if _jsonable(ms[key]):
             plan.user[key] = ms[key]
         else:
-            plan.uncarried.append(Uncarried(f"client_state.{key}", type(ms[key]).__name__, "not JSON, and the "
+            plan.uncarried.append(Uncarried(f"client_state.{key}", _kind(ms[key]), "not JSON, and the "
                                             "FSDP2 checkpoint keeps the script's state in the manifest's extra.user",
                                             "save it in the training script's own file", refused=False))
     if plan.user:
