@@ -166,12 +166,14 @@ def owner_alive(staged: Path, grace: float = 0.0) -> tuple[bool, str]:
     return newest < STALE_S, who
 
 
-def claim(root: Path, tag: str, launch: Launch) -> Path:
+def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True) -> Path:
     """Process 0: create ``root`` and an empty staging folder for ``tag`` that this run owns.
 
     A staging folder left by a run that is gone is removed first (with the other leftovers of
     killed saves, ``atomic.remove_stale_saves``); one whose owner is alive is another writer of
-    the same output: refused, naming it, and nothing of its files is touched.
+    the same output: refused, naming it, and nothing of its files is touched. ``sweep=False``:
+    leave the rest of ``root`` alone (a user's folder, not a checkpoint root: consolidate's output
+    folder, where another consolidate's live temporary file must not be taken for a leftover).
     """
     root.mkdir(parents=True, exist_ok=True)
     staged = staging_dir(root, tag)
@@ -188,7 +190,8 @@ def claim(root: Path, tag: str, launch: Launch) -> Path:
             shutil.rmtree(staged, ignore_errors=True)
             continue
         try:
-            remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
+            if sweep:
+                remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
             atomic_write_text(staged / OWNER_NAME, json.dumps({"job": launch.job, "host": launch.host,
                                                                "pid": os.getpid(), "world": launch.world,
                                                                "started": time.time()}))
@@ -293,3 +296,15 @@ def seal(staged: Path, root: Path, tag: str, manifest: Manifest | None) -> Path:
 
 def outcome_unchanged(root: Path) -> str:
     return f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
+
+
+def split_by_bytes(sizes: list[int], shares: int) -> list[list[int]]:
+    """Indices of ``sizes`` dealt into ``shares`` lists of about equal total (largest first, each
+    to the lightest share so far); every process computes the same split from the same plan."""
+    out: list[list[int]] = [[] for _ in range(shares)]
+    load = [0] * shares
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        k = min(range(shares), key=lambda k: (load[k], k))
+        out[k].append(i)
+        load[k] += sizes[i] + 1  # +1: empty files still spread
+    return out

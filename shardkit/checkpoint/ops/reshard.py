@@ -57,6 +57,7 @@ from shardkit.checkpoint.io.shared_save import (
     launch_from_env,
     outcome_unchanged,
     seal,
+    split_by_bytes,
     write_part,
 )
 from shardkit.checkpoint.io.stream import WrittenFile, copy_file_hashed, write_parallel
@@ -234,18 +235,6 @@ class _Job:
     name: str
     nbytes: int
     write: Callable[[Path], WrittenFile]
-
-
-def split_by_bytes(sizes: list[int], shares: int) -> list[list[int]]:
-    """Indices of ``sizes`` dealt into ``shares`` lists of about equal total (largest first, each
-    to the lightest share so far); every process computes the same split from the same plan."""
-    out: list[list[int]] = [[] for _ in range(shares)]
-    load = [0] * shares
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        k = min(range(shares), key=lambda k: (load[k], k))
-        out[k].append(i)
-        load[k] += sizes[i] + 1  # +1: empty files still spread
-    return out
 
 
 def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:

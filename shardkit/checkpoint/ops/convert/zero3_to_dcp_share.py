@@ -19,6 +19,8 @@ from pathlib import Path
 
 from shardkit.checkpoint.io.manifest import FileEntry, Manifest, sha256_file
 from shardkit.checkpoint.io.pipeline import default_workers
+
+# the same balanced split of files over processes as reshard's (by bytes, largest first)
 from shardkit.checkpoint.io.shared_save import (
     Launch,
     claim,
@@ -27,6 +29,7 @@ from shardkit.checkpoint.io.shared_save import (
     join,
     outcome_unchanged,
     seal,
+    split_by_bytes,
     write_part,
 )
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_bytes import (
@@ -35,9 +38,6 @@ from shardkit.checkpoint.ops.convert.zero3_to_dcp_bytes import (
     write_small_and_metadata,
     write_tensor_files,
 )
-
-# the same balanced split of files over processes as reshard's (by bytes, largest first)
-from shardkit.checkpoint.ops.reshard import split_by_bytes
 from shardkit.core.errors import CheckpointError
 
 #: (size, mtime_ns, inode) of a source file: a rewrite or replacement changes one of them.
