@@ -14,12 +14,16 @@ The FSDP2 targets run the same optimizers over DTensor shards and through DCP.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardkit.checkpoint.io.manifest import read_manifest
 from shardkit.core.errors import PreflightError
 
 SAVE_AT = 6
@@ -131,10 +135,37 @@ def zero3_client_optimizer(name: str, root: str) -> dict[str, Any]:
     out["plain"]["losses"] = [_global_step(plain, s) for s in range(SAVE_AT, SAVE_AT + CONTINUE)]
     del plain
     resumed = _engine(name)
-    load_zero3_checkpoint(resumed, root)
-    out["shardkit"] = {"loaded": _per_rank(resumed),
+    with _call_order() as order:
+        result = load_zero3_checkpoint(resumed, root)
+    out["shardkit"] = {"loaded": _per_rank(resumed), "order": order, "moves": [m.name for m in result.moves],
+                       "placement_checked": result.placement_checked, "notes": result.notes,
                        "losses": [_global_step(resumed, s) for s in range(SAVE_AT, SAVE_AT + CONTINUE)]}
+    out["root"] = root
     return out
+
+
+@contextlib.contextmanager
+def _call_order() -> Iterator[list[str]]:
+    """Record the order in which ``load_zero3_checkpoint`` re-places optimizer tensors and runs the
+    placement preflight (each still does its real work)."""
+    from shardkit.checkpoint.ops import resume_zero3
+
+    order: list[str] = []
+    real_replace, real_preflight = resume_zero3.replace_optimizer_state, resume_zero3.placement_preflight
+
+    def replace(*args: Any, **kw: Any) -> Any:
+        order.append("replace_optimizer_state")
+        return real_replace(*args, **kw)
+
+    def preflight(*args: Any, **kw: Any) -> Any:
+        order.append("preflight")
+        return real_preflight(*args, **kw)
+
+    resume_zero3.replace_optimizer_state, resume_zero3.placement_preflight = replace, preflight  # type: ignore[assignment]
+    try:
+        yield order
+    finally:
+        resume_zero3.replace_optimizer_state, resume_zero3.placement_preflight = real_replace, real_preflight
 
 
 def both(root: str) -> dict[str, Any]:
@@ -167,18 +198,36 @@ def fsdp2_client_optimizer(name: str, root: str, **kw: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}", "where": traceback.extract_tb(exc.__traceback__)[-2].name}
     saved = {k: opt.param_groups[0].get(k) for k in PER_RANK_KEYS}
     saved_keys = sorted(opt.param_groups[0])
-    save_fsdp_checkpoint(model, opt, root, step=SAVE_AT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        final = save_fsdp_checkpoint(model, opt, root, step=SAVE_AT)
+    per_rank_keys = sorted(read_manifest(final).extra.get("per_rank_param_groups", {}))
     reference = losses + [_fsdp_step(model, opt, s) for s in range(SAVE_AT, SAVE_AT + CONTINUE)]
     model2, opt2 = _fsdp_parts(name, **kw)
     load_fsdp_checkpoint(model2, opt2, root)
     loaded = {k: opt2.param_groups[0].get(k) for k in PER_RANK_KEYS}
-    return {"saved": saved, "loaded": loaded, "reference": reference,
+    return {"saved": saved, "loaded": loaded, "reference": reference, "per_rank_keys": per_rank_keys,
+            "save_warnings": [str(w.message) for w in caught if "param_group" in str(w.message)],
             "dropped_keys": sorted(set(saved_keys) - set(opt2.param_groups[0])),
             "resumed": [_fsdp_step(model2, opt2, s) for s in range(SAVE_AT, SAVE_AT + CONTINUE)]}
+
+
+def fsdp2_lost_values(root: str) -> dict[str, Any]:
+    """A param_group entry that differs between ranks and is not a number (DCP keeps one rank's):
+    what ``save_fsdp_checkpoint`` says on each rank."""
+    from shardkit.checkpoint.ops.fsdp_checkpoint import save_fsdp_checkpoint
+
+    model, opt = _fsdp_parts("prodigy")
+    opt.param_groups[0]["note"] = f"written by rank {dist.get_rank()}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_fsdp_checkpoint(model, opt, root, step=0)
+    return {"save_warnings": [str(w.message) for w in caught if "param_group" in str(w.message)]}
 
 
 def fsdp2_all(root: str) -> dict[str, Any]:
     """Prodigy; ProdigyPlusScheduleFree as built by default (factored second moment) and unfactored."""
     return {"prodigy": fsdp2_client_optimizer("prodigy", f"{root}/prodigy"),
+            "lost": fsdp2_lost_values(f"{root}/lost"),
             "plus": fsdp2_client_optimizer("plus", f"{root}/plus"),
             "plus_unfactored": fsdp2_client_optimizer("plus", f"{root}/plus_unfactored", factored=False)}

@@ -14,8 +14,8 @@ Where they keep their tensors (read from their sources):
 
 Single-process tests use ``meta`` as the accelerator (as tests/test_replace.py does). The ZeRO-3
 tests run both as DeepSpeed client optimizers on 2 gloo ranks, the FSDP2 tests on DTensor shards
-(tests/_ranks_real_optimizers.py). Where shardkit's loaders lose per-rank optimizer statistics the
-tests are strict xfails naming the cause, so a fix turns them into failures to un-mark.
+(tests/_ranks_real_optimizers.py): each rank gets its own D statistics back (at the saved world
+size; at another, a warning names what cannot be mapped).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 import shardkit
 from shardkit.checkpoint.ops.torch_training import resume_training, save_training
-from shardkit.core.errors import PreflightError
+from shardkit.core.errors import CheckpointError, PreflightError
 from shardkit.placement.replace import plan_optimizer_moves
 
 prodigyopt = pytest.importorskip("prodigyopt")
@@ -257,13 +257,63 @@ def test_zero3_replace_optimizer_state_takes_the_engine_optimizer_and_reaches_pa
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="load_zero3_checkpoint builds every rank's param_groups and non-partition "
-                   "state from rank 0's optim_states file (resume_zero3.py: optim0 = ckpt.optim_files[0]), so rank 1 "
-                   "resumes with rank 0's Prodigy D statistics; reported to the lead")
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_zero3_shardkit_loader_keeps_each_ranks_d_statistics(zero3, name):
+    # at the saved world size every rank reads its own optim file: its own D statistics, and the
+    # continuation is DeepSpeed's own load's, loss for loss
+    keys = ("d", "d_numerator", "d_denom", "k", "running_d")
     for rank in zero3:
-        assert rank[name]["shardkit"]["loaded"]["d_numerator"] == rank[name]["saved"]["d_numerator"]
+        loaded, saved = rank[name]["shardkit"]["loaded"], rank[name]["saved"]
+        assert {k: loaded[k] for k in keys} == {k: saved[k] for k in keys}
+        assert rank[name]["shardkit"]["losses"] == rank[name]["plain"]["losses"] == rank[name]["reference"][-3:]
+        assert not [n for n in rank[name]["shardkit"]["notes"] if "per-rank" in n]
+    if name == "prodigy":
+        assert zero3[1][name]["shardkit"]["loaded"]["state_sha"] == zero3[1][name]["saved"]["state_sha"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero3_shardkit_loader_replaces_optimizer_tensors_before_its_preflight(zero3, name):
+    # a client optimizer's param_group tensors stay where torch.load put them (the CPU): re-placed
+    # first, so the preflight never blocks a healthy GPU run over them; nothing to move on CPU ranks
+    for rank in zero3:
+        run = rank[name]["shardkit"]
+        assert run["order"] == ["replace_optimizer_state", "preflight"] and run["placement_checked"]
+        assert run["moves"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero3_at_another_world_size_names_the_per_rank_values_it_cannot_keep(zero3, name):
+    """Rank values a 2-rank save cannot hand to 1 rank: numbers are taken from rank 0 with a warning
+    naming each key and both ranks' values; partition-sized state (prodigy-plus's sliced p0/s) is refused."""
+    from shardkit.checkpoint.io.torch_load import safe_torch_load
+    from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+    from shardkit.checkpoint.zero3.repartition import (
+        PerRankValuesWarning,
+        check_rank_values,
+        optim_state_for_rank,
+        plan_layout,
+    )
+    from shardkit.core.errors import CheckpointError
+
+    ckpt = open_zero3_checkpoint(zero3[0][name]["root"])
+    assert check_rank_values(ckpt, 2) is None  # the saved world size: each rank reads its own file
+    saved = [rank[name]["saved"]["d_numerator"] for rank in zero3]
+    with pytest.warns(PerRankValuesWarning) as caught:
+        note = check_rank_values(ckpt, 1)
+    assert len(caught) == 1 and str(caught[0].message) == note
+    assert f"param_groups[0].d_numerator (rank 0: {saved[0]!r}, rank 1: {saved[1]!r})" in note
+    assert "every rank resumes with rank 0's value" in note and "resume at world size 2" in note
+    assert "param_groups[0].lr" not in note and ".step" not in note  # the same on both ranks: kept silently
+    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True)
+    if name == "prodigy":  # its per-parameter state is all partition-shaped: rebuilt for the new partition
+        osd = optim_state_for_rank(ckpt, plan_layout(ckpt, 1), 0, optim0)["optimizer_state_dict"]
+        assert osd["optimizer_state_dict"]["param_groups"][0]["d_numerator"] == saved[0]
+    else:
+        with pytest.raises(CheckpointError, match=r"optimizer state 'p0' of sub-group 0 is a tensor of shape \(\d+,\), "
+                           r"neither a scalar nor the partition's \d+ elements.*Resume at world size 2"):
+            optim_state_for_rank(ckpt, plan_layout(ckpt, 1), 0, optim0)
 
 
 # ---- on FSDP2 shards (2 gloo ranks, DCP through save/load_fsdp_checkpoint) ------------------------
@@ -298,9 +348,46 @@ def test_fsdp2_prodigy_plus_schedule_free_cannot_step_on_dtensor_shards(fsdp2):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="DCP keeps one value per param_group entry for all ranks, so Prodigy's "
-                   "per-rank d_numerator comes back as one rank's on every rank (shardkit's save_fsdp_checkpoint "
-                   "does not detect ranks that disagree); reported to the lead")
 def test_fsdp2_prodigy_keeps_each_ranks_d_statistics(fsdp2):
+    # DCP saves each param_group entry once; shardkit keeps the entries the ranks disagree on per
+    # rank in the manifest and hands each rank its own back (the keys the fresh optimizer has)
     for rank in fsdp2:
-        assert rank["prodigy"]["loaded"]["d_numerator"] == rank["prodigy"]["saved"]["d_numerator"]
+        run = rank["prodigy"]
+        assert {k: run["loaded"][k] for k in ("d", "d_numerator", "k")} == {
+            k: run["saved"][k] for k in ("d", "d_numerator", "k")}
+        assert run["save_warnings"] == []  # numbers: nothing lost, nothing to warn about
+    # which statistics differ depends on the steps taken (d can still agree early); d_numerator is a
+    # sum over each rank's own elements, so it always differs; hyperparameters never do
+    kept = set(fsdp2[0]["prodigy"]["per_rank_keys"])
+    assert "0.d_numerator" in kept and kept <= {"0.d", "0.d_denom", "0.d_hat", "0.d_numerator"}, kept
+
+
+@pytest.mark.slow
+def test_fsdp2_save_names_param_group_values_that_differ_between_ranks_and_cannot_be_kept(fsdp2):
+    warned = fsdp2[0]["lost"]["save_warnings"]
+    assert len(warned) == 1 and "param_groups[0].note" in warned[0] and "param_groups[0].lr" not in warned[0]
+    assert "every rank but one loses its value" in warned[0] and "register_extra_state" in warned[0]
+    assert fsdp2[1]["lost"]["save_warnings"] == []  # said once, by rank 0
+
+
+def test_fsdp2_per_rank_values_at_another_world_size_are_named_and_dcps_value_kept(monkeypatch):
+    from shardkit.checkpoint.ops import fsdp_checkpoint as fc
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    opt.param_groups[0]["d_numerator"] = 0.5
+    saved = {"0.d_numerator": {"kind": "float", "dtype": None, "values": [(0.25).hex(), (0.75).hex()]}}
+    monkeypatch.setattr(fc, "rank_world", lambda: (1, 2))
+    fc.restore_per_rank_param_group_values(opt, saved, saved_world_size=2, where="ckpt/step6")
+    assert opt.param_groups[0]["d_numerator"] == 0.75  # the saved world size: this rank's own
+
+    monkeypatch.setattr(fc, "rank_world", lambda: (0, 1))
+    with pytest.warns(fc.PerRankParamGroupWarning, match=r"ckpt/step6: the 2 saved ranks kept different values of "
+                      r"param_groups\[0\]\.d_numerator \(rank 0: 0\.25, rank 1: 0\.75\); loading at world size 1, "
+                      r"every rank resumes with the one DCP saved.*Resume at world size 2"):
+        fc.restore_per_rank_param_group_values(opt, saved, saved_world_size=2, where="ckpt/step6")
+    assert opt.param_groups[0]["d_numerator"] == 0.75  # left as loaded
+
+    tampered = {"0.d_numerator": {"kind": "float", "dtype": "save", "values": ["0x1p-2", "0x1p-1"]}}
+    with pytest.raises(CheckpointError,
+                       match=r"manifest extra\.per_rank_param_groups\['0\.d_numerator'\] is .*not what shardkit writes"):
+        fc.restore_per_rank_param_group_values(opt, tampered, saved_world_size=2, where="ckpt/step6")

@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "is written straight to its place in the output. CKPT is the folder holding 'latest', a tag "
             "folder, or one rank file. No DeepSpeed import, no code from the checkpoint is run. The source "
             "is first checked against its shardkit manifest (sizes and sha256; --no-verify: sizes only); an "
-            "existing FILE is replaced only with --force."
+            "existing FILE is replaced only with --force. Under srun/torchrun every launched process copies its "
+            "share of the pieces into the one file (on storage every node shares) and rank 0 renames it into place."
         ),
     )
     p.add_argument("checkpoint", metavar="CKPT",
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="source files hashed and rank files copied at once (default: one per file, at least the "
+                   help="source files hashed and rank files copied at once, per process (default: one per file, at least the "
                         "usable cores, at most max(cores, 8))")
     p.set_defaults(func=consolidate_command, sigterm_cleans_up=True)
 
@@ -58,8 +59,14 @@ def consolidate_command(args: argparse.Namespace) -> int:
         verify=not args.no_verify, warn=lambda m: print(f"shardkit consolidate: warning: {m}", file=sys.stderr),
         workers=args.workers,
     )
+    if result.rank != 0:
+        print(f"rank {result.rank} of {result.processes} ({result.launcher}): copied its share, {result.share_pieces} "
+              f"pieces, {result.share_bytes / 2**20:,.1f} MiB; rank 0 renames {result.output} into place once every "
+              "process has reported")
+        return 0
+    split = f" by {result.processes} processes ({result.launcher})" if result.processes > 1 else ""
     print(
-        f"wrote {result.output}: {result.tensors} tensors, {result.parameters:,} parameters, "
+        f"wrote {result.output}{split}: {result.tensors} tensors, {result.parameters:,} parameters, "
         f"{result.bytes / 2**20:,.1f} MiB ({args.dtype}) from tag {result.tag!r} saved by "
         f"{result.source_world_size} rank(s); source checked before reading: {CHECKED_LEVELS[result.verified]}"
     )

@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 
 def _active() -> bool:
+    # No process group can exist in a process that never imported torch.distributed: answering
+    # from sys.modules keeps the torch-free writers (reshard, convert, consolidate) free of a 1-3 s
+    # `import torch` that the check itself would cost.
+    if "torch.distributed" not in sys.modules:
+        return False
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -14,26 +20,28 @@ def _active() -> bool:
 
 def rank_world() -> tuple[int, int]:
     """(rank, world size) of the default process group; (0, 1) without one."""
+    if not _active():
+        return 0, 1
     import torch.distributed as dist
 
-    if _active():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return dist.get_rank(), dist.get_world_size()
 
 
 def barrier() -> None:
     """``dist.barrier()`` when a process group exists."""
-    import torch.distributed as dist
-
     if _active():
+        import torch.distributed as dist
+
         dist.barrier()
 
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
+    if not _active():
+        return [obj]
     import torch.distributed as dist
 
-    if not _active() or dist.get_world_size() == 1:
+    if dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -42,9 +50,11 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank."""
+    if not _active():
+        return obj
     import torch.distributed as dist
 
-    if not _active() or dist.get_world_size() == 1:
+    if dist.get_world_size() == 1:
         return obj
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)

@@ -13,25 +13,50 @@ parameters take the torch path, which maps one rank file at a time.
 
 The result is byte-for-byte the file ``safetensors.torch.save_file(state_dict, metadata={"format":
 "pt"})`` writes for zero_to_fp32's state dict (tests check it).
+
+Under ``srun``/``torchrun`` the copy is split across the launched processes (``io.shared_save``,
+as reshard): process 0 claims a hidden staging folder beside the output and creates the sized
+file (header written) in it; every process copies its share of the pieces, dealt by bytes, to
+their offsets in that one file (on a filesystem every node shares), hashes its share of the source
+files, fsyncs and reports; process 0 waits for every report, then renames the file into place. A
+process that fails, stops its heartbeat or never joins fails the run, named, and the staging
+folder (with the partial file) is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, os_errors_named
+from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, fsync_dir, os_errors_named
+from shardkit.checkpoint.io.manifest import sha256_file
 from shardkit.checkpoint.io.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.checkpoint.io.safetensors_file import TensorEntry as _Entry
 from shardkit.checkpoint.io.safetensors_file import copy_bytes as _copy_bytes
 from shardkit.checkpoint.io.safetensors_file import header_layout as _layout
 from shardkit.checkpoint.io.safetensors_file import write_header
+from shardkit.checkpoint.io.shared_save import (
+    JOIN_TIMEOUT_S,
+    Launch,
+    claim,
+    gather_parts,
+    heartbeat,
+    join,
+    launch_from_env,
+    split_by_bytes,
+    write_part,
+)
 from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX
 from shardkit.checkpoint.io.torch_load import read_structure
-from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint
+from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.gather import full_frozen_params
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
@@ -42,6 +67,8 @@ if TYPE_CHECKING:
     import torch
 
 OUTPUT_DTYPES = ("fp32", "bf16", "fp16")
+#: A parameter's name -> the absolute byte offsets of its tensor (and of its tied aliases) in the output.
+Targets = Callable[[str], list[int]]
 
 
 @dataclass
@@ -58,6 +85,15 @@ class ConsolidateResult:
     tag: str
     verified: str = "sha256"
     """How the source was checked before it was read: 'sha256', 'sizes' (--no-verify) or 'none' (no manifest)."""
+    rank: int = 0
+    """This process's share (under srun/torchrun; 0 alone)."""
+    processes: int = 1
+    """Processes that copied the pieces (under srun/torchrun; 1 alone)."""
+    share_pieces: int = 0
+    """Pieces (one rank's run of one parameter) this process copied."""
+    share_bytes: int = 0
+    """Bytes this process copied."""
+    launcher: str = "single process"
 
 
 _OUT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -78,6 +114,7 @@ def consolidate_zero3(
     verify: bool = True,
     warn: Callable[[str], None] | None = None,
     workers: int | None = None,
+    launch: Launch | None = None,
 ) -> ConsolidateResult:
     """Write the full weights of the ZeRO-3 checkpoint at ``checkpoint`` to ``output`` (.safetensors).
 
@@ -91,7 +128,8 @@ def consolidate_zero3(
     existing output is replaced only with ``force=True`` and only when it is a regular file; a
     path inside a checkpoint folder (or a root's ``latest``) is never written. ``workers``: source
     files hashed and rank files copied at once, each copier owning the disjoint byte ranges of its
-    rank's pieces (default ``default_workers``).
+    rank's pieces (default ``default_workers``). ``launch``: this process's share of the pieces
+    (default: from ``srun``/``torchrun``'s variables; one process does everything without them).
     """
 
     if workers is not None and workers < 1:
@@ -100,11 +138,21 @@ def consolidate_zero3(
         raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
     out_name = _OUT_NAMES[dtype]
     source_dir, _ = resolve_tag_dir(checkpoint)
+    launch = launch or launch_from_env()
+    # every process resolves -o the same way: the staging folder is named after the file
     out = check_output_file(Path(output), source_dir, force=force)
     n_files = sum(1 for f in source_dir.iterdir() if f.name.endswith(".pt"))
     workers = workers or default_workers(max(1, n_files))
-    checked = verify_before_reading(source_dir, checksums=verify, workers=workers)
-    for note in checked.warnings:
+    if launch.distributed:
+        # sizes now; each process hashes its share of the files beside its copy (nothing is
+        # published unless all matched), instead of every process hashing everything first
+        checked = verify_before_reading(source_dir, checksums=False)
+        level = "none" if checked.manifest is None else ("sha256" if verify else "sizes")
+        notes = [n for n in checked.warnings if not (verify and n.startswith("--no-verify"))]
+    else:
+        checked = verify_before_reading(source_dir, checksums=verify, workers=workers)
+        level, notes = checked.level, checked.warnings
+    for note in notes if launch.rank == 0 else []:
         (warn or warn_unverified)(note)
     # The common case (fp32 out, no buffers, no frozen parameters) never imports torch: the files
     # are parsed by read_structure and every byte is copied file to file. The tag folder that was
@@ -113,7 +161,8 @@ def consolidate_zero3(
     ckpt = open_zero3_checkpoint(source_dir, torch_free=dtype == "fp32")
     if ckpt.torch_free and (ckpt.model_state.get("buffer_names") or (include_frozen and ckpt.frozen_param_shapes)):
         ckpt = open_zero3_checkpoint(source_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if not launch.distributed:
+        out.parent.mkdir(parents=True, exist_ok=True)
 
     small = {} if ckpt.torch_free else _small_tensors(ckpt, out_name, include_frozen)
     entries: dict[str, _Entry] = {n: _Entry(n, _dtype_name(t.dtype), tuple(t.shape)) for n, t in small.items()}
@@ -132,39 +181,61 @@ def consolidate_zero3(
     def targets(name: str) -> list[int]:
         return [data_start + entries[t].start for t in (name, *aliases.get(name, ()))]
 
-    # atomic_open: a temporary sibling, fsynced and renamed over ``out`` only when every byte is
-    # written; positional writes go straight to its descriptor (nothing is buffered in the file object)
     outcome = f"nothing written: the partial file was removed, {out} is unchanged"
-    for note in remove_stale_temps(out):  # a run killed (SIGKILL, OOM) before it could remove its own
-        (warn or warn_unverified)(note)
-    with disk_full_named(out, outcome), atomic_open(out, "wb") as fh:
-        fd = fh.fileno()
+    n_params = sum(s.numel for s in ckpt.slots) + sum(
+        small[n].numel() for n in ckpt.frozen_param_shapes if n in small
+    )
+    result = ConsolidateResult(out, len(entries), n_params, total, ckpt.world_size, ckpt.tag, level,
+                               launcher=launch.launcher)
+    copy_fp32 = ckpt.torch_free or out_name == "float32"
+    itemsize = 4 if copy_fp32 else _Entry("", out_name, ()).itemsize
+
+    def write_small(fd: int) -> None:
         write_header(fd, header, total)
         for name, t in small.items():
             buf = _as_bytes(t)
             for at in targets(name):
                 os.pwrite(fd, buf, at)
+
+    if launch.distributed:
+        by_rank, result.share_bytes = _my_pieces(ckpt, launch, lambda slot: itemsize * len(targets(slot.name)))
+        manifest_files = checked.manifest.files if checked.manifest is not None and verify else []
+        to_hash = [manifest_files[i] for i in split_by_bytes([e.size for e in manifest_files], launch.world)[launch.rank]]
+
+        def copy_share(fd: int) -> None:
+            if copy_fp32:
+                _in_parallel([partial(_copy_rank_fp32, ckpt, r, fd, targets, sl) for r, sl in by_rank.items()], workers)
+            else:
+                for r, sl in by_rank.items():
+                    _copy_rank_cast(ckpt, r, fd, targets, out_name, sl)
+
+        _write_shared(out, launch, write_small, copy_share, [(source_dir / e.path, e.sha256) for e in to_hash],
+                      workers, outcome)
+        result.rank, result.processes = launch.rank, launch.world
+        result.share_pieces = sum(len(sl) for sl in by_rank.values())
+        return result
+
+    # atomic_open: a temporary sibling, fsynced and renamed over ``out`` only when every byte is
+    # written; positional writes go straight to its descriptor (nothing is buffered in the file object)
+    for note in remove_stale_temps(out):  # a run killed (SIGKILL, OOM) before it could remove its own
+        (warn or warn_unverified)(note)
+    with disk_full_named(out, outcome), atomic_open(out, "wb") as fh:
+        fd = fh.fileno()
+        write_small(fd)
         # Rank-major: one rank file at a time; each rank's piece of a parameter is a contiguous
         # run of the row-major flattened tensor, so it goes to one offset. Without a cast the
         # bytes go file to file in the kernel (copy_file_range): nothing is paged into this process.
-        if ckpt.torch_free or out_name == "float32":
+        if copy_fp32:
             # each rank's pieces go to their own byte ranges of the output: copied by rank files
             # at once (copy_file_range runs in the kernel, without the GIL)
-            _in_parallel([lambda r=r: _copy_rank_fp32(ckpt, r, fd, targets) for r in range(ckpt.world_size)], workers)
+            _in_parallel([partial(_copy_rank_fp32, ckpt, r, fd, targets) for r in range(ckpt.world_size)], workers)
         else:
             # a cast builds each piece in memory: one rank file mapped at a time keeps the peak low
             for rank in range(ckpt.world_size):
-                with ckpt.open_rank(rank) as part:
-                    for slot in ckpt.slots:
-                        start, stop = slot.rank_range(rank)
-                        if stop > start:
-                            buf = _as_bytes(part.param_slice(slot, FP32).to(_torch_dtype(out_name)))
-                            for at in targets(slot.name):
-                                os.pwrite(fd, buf, at + start * entries[slot.name].itemsize)
-    n_params = sum(s.numel for s in ckpt.slots) + sum(
-        small[n].numel() for n in ckpt.frozen_param_shapes if n in small
-    )
-    return ConsolidateResult(out, len(entries), n_params, total, ckpt.world_size, ckpt.tag, checked.level)
+                _copy_rank_cast(ckpt, rank, fd, targets, out_name)
+    result.share_pieces = sum(1 for r in range(ckpt.world_size) for slot in ckpt.slots if _numel(slot, r))
+    result.share_bytes = total
+    return result
 
 
 #: Files whose presence makes a folder a checkpoint (tag) folder: shardkit's completion marker and
@@ -243,13 +314,33 @@ def _as_bytes(t: "torch.Tensor") -> memoryview:
     return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
 
 
-def _copy_rank_fp32(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets) -> None:
-    """Every fp32 piece rank ``rank`` holds, file to file, to its place in the output."""
+def _my_pieces(ckpt: Zero3Checkpoint, launch: Launch, bytes_per_element: Callable[[ParamSlot], int],
+               ) -> tuple[dict[int, list[ParamSlot]], int]:
+    """This process's pieces (one source rank's run of one parameter), dealt by bytes written so the
+    processes finish together; every process computes the same deal. Grouped by source rank (one
+    rank file opened per group), in file order. Returns them and the bytes they write."""
+    pieces = [(r, slot) for r in range(ckpt.world_size) for slot in ckpt.slots if _numel(slot, r)]
+    sizes = [_numel(slot, r) * bytes_per_element(slot) for r, slot in pieces]
+    mine = sorted(split_by_bytes(sizes, launch.world)[launch.rank])
+    by_rank: dict[int, list[ParamSlot]] = {}
+    for i in mine:
+        by_rank.setdefault(pieces[i][0], []).append(pieces[i][1])
+    return by_rank, sum(sizes[i] for i in mine)
+
+
+def _numel(slot: ParamSlot, rank: int) -> int:
+    start, stop = slot.rank_range(rank)
+    return max(0, stop - start)
+
+
+def _copy_rank_fp32(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets: Targets,
+                    slots: list[ParamSlot] | None = None) -> None:
+    """Every fp32 piece rank ``rank`` holds (of ``slots``; default all), file to file, to its place in the output."""
     osd = read_structure(ckpt.optim_files[rank])["optimizer_state_dict"]
     flats = osd["fp32_flat_groups"]
     src_fd = os.open(ckpt.optim_files[rank], os.O_RDONLY)
     try:
-        for slot in ckpt.slots:
+        for slot in ckpt.slots if slots is None else slots:
             start, stop = slot.rank_range(rank)
             if stop <= start:
                 continue
@@ -263,6 +354,113 @@ def _copy_rank_fp32(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets) -> N
                 _copy_bytes(src_fd, dst_fd, (stop - start) * 4, ref.file_offset + slot.offset * 4, at + start * 4)
     finally:
         os.close(src_fd)
+
+
+def _copy_rank_cast(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets: Targets, out_name: str,
+                    slots: list[ParamSlot] | None = None) -> None:
+    """Every piece rank ``rank`` holds (of ``slots``; default all), cast to ``out_name`` in memory
+    and written to its place; the rank file is mapped for the duration only."""
+    itemsize = _Entry("", out_name, ()).itemsize
+    with ckpt.open_rank(rank) as part:
+        for slot in ckpt.slots if slots is None else slots:
+            start, stop = slot.rank_range(rank)
+            if stop > start:
+                buf = _as_bytes(part.param_slice(slot, FP32).to(_torch_dtype(out_name)))
+                for at in targets(slot.name):
+                    os.pwrite(dst_fd, buf, at + start * itemsize)
+
+
+def _write_shared(out: Path, launch: Launch, write_small: Callable[[int], None], copy_share: Callable[[int], None],
+                  to_hash: list[tuple[Path, str]], workers: int, outcome: str) -> None:
+    """This process's share of one output file written by every launched process (``shared_save``).
+
+    Process 0 claims ``.shardkit-tmp-<name>/`` beside ``out`` and creates the sized file in it
+    (under another name first, so the others never open it before it has its header and size);
+    every process copies its pieces into it, hashes ``to_hash``, fsyncs (on a shared filesystem a
+    writer's pages reach the server only when it flushes them) and reports; process 0 gathers the
+    reports and renames the file over ``out``. Any failure: process 0 removes the staging folder.
+    """
+    started = time.monotonic()
+    made_parent = not out.parent.exists()
+    staged = claim(out.parent, out.name, launch, sweep=False) if launch.rank == 0 else join(out.parent, out.name, launch)
+    data = staged / out.name
+    try:
+        with disk_full_named(out, outcome), heartbeat(staged, launch.rank):
+            error: BaseException | None = None
+            try:
+                fd = _create_sized(data, write_small) if launch.rank == 0 else _open_when_created(data, launch)
+                try:
+                    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(to_hash))),
+                                            thread_name_prefix="shardkit-verify") as hashers:
+                        hashed = [(f, want, hashers.submit(sha256_file, f)) for f, want in to_hash]
+                        copy_share(fd)
+                        _check_hashes(hashed)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except BaseException as exc:  # noqa: BLE001 - reported to process 0 before it is raised here
+                error = exc
+            lines = str(error).strip().splitlines() if error is not None else []
+            write_part(staged, launch, [], None if error is None else f"{type(error).__name__}: {lines[0] if lines else ''}")
+            if error is not None:
+                raise error
+            if launch.rank == 0:
+                gather_parts(staged, launch, started)
+        if launch.rank == 0:
+            os.replace(data, out)
+            fsync_dir(out.parent)
+            shutil.rmtree(staged, ignore_errors=True)
+    except BaseException:
+        if launch.rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+            if made_parent:
+                with contextlib.suppress(OSError):
+                    out.parent.rmdir()  # the folder this run made, if nothing else was put there meanwhile
+        raise
+
+
+def _create_sized(data: Path, write_small: Callable[[int], None]) -> int:
+    """Process 0: the output file with its header, small tensors and full size, then given its name."""
+    sizing = data.with_name(f".sizing-{data.name}")
+    fd = os.open(sizing, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_small(fd)
+        os.rename(sizing, data)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_when_created(data: Path, launch: Launch) -> int:
+    """Processes 1..N-1: the file process 0 is creating, once it has its size (it is renamed in sized)."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while True:
+        try:
+            return os.open(data, os.O_WRONLY)
+        except FileNotFoundError:
+            if not data.parent.is_dir():
+                raise CheckpointError(
+                    f"rank {launch.rank} of {launch.world} ({launch.launcher}, host {launch.host}): the staging folder "
+                    f"{data.parent} was removed before the output file appeared in it: rank 0 failed (see its "
+                    "output). Run the whole command again") from None
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"rank {launch.rank} of {launch.world} ({launch.launcher}, host {launch.host}): rank 0 did not "
+                    f"create {data} within {JOIN_TIMEOUT_S:.0f} s although it claimed {data.parent}: it is stuck or "
+                    "failed (see its output). Run the whole command again") from None
+            time.sleep(0.05)
+
+
+def _check_hashes(hashed: list[tuple[Path, str, Future[str]]]) -> None:
+    for f, want, future in hashed:
+        got = future.result()
+        if got != want:
+            raise CheckpointError(
+                f"refusing to publish the consolidation of {f.parent}: {f} fails verification: its sha256 is {got}, "
+                f"its manifest says {want} (the file is corrupted, or was modified after the save). Nothing was "
+                f"written. Fix: restore the file or consolidate another tag (`shardkit verify {f.parent}` lists "
+                "every problem)")
 
 
 def _small_tensors(ckpt: Zero3Checkpoint, out_name: str, include_frozen: bool) -> dict[str, "torch.Tensor"]:

@@ -9,12 +9,15 @@
   each rank now owns), then ``set_model_state_dict`` and
   ``set_optimizer_state_dict`` *separately*. Never ``set_state_dict(...,
   broadcast_from_rank0=True)``: with an empty model dict on non-zero ranks it deadlocks.
+- param_group values that differ between ranks (a Prodigy's D statistics; DCP saves each entry
+  once) are kept per rank in the manifest and handed back at the saved world size.
 - Export: the full, unsharded model state dict gathered to rank 0 and written as safetensors.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +27,7 @@ from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.checkpoint.io.verify import CheckpointReport, check_resumable_distributed
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError
-from shardkit.platform.dist import barrier, rank_world
+from shardkit.platform.dist import all_gather_object, barrier, rank_world
 
 if TYPE_CHECKING:
     import torch
@@ -66,9 +69,13 @@ def save_fsdp_checkpoint(
     # Buffers named: `shardkit convert --to zero3` must tell a frozen parameter from a buffer, and
     # in a 1-rank save both are one unsplit tensor.
     buffers = [n for n, _ in model.named_buffers() if n in state[MODEL_KEY]]
-    facts = dict(step=step, dtype=_param_dtype(model), config_digest=config_digest(config),
-                 extra={"format": "torch.distributed.checkpoint", "keys": sorted(state), "user": extra or {},
-                        "buffers": buffers})
+    layout_extra: dict[str, Any] = {"format": "torch.distributed.checkpoint", "keys": sorted(state),
+                                    "user": extra or {}, "buffers": buffers}
+    if optimizer is not None:
+        per_rank = per_rank_param_group_values(optimizer)
+        if per_rank:
+            layout_extra[PER_RANK_GROUPS_KEY] = per_rank
+    facts = dict(step=step, dtype=_param_dtype(model), config_digest=config_digest(config), extra=layout_extra)
     with atomic_checkpoint(root, tag, engine="fsdp2", **facts) as save:
         dcp.save(state, checkpoint_id=str(save.path))
     return save.final
@@ -117,7 +124,168 @@ def load_fsdp_checkpoint(
     set_model_state_dict(model, state[MODEL_KEY], options=opts)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY], options=opts)
+        restore_per_rank_param_group_values(optimizer, report.manifest.extra.get(PER_RANK_GROUPS_KEY) or {},
+                                            saved_world_size=report.manifest.world_size, where=report.tag_dir)
     return report
+
+
+# --- param_group values that differ between ranks ---------------------------------------------------
+#
+# DCP saves each ``optim.param_groups.<i>.<key>`` once (its planner de-duplicates the item and keeps
+# the copy of whichever rank balances storage best) and gives that one value to every rank at load.
+# Right for hyperparameters; wrong for an optimizer that computes statistics from each rank's own
+# shards (prodigyopt's Prodigy: d, d_numerator ... differ per rank under FSDP2). shardkit compares a
+# digest of every value across ranks at save (one small dict per rank), and only where they differ
+# gathers the values themselves into the manifest, per rank, and puts them back at load.
+
+#: Manifest ``extra`` key: ``{"<group>.<key>": {"kind": ..., "dtype": ..., "values": [per rank]}}``.
+PER_RANK_GROUPS_KEY = "per_rank_param_groups"
+
+
+class PerRankParamGroupWarning(UserWarning):
+    """Ranks hold different values of an optimizer param_group entry that a DCP checkpoint keeps
+    only once: some ranks' values are lost (or, at another world size, cannot be handed back)."""
+
+
+def _group_values(optimizer: "torch.optim.Optimizer") -> dict[str, Any]:
+    """``{"<group>.<key>": value}`` of every param_group entry but ``params`` (a DTensor is sharded
+    by design and left out)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key == "params" or (torch.is_tensor(value) and hasattr(value, "to_local")):
+                continue
+            out[f"{g}.{key}"] = value
+    return out
+
+
+def _digest(value: Any) -> str:
+    import hashlib
+
+    import torch
+
+    if torch.is_tensor(value):
+        t = value.detach().cpu().contiguous()
+        body = f"{t.dtype}{tuple(t.shape)}".encode() + t.view(torch.uint8).numpy().tobytes()
+    else:
+        body = f"{type(value).__name__}:{value!r}".encode()
+    return hashlib.sha256(body).hexdigest()[:16]
+
+
+def _encode(value: Any) -> tuple[str, str | None, Any] | None:
+    """``(kind, tensor dtype or None, JSON-exact value)`` for a number or a one-element tensor (floats
+    as ``float.hex``: exact, NaN/inf included); None for anything else."""
+    import torch
+
+    dtype = None
+    if torch.is_tensor(value):
+        if value.numel() != 1 or value.dtype == torch.bool or value.dtype.is_complex:
+            return None
+        dtype, value = str(value.dtype).removeprefix("torch."), value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return ("float", dtype, float(value).hex()) if isinstance(value, float) else ("int", dtype, int(value))
+
+
+def per_rank_param_group_values(optimizer: "torch.optim.Optimizer") -> dict[str, Any]:
+    """The param_group entries whose values differ between ranks, each as ``{"kind", "dtype",
+    "values": [one per rank]}`` for the manifest. Collective. Entries that differ but are not numbers
+    (DCP keeps one rank's) are named in a ``PerRankParamGroupWarning`` on rank 0."""
+    rank, world = rank_world()
+    if world == 1:
+        return {}
+    values = _group_values(optimizer)
+    digests = all_gather_object({k: _digest(v) for k, v in values.items()})
+    keys = list(dict.fromkeys(k for d in digests for k in d))
+    differing = [k for k in keys if len({d.get(k) for d in digests}) > 1]
+    if not differing:
+        return {}
+    # every rank saw the same digests, so every rank enters this second, detail-only collective
+    encoded = all_gather_object({k: _encode(values[k]) if k in values else None for k in differing})
+    kept: dict[str, Any] = {}
+    lost: list[str] = []
+    for key in differing:
+        per_rank = [e.get(key) for e in encoded]
+        if all(x is not None for x in per_rank) and len({(x[0], x[1]) for x in per_rank}) == 1:
+            kept[key] = {"kind": per_rank[0][0], "dtype": per_rank[0][1], "values": [x[2] for x in per_rank]}
+        else:
+            lost.append(key)
+    if lost and rank == 0:
+        shown = "; ".join(f"param_groups[{k.split('.', 1)[0]}].{k.split('.', 1)[1]}" for k in lost[:8])
+        warnings.warn(
+            f"optimizer param_group entries differ between the {world} ranks and are not numbers shardkit can keep per "
+            f"rank: {shown}{'; ...' if len(lost) > 8 else ''}. DCP saves each entry once, so every rank but one "
+            "loses its value at load. Keep such values in the optimizer's per-parameter state instead (register it "
+            "with shardkit.register_extra_state so it is placed and checked), or make them equal on every rank",
+            PerRankParamGroupWarning, stacklevel=3)
+    return kept
+
+
+def _decode(entry: dict[str, Any], value: Any, template: Any) -> Any:
+    import torch
+
+    number = float.fromhex(value) if entry["kind"] == "float" else int(value)
+    if entry.get("dtype") is None:
+        return number
+    device = template.device if torch.is_tensor(template) else "cpu"
+    shape = template.shape if torch.is_tensor(template) else ()
+    return torch.tensor(number, dtype=getattr(torch, entry["dtype"]), device=device).reshape(shape)
+
+
+def restore_per_rank_param_group_values(optimizer: "torch.optim.Optimizer", per_rank: dict[str, Any], *,
+                                        saved_world_size: int, where: Any) -> None:
+    """Give this rank back its own value of each entry ``per_rank_param_group_values`` kept, after
+    ``set_optimizer_state_dict`` gave every rank DCP's one copy. At another world size there is no
+    mapping of ranks: DCP's value stays, and a ``PerRankParamGroupWarning`` names what was not restored."""
+    if not per_rank:
+        return
+    rank, world = rank_world()
+    places = {key: _checked_entry(key, entry, saved_world_size, len(optimizer.param_groups), where)
+              for key, entry in per_rank.items()}
+    if world != saved_world_size:
+        if rank == 0:
+            shown = "; ".join(
+                f"param_groups[{k.split('.', 1)[0]}].{k.split('.', 1)[1]} (" + ", ".join(
+                    f"rank {r}: {_decode(e, v, None)!r}" for r, v in enumerate(e["values"][:4]))
+                + (f", ... ({len(e['values'])} ranks)" if len(e["values"]) > 4 else "") + ")"
+                for k, e in list(per_rank.items())[:8])
+            warnings.warn(
+                f"{where}: the {saved_world_size} saved ranks kept different values of {shown}; loading at world size "
+                f"{world}, every rank resumes with the one DCP saved (one saved rank's statistics cannot be mapped to "
+                f"the new shards; the optimizer re-estimates them as it steps). Resume at world size {saved_world_size} "
+                "to keep each rank's own", PerRankParamGroupWarning, stacklevel=3)
+        return
+    for key, entry in per_rank.items():
+        g, name = places[key]
+        group = optimizer.param_groups[g]
+        if name in group:  # as DCP: only keys this optimizer has (Prodigy writes d_denom at each step)
+            group[name] = _decode(entry, entry["values"][rank], group[name])
+
+
+def _checked_entry(key: Any, entry: Any, world: int, n_groups: int, where: Any) -> tuple[int, str]:
+    """``(group index, key)`` of a manifest entry, refusing one shardkit did not write (the manifest
+    is read from a checkpoint that may come from elsewhere)."""
+    import torch
+
+    g, _, name = str(key).partition(".")
+    ok = (g.isdigit() and int(g) < n_groups and name and isinstance(entry, dict)
+          and entry.get("kind") in ("float", "int") and isinstance(entry.get("values"), list)
+          and len(entry["values"]) == world
+          and (entry.get("dtype") is None or isinstance(getattr(torch, str(entry["dtype"]), None), torch.dtype)))
+    if ok:
+        try:
+            for v in entry["values"]:
+                float.fromhex(v) if entry["kind"] == "float" else int(v)
+        except (TypeError, ValueError):
+            ok = False
+    if not ok:
+        raise CheckpointError(
+            f"{where}: manifest extra.{PER_RANK_GROUPS_KEY}[{key!r}] is {str(entry)[:120]!r}, not what shardkit writes "
+            f"(kind float/int, a torch dtype or null, one value per saved rank, {world}; a param group index below "
+            f"{n_groups}). The manifest was edited or damaged; restore it from the checkpoint's source")
+    return int(g), name
 
 
 def _check_param_group_count(tag_dir: str | os.PathLike[str], optimizer: "torch.optim.Optimizer") -> None:

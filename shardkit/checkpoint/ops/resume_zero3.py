@@ -11,8 +11,13 @@ ones the engine allocated for its current config, and the optimizer state is cas
 
 The order follows ``DeepSpeedEngine.load_checkpoint`` (0.19.8): checkpoint prologue, module state
 (buffers, frozen fragments), LR scheduler and counters, optimizer, the step state DeepSpeed's CPU
-Adam kernels keep outside the checkpoint (``cpu_adam_kernel``), epilogue. Afterwards the
-placement preflight (``shardkit.preflight``) checks every tensor is where the config says.
+Adam kernels keep outside the checkpoint (``cpu_adam_kernel``), epilogue. Afterwards a client
+optimizer's param_group tensors are re-placed (``replace_optimizer_state``) and the placement
+preflight (``shardkit.preflight``) checks every tensor is where the config says.
+
+Param groups and non-partition optimizer state come from each rank's own file at the saved world
+size; at another, from rank 0's, with a ``PerRankValuesWarning`` naming what the saved ranks did
+not share (``repartition.check_rank_values``).
 
 For runs that keep DeepSpeed's own ``engine.load_checkpoint``, ``guard_plain_loads(engine)`` wraps
 that one engine's method: a checkpoint whose optimizer files are named for another precision is
@@ -47,6 +52,7 @@ from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_num
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import (
     TargetLayout,
+    check_rank_values,
     client_state_note,
     layout_from_names,
     model_state_for_rank,
@@ -54,6 +60,7 @@ from shardkit.checkpoint.zero3.repartition import (
 )
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.preflight import preflight as placement_preflight
+from shardkit.placement.replace import Move, replace_optimizer_state, summarize_moves
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -77,6 +84,9 @@ class Zero3LoadResult:
     """Devices of the optimizer state tensors after loading."""
     kernel_replays: list[KernelReplay] = field(default_factory=list)
     """CPU Adam kernels whose hidden beta powers were brought to the loaded step."""
+    moves: list[Move] = field(default_factory=list)
+    """Optimizer tensors ``replace_optimizer_state`` moved next to their partition after the load
+    (a client optimizer's param_group tensors), before the placement preflight ran."""
     placement_checked: bool = False
     """True when shardkit's placement preflight ran (and passed)."""
     notes: list[str] = field(default_factory=list)
@@ -126,9 +136,14 @@ def load_zero3_checkpoint(
     engine.global_samples = model_sd.get("global_samples", engine.global_steps * engine.train_batch_size())
     engine.skipped_steps = model_sd["skipped_steps"]
 
-    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True, real_deepspeed_objects=True)
-    rank_sd = materialize(optim_state_for_rank(ckpt, layout, rank, optim0))
-    del optim0
+    # At the saved world size this rank reads its own file: a custom optimizer's param_groups and
+    # non-partition state (Prodigy's D statistics, computed from this rank's partition) are its own.
+    # At another there is no mapping of ranks: rank 0's, with a warning where the ranks disagreed.
+    same_ranks = layout.world_size == ckpt.world_size
+    rank_values_note = None if same_ranks else check_rank_values(ckpt, layout.world_size)
+    optim_src = safe_torch_load(ckpt.optim_files[rank if same_ranks else 0], mmap=True, real_deepspeed_objects=True)
+    rank_sd = materialize(optim_state_for_rank(ckpt, layout, rank, optim_src))
+    del optim_src
     _fit_to_current_optimizer(rank_sd["optimizer_state_dict"], opt)
     state_list: list[Any] = [None] * layout.world_size
     state_list[rank] = rank_sd["optimizer_state_dict"]
@@ -159,6 +174,15 @@ def load_zero3_checkpoint(
         result.notes.append(note)
     if precision_note:
         result.notes.append(precision_note)
+    if rank_values_note:
+        result.notes.append(rank_values_note)
+    # DeepSpeed places the fp32 partitions and torch's load_state_dict their state, but a client
+    # optimizer's param_group tensors (prodigy-plus-schedule-free's running_d_*) stay where
+    # torch.load put them, the CPU: re-place them first, or the preflight below blocks a healthy
+    # GPU run without offload over tensors the next step would use from the wrong device.
+    result.moves = replace_optimizer_state(engine.optimizer)
+    if result.moves:
+        result.notes.append(summarize_moves(result.moves))
     if preflight:
         result.placement_checked = _run_preflight(engine)
     return result

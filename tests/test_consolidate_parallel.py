@@ -1,0 +1,126 @@
+"""`shardkit consolidate` split across launched processes (srun/torchrun): 2 or 3 processes write
+the file one process writes, byte for byte; a process killed mid-copy or never started fails the
+run, named, leaving neither the output nor the temporary file; a corrupted source share is never
+published. Plain subprocesses with the launcher's variables (RANK/WORLD_SIZE, MASTER_* naming the
+job only: nothing rendezvouses), hard timeouts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks._scale_zero3 import scale_checkpoint
+from shardkit.checkpoint.io.shared_save import launch_from_env
+from shardkit.checkpoint.io.tags import STAGING_PREFIX
+from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+from tests import test_reshard_parallel as reshard_tests
+from tests.test_reshard_parallel import TIMEOUT_S, _cli, _env, _nothing_published, _wait_for
+
+pytestmark = pytest.mark.slow
+
+# the session's shared checkpoints: the tiny ZeRO-3 sources and the 150x one big enough to interrupt
+sources = reshard_tests.sources
+big = reshard_tests.big
+
+NAME = "model.safetensors"
+
+
+def _start(rank: int, world: int, src: Path, out: Path, port: str, *args: str, **extra: str) -> subprocess.Popen[str]:
+    """Process ``rank`` of ``world`` as torchrun would start it (MASTER_PORT tells this run's job apart)."""
+    env = _env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+    return subprocess.Popen(_cli("consolidate", src, "-o", out / NAME, "--workers", "1", *args), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]]:
+    """Each process's (exit code, stdout, stderr); all are killed if one outlives the timeout."""
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+        return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize(("world", "label", "args"), [
+    (2, "bf16_offload", ()),  # fp32 out: file-to-file copies, no torch
+    (3, "fp32", ("--dtype", "bf16")),  # a cast: each process maps the rank files of its pieces
+])
+def test_launched_processes_write_the_bytes_one_process_writes(sources, tmp_path, world, label, args):
+    src = Path(sources[label])
+    if label == "fp32":  # sealed with a manifest: every process also hashes its share of the source
+        src = scale_checkpoint(src, tmp_path / "src", 1).parent
+    one = tmp_path / "one" / NAME
+    consolidate_zero3(src, one, dtype=args[1] if args else "fp32", launch=launch_from_env({}), warn=lambda m: None)
+    out = tmp_path / "out"
+    results = _finish([_start(r, world, src, out, f"2962{world}", *args) for r in range(world)])
+    for rank, (code, stdout, err) in enumerate(results):
+        assert code == 0, f"rank {rank}: {err}{stdout}"
+    assert re.search(rf"wrote .*{NAME} by {world} processes \(torchrun\): 21 tensors", results[0][1]), results[0][1]
+    for rank in range(1, world):
+        assert re.search(rf"rank {rank} of {world} \(torchrun\): copied its share, [1-9]\d* pieces", results[rank][1])
+    assert (out / NAME).read_bytes() == one.read_bytes()
+    assert [p.name for p in out.iterdir()] == [NAME]  # no staging folder, no temporary file
+
+
+def test_a_process_killed_mid_copy_fails_the_run_naming_it(big, tmp_path):
+    out = tmp_path / "out"
+    fast = {"SHARDKIT_STALE_S": "3"}
+    r1 = _start(1, 2, big, out, "29631", **fast)
+    r0 = _start(0, 2, big, out, "29631", **fast)
+    try:
+        staged = _wait_for(out, f"{STAGING_PREFIX}{NAME}")
+        _wait_for(staged, ".shardkit-alive-1")
+        _wait_for(staged, NAME)  # rank 0 created the sized file: rank 1 is opening it or copying into it
+        os.kill(r1.pid, signal.SIGKILL)
+        started = time.monotonic()
+        _, err = r0.communicate(timeout=TIMEOUT_S)
+    finally:
+        for p in (r0, r1):
+            p.kill()
+            p.wait()
+    assert r0.returncode == 1, err
+    assert re.search(r"rank 1 of 2 stopped while writing its share: no heartbeat for \d+ s \(killed, or its node went "
+                     r"down\).*run the whole command again", err), err
+    assert time.monotonic() - started < 60
+    _nothing_published(out)
+
+
+def test_a_process_that_never_joins_is_named_within_the_timeout(sources, tmp_path):
+    out = tmp_path / "out"
+    started = time.monotonic()
+    [(code, _, err)] = _finish([_start(0, 2, sources["fp32"], out, "29632", SHARDKIT_JOIN_TIMEOUT_S="3")])
+    assert code == 1
+    assert re.search(r"rank 1 of 2 never joined within 3 s \(torchrun job .*\): it did not start, or its node does not "
+                     r"see .* \(-o must be on storage every node shares\)", err), err
+    assert time.monotonic() - started < 60
+    _nothing_published(out)
+    # the other way round: rank 1 alone waits for a claim that never comes, and says so
+    [(code, _, err)] = _finish([_start(1, 2, sources["fp32"], out, "29633", SHARDKIT_JOIN_TIMEOUT_S="2")])
+    assert code == 1 and "rank 0 did not claim the staging folder" in err and "it does not exist" in err, err
+    _nothing_published(out)
+
+
+def test_a_corrupted_source_share_is_never_published(sources, tmp_path):
+    """Each process hashes its share of the source beside its copy; a mismatch in any share fails the
+    run naming the file, and nothing is renamed into place."""
+    from tests._corrupt import flip_a_byte
+
+    src = scale_checkpoint(sources["fp32"], tmp_path / "src", 2).parent
+    victim = next((src / (src / "latest").read_text()).glob("*rank_1*optim_states.pt"))
+    flip_a_byte(victim)
+    out = tmp_path / "out"
+    results = _finish([_start(r, 2, src, out, "29634") for r in range(2)])
+    # rank 1 hashes the odd share of the files: the victim is named by whichever process hashed it
+    assert "its manifest says" in results[0][2] + results[1][2]
+    assert results[0][0] == 1, results
+    assert re.search(rf"{re.escape(str(victim))} fails verification: its sha256 is [0-9a-f]{{64}}, its manifest says",
+                     results[0][2]), results[0][2]
+    _nothing_published(out)
