@@ -297,8 +297,42 @@ def run_reshard_only(workdir: Path) -> dict[str, Any]:
                                       str(RESUME_WORLD), "-o", str(out), *extra), env, inputs=ckpt, before=lambda: fresh(out))
     results["reshard_bytes"] = _dir_bytes(out / tag_dir.name)
     fresh(out)
+    results.update(sha256_rows(workdir, ckpt, env, out))
     results.update(scaling_rows(workdir, ckpt, env))
     return results
+
+
+def sha256_twin(ckpt: Path, workdir: Path) -> Path:
+    """The same checkpoint (hard links: no extra disk) under a manifest of sha256 digests, as every
+    shardkit before blake3 sealed it; ``SHARDKIT_HASH=sha256`` then reshards it as they did."""
+    twin = workdir / "ckpt_sha256"
+    tag = (ckpt / "latest").read_text().strip()
+    if not (twin / tag / "shardkit_manifest.json").exists():
+        shutil.rmtree(twin, ignore_errors=True)
+        subprocess.run(["cp", "-al", str(ckpt), str(twin)], check=True)
+        (twin / tag / "shardkit_manifest.json").unlink()
+        sys.path.insert(0, str(REPO))
+        from shardkit.checkpoint.io.manifest import seal
+
+        os.environ["SHARDKIT_HASH"] = "sha256"
+        try:
+            seal(twin / tag, engine="deepspeed", world_size=SAVE_WORLD, zero_stage=3, dtype="bf16")
+        finally:
+            del os.environ["SHARDKIT_HASH"]
+    return twin
+
+
+def sha256_rows(workdir: Path, ckpt: Path, env: dict[str, str], out: Path) -> dict[str, Any]:
+    """``shardkit reshard`` as before blake3 (sha256 for the source check and the new manifest), in the same run."""
+    twin = sha256_twin(ckpt, workdir)
+    env256 = {**env, "SHARDKIT_HASH": "sha256"}
+    rows: dict[str, Any] = {}
+    for key, extra in (("reshard_sha256_no_verify", ["--no-verify"]), ("reshard_sha256", [])):
+        rows[key] = measure_median(f"shardkit reshard {' '.join(extra)} (sha256)", _py(
+            "-m", "shardkit", "reshard", str(twin), "--world-size", str(RESUME_WORLD), "-o", str(out), *extra),
+            env256, inputs=twin, before=lambda: shutil.rmtree(out, ignore_errors=True))
+    shutil.rmtree(out, ignore_errors=True)
+    return rows
 
 
 def reshard_table(r: dict[str, Any]) -> str:
@@ -306,7 +340,11 @@ def reshard_table(r: dict[str, Any]) -> str:
     rows = ["| step | wall (s) | peak RSS (MiB) | vs `cp -r` + fsync |", "|---|---:|---:|---:|",
             f"| `cp -r` | {r['copy'].wall_s:.2f} | {r['copy'].peak_rss / 2**20:,.0f} | |",
             f"| `cp -r` + fsync of every file | {cps.wall_s:.2f} | {cps.peak_rss / 2**20:,.0f} | 1x |"]
-    for key, label in (("reshard_no_verify", "--no-verify (sizes checked)"), ("reshard", "default (sha256 verified)")):
+    for key, label in (("reshard_no_verify", "--no-verify (sizes checked)"), ("reshard", "default (source digests verified)"),
+                       ("reshard_sha256_no_verify", "sha256 as before blake3, --no-verify"),
+                       ("reshard_sha256", "sha256 as before blake3, source verified")):
+        if key not in r:
+            continue
         m = r[key]
         rows.append(f"| `shardkit reshard` 2 -> 3, {label} | {m.wall_s:.2f} | {m.peak_rss / 2**20:,.0f} | "
                     f"{m.wall_s / cps.wall_s:.2f}x the time |")
@@ -323,7 +361,7 @@ def run(workdir: Path) -> dict[str, Any]:
     tag_dir = ckpt / (ckpt / "latest").read_text().strip()
     if not (tag_dir / "shardkit_manifest.json").exists():
         # as a run saving through shardkit has it: every shardkit row below verifies the source's
-        # sha256 (DeepSpeed's tools read it unverified); the --no-verify row shows that cost
+        # digests (DeepSpeed's tools read it unverified); the --no-verify row shows that cost
         from shardkit.checkpoint.io.manifest import seal
 
         seal(tag_dir, engine="deepspeed", world_size=SAVE_WORLD, zero_stage=3, dtype="bf16")
@@ -384,6 +422,7 @@ def run(workdir: Path) -> dict[str, Any]:
     results["reshard_bytes"] = _dir_bytes(resharded / tag_dir.name)
     results["resume_resharded"] = resume("reshard + plain load_checkpoint", "plain", resharded)
     shutil.rmtree(resharded, ignore_errors=True)
+    results.update(sha256_rows(workdir, ckpt, env, resharded))
     same = workdir / "resharded_same"
     results["reshard_same"] = measure_median("shardkit reshard (same world size)", _py("-m", "shardkit", "reshard", str(ckpt), "--world-size",
                                                                                      str(SAVE_WORLD), "-o", str(same)), env, inputs=ckpt,
@@ -528,10 +567,14 @@ def table(r: dict[str, Any]) -> str:
         row(f"`shardkit reshard` {SAVE_WORLD} -> {RESUME_WORLD} ranks (conversion)", r["reshard"],
             f"{r['ds_to_universal'].wall_s / r['reshard'].wall_s:.1f}x faster; RSS {r['reshard'].peak_rss / optim:.2f}x one optim file "
             f"({mib(optim)} MiB); {rs:,.0f} MiB/s = {rs / cp:.0%} of `cp -r`, **{rs / cps:.0%} of `cp -r` + fsync "
-            f"({r['reshard'].wall_s / r['copy_fsync'].wall_s:.2f}x its time)**; source sha256 verified"),
-        row(f"`shardkit reshard --no-verify` {SAVE_WORLD} -> {RESUME_WORLD} (source sizes checked, not its sha256)",
+            f"({r['reshard'].wall_s / r['copy_fsync'].wall_s:.2f}x its time)**; source digests (blake3) verified"),
+        row(f"`shardkit reshard --no-verify` {SAVE_WORLD} -> {RESUME_WORLD} (source sizes checked, not its digests)",
             r["reshard_no_verify"], f"{rate(r['reshard_bytes'], r['reshard_no_verify']) / cps:.0%} of `cp -r` + fsync "
             f"({r['reshard_no_verify'].wall_s / r['copy_fsync'].wall_s:.2f}x its time)"),
+        *[row(f"`shardkit reshard` {SAVE_WORLD} -> {RESUME_WORLD} as before blake3 (`SHARDKIT_HASH=sha256`{label})", r[key],
+              f"{r[key].wall_s / r['copy_fsync'].wall_s:.2f}x the time of `cp -r` + fsync")
+          for key, label in (("reshard_sha256", ", source sha256 verified"), ("reshard_sha256_no_verify", ", --no-verify"))
+          if key in r],
         row(f"`shardkit reshard` {SAVE_WORLD} -> {SAVE_WORLD} (nothing changes: hashed byte copy)", r["reshard_same"],
             f"{same:,.0f} MiB/s = {same / cp:.0%} of `cp -r`, {same / cps:.0%} of `cp -r` + fsync"),
         f"| 3-rank `load_checkpoint` with `load_universal` | {r['resume_universal'].extra['load_s']:.1f} | {mib(r['resume_universal'].peak_rss)} | {r['resume_universal'].processes} | 1x |",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def flip_a_byte(f: Path) -> None:
-    """Same size, one bit different (the middle byte): only the sha256 can tell."""
+    """Same size, one bit different (the middle byte): only the content digest can tell."""
     size = f.stat().st_size
     with open(f, "r+b") as fh:
         fh.seek(size // 2)

@@ -56,7 +56,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_and_latest(killed_save):
 @pytest.mark.parametrize(
     "damage, match",
     [
-        ("flip", r"\[zero_pp_rank_0_mp_rank_00_optim_states\.pt\] .*sha256 mismatch"),
+        ("flip", r"\[zero_pp_rank_0_mp_rank_00_optim_states\.pt\] .*blake3 mismatch"),
         ("truncate", r"\[zero_pp_rank_1_mp_rank_00_optim_states\.pt\] .*bytes on disk, manifest records \d+ "
                      r"\(truncated\)"),
         ("delete", r"\[zero_pp_rank_1_mp_rank_00_model_states\.pt\] .*file listed in the manifest is missing"),

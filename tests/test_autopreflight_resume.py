@@ -57,6 +57,12 @@ SCRIPT = textwrap.dedent(
     print(f"rank {rank} masters {hashlib.sha256(masters).hexdigest()}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    # done and flushed: leave without interpreter finalization, where torch 2.13 CPU ranks abort now
+    # and then ("terminate called without an active exception"; launch/train_tiny.py, docs/slurm.md)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    import os
+    os._exit(0)
     """
 )
 

@@ -1,7 +1,7 @@
 """`shardkit consolidate` split across launched processes (srun/torchrun): 2 or 3 processes write
 the file one process writes, byte for byte; a process killed mid-copy or never started fails the
 run, named, leaving neither the output nor the temporary file; a corrupted source share is never
-published. Plain subprocesses with the launcher's variables (RANK/WORLD_SIZE, MASTER_* naming the
+published; processes of different shardkit releases (consolidate and reshard) are refused. Plain subprocesses with the launcher's variables (RANK/WORLD_SIZE, MASTER_* naming the
 job only: nothing rendezvouses), hard timeouts."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks._scale_zero3 import scale_checkpoint
+from shardkit._version import __version__ as shardkit_version_string
 from shardkit.checkpoint.io.shared_save import launch_from_env
 from shardkit.checkpoint.io.tags import STAGING_PREFIX
 from shardkit.checkpoint.ops.consolidate import consolidate_zero3
@@ -121,6 +122,33 @@ def test_a_corrupted_source_share_is_never_published(sources, tmp_path):
     # rank 1 hashes the odd share of the files: the victim is named by whichever process hashed it
     assert "its manifest says" in results[0][2] + results[1][2]
     assert results[0][0] == 1, results
-    assert re.search(rf"{re.escape(str(victim))} fails verification: its sha256 is [0-9a-f]{{64}}, its manifest says",
+    assert re.search(rf"{re.escape(str(victim))} fails verification: its blake3 is [0-9a-f]{{64}}, its manifest says",
                      results[0][2]), results[0][2]
+    _nothing_published(out)
+
+
+@pytest.mark.parametrize("command", ["reshard", "consolidate"])
+def test_processes_running_different_shardkit_releases_are_refused_naming_both(sources, tmp_path, command):
+    """Issue 18's mixed versions across nodes: rank 1 runs another shardkit release (a sitecustomize
+    sets its version, as tests/test_slurm_two_node.py does for a node); it refuses before writing,
+    rank 0 names it, and nothing is published."""
+    skew = tmp_path / "skew"
+    skew.mkdir()
+    (skew / "sitecustomize.py").write_text(
+        "import shardkit._version\nshardkit._version.__version__ = '0.0.0+skew'\n"
+        "import shardkit.platform.versions as v\nv.SHARDKIT_VERSION = '0.0.0+skew'\n")
+    out = tmp_path / "out"
+    target = ["-o", out / NAME] if command == "consolidate" else ["--world-size", "3", "-o", out]
+    procs = []
+    for rank in range(2):
+        extra = {"PYTHONPATH": os.pathsep.join(filter(None, [str(skew), os.environ.get("PYTHONPATH")]))} if rank else {}
+        env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29641", **extra)
+        procs.append(subprocess.Popen(_cli(command, sources["fp32"], *target), env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    (code0, _, err0), (code1, _, err1) = _finish(procs)
+    version = shardkit_version_string
+    assert code1 == 1 and re.search(rf"rank 1 of 2 \(host .*\) runs shardkit 0\.0\.0\+skew, rank 0 \(host .*\) runs "
+                                     rf"shardkit {re.escape(version)}: every process of one run must run the same "
+                                     r"release.*Install the same shardkit on every node", err1), err1
+    assert code0 == 1 and "rank 1 of 2" in err0 and "runs shardkit 0.0.0+skew" in err0, err0
     _nothing_published(out)

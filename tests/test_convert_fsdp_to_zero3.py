@@ -174,7 +174,7 @@ def test_result_manifest_and_verify(runs):
         root = r.output
         assert (root / "latest").read_text() == "step2" and r.tag == "step2"
         assert (r.source_engine, r.target_engine, r.world_size, r.source_world_size) == ("fsdp2", "zero3", n, 2)
-        assert r.verified == "sha256" and r.params == 21
+        assert r.verified == "hash" and r.params == 21
         files = sorted(p.name for p in (root / r.tag).glob("*.pt"))
         assert len(files) == 2 * n and r.bytes == sum((root / r.tag / f).stat().st_size for f in files)
         assert {"fp32 masters", "exp_avg", "exp_avg_sq", "step", "client_state.epoch"} <= set(r.carried)
@@ -273,7 +273,7 @@ def test_refuses_bad_sources_and_arguments(runs, tmp_path):
     bad = tmp_path / "corrupt"
     shutil.copytree(src, bad)
     flip_a_byte(bad / "step2" / "__1_0.distcp")
-    with pytest.raises(CheckpointError, match=r"refusing to read .*__1_0\.distcp.*sha256"):
+    with pytest.raises(CheckpointError, match=r"refusing to read .*__1_0\.distcp.*blake3 mismatch"):
         convert_dcp_to_zero3(bad, tmp_path / "e", world_size=2)
     # an FSDP2 save keeps float32 parameters also under bf16 mixed precision: without the resuming
     # run's config the files' precision (bf16_ names or not) is not guessed (issue 20)

@@ -70,7 +70,7 @@ def test_consolidate_refuses_an_existing_output_unless_forced(sealed, tmp_path, 
     assert out.read_bytes() == b"the user's previous export"
     code, stdout, err = run_cli("consolidate", sealed, "-o", out, "--force")
     assert code == 0, err
-    assert out.read_bytes()[8:9] == b"{" and "source checked before reading: sizes and sha256" in stdout
+    assert out.read_bytes()[8:9] == b"{" and "source checked before reading: sizes and content digests" in stdout
 
 
 def test_consolidate_never_replaces_a_fifo_or_a_link_to_a_device(sealed, tmp_path, run_cli):
@@ -126,18 +126,18 @@ def test_consolidate_keeps_a_symlink_to_a_regular_file_and_replaces_its_target(s
 def test_a_corrupted_source_is_refused_by_reshard_and_consolidate(sealed, tmp_path, run_cli):
     bad = sealed / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     flip_a_byte(bad)
-    refused = rf"refusing to read {re.escape(str(sealed / TAG))}: it fails verification: \[{bad.name}\] .*sha256 mismatch"
+    refused = rf"refusing to read {re.escape(str(sealed / TAG))}: it fails verification: \[{bad.name}\] .*blake3 mismatch"
     code, _, err = run_cli("reshard", sealed, "--world-size", "3", "-o", tmp_path / "ws3")
     # reshard hashes the source beside its writes and refuses to publish
     assert code == 1 and re.search(rf"refusing to publish the reshard of {re.escape(str(sealed / TAG))}: "
-                                   rf"{re.escape(str(bad))} fails verification: its sha256 is", err), err
+                                   rf"{re.escape(str(bad))} fails verification: its blake3 is", err), err
     assert not (tmp_path / "ws3").exists()  # no fresh manifest vouching for the corruption
     code, _, err = run_cli("consolidate", sealed, "-o", tmp_path / "m.safetensors")
     assert code == 1 and re.search(refused, err), err
     assert not (tmp_path / "m.safetensors").exists()
     # --no-verify skips the hashing, and says so
     code, _, err = run_cli("consolidate", sealed, "-o", tmp_path / "m.safetensors", "--no-verify")
-    assert code == 0 and "warning: --no-verify: the sha256 of the 4 file(s)" in err, err
+    assert code == 0 and "warning: --no-verify: the content digests of the 4 file(s)" in err, err
 
 
 def test_a_truncated_source_is_refused_even_with_no_verify(sealed, tmp_path, run_cli):
@@ -206,7 +206,7 @@ def test_reshard_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp
     result = reshard_zero3(sealed, tmp_path / "ws3", 3)
     assert checked == [sealed / TAG] and (sealed / "latest").read_text() == "unverified"
     source = read_manifest(tmp_path / "ws3" / TAG).extra["resharded_from"]
-    assert source["path"] == str(sealed / TAG) and source["verified"] == "sha256" and result.tag == TAG
+    assert source["path"] == str(sealed / TAG) and source["verified"] == "hash" and result.tag == TAG
 
 
 def test_consolidate_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp_path, monkeypatch):
@@ -214,7 +214,7 @@ def test_consolidate_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed,
 
     checked = _save_lands_after_verification(monkeypatch, sealed)
     result = consolidate_zero3(sealed, tmp_path / "m.safetensors")
-    assert checked == [sealed / TAG] and result.tag == TAG and result.verified == "sha256"
+    assert checked == [sealed / TAG] and result.tag == TAG and result.verified == "hash"
 
 
 # --- a bad tag from the source is blamed on where it came from ----------------------------------

@@ -95,7 +95,7 @@ def test_loss_curve_continues_the_uninterrupted_zero3_run(source, resumed):
 
 def test_result_and_manifest_say_what_was_carried(source, converted):
     out, r, warnings = converted
-    assert warnings == [] and r.verified == "sha256"  # shardkit's save sealed the source
+    assert warnings == [] and r.verified == "hash"  # shardkit's save sealed the source
     assert (r.source_engine, r.target_engine, r.tag, r.source_world_size) == ("zero3", "fsdp2", TAG, 2)
     assert r.params == 20  # 19 trainable (the tied pair stored once) + 1 frozen
     assert r.not_carried == []
@@ -222,7 +222,7 @@ def test_cli_converts_and_reports(source, tmp_path, run_cli):
     code, stdout, err = run_cli("convert", source[0], "--to", "fsdp2", "-o", out)
     assert code == 0, err
     assert f"wrote {out / TAG}: zero3 -> fsdp2, 20 parameters" in stdout
-    assert "load_fsdp_checkpoint(model, optimizer" in stdout and "sizes and sha256 match its manifest" in stdout
+    assert "load_fsdp_checkpoint(model, optimizer" in stdout and "sizes and content digests (blake3 or sha256, as its manifest lists them) match its manifest" in stdout
     assert "carried: fp32 masters (19 trainable)" in stdout
     code, _, err = run_cli("convert", source[0], "--to", "fsdp2", "-o", out)
     assert code == 2 and f"already holds checkpoint '{TAG}'" in err and "--force" in err
@@ -479,7 +479,7 @@ def test_a_failed_write_on_the_byte_route_names_the_file_and_leaves_nothing(sour
 
 
 def test_a_corrupted_source_is_refused_before_anything_is_published(source, tmp_path):
-    """A rank file of the right size whose bytes changed fails its sha256 (each process checks its
+    """A rank file of the right size whose bytes changed fails its digest (each process checks its
     share before copying): refused naming the file, nothing published."""
     src = tmp_path / "src"
     shutil.copytree(source[0], src)
@@ -488,7 +488,7 @@ def test_a_corrupted_source_is_refused_before_anything_is_published(source, tmp_
     data[-200] ^= 0xFF
     victim.write_bytes(bytes(data))
     out = tmp_path / "out"
-    with pytest.raises(CheckpointError, match=rf"refusing to convert .*{victim.name} fails verification: its sha256 is "
+    with pytest.raises(CheckpointError, match=rf"refusing to convert .*{victim.name} fails verification: its blake3 is "
                                               r"[0-9a-f]{64}, its manifest says"):
         convert_zero3_to_dcp(src, out)
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
@@ -567,7 +567,7 @@ def test_two_processes_under_torchrun_write_what_one_process_writes(source, tmp_
     assert re.search(r"rank 1 of 2 \(torchrun\): wrote its share, [1-9]\d* files", done.stdout), done.stdout
 
     def files(out: Path) -> dict:
-        return {e.path: (e.size, e.sha256) for e in read_manifest(out / TAG).files if e.path != ".metadata"}
+        return {e.path: (e.size, e.digest) for e in read_manifest(out / TAG).files if e.path != ".metadata"}
 
     assert files(one) == files(two) and len(files(one)) > 40
     a, b = read_dcp_metadata(one / TAG / ".metadata"), read_dcp_metadata(two / TAG / ".metadata")

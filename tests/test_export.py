@@ -160,7 +160,7 @@ def test_zero3_at_another_world_size(zero3, tmp_path, run_cli):
     assert run_cli("reshard", root, "--world-size", "3", "-o", tmp_path / "ws3")[0] == 0
     code, stdout, err = run_cli("export", tmp_path / "ws3", "-o", tmp_path / "hf", "--model-config", config)
     assert code == 0, err
-    assert "saved by 3 rank(s)" in stdout and "sizes and sha256 match its manifest" in stdout
+    assert "saved by 3 rank(s)" in stdout and "sizes and content digests (blake3 or sha256, as its manifest lists them) match its manifest" in stdout
     _assert_weights(_load(tmp_path / "hf", torch.float32), ref["state"], torch.float32)
 
 

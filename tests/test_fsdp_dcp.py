@@ -63,7 +63,7 @@ def test_save_is_atomic_and_verified(saved, tmp_path):
     data = bytearray(f.read_bytes())
     data[100] ^= 0x10
     f.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"\[__1_0\.distcp\] .*sha256 mismatch"):
+    with pytest.raises(CheckpointError, match=r"\[__1_0\.distcp\] .*blake3 mismatch"):
         check_resumable(bad, world_size=2, engine="fsdp2")
     with pytest.raises(CheckpointError, match=r"\[engine\] checkpoint was written by engine 'fsdp2', this run uses "
                        "'deepspeed'"):

@@ -7,19 +7,71 @@ import pytest
 
 from shardkit.checkpoint.io.manifest import (
     MANIFEST_NAME,
+    FileEntry,
     Manifest,
+    file_digest,
     read_manifest,
     seal,
-    sha256_file,
 )
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError
 
 
-def test_sha256_streams_in_chunks(tmp_path):
+def test_digests_stream_in_chunks(tmp_path):
+    import blake3
+
     data = bytes(range(256)) * 1000
     (tmp_path / "f").write_bytes(data)
-    assert sha256_file(tmp_path / "f", chunk=1000) == hashlib.sha256(data).hexdigest()
+    assert file_digest(tmp_path / "f", "sha256", chunk=1000) == hashlib.sha256(data).hexdigest()
+    assert file_digest(tmp_path / "f", "blake3", chunk=1000) == blake3.blake3(data).hexdigest()
+
+
+def test_new_manifests_use_blake3_and_sha256_ones_still_verify(tmp_path, monkeypatch):
+    """blake3 by default (format_version 2, each file naming its algorithm); SHARDKIT_HASH=sha256
+    writes what shardkit wrote before (format_version 1, readable by older releases); both verify,
+    and a changed byte fails either with the algorithm named."""
+    from shardkit.checkpoint.io.verify import verify_checkpoint
+
+    for algorithm, version in (("blake3", 2), ("sha256", 1)):
+        tag = tmp_path / algorithm / "step1"
+        tag.mkdir(parents=True)
+        (tag / "model.pt").write_bytes(b"weights")
+        monkeypatch.setenv("SHARDKIT_HASH", algorithm)
+        seal(tag, engine="torch")
+        raw = json.loads((tag / MANIFEST_NAME).read_text())
+        assert raw["format_version"] == version and set(raw["files"][0]) == {"path", "size", algorithm}
+        entry = read_manifest(tag).files[0]
+        assert entry.algorithm == algorithm and entry.digest == file_digest(tag / "model.pt", algorithm)
+        assert verify_checkpoint(tag).ok
+        (tag / "model.pt").write_bytes(b"weightz")
+        assert [(f.key, f.value) for f in verify_checkpoint(tag).errors] == [("model.pt", f"{algorithm} mismatch")]
+    monkeypatch.delenv("SHARDKIT_HASH")
+    tag = tmp_path / "default"
+    tag.mkdir()
+    (tag / "a.pt").write_bytes(b"x")
+    assert seal(tag, engine="torch").files[0].algorithm == "blake3"
+
+
+def test_an_unknown_shardkit_hash_is_refused_naming_the_choices(tmp_path, monkeypatch):
+    from shardkit.core.errors import UsageError
+
+    (tmp_path / "a.pt").write_bytes(b"x")
+    monkeypatch.setenv("SHARDKIT_HASH", "md5")
+    with pytest.raises(UsageError, match=r"SHARDKIT_HASH='md5': choose one of \['blake3', 'sha256'\]"):
+        seal(tmp_path, engine="torch")
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"path": "a.pt", "size": 1}, r"field files\[0\] is \{'blake3': None, 'sha256': None\}: must have exactly one digest"),
+    ({"path": "a.pt", "size": 1, "sha256": "a" * 64, "blake3": "b" * 64}, r"must have exactly one digest, sha256 or blake3"),
+    ({"path": "a.pt", "size": 1, "blake3": "B" * 64}, r"field files\[0\]\.blake3 is 'BBBB.*must be 64 lowercase hex"),
+])
+def test_a_file_entry_without_exactly_one_valid_digest_is_refused(tmp_path, entry, match):
+    body = {**Manifest("torch", "t", 1).to_dict(), "files": [entry]}
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match=match):
+        read_manifest(tmp_path)
+    assert FileEntry.of("a.pt", 1, "blake3", "c" * 64).to_dict() == {"path": "a.pt", "size": 1, "blake3": "c" * 64}
 
 
 def test_config_digest_ignores_key_order_not_values():

@@ -175,7 +175,7 @@ def test_each_rank_keeps_its_own_client_state_at_the_same_world_size(sources, tm
 def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(sources, tmp_path):
     """Nothing changes, so nothing is rebuilt: fresh copies (never links: a run re-saving the
     source tag rewrites its files in place), hashed while copied."""
-    from shardkit.checkpoint.io.manifest import read_manifest, sha256_file
+    from shardkit.checkpoint.io.manifest import file_digest, read_manifest
 
     src = open_zero3_checkpoint(sources["fp32"])
     same = reshard_zero3(sources["fp32"], tmp_path / "ws2", 2, workers=3)
@@ -184,7 +184,7 @@ def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(source
     for f in [*src.optim_files, *src.model_files]:
         copy = same.output / same.tag / f.name
         assert copy.read_bytes() == f.read_bytes() and copy.stat().st_ino != f.stat().st_ino and f.stat().st_nlink == 1
-        assert entries[f.name].sha256 == sha256_file(f) and entries[f.name].size == f.stat().st_size
+        assert entries[f.name].digest == file_digest(f, "blake3") and entries[f.name].size == f.stat().st_size
     # another sub_group_size at the same world size is a real repartition
     other = reshard_zero3(sources["bf16_offload"], tmp_path / "sg", 2, sub_group_size=10**9, workers=1)
     assert not other.copied_unchanged and len(open_zero3_checkpoint(other.output).sub_group_numel) == 1
@@ -235,15 +235,19 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
     import shutil
 
     import shardkit.checkpoint.ops.reshard as reshard
-    from shardkit.checkpoint.io.manifest import read_manifest, seal, sha256_file
+    from shardkit.checkpoint.io.manifest import file_digest, read_manifest, seal
     from tests._corrupt import flip_a_byte
 
     root = tmp_path / "src"
     shutil.copytree(sources["fp32"], root)
     tag_dir = open_zero3_checkpoint(root).tag_dir
+    # sealed with sha256 (a manifest of a shardkit before blake3): the copy hashes with the source's algorithm
+    monkeypatch.setenv("SHARDKIT_HASH", "sha256")
     seal(tag_dir, engine="deepspeed", world_size=2, zero_stage=3)
+    monkeypatch.delenv("SHARDKIT_HASH")
     victim = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     verified = {e.path: e.sha256 for e in read_manifest(tag_dir).files}[victim.name]
+    assert verified is not None
     real_verify = reshard.verify_before_reading
 
     def verify_then_the_source_changes(*args, **kwargs):
@@ -257,7 +261,7 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
                        rf"manifest says {verified}: the file is corrupted, or was rewritten after the save.*Nothing "
                        r"was written.*re-run the reshard") as caught:
         reshard_zero3(root, out, 2, workers=2)
-    assert f"sha256 is {sha256_file(victim)}," in str(caught.value)
+    assert f"sha256 is {file_digest(victim, 'sha256')}," in str(caught.value)
     assert not out.exists() or os.listdir(out) == []
     # --no-verify never hashed the source, so there is nothing to compare with: copied as it is now
     monkeypatch.setattr(reshard, "verify_before_reading", real_verify)

@@ -52,7 +52,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _files(out: Path) -> dict[str, tuple[int, str]]:
     m = read_manifest(out / (out / "latest").read_text())
-    return {e.path: (e.size, e.sha256) for e in m.files}
+    return {e.path: (e.size, e.digest) for e in m.files}
 
 
 def _nothing_published(out: Path) -> None:
@@ -71,7 +71,7 @@ def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources
     assert done.returncode == 0, done.stderr + done.stdout
     assert re.search(r"wrote .*two/global_step1 by 2 processes \(torchrun\): 6 files", done.stdout), done.stdout
     assert re.search(r"rank 1 of 2 \(torchrun\): wrote its share, [1-5] files", done.stdout), done.stdout
-    assert _files(two) == _files(one)  # same names, sizes and sha256: byte-identical files
+    assert _files(two) == _files(one)  # same names, sizes and digests: byte-identical files
     assert not any(p.name.startswith(STAGING_PREFIX) for p in two.iterdir())
     verify = subprocess.run(_cli("verify", two), env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert verify.returncode == 0, verify.stdout
@@ -166,7 +166,7 @@ def test_sigterm_mid_write_stops_the_writers_and_removes_the_staging_folder(big,
 
 
 def test_a_corrupted_source_is_never_published(sources, tmp_path):
-    """The repartition reads byte ranges; the source's sha256 is checked beside the writes and
+    """The repartition reads byte ranges; the source's digest is checked beside the writes and
     nothing is published unless it matched."""
     from tests._corrupt import flip_a_byte
 
@@ -177,7 +177,7 @@ def test_a_corrupted_source_is_never_published(sources, tmp_path):
     from shardkit.checkpoint.ops.reshard import reshard_zero3
 
     with pytest.raises(CheckpointError, match=rf"refusing to publish the reshard of .*: {re.escape(str(victim))} fails "
-                       r"verification: its sha256 is [0-9a-f]{64}, its manifest says [0-9a-f]{64}.*Nothing was written"):
+                       r"verification: its blake3 is [0-9a-f]{64}, its manifest says [0-9a-f]{64}.*Nothing was written"):
         reshard_zero3(src, tmp_path / "out", 3)
     _nothing_published(tmp_path / "out")
     done = reshard_zero3(src, tmp_path / "unverified", 3, verify=False, warn=lambda m: None)

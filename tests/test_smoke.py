@@ -48,7 +48,7 @@ def test_smoke_fails_with_one_clear_line_on_a_corrupted_checkpoint(tmp_path):
     assert not result.ok
     assert result.failure.startswith("run C (resume) failed on rank ")
     assert "CheckpointError" in result.failure and "__1_0.distcp" in result.failure
-    assert "sha256" in result.failure
+    assert "blake3 mismatch" in result.failure
     out = io.StringIO()
     print_smoke_report(report, file=out)
     text = out.getvalue()

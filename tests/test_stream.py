@@ -3,7 +3,6 @@ tensors copied from byte ranges of other files through a small buffer."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import zipfile
 from pathlib import Path
@@ -50,10 +49,19 @@ def test_the_file_is_torch_saves_record_for_record(tmp_path):
         assert loaded["nested"]["step"] == 5 and loaded["empty"].numel() == 0
 
 
-def test_the_returned_digest_is_the_sha256_of_the_bytes_on_disk(tmp_path):
+def _blake3(data: bytes) -> str:
+    import blake3
+
+    return blake3.blake3(data).hexdigest()
+
+
+def test_the_returned_digest_is_the_digest_of_the_bytes_on_disk(tmp_path):
     written = stream_save(_state(), tmp_path / "x.pt")
     data = (tmp_path / "x.pt").read_bytes()
-    assert written.size == len(data) and written.sha256 == hashlib.sha256(data).hexdigest()
+    import blake3
+
+    assert written.size == len(data) and written.algorithm == "blake3"
+    assert written.digest == blake3.blake3(data).hexdigest()
 
 
 def test_lazy_segments_are_copied_from_other_files_and_zero_runs(tmp_path):
@@ -65,7 +73,7 @@ def test_lazy_segments_are_copied_from_other_files_and_zero_runs(tmp_path):
     # a 96-byte buffer: every segment crosses buffer boundaries
     written = stream_save({"t": lazy, "n": 3}, tmp_path / "x.pt", chunk_bytes=96)
     assert zipfile.ZipFile(tmp_path / "x.pt").testzip() is None
-    assert written.sha256 == hashlib.sha256((tmp_path / "x.pt").read_bytes()).hexdigest()
+    assert written.digest == _blake3((tmp_path / "x.pt").read_bytes())
     t = torch.load(tmp_path / "x.pt", weights_only=True)["t"]
     assert torch.equal(t[:100], src[:100]) and not t[100:110].any() and torch.equal(t[110:], src[100:])
 
@@ -93,7 +101,7 @@ def test_copy_file_hashed_is_a_new_file_never_a_link(tmp_path):
     written = copy_file_hashed(src, tmp_path / "b.pt", chunk_bytes=1 << 20)
     copy = tmp_path / "b.pt"
     assert copy.read_bytes() == src.read_bytes() and written.size == src.stat().st_size
-    assert written.sha256 == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert written.digest == _blake3(src.read_bytes())
     assert copy.stat().st_ino != src.stat().st_ino and src.stat().st_nlink == 1
     with pytest.raises(FileExistsError):
         copy_file_hashed(src, copy)  # never overwrites
@@ -137,7 +145,7 @@ def test_zip64_records_and_offsets_are_read_by_torch_and_zipfile(tmp_path, monke
     sd = {"small": torch.arange(3, dtype=torch.int64), "big": torch.randn(2000), "lazy": lazy, "step": 7}
     written = stream_save(sd, tmp_path / "x.pt", chunk_bytes=512)
     raw = (tmp_path / "x.pt").read_bytes()
-    assert written.size == len(raw) and written.sha256 == hashlib.sha256(raw).hexdigest()
+    assert written.size == len(raw) and written.digest == _blake3(raw)
     zf = zipfile.ZipFile(tmp_path / "x.pt")
     assert zf.testzip() is None  # every crc32, read through the zip64 sizes and offsets
     kinds = set()
@@ -172,7 +180,7 @@ def test_write_parallel_fsyncs_each_file_keeps_order_and_cancels_after_the_first
     monkeypatch.setattr(stream, "fsync_file", lambda p: (synced.append(Path(p)), real_fsync(p)))
     jobs = [(tmp_path / f"{i}.pt", lambda p, i=i: stream_save({"i": torch.full((i + 1,), i)}, p)) for i in range(5)]
     digests = write_parallel(jobs, 3, outcome="nothing kept")
-    assert [d.sha256 for d in digests] == [hashlib.sha256(p.read_bytes()).hexdigest() for p, _ in jobs]
+    assert [d.digest for d in digests] == [_blake3(p.read_bytes()) for p, _ in jobs]
     assert sorted(synced) == sorted(p for p, _ in jobs)  # each file fsynced by the thread that wrote it
 
     started: list[int] = []

@@ -48,7 +48,7 @@ def test_flipped_byte_is_a_checksum_error_naming_the_file(tmp_path):
     data = bytearray(f.read_bytes())
     data[57] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt.*sha256 mismatch"):
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt.*blake3 mismatch"):
         check_resumable(tmp_path)
     assert verify_checkpoint(tmp_path, checksums=False).ok  # size-only mode cannot see a flipped byte
 
@@ -314,7 +314,7 @@ def test_a_link_inside_the_tag_is_read_and_a_manifest_linked_from_outside_is_not
 
 
 def test_the_hash_never_follows_a_link_swapped_in_after_the_path_was_checked(tmp_path):
-    from shardkit.checkpoint.io.manifest import sha256_file
+    from shardkit.checkpoint.io.manifest import file_digest
 
     tag = _ckpt(tmp_path)
     f = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
@@ -323,7 +323,7 @@ def test_the_hash_never_follows_a_link_swapped_in_after_the_path_was_checked(tmp
     f.unlink()
     f.symlink_to(outside)
     with pytest.raises(CheckpointError, match=r"leads outside the checkpoint folder .* it is not read"):
-        sha256_file(f, inside=tag.resolve())
+        file_digest(f, "blake3", inside=tag.resolve())
 
 
 def test_readers_of_a_folder_without_manifest_refuse_links_leaving_it(tmp_path):

@@ -141,7 +141,7 @@ def test_corrupted_optim_file_of_the_right_size_is_refused_on_every_rank(tmp_pat
     msgs = [r.value for r in run_ranks(R.load_refused, 2, args=(str(out), "fp32"), timeout=300, device="cpu")]
     assert msgs[0] == msgs[1], msgs
     assert re.match(rf"CheckpointError: cannot resume from .*\[{re.escape(bad.name)}\] .*{re.escape(bad.name)}: "
-                    r"content differs from the manifest \(sha256 mismatch\)", msgs[0]), msgs[0]
+                    r"content differs from the manifest \(blake3 mismatch\)", msgs[0]), msgs[0]
 
 
 # --- DeepSpeed's CPU Adam kernels keep beta**step outside the checkpoint (issue 7 item 2) -------

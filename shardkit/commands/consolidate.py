@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "stays near one rank's partition: rank files are memory-mapped one at a time and each piece "
             "is written straight to its place in the output. CKPT is the folder holding 'latest', a tag "
             "folder, or one rank file. No DeepSpeed import, no code from the checkpoint is run. The source "
-            "is first checked against its shardkit manifest (sizes and sha256; --no-verify: sizes only); an "
+            "is first checked against its shardkit manifest (sizes and content digests; --no-verify: sizes only); an "
             "existing FILE is replaced only with --force. Under srun/torchrun every launched process copies its "
             "share of the pieces into the one file (on storage every node shares) and rank 0 renames it into place."
         ),
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace FILE if it exists (only ever a regular file, never one inside a checkpoint)")
     p.add_argument("--no-verify", action="store_true",
-                   help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
+                   help="check only the sizes of the source's files against its manifest, not their content digests (faster)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="source files hashed and rank files copied at once, per process (default: one per file, at least the "
                         "usable cores, at most max(cores, 8))")

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "--to zero3 --world-size N: the reverse, per-rank files DeepSpeed's plain load_checkpoint accepts "
             "at N ranks. What cannot be carried (loss scaler, LR scheduler, optimizers other than Adam/AdamW, "
             "MoE experts, tensor-parallel checkpoints) is refused or reported by name. The source is first "
-            "checked against its shardkit manifest (sizes and sha256; --no-verify: sizes only); the output is "
+            "checked against its shardkit manifest (sizes and content digests; --no-verify: sizes only); the output is "
             "an atomic shardkit checkpoint with a manifest."
         ),
     )
@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
     p.add_argument("--no-verify", action="store_true",
-                   help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
+                   help="check only the sizes of the source's files against its manifest, not their content digests (faster)")
     p.set_defaults(func=convert_command, sigterm_cleans_up=True)
 
 

@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "max(cores, 8))")
     p.add_argument("--force", action="store_true", help="replace DIR when it holds an earlier shardkit export")
     p.add_argument("--no-verify", action="store_true",
-                   help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
+                   help="check only the sizes of the source's files against its manifest, not their content digests (faster)")
     p.set_defaults(func=export_command, sigterm_cleans_up=True)
 
 

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "step and hyperparameters kept. Resume with engine.load_checkpoint(OUT) as usual: no "
             "'load_universal', no conversion step. Rank files are written in parallel, hashed as they are written; "
             "memory stays near one 1 MiB buffer per thread. The source is first "
-            "checked against its shardkit manifest (sizes and sha256; --no-verify: sizes only); OUT must be "
+            "checked against its shardkit manifest (sizes and content digests; --no-verify: sizes only); OUT must be "
             "new, empty, or a shardkit checkpoint folder, and an existing OUT/<tag> is replaced only with --force. "
             "A Hugging Face Trainer checkpoint-N folder (or its output_dir: the newest checkpoint-N) is resharded "
             "whole: OUT is the new checkpoint-N folder for Trainer.train(resume_from_checkpoint=OUT), holding the "
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
     p.add_argument("--no-verify", action="store_true",
-                   help="check only the sizes of the source's files against its manifest, not their sha256 (faster)")
+                   help="check only the sizes of the source's files against its manifest, not their content digests (faster)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="files written at once by this process (default: one per file, at least the usable cores, "
                         "at most max(cores, 8)); under srun/torchrun every launched process writes its share")

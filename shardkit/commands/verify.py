@@ -1,4 +1,4 @@
-"""`shardkit verify CKPT`: check a checkpoint against its manifest (sizes, sha256, rank files,
+"""`shardkit verify CKPT`: check a checkpoint against its manifest (sizes, digests, rank files,
 world size, engine) before a resume trusts it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="check a checkpoint's files against its shardkit manifest",
         example="shardkit verify checkpoints/ --world-size 8",
         description=(
-            "Check a checkpoint written by shardkit: every file present with its recorded size and sha256, "
+            "Check a checkpoint written by shardkit: every file present with its recorded size and digest (blake3, or sha256 in older manifests), "
             "every rank file the world size needs, and (when given) the engine and world size of the run "
             "that will resume it. CKPT is the root holding 'latest' or one tag directory; a Hugging Face Trainer "
             "checkpoint-N folder is such a root, and a Trainer output_dir is checked at its newest checkpoint-N. "
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world-size", type=int, default=None, help="world size of the run that will resume")
     p.add_argument("--engine", choices=["deepspeed", "fsdp2", "torch"], default=None,
                    help="engine of the run that will resume")
-    p.add_argument("--no-checksum", action="store_true", help="check sizes only, skip sha256 (fast)")
+    p.add_argument("--no-checksum", action="store_true", help="check sizes only, skip the content digests (fast)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 

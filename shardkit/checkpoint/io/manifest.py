@@ -1,15 +1,15 @@
 """``shardkit_manifest.json``: what a checkpoint holds and what it needs to be resumed safely.
 
 Written last into each checkpoint (tag) directory, so its presence is the completion marker (the
-role torchtitan gives DCP's ``.metadata``). It lists every file with its size and sha256, and the
-facts resume compares before touching a tensor: engine, world size, ZeRO stage, offload devices,
-dtype, library versions and a digest of the training config.
+role torchtitan gives DCP's ``.metadata``). It lists every file with its size and digest (BLAKE3, or
+sha256 in older manifests: ``digest``), and the facts resume compares before touching a tensor:
+engine, world size, ZeRO stage, offload devices, dtype, library versions and a digest of the
+training config.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import math
 import os
@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from shardkit.checkpoint.io.atomic import atomic_write_text
+from shardkit.checkpoint.io.digest import ALGORITHMS, default_algorithm, new_hasher
 from shardkit.checkpoint.io.tags import STAGING_PREFIX, tag_problem
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import FileReadError, read_regular_file
 from shardkit.platform.versions import library_versions
 
 MANIFEST_NAME = "shardkit_manifest.json"
-FORMAT_VERSION = 1
+#: 2: files may carry a ``blake3`` digest instead of ``sha256`` (a manifest is written as 1 when none does).
+FORMAT_VERSION = 2
 Engine = Literal["deepspeed", "fsdp2", "torch"]
 ENGINES: tuple[str, ...] = ("deepspeed", "fsdp2", "torch")
 _CHUNK = 8 << 20  # 8 MiB: hashing streams, memory stays flat for multi-GB rank files
@@ -40,8 +42,27 @@ class FileEntry:
     """Path relative to the checkpoint (tag) directory, '/'-separated."""
     size: int
     """Size in bytes; a shorter file on disk means a truncated write."""
-    sha256: str
-    """Hex digest of the content; a mismatch means corruption (or a file rewritten after save)."""
+    sha256: str | None = None
+    """Hex sha256 of the content (manifests before blake3, ``SHARDKIT_HASH=sha256``, and byte-for-byte
+    copies of such files); a mismatch means corruption (or a file rewritten after save)."""
+    blake3: str | None = None
+    """Hex BLAKE3 of the content (``digest``): what shardkit writes by default. Exactly one of the two is set."""
+
+    @classmethod
+    def of(cls, path: str, size: int, algorithm: str, digest: str) -> "FileEntry":
+        """The entry of a file hashed with ``algorithm`` ('blake3' or 'sha256')."""
+        return cls(path, size, blake3=digest) if algorithm == "blake3" else cls(path, size, sha256=digest)
+
+    @property
+    def algorithm(self) -> str:
+        return "blake3" if self.blake3 is not None else "sha256"
+
+    @property
+    def digest(self) -> str:
+        return self.blake3 if self.blake3 is not None else (self.sha256 or "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, self.algorithm: self.digest}
 
 
 @dataclass
@@ -78,7 +99,12 @@ class Manifest:
     """When the manifest was written (seconds since the epoch)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["files"] = [f.to_dict() for f in self.files]
+        # 2 only where a file is hashed with blake3: a sha256-only manifest stays readable by the
+        # shardkit releases before blake3, which refuse format versions above 1
+        out["format_version"] = 2 if any(f.blake3 is not None for f in self.files) else 1
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "manifest") -> "Manifest":
@@ -131,7 +157,8 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "versions": (dict,), "config_digest": (str, _NONE), "extra": (dict,), "format_version": (int,),
     "created_unix": (int, float),
 }
-_FILE_FIELD_TYPES: dict[str, tuple[type, ...]] = {"path": (str,), "size": (int,), "sha256": (str,)}
+_FILE_FIELD_TYPES: dict[str, tuple[type, ...]] = {"path": (str,), "size": (int,), "sha256": (str, _NONE),
+                                                  "blake3": (str, _NONE)}
 
 
 def _is(value: Any, kinds: tuple[type, ...]) -> bool:
@@ -228,8 +255,12 @@ def _check_ranges(data: dict[str, Any], raw_files: list[dict[str, Any]], source:
         seen.add(rel)
         if not 0 <= f["size"] <= _MAX_INT:
             raise bad(f"files[{i}].size", f["size"], "must be a byte count >= 0")
-        if not _SHA256.match(f["sha256"]):
-            raise bad(f"files[{i}].sha256", f["sha256"], "must be 64 lowercase hex digits")
+        named = [a for a in ALGORITHMS if f.get(a) is not None]
+        if len(named) != 1:
+            raise bad(f"files[{i}]", {k: f.get(k) for k in ALGORITHMS},
+                      "must have exactly one digest, sha256 or blake3")
+        if not _SHA256.match(f[named[0]]):
+            raise bad(f"files[{i}].{named[0]}", f[named[0]], "must be 64 lowercase hex digits")
 
 
 def _depth_exceeds(obj: Any, limit: int) -> bool:
@@ -244,14 +275,14 @@ def _depth_exceeds(obj: Any, limit: int) -> bool:
     return False
 
 
-def sha256_file(path: str | os.PathLike[str], chunk: int = _CHUNK, *, inside: Path | None = None) -> str:
-    """sha256 of a file, streamed in chunks.
+def file_digest(path: str | os.PathLike[str], algorithm: str, chunk: int = _CHUNK, *, inside: Path | None = None) -> str:
+    """Hex digest (``algorithm``: 'blake3' or 'sha256') of a file, streamed in chunks.
 
     ``inside``: the (resolved) checkpoint folder the file must be in. The file is then opened by its
     resolved path with ``O_NOFOLLOW``, so a link swapped in after verify looked at the path (a
     rank file replaced by ``-> /elsewhere``) is refused by the kernel (ELOOP) instead of hashed:
     what is hashed is what was checked to be inside."""
-    h = hashlib.sha256()
+    h = new_hasher(algorithm)
     if inside is None:
         fh = open(path, "rb")
     else:
@@ -291,9 +322,10 @@ def checkpoint_files(tag_dir: str | os.PathLike[str]) -> list[str]:
 
 
 def describe_files(tag_dir: str | os.PathLike[str], rel_paths: Iterable[str]) -> list[FileEntry]:
-    """Size and sha256 of each of ``rel_paths`` under ``tag_dir``."""
+    """Size and digest (``default_algorithm``) of each of ``rel_paths`` under ``tag_dir``."""
     root = Path(tag_dir)
-    return [FileEntry(p, (root / p).stat().st_size, sha256_file(root / p)) for p in rel_paths]
+    algorithm = default_algorithm()
+    return [FileEntry.of(p, (root / p).stat().st_size, algorithm, file_digest(root / p, algorithm)) for p in rel_paths]
 
 
 def describe_files_distributed(tag_dir: str | os.PathLike[str], exclude: set[str] | None = None) -> list[FileEntry]:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, Manifest, sha256_file
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME, Manifest, file_digest
 from shardkit.checkpoint.io.shared_save import owner_alive
 from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, tag_problem
 from shardkit.checkpoint.io.verify import refuse_links_leaving, verify_checkpoint
@@ -29,7 +29,7 @@ class SourceCheck:
     """How a converter's input was checked before it was read."""
 
     level: str
-    """'sha256' (sizes and content), 'sizes' (hashes skipped) or 'none' (no manifest to check against)."""
+    """'hash' (sizes and content digests), 'sizes' (digests skipped) or 'none' (no manifest to check against)."""
     warnings: list[str]
     """What the user should know before trusting the output."""
     manifest: Manifest | None = None
@@ -38,8 +38,8 @@ class SourceCheck:
 
 #: How ``source checked before reading`` reads (reshard, consolidate) for each ``SourceCheck.level``.
 CHECKED_LEVELS = {
-    "sha256": "sizes and sha256 match its manifest",
-    "sizes": "sizes match its manifest (sha256 skipped: --no-verify)",
+    "hash": "sizes and content digests (blake3 or sha256, as its manifest lists them) match its manifest",
+    "sizes": "sizes match its manifest (content digests skipped: --no-verify)",
     "none": "not verified (no shardkit manifest)",
 }
 
@@ -54,13 +54,13 @@ def warn_unverified(message: str) -> None:
 
 def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = True, workers: int = 1) -> SourceCheck:
     """What a converter (reshard, consolidate) calls on the tag folder it is about to read, before
-    anything is unpickled: the same checks as ``shardkit verify`` (sizes always, sha256 unless
+    anything is unpickled: the same checks as ``shardkit verify`` (sizes always, digests unless
     ``checksums=False``), so a corrupted checkpoint is refused instead of converted into a new one
     whose fresh manifest would vouch for the corruption.
 
     Raises one CheckpointError naming the first problem. A folder without a manifest (a plain
     ``engine.save_checkpoint``) cannot be verified: it is read, with a warning. ``workers > 1``
-    hashes that many files at once (hashlib releases the GIL: one file per core).
+    hashes that many files at once (blake3 and hashlib release the GIL: one file per core).
     """
     tag_dir = Path(tag_dir)
     if not os.path.lexists(tag_dir / MANIFEST_NAME):
@@ -80,23 +80,23 @@ def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = 
     notes = [f.message for f in report.warnings]
     if not checksums:
         n = len(report.manifest.files) if report.manifest else 0
-        notes.append(f"--no-verify: the sha256 of the {n} file(s) of {tag_dir} was not checked (their sizes were); "
+        notes.append(f"--no-verify: the content digests of the {n} file(s) of {tag_dir} were not checked (their sizes were); "
                      "a corrupted file of the right size is read as is")
-    return SourceCheck("sha256" if checksums else "sizes", notes, report.manifest)
+    return SourceCheck("hash" if checksums else "sizes", notes, report.manifest)
 
 
 def _hash_in_parallel(tag_dir: Path, manifest: Manifest, workers: int) -> None:
-    """The sha256 half of ``verify_checkpoint``, ``workers`` files at a time (sizes already checked)."""
+    """The digest half of ``verify_checkpoint``, ``workers`` files at a time (sizes already checked)."""
     from concurrent.futures import ThreadPoolExecutor
 
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-verify") as pool:
-        digests = list(pool.map(lambda e: sha256_file(tag_dir / e.path), manifest.files))
+        digests = list(pool.map(lambda e: file_digest(tag_dir / e.path, e.algorithm), manifest.files))
     for entry, got in zip(manifest.files, digests):
-        if got != entry.sha256:
+        if got != entry.digest:
             f = tag_dir / entry.path
             raise CheckpointError(f"refusing to read {tag_dir}: it fails verification: [{entry.path}] {f}: content "
-                                  "differs from the manifest (sha256 mismatch): the file is corrupted or was modified "
+                                  f"differs from the manifest ({entry.algorithm} mismatch): the file is corrupted or was modified "
                                   "after the save. Fix: restore the file from a good copy or resume from another tag")
 
 

@@ -11,7 +11,7 @@ rendezvous port. The files, all inside ``root/.shardkit-tmp-<tag>/``:
   ``mkdir``; another run finds it and refuses while the owner is alive, or removes it when the
   owner is gone (same host: its pid no longer exists; another host: no heartbeat for ``STALE_S``).
 - ``.shardkit-alive-<rank>``: touched every ``HEARTBEAT_S`` by each process while it writes.
-- ``.shardkit-part-<rank>.json``: written last by each process: its files' sizes and sha256, or
+- ``.shardkit-part-<rank>.json``: written last by each process: its files' sizes and digests, or
   the error that stopped it. Process 0 waits for every part; a process that never joins, stops
   its heartbeat or reports an error fails the run, named, and the staging folder is removed.
 
@@ -35,6 +35,7 @@ from shardkit.checkpoint.io.atomic import atomic_write_text, publish_tag, remove
 from shardkit.checkpoint.io.manifest import FileEntry, Manifest, write_manifest
 from shardkit.checkpoint.io.tags import LATEST_NAME
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.platform.versions import SHARDKIT_VERSION
 
 OWNER_NAME = ".shardkit-owner.json"
 _PART = ".shardkit-part-{rank}.json"
@@ -194,7 +195,7 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True) -> Path:
                 remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
             atomic_write_text(staged / OWNER_NAME, json.dumps({"job": launch.job, "host": launch.host,
                                                                "pid": os.getpid(), "world": launch.world,
-                                                               "started": time.time()}))
+                                                               "started": time.time(), "shardkit": SHARDKIT_VERSION}))
         except BaseException:  # an interrupt right after the mkdir leaves nothing either
             shutil.rmtree(staged, ignore_errors=True)
             raise
@@ -209,6 +210,7 @@ def join(root: Path, tag: str, launch: Launch) -> Path:
     while True:
         owner = _read_json(staged / OWNER_NAME)
         if owner is not None and owner.get("job") == launch.job:
+            _check_same_version(staged, launch, owner)
             return staged
         if time.monotonic() > deadline:
             seen = f"it is owned by job {owner.get('job')!r}" if owner else "it does not exist"
@@ -218,6 +220,20 @@ def join(root: Path, tag: str, launch: Launch) -> Path:
                 "failed or never started (see its output), or the nodes do not share the output filesystem: -o must be "
                 "on storage every node sees")
         time.sleep(0.2)
+
+
+def _check_same_version(staged: Path, launch: Launch, owner: dict[str, Any]) -> None:
+    """Every process of one run must run rank 0's shardkit: another release may lay out, name or
+    hash its share differently, and the one manifest rank 0 seals would then describe a mix. Refused
+    before a byte is written; the error goes to rank 0 as this process's part, so rank 0 names it too."""
+    theirs = owner.get("shardkit")
+    if theirs is None or theirs == SHARDKIT_VERSION:  # None: a release before this check, cannot tell
+        return
+    message = (f"rank {launch.rank} of {launch.world} (host {launch.host}) runs shardkit {SHARDKIT_VERSION}, rank 0 "
+               f"(host {owner.get('host')!r}) runs shardkit {theirs}: every process of one run must run the same release "
+               "(each writes a share of one checkpoint). Install the same shardkit on every node, then run again")
+    write_part(staged, launch, [], message)
+    raise CheckpointError(message)
 
 
 # --- heartbeats and parts --------------------------------------------------------------------------
@@ -249,7 +265,7 @@ def heartbeat(staged: Path, rank: int, *, alive_file: bool = True) -> Iterator[N
 def write_part(staged: Path, launch: Launch, files: list[FileEntry], error: str | None) -> None:
     """Report this process's share: the files it wrote, or the error that stopped it."""
     body = {"rank": launch.rank, "host": launch.host, "pid": os.getpid(), "error": error,
-            "files": [[e.path, e.size, e.sha256] for e in files]}
+            "files": [[e.path, e.size, e.algorithm, e.digest] for e in files]}
     atomic_write_text(staged / _PART.format(rank=launch.rank), json.dumps(body))
 
 
@@ -266,7 +282,7 @@ def gather_parts(staged: Path, launch: Launch, started: float) -> list[FileEntry
                 if part.get("error"):
                     raise CheckpointError(f"rank {rank} of {launch.world} (host {part.get('host')!r}, pid {part.get('pid')}) "
                                           f"failed writing its share: {part['error']}")
-                got[rank] = [FileEntry(p, int(size), sha) for p, size, sha in part.get("files") or []]
+                got[rank] = [FileEntry.of(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in part.get("files") or []]
                 continue
             alive = staged / _ALIVE.format(rank=rank)
             if alive.exists() and _age(alive) > STALE_S:

@@ -1,12 +1,12 @@
 """Streaming ``torch.save``: tensors whose bytes are produced only when their record is written, and
-the file's sha256 computed from the bytes as they are written (no second read for the manifest).
+the file's digest (blake3 by default) computed from the bytes as they are written (no second read for the manifest).
 
 ``stream_save`` pickles real torch objects and ``LazyTensor``s and hands the records to
 ``torch_zip.write_torch_zip``, which writes torch's zip format itself, so that:
 
 - a ``LazyTensor`` built from ``Segment``s (byte ranges of source files, or zero padding) is copied
   through one fixed buffer: memory stays at ``chunk_bytes`` whatever the tensor's size;
-- zlib's crc32, hashlib's sha256, ``os.preadv`` and ``write`` all release the GIL on large
+- ISA-L's crc32, blake3 (or hashlib's sha256), ``os.preadv`` and ``write`` all release the GIL on large
   buffers, so several files are written in parallel by threads (torch's own writer computes its
   crc32 and calls back into Python holding the GIL: two threads ran no faster than one).
 
@@ -93,7 +93,7 @@ def stream_save(obj: Any, path: str | Path, *, chunk_bytes: int = CHUNK_BYTES, f
 
     Mirrors ``torch.serialization._save`` (2.13): same pickle protocol, persistent ids, record
     names and order; ``torch.load`` (mmap or not) cannot tell the difference. Returns the size and
-    the sha256 of the bytes written (hashed as they are written). ``fsync=True`` flushes the file
+    the digest of the bytes written (hashed as they are written). ``fsync=True`` flushes the file
     to disk before returning.
     """
     data, records = _pickle_with_records(obj)
@@ -231,19 +231,21 @@ def write_parallel(jobs: Sequence[FileJob], workers: int, *, outcome: str,
     return [f.result() for f in futures]
 
 
-def copy_file_hashed(src: str | Path, dst: str | Path, *, chunk_bytes: int = CHUNK_BYTES) -> WrittenFile:
-    """Copy ``src`` to a new file ``dst`` through one buffer, hashing the bytes as they are written.
+def copy_file_hashed(src: str | Path, dst: str | Path, *, chunk_bytes: int = CHUNK_BYTES,
+                     algorithm: str | None = None) -> WrittenFile:
+    """Copy ``src`` to a new file ``dst`` through one buffer, hashing the bytes as they are written
+    (``algorithm``: the source manifest's, so the copy's digest is also the check of the source).
 
     A copy, never a link: the source's owner may rewrite it in place later (``torch.save`` truncates
     and rewrites an existing file), which must not change the copy its manifest describes.
     """
     buf = memoryview(bytearray(chunk_bytes))
     with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as raw:
-        out = HashingWriter(raw)
+        out = HashingWriter(raw, algorithm)
         while True:
             check_cancelled()
             n = fin.readinto(buf)
             if not n:
                 break
             out.write(buf[:n])
-        return WrittenFile(out.size, out.sha.hexdigest())
+        return out.written()

@@ -1,11 +1,11 @@
 """torch's zip checkpoint format, written without torch: the records of ``torch.save`` (the layout of
 ``PyTorchFileWriter``, caffe2 ``inline_container.cc`` with miniz, torch 2.13: the same record names
 and order, 64-byte aligned data behind an ``FB`` padding field, data descriptors, zip64 end
-records), every byte hashed (sha256, for the manifest) and crc'd as it is written.
+records), every byte hashed (``digest.default_algorithm``, for the manifest) and crc'd as it is written.
 
 ``write_torch_zip`` takes the pickle (``data.pkl``) and the storage records; a record is bytes, or
 a ``SegmentedRecord``: byte ranges of source files and zero runs, copied through one fixed buffer
-so memory stays at ``chunk_bytes`` whatever the record's size. ISA-L's crc32, hashlib's sha256,
+so memory stays at ``chunk_bytes`` whatever the record's size. ISA-L's crc32, blake3 (or sha256),
 ``os.preadv`` and ``write`` release the GIL on large buffers, so threads write files in parallel.
 Nothing here imports torch: ``stream.stream_save`` (lazy torch tensors) and the torch-free
 reshard (``zero3.reshard_plan``) both end here.
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Sequence, Union
 
+from shardkit.checkpoint.io.digest import default_algorithm, new_hasher
+
 try:
     # ISA-L's crc32 (CRC-32/ISO-HDLC, zlib's polynomial, same values) folds with PCLMULQDQ/PMULL:
     # 0.013 s/GiB against zlib's 0.24 s/GiB on the benchmark machine, where zlib's crc was 20% of a
@@ -35,7 +37,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; this is for plat
     crc32 = zlib.crc32
 
 #: Bytes copied per read/crc/hash/write round: large enough that syscalls and Python overhead
-#: vanish, small enough to stay in a core's L2 cache between the read, crc32, sha256 and write
+#: vanish, small enough to stay in a core's L2 cache between the read, crc32, hash and write
 #: passes (16 MiB buffers ran at half the speed of 1 MiB ones on the benchmark machine).
 CHUNK_BYTES = 1 << 20
 
@@ -51,10 +53,13 @@ class Segment:
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """What ``stream_save`` wrote: the byte count and the sha256 of exactly those bytes."""
+    """What ``stream_save`` wrote: the byte count and the digest of exactly those bytes."""
 
     size: int
-    sha256: str
+    digest: str
+    """Hex digest of the bytes written."""
+    algorithm: str
+    """'blake3' or 'sha256' (``digest.default_algorithm``, or the source's for a byte-for-byte copy)."""
 
 
 
@@ -79,10 +84,15 @@ _FLAGS = 0x0808  # bit 3: sizes and crc follow the data (data descriptor); bit 1
 
 
 class HashingWriter:
-    """Every byte written to the file also goes through sha256 (the manifest's digest)."""
+    """Every byte written to the file also goes through the manifest's digest (``algorithm``,
+    default ``digest.default_algorithm``)."""
 
-    def __init__(self, raw: BinaryIO):
-        self.raw, self.sha, self.size = raw, hashlib.sha256(), 0
+    def __init__(self, raw: BinaryIO, algorithm: str | None = None):
+        self.algorithm = algorithm or default_algorithm()
+        self.raw, self.sha, self.size = raw, new_hasher(self.algorithm), 0
+
+    def written(self) -> WrittenFile:
+        return WrittenFile(self.size, self.sha.hexdigest(), self.algorithm)
 
     def write(self, data: bytes | memoryview) -> None:
         self.sha.update(data)
@@ -272,7 +282,7 @@ def write_torch_zip(path: str | Path, data_pkl: bytes, records: Iterable[tuple[s
     """Write a file ``torch.load`` reads as ``torch.save`` would have written it: ``data.pkl``, then
     each ``(key, data)`` record as ``data/<key>`` in the order given (the pickle's persistent-id
     order). ``records`` may be a generator: a record is produced only when it is written. Returns
-    the size and sha256 of the bytes written; ``fsync=True`` flushes the file before returning."""
+    the size and digest of the bytes written; ``fsync=True`` flushes the file before returning."""
     with open(path, "wb", buffering=0) as raw:
         written = write_torch_zip_to(raw, archive_name(path), data_pkl, records, chunk_bytes=chunk_bytes)
         if fsync:
@@ -300,4 +310,4 @@ def write_torch_zip_to(raw: BinaryIO, archive: str, data_pkl: bytes, records: It
         else:
             zw.add_bytes(f"data/{key}", data)
     zw.finish()
-    return WrittenFile(out.size, out.sha.hexdigest())
+    return out.written()

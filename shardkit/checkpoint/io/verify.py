@@ -20,8 +20,8 @@ from shardkit.checkpoint.io.manifest import (
     MANIFEST_NAME,
     Manifest,
     checkpoint_files,
+    file_digest,
     read_manifest,
-    sha256_file,
 )
 from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX, latest_tag, read_latest
 from shardkit.core.errors import CheckpointError
@@ -282,7 +282,7 @@ def verify_checkpoint(
     """Check one checkpoint (a root with ``latest``, or a tag directory) against its manifest.
 
     Errors: a listed file missing, shorter/longer than recorded (truncated), or with another
-    sha256 (corrupted); a rank file the world size requires absent from the manifest; a
+    digest (corrupted); a rank file the world size requires absent from the manifest; a
     different engine; a different world size (except for FSDP2/DCP, or ``allow_reshard``);
     ZeRO files named for another precision than the resuming run's ``bf16`` (its
     ``bf16.enabled``; None: not checked), which DeepSpeed's own load would not find.
@@ -336,9 +336,9 @@ def verify_checkpoint(
                             "the copy or the save was cut short; restore the file or resume from another tag",
                             "ckpt.file.size"))
             continue
-        if checksums and sha256_file(f, inside=inside) != entry.sha256:
-            report.add(_err(entry.path, "sha256 mismatch", f"{f}: content differs from the manifest (sha256 "
-                            "mismatch): the file is corrupted or was modified after the save",
+        if checksums and file_digest(f, entry.algorithm, inside=inside) != entry.digest:
+            report.add(_err(entry.path, f"{entry.algorithm} mismatch", f"{f}: content differs from the manifest "
+                            f"({entry.algorithm} mismatch): the file is corrupted or was modified after the save",
                             "restore the file from a good copy or resume from another tag", "ckpt.file.checksum"))
     for kind, count, first in _missing_rank_files(m):
         for r in first:
@@ -432,9 +432,9 @@ def check_resumable_distributed(
             inside = tag_dir.resolve()
             for entry in report.manifest.files[rank::world]:
                 f = tag_dir / entry.path
-                if sha256_file(f, inside=inside) != entry.sha256:
-                    local.append((entry.path, f"{f}: content differs from the manifest (sha256 mismatch): the file "
-                                  "is corrupted or was modified after the save",
+                if file_digest(f, entry.algorithm, inside=inside) != entry.digest:
+                    local.append((entry.path, f"{f}: content differs from the manifest ({entry.algorithm} mismatch): "
+                                  "the file is corrupted or was modified after the save",
                                   "restore the file from a good copy or resume from another tag"))
     except (CheckpointError, OSError) as exc:
         local.append(("path", f"rank {rank}: {exc}", "check the path is readable on every rank"))

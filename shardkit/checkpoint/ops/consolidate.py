@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, fsync_dir, os_errors_named
-from shardkit.checkpoint.io.manifest import sha256_file
+from shardkit.checkpoint.io.manifest import FileEntry, file_digest
 from shardkit.checkpoint.io.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.checkpoint.io.safetensors_file import TensorEntry as _Entry
 from shardkit.checkpoint.io.safetensors_file import copy_bytes as _copy_bytes
@@ -83,8 +83,9 @@ class ConsolidateResult:
     bytes: int
     source_world_size: int
     tag: str
-    verified: str = "sha256"
-    """How the source was checked before it was read: 'sha256', 'sizes' (--no-verify) or 'none' (no manifest)."""
+    verified: str = "hash"
+    """How the source was checked before it was read: 'hash' (sizes and digests), 'sizes' (--no-verify) or
+    'none' (no manifest)."""
     rank: int = 0
     """This process's share (under srun/torchrun; 0 alone)."""
     processes: int = 1
@@ -123,7 +124,7 @@ def consolidate_zero3(
     under each name, since safetensors cannot alias. The file appears atomically (temp name,
     fsync, rename).
 
-    The source is checked against its manifest first (sizes, and sha256 unless ``verify=False``);
+    The source is checked against its manifest first (sizes, and digests unless ``verify=False``);
     one without a manifest is read with a warning through ``warn`` (default ``warnings.warn``). An
     existing output is replaced only with ``force=True`` and only when it is a regular file; a
     path inside a checkpoint folder (or a root's ``latest``) is never written. ``workers``: source
@@ -147,7 +148,7 @@ def consolidate_zero3(
         # sizes now; each process hashes its share of the files beside its copy (nothing is
         # published unless all matched), instead of every process hashing everything first
         checked = verify_before_reading(source_dir, checksums=False)
-        level = "none" if checked.manifest is None else ("sha256" if verify else "sizes")
+        level = "none" if checked.manifest is None else ("hash" if verify else "sizes")
         notes = [n for n in checked.warnings if not (verify and n.startswith("--no-verify"))]
     else:
         checked = verify_before_reading(source_dir, checksums=verify, workers=workers)
@@ -209,7 +210,7 @@ def consolidate_zero3(
                 for r, sl in by_rank.items():
                     _copy_rank_cast(ckpt, r, fd, targets, out_name, sl)
 
-        _write_shared(out, launch, write_small, copy_share, [(source_dir / e.path, e.sha256) for e in to_hash],
+        _write_shared(out, launch, write_small, copy_share, [(source_dir / e.path, e) for e in to_hash],
                       workers, outcome)
         result.rank, result.processes = launch.rank, launch.world
         result.share_pieces = sum(len(sl) for sl in by_rank.values())
@@ -371,7 +372,7 @@ def _copy_rank_cast(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets: Targ
 
 
 def _write_shared(out: Path, launch: Launch, write_small: Callable[[int], None], copy_share: Callable[[int], None],
-                  to_hash: list[tuple[Path, str]], workers: int, outcome: str) -> None:
+                  to_hash: list[tuple[Path, FileEntry]], workers: int, outcome: str) -> None:
     """This process's share of one output file written by every launched process (``shared_save``).
 
     Process 0 claims ``.shardkit-tmp-<name>/`` beside ``out`` and creates the sized file in it
@@ -392,7 +393,7 @@ def _write_shared(out: Path, launch: Launch, write_small: Callable[[int], None],
                 try:
                     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(to_hash))),
                                             thread_name_prefix="shardkit-verify") as hashers:
-                        hashed = [(f, want, hashers.submit(sha256_file, f)) for f, want in to_hash]
+                        hashed = [(f, want, hashers.submit(file_digest, f, want.algorithm)) for f, want in to_hash]
                         copy_share(fd)
                         _check_hashes(hashed)
                     os.fsync(fd)
@@ -452,13 +453,13 @@ def _open_when_created(data: Path, launch: Launch) -> int:
             time.sleep(0.05)
 
 
-def _check_hashes(hashed: list[tuple[Path, str, Future[str]]]) -> None:
+def _check_hashes(hashed: list[tuple[Path, FileEntry, Future[str]]]) -> None:
     for f, want, future in hashed:
         got = future.result()
-        if got != want:
+        if got != want.digest:
             raise CheckpointError(
-                f"refusing to publish the consolidation of {f.parent}: {f} fails verification: its sha256 is {got}, "
-                f"its manifest says {want} (the file is corrupted, or was modified after the save). Nothing was "
+                f"refusing to publish the consolidation of {f.parent}: {f} fails verification: its {want.algorithm} is "
+                f"{got}, its manifest says {want.digest} (the file is corrupted, or was modified after the save). Nothing was "
                 f"written. Fix: restore the file or consolidate another tag (`shardkit verify {f.parent}` lists "
                 "every problem)")
 

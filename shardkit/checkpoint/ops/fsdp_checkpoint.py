@@ -1,7 +1,7 @@
 """FSDP2 checkpoints through ``torch.distributed.checkpoint`` (DCP): sharded, atomic, reshardable.
 
 - Save: ``get_state_dict`` (sharded DTensor state keyed by parameter FQN, so it reshards), then
-  ``dcp.save`` inside ``atomic_checkpoint`` (staging folder, manifest with files, sizes, sha256 and
+  ``dcp.save`` inside ``atomic_checkpoint`` (staging folder, manifest with files, sizes, digests and
   world size, rename to ``root/<tag>``, ``root/latest`` moved last).
 - Load: ``check_resumable_distributed`` first (each rank hashes its share of the files), then
   ``load_dcp_state`` (``dcp.load`` through a restricted ``.metadata`` unpickler and a

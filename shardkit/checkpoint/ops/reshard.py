@@ -19,10 +19,10 @@ saved, so the plain ``load_checkpoint`` takes them unchanged:
 Speed, memory, scale: nothing imports torch or unpickles a tensor. The source files are parsed by
 ``read_structure``; each new file is a pickle plus byte ranges of the source files
 (``zero3.reshard_plan``), copied through one 1 MiB buffer per writer thread, crc'd and hashed
-(sha256, for the manifest) as written, fsynced by its writer (``torch_zip``). ``workers`` threads
+(blake3 by default, for the manifest) as written, fsynced by its writer (``torch_zip``). ``workers`` threads
 write at once; under ``srun``/``torchrun`` every launched process writes its share of the files
 (balanced by bytes) into one staging folder and process 0 seals one manifest
-(``shared_save``). The source's sha256 is checked while the output is written (each process
+(``shared_save``). The source's digests are checked while the output is written (each process
 hashes its share of the source files), and nothing is published unless it matched; when neither
 the world size nor the sub-groups change, the rank files are copied byte for byte and that copy's
 hash is the check.
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardkit.checkpoint.io.atomic import os_errors_named
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest, file_digest
 from shardkit.checkpoint.io.pipeline import (
     check_output_root,
     default_workers,
@@ -86,8 +86,9 @@ class ReshardResult:
     manifest: Path | None
     notes: list[str] = field(default_factory=list)
     """Things the user should know (client_state taken from rank 0 ...)."""
-    verified: str = "sha256"
-    """How the source was checked before it was read: 'sha256', 'sizes' (--no-verify) or 'none' (no manifest)."""
+    verified: str = "hash"
+    """How the source was checked before it was read: 'hash' (sizes and digests), 'sizes' (--no-verify) or
+    'none' (no manifest)."""
     copied_unchanged: bool = False
     """Same world size and sub-groups as the source: the rank files were copied byte for byte."""
     rank: int = 0
@@ -125,7 +126,7 @@ def reshard_zero3(
     folder is staged and renamed into place, ``latest`` moves last, and a shardkit manifest is
     written unless ``manifest=False``.
 
-    The source is checked against its manifest: sizes before anything is read, sha256 (unless
+    The source is checked against its manifest: sizes before anything is read, digests (unless
     ``verify=False``) while the output is written, and nothing is published unless every file
     matched, since the new manifest would vouch for the corruption. ``output`` must be new, empty,
     or a shardkit checkpoint folder; an existing ``output/<tag>`` is replaced only with
@@ -146,15 +147,15 @@ def reshard_zero3(
         # the others write into the staging folder rank 0 claims after this check (by the time
         # they run it, that folder may already be in ``root``)
         check_output_root(root, tag, source_dir, force=force)
-    # sizes now (a truncated file is refused before it is parsed); sha256 while the output is written
+    # sizes now (a truncated file is refused before it is parsed); digests while the output is written
     checked = verify_before_reading(source_dir, checksums=False)
     if launch.rank == 0:
         for note in checked.warnings:
             if verify and note.startswith("--no-verify"):
                 continue
             warn(note)
-    verified = "none" if checked.manifest is None else ("sha256" if verify else "sizes")
-    expected = {e.path: e.sha256 for e in checked.manifest.files} if checked.manifest is not None and verify else {}
+    verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
+    expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
     ckpt = open_zero3_checkpoint(source_dir, torch_free=True)
     layout = plan_layout(ckpt, world_size, sub_group_size)
     unchanged = _layout_unchanged(ckpt, layout)
@@ -178,7 +179,7 @@ def reshard_zero3(
             try:
                 with ThreadPoolExecutor(max_workers=max(1, min(workers, len(to_hash))),
                                         thread_name_prefix="shardkit-verify") as hashers:
-                    hashed = [(f, hashers.submit(sha256_file, f)) for f in to_hash]
+                    hashed = [(f, hashers.submit(file_digest, f, expected[f.name].algorithm)) for f in to_hash]
                     entries = _write_share(staged, share, workers, outcome_unchanged(root))
                     _check_hashes(hashed, expected)
                 _check_unchanged(before)
@@ -245,20 +246,20 @@ def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
     return new == [(s.sub_group, s.name, s.offset) for s in ckpt.slots]
 
 
-def _copy_jobs(ckpt: Zero3Checkpoint, expected: dict[str, str]) -> list[_Job]:
+def _copy_jobs(ckpt: Zero3Checkpoint, expected: dict[str, FileEntry]) -> list[_Job]:
     # Copies, never hard links: DeepSpeed's torch.save opens a rank file with O_TRUNC and rewrites it
     # in place when a run saves the same tag again, so a link would let the source run change the
     # resharded checkpoint under its manifest (and the other way round). The bytes are read anyway
-    # (the manifest needs their sha256), so copy_file_range would save nothing on a filesystem
+    # (the manifest needs their digest), so copy_file_range would save nothing on a filesystem
     # without reflinks (ext4).
     def copy(src: Path) -> Callable[[Path], WrittenFile]:
         def write(out: Path) -> WrittenFile:
-            digest = copy_file_hashed(src, out)
             want = expected.get(src.name)
-            # the copy's hash is the source's: it is the sha256 check of the source as well
-            if want is not None and digest.sha256 != want:
+            # hashed with the source manifest's algorithm: the copy's digest is the check of the source as well
+            digest = copy_file_hashed(src, out, algorithm=want.algorithm if want is not None else None)
+            if want is not None and digest.digest != want.digest:
                 raise CheckpointError(
-                    f"{src}: its sha256 is {digest.sha256}, its manifest says {want}: the file is corrupted, or was "
+                    f"{src}: its {want.algorithm} is {digest.digest}, its manifest says {want.digest}: the file is corrupted, or was "
                     "rewritten after the save (a run saving the same tag again). Nothing was written; restore the "
                     "file, or re-run the reshard once the source is no longer being saved")
             return digest
@@ -279,16 +280,16 @@ def _write_share(staged: Path, share: list[_Job], workers: int, outcome: str) ->
     writers, described by the digest computed while written, the first failure cancels the rest)."""
     written = write_parallel([(staged / j.name, j.write) for j in share], workers, outcome=outcome,
                              thread_name="shardkit-reshard")
-    return [FileEntry(j.name, d.size, d.sha256) for j, d in zip(share, written)]
+    return [FileEntry.of(j.name, d.size, d.algorithm, d.digest) for j, d in zip(share, written)]
 
 
-def _check_hashes(hashed: list[tuple[Path, Future[str]]], expected: dict[str, str]) -> None:
+def _check_hashes(hashed: list[tuple[Path, Future[str]]], expected: dict[str, FileEntry]) -> None:
     for f, future in hashed:
-        got = future.result()
-        if got != expected[f.name]:
+        got, want = future.result(), expected[f.name]
+        if got != want.digest:
             raise CheckpointError(
-                f"refusing to publish the reshard of {f.parent}: {f} fails verification: its sha256 is {got}, its "
-                f"manifest says {expected[f.name]} (the file is corrupted, or was modified after the save). Nothing "
+                f"refusing to publish the reshard of {f.parent}: {f} fails verification: its {want.algorithm} is {got}, "
+                f"its manifest says {want.digest} (the file is corrupted, or was modified after the save). Nothing "
                 f"was written. Fix: restore the file or reshard another tag (`shardkit verify {f.parent}` lists every "
                 "problem)")
 

@@ -107,7 +107,7 @@ def load_zero3_checkpoint(
 
     Collective: call on every rank. ``path`` is the checkpoint folder (with ``latest``), a tag
     folder, or a rank file. With ``verify`` a shardkit manifest, when the checkpoint has one, is
-    checked first (files present, sizes, sha256 with each rank hashing its share; engine), and
+    checked first (files present, sizes, digests with each rank hashing its share; engine), and
     every rank refuses a bad checkpoint with the same error. With ``preflight`` the placement
     check runs afterwards when shardkit.placement is available.
     """

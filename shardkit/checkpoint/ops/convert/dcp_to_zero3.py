@@ -108,7 +108,7 @@ def convert_dcp_to_zero3(
     (default: one per new rank's file, ``default_workers``). ``options``: ``sub_group_size``
     overrides the config's.
 
-    The source is verified against its manifest first (sizes, sha256 unless ``verify=False``);
+    The source is verified against its manifest first (sizes, digests unless ``verify=False``);
     ``output`` must be new, empty or a shardkit checkpoint folder (an existing tag only with
     ``force``). Run it in one process (no process group): DCP reads would otherwise be collective.
     """

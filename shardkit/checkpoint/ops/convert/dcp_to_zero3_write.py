@@ -45,7 +45,7 @@ def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str
         [(OPTIM_FILE.format(prefix=prefix, rank=r), partial(out.optim_states, r)) for r in ranks]
         + [(MODEL_FILE.format(rank=r), partial(out.model_states, r)) for r in ranks])
 
-    # Byte-range copies release the GIL (preadv, crc32, sha256, write): one thread per rank file
+    # Byte-range copies release the GIL (preadv, crc32, blake3/sha256, write): one thread per rank file
     # (reshard's rule). Tensors that need dcp.load are produced one at a time.
     if workers is None:
         workers = default_workers(world_size) if out.all_segments() else 1
@@ -56,7 +56,7 @@ def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str
 
     digests = write_parallel([(folder / name, job(produce)) for name, produce in files],
                              workers, outcome=outcome, thread_name="shardkit-convert")
-    return [FileEntry(name, d.size, d.sha256) for (name, _), d in zip(files, digests)]
+    return [FileEntry.of(name, d.size, d.algorithm, d.digest) for (name, _), d in zip(files, digests)]
 
 
 class RankStates:

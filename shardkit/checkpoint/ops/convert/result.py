@@ -28,8 +28,8 @@ class ConvertResult:
     not_carried: list[str] = field(default_factory=list)
     """What the source held that the output does not, each with why (never dropped silently)."""
     notes: list[str] = field(default_factory=list)
-    verified: str = "sha256"
-    """How the source was checked before it was read: 'sha256', 'sizes' or 'none' (no manifest)."""
+    verified: str = "hash"
+    """How the source was checked before it was read: 'hash' (sizes and digests), 'sizes' or 'none' (no manifest)."""
     route: str = "bytes"
     """'bytes': byte ranges copied without torch; 'torch': through dcp.save (what bytes cannot express)."""
     rank: int = 0

@@ -18,13 +18,13 @@ Speed and memory: nothing imports torch or unpickles a tensor on the usual route
 (``zero3_to_dcp_bytes``): the rank files are parsed by ``read_structure``, every big tensor
 (masters, moments, frozen parameters, tied aliases) is a ``torch.save`` zip written into its own
 ``.distcp`` file from the parameter's byte ranges in the rank files, padding left out, copied
-through one 1 MiB buffer per writer thread, crc'd and sha256'd as written, fsynced by its writer;
+through one 1 MiB buffer per writer thread, crc'd and hashed (blake3 by default) as written, fsynced by its writer;
 ``.metadata`` and the small items' file (``step``, buffers, param-group values) are written by
 ``dcp_format`` as torch's ``FileSystemWriter`` would. ``workers`` threads write at once; under
 ``srun``/``torchrun`` every launched process writes its share of the tensor files (balanced by
 bytes) into one staging folder, and process 0 writes ``.metadata`` and seals one manifest
 (``io.shared_save``); each process hashes its share of the source files on threads beside its
-writers, and nothing is published unless every sha256 matched the source's manifest.
+writers, and nothing is published unless every digest matched the source's manifest.
 The torch route (``zero3_to_dcp_source`` + ``zero3_to_dcp_write``: ``dcp.save`` with lazy tensors,
 one process) stays for what byte ranges cannot express (``dcp_items`` names it, and the result's
 notes say so): rank files whose partitions are not one contiguous run of rank 0's dtype (a cast),
@@ -101,7 +101,7 @@ def convert_zero3_to_dcp(
     """Write the ZeRO-3 checkpoint ``source`` (root or tag folder) as a DCP checkpoint under
     ``output/<tag>`` + ``output/latest`` for ``load_fsdp_checkpoint``.
 
-    The source is checked against its manifest (sizes first, sha256 unless ``verify=False`` while
+    The source is checked against its manifest (sizes first, digests unless ``verify=False`` while
     the output is written: nothing is published unless it matched); ``output`` follows reshard's
     rules (new, empty or a shardkit checkpoint folder; an existing tag only with ``force``). What cannot be carried is refused (CheckpointError naming
     each item) or listed in ``ConvertResult.not_carried``. ``adam_w_mode`` decides decoupled weight
@@ -120,11 +120,11 @@ def convert_zero3_to_dcp(
     root = Path(output)
     if launch.rank == 0:
         check_output_root(root, tag, source_dir, force=force)
-    # sizes now; the sha256 of the source (this process's share) while the output is written
+    # sizes now; the digests of the source (this process's share) while the output is written
     checked = verify_before_reading(source_dir, checksums=False)
     # a folder without a manifest is not verified: a link out of it must still never be read
     refuse_links_leaving(source_dir, "convert")
-    verified = "none" if checked.manifest is None else ("sha256" if verify else "sizes")
+    verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
     if launch.rank == 0:
         for note in checked.warnings:
             if not (verify and note.startswith("--no-verify")):
@@ -165,13 +165,13 @@ def convert_zero3_to_dcp(
     facts = Manifest(engine="fsdp2", tag=tag, world_size=1, step=ckpt.model_state.get("global_steps"),
                      dtype="float32", versions=library_versions(), config_digest=config_digest(ckpt.ds_config or None),
                      extra=extra)
-    expected = {e.path: e.sha256 for e in checked.manifest.files} if checked.manifest is not None and verify else {}
+    expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
     share = ShareResult()
     if items is not None:
         share = write_share(root, tag, items, facts, expected, before, workers, launch)
     else:
         if expected:
-            # one file per core: hashlib releases the GIL; more threads would only add read buffers
+            # one file per core: blake3 and hashlib release the GIL; more threads would only add read buffers
             verify_before_reading(source_dir, checksums=True, workers=len(os.sched_getaffinity(0)))
         _write_through_torch(root, tag, ckpt, plan, facts, workers)
     final = root / tag

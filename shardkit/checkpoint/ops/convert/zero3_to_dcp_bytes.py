@@ -5,7 +5,7 @@ The rank files are parsed by ``read_structure`` (no ``import torch``, no tensor 
 parameter's fp32 master and Adam moments are, rank by rank, its unpadded piece of the rank's flat
 partition (``ParamSlot.rank_range`` at ``slot.offset``), so each tensor item is a ``SegmentedRecord``
 of those ranges, copied into its own ``.distcp`` file through one 1 MiB buffer per writer thread,
-crc'd and sha256'd as written, fsynced by its writer (``dcp_format.write_tensor_file``,
+crc'd and hashed as written, fsynced by its writer (``dcp_format.write_tensor_file``,
 ``stream.write_parallel``); each file's ranges are built by the thread writing it, after every
 rank's partitions were checked once (``_check_flats``), so nothing grows as ranks x tensors. Frozen parameters come from the model-states files' fragments the same
 way; tied aliases get their owner's ranges. The small items (``step`` per parameter, buffers,
@@ -21,7 +21,6 @@ a param-group value that is not plain data.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any, BinaryIO, cast
 
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.io.atomic import disk_full_named
+from shardkit.checkpoint.io.digest import default_algorithm, new_hasher
 from shardkit.checkpoint.io.manifest import FileEntry
 from shardkit.checkpoint.io.stream import FileJob, write_parallel
 from shardkit.checkpoint.io.torch_load import TensorRef, read_structure
@@ -239,7 +239,8 @@ def write_tensor_files(path: Path, share: list[TensorItem], names: dict[str, str
     order = sorted(share, key=lambda it: -it.nbytes)
     jobs: list[FileJob] = [(path / names[it.key], partial(_write_one, it)) for it in order]
     written = write_parallel(jobs, workers, outcome=outcome, thread_name="shardkit-convert")
-    return [FileEntry(names[it.key], done.size, done.sha256) for it, done in zip(order, written, strict=True)]
+    return [FileEntry.of(names[it.key], done.size, done.algorithm, done.digest)
+            for it, done in zip(order, written, strict=True)]
 
 
 def write_small_and_metadata(path: Path, items: DcpItems, names: dict[str, str], written: list[FileEntry],
@@ -256,7 +257,7 @@ def write_small_and_metadata(path: Path, items: DcpItems, names: dict[str, str],
             stored[item.key] = Stored(SMALL_FILE, at, append_item(cast(BinaryIO, hashing), item))
         raw.flush()
         os.fsync(raw.fileno())
-    out.append(FileEntry(SMALL_FILE, hashing.size, hashing.sha.hexdigest()))
+    out.append(FileEntry.of(SMALL_FILE, hashing.size, hashing.algorithm, hashing.sha.hexdigest()))
     tensors = [t for t in [*items.big, *items.small] if isinstance(t, TensorItem)]
     values = [v for v in items.small if isinstance(v, ValueItem)]
     body = metadata_pickle(tensors, values, stored, path)
@@ -264,15 +265,18 @@ def write_small_and_metadata(path: Path, items: DcpItems, names: dict[str, str],
         fh.write(body)
         fh.flush()
         os.fsync(fh.fileno())
-    out.append(FileEntry(METADATA_NAME, len(body), hashlib.sha256(body).hexdigest()))
+    meta_hash = new_hasher(hashing.algorithm)
+    meta_hash.update(body)
+    out.append(FileEntry.of(METADATA_NAME, len(body), hashing.algorithm, meta_hash.hexdigest()))
     return out
 
 
 class _Hashing:
-    """The small file's bytes, sha256'd as they are appended (for the manifest)."""
+    """The small file's bytes, hashed as they are appended (for the manifest)."""
 
     def __init__(self, raw: BinaryIO):
-        self.raw, self.sha, self.size = raw, hashlib.sha256(), 0
+        self.algorithm = default_algorithm()
+        self.raw, self.sha, self.size = raw, new_hasher(self.algorithm), 0
 
     def write(self, data: bytes | memoryview) -> int:
         self.sha.update(data)

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.checkpoint.io.manifest import FileEntry, Manifest, sha256_file
+from shardkit.checkpoint.io.manifest import FileEntry, Manifest, file_digest
 from shardkit.checkpoint.io.pipeline import default_workers
 
 # the same balanced split of files over processes as reshard's (by bytes, largest first)
@@ -81,9 +81,9 @@ def write_share(root: Path, tag: str, items: DcpItems, facts: Manifest, expected
                 # fresh manifest vouching for it
                 with ThreadPoolExecutor(max_workers=max(1, min(len(to_hash), len(os.sched_getaffinity(0)))),
                                         thread_name_prefix="shardkit-verify") as hashers:
-                    hashed = [(f, hashers.submit(sha256_file, f)) for f in to_hash]
+                    hashed = [(f, hashers.submit(file_digest, f, expected[f.name].algorithm)) for f in to_hash]
                     entries = write_tensor_files(staged, mine, names, outcome, workers)
-                    _check_sha256(hashed, expected)
+                    _check_digests(hashed, expected)
                 _check_unchanged(before)
             except BaseException as exc:  # noqa: BLE001 - reported to process 0 before it is raised here
                 error = exc
@@ -108,14 +108,14 @@ def write_share(root: Path, tag: str, items: DcpItems, facts: Manifest, expected
     return ShareResult(len(mine), sum(it.nbytes for it in mine), workers)
 
 
-def _check_sha256(hashed: list[tuple[Path, Future[str]]], expected: dict[str, str]) -> None:
-    """Each source file's sha256 (computed beside the writers) against the source's manifest."""
+def _check_digests(hashed: list[tuple[Path, Future[str]]], expected: dict[str, FileEntry]) -> None:
+    """Each source file's digest (computed beside the writers) against the source's manifest."""
     for f, future in hashed:
-        got = future.result()
-        if got != expected[f.name]:
+        got, want = future.result(), expected[f.name]
+        if got != want.digest:
             raise CheckpointError(
-                f"refusing to convert {f.parent}: {f} fails verification: its sha256 is {got}, its manifest says "
-                f"{expected[f.name]}. The file is corrupted, or was rewritten after the save. Nothing was published; "
+                f"refusing to convert {f.parent}: {f} fails verification: its {want.algorithm} is {got}, its manifest "
+                f"says {want.digest}. The file is corrupted, or was rewritten after the save. Nothing was published; "
                 "restore the file from a copy, or convert the previous checkpoint")
 
 

@@ -51,7 +51,7 @@ class _TensorFiles:
     ``stream.write_parallel`` (its threads, fsync by the writing thread, the first failure cancels
     the files not started) run on a background thread from before ``dcp.save`` plans: the bytes
     are copied from the rank files through one 1 MiB buffer per thread, crc'd and hashed as
-    written, while the main thread imports DCP. preadv, crc32, sha256, write and fsync release the GIL."""
+    written, while the main thread imports DCP. preadv, crc32, blake3/sha256, write and fsync release the GIL."""
 
     def __init__(self, path: Path, lazy: dict[str, LazyTensor], outcome: str, workers: int | None = None):
         import threading
@@ -87,7 +87,7 @@ class _TensorFiles:
         out = []
         for key in self._order:
             name, digest = self.written(key)
-            out.append(FileEntry(name, digest.size, digest.sha256))
+            out.append(FileEntry.of(name, digest.size, digest.algorithm, digest.digest))
         return out
 
     def __enter__(self) -> "_TensorFiles":

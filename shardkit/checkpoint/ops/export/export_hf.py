@@ -108,7 +108,7 @@ def export_hf_folder(
     ``500MB``, ``50KB``); ``model_config``: a folder with the model's ``config.json`` when the
     checkpoint has none beside it; ``workers``: shard files written at once (default
     ``default_workers``); ``force``: replace an earlier shardkit export at ``output``;
-    ``verify=False``: check the source's file sizes only, not their sha256.
+    ``verify=False``: check the source's file sizes only, not their digests.
     """
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")

@@ -58,7 +58,7 @@ def check_output_dir(output: Path, sources: list[Path], *, force: bool) -> None:
 
 
 def seal_export(staged: Path, final: Path, *, dtype: str, extra: dict[str, Any]) -> None:
-    """Write the manifest (every file's size and sha256) into ``staged``, last."""
+    """Write the manifest (every file's size and digest) into ``staged``, last."""
     tag = final.name if tag_problem(final.name) is None else "export"
     seal(staged, engine="torch", world_size=1, tag=tag, dtype=dtype, extra={"kind": EXPORT_KIND, **extra})
 
