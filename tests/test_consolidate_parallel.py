@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -21,7 +20,15 @@ from shardkit.checkpoint.io.shared_save import launch_from_env
 from shardkit.checkpoint.io.tags import STAGING_PREFIX
 from shardkit.checkpoint.ops.consolidate import consolidate_zero3
 from tests import test_reshard_parallel as reshard_tests
-from tests.test_reshard_parallel import TIMEOUT_S, _cli, _env, _nothing_published, _wait_for
+from tests.test_reshard_parallel import (
+    TIMEOUT_S,
+    _cli,
+    _env,
+    _nothing_published,
+    _stop,
+    _wait_for,
+    rank0_names_killed_rank1,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -80,18 +87,10 @@ def test_a_process_killed_mid_copy_fails_the_run_naming_it(big, tmp_path):
         staged = _wait_for(out, f"{STAGING_PREFIX}{NAME}")
         _wait_for(staged, ".shardkit-alive-1")
         _wait_for(staged, NAME)  # rank 0 created the sized file: rank 1 is opening it or copying into it
-        os.kill(r1.pid, signal.SIGKILL)
-        started = time.monotonic()
-        _, err = r0.communicate(timeout=TIMEOUT_S)
-    finally:
-        for p in (r0, r1):
-            p.kill()
-            p.wait()
-    assert r0.returncode == 1, err
-    assert re.search(r"rank 1 of 2 stopped while writing its share: no heartbeat for \d+ s \(killed, or its node went "
-                     r"down\).*run the whole command again", err), err
-    assert time.monotonic() - started < 60
-    _nothing_published(out)
+    except BaseException:
+        _stop(r0, r1)
+        raise
+    rank0_names_killed_rank1(r0, r1, out)
 
 
 def test_a_process_that_never_joins_is_named_within_the_timeout(sources, tmp_path):

@@ -100,15 +100,31 @@ def test_a_rank_killed_mid_write_fails_the_run_naming_it(big, tmp_path):
     r0 = _start_rank(0, 2, big, out, "29611", **fast)
     try:
         _wait_for(out, f"{STAGING_PREFIX}*/.shardkit-alive-1")
+    except BaseException:
+        _stop(r0, r1)
+        raise
+    rank0_names_killed_rank1(r0, r1, out)
+
+
+def _stop(*procs: subprocess.Popen[str]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def rank0_names_killed_rank1(r0: subprocess.Popen[str], r1: subprocess.Popen[str], out: Path) -> None:
+    """SIGKILL rank 1 mid-share: rank 0 fails within a minute naming it by its stopped heartbeat,
+    and nothing is published in ``out``."""
+    try:
         os.kill(r1.pid, signal.SIGKILL)  # rank 1 dies with its share half written
+        started = time.monotonic()
         _, err = r0.communicate(timeout=TIMEOUT_S)
     finally:
-        for p in (r0, r1):
-            p.kill()
-            p.wait()
+        _stop(r0, r1)
     assert r0.returncode == 1, err
     assert re.search(r"rank 1 of 2 stopped while writing its share: no heartbeat for \d+ s \(killed, or its node went "
                      r"down\).*run the whole command again", err), err
+    assert time.monotonic() - started < 60
     _nothing_published(out)
 
 
