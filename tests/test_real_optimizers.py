@@ -391,3 +391,22 @@ def test_fsdp2_per_rank_values_at_another_world_size_are_named_and_dcps_value_ke
     with pytest.raises(CheckpointError,
                        match=r"manifest extra\.per_rank_param_groups\['0\.d_numerator'\] is .*not what shardkit writes"):
         fc.restore_per_rank_param_group_values(opt, tampered, saved_world_size=2, where="ckpt/step6")
+
+
+def test_zero3_ranks_differing_in_a_non_number_are_refused_at_another_world_size(monkeypatch):
+    """A schedule-free optimizer's ``train_mode`` flag that differs between the saved ranks says they
+    were in different states: one rank's value would be wrong for the others' elements, so a load at
+    another world size is refused, naming the entry, each rank's value and the world size to use."""
+    from types import SimpleNamespace
+
+    from shardkit.checkpoint.zero3 import repartition
+
+    ckpt = SimpleNamespace(world_size=2, tag_dir="ckpt/global_step6")
+    monkeypatch.setattr(repartition, "rank_local_values", lambda _: [
+        {"param_groups[0].lr": 1.0, "param_groups[0].train_mode": True},
+        {"param_groups[0].lr": 1.0, "param_groups[0].train_mode": False}])
+    with pytest.raises(CheckpointError, match=r"ckpt/global_step6: the 2 saved ranks hold different optimizer values "
+                       r"that are not numbers: param_groups\[0\]\.train_mode \(rank 0: True, rank 1: False\)\. At world "
+                       r"size 3 every rank would take rank 0's.*Resume at the saved world size 2"):
+        repartition.check_rank_values(ckpt, 3)
+    assert repartition.check_rank_values(ckpt, 2) is None  # the saved world size: each rank reads its own file

@@ -10,10 +10,11 @@ question (``zero3.files.resolve_tag_dir``); what a tag may be is ``tags``'.
 from __future__ import annotations
 
 import os
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, Manifest, file_digest
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest, file_digest
 from shardkit.checkpoint.io.shared_save import owner_alive
 from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, tag_problem
 from shardkit.checkpoint.io.verify import refuse_links_leaving, verify_checkpoint
@@ -200,3 +201,23 @@ def default_workers(rank_files: int) -> int:
     return max(1, min(rank_files, max(cores, 8)))
 
 
+
+
+def hash_beside(pool: Executor, files: list[tuple[Path, FileEntry]]) -> list[tuple[Path, FileEntry, Future[str]]]:
+    """Start hashing each source file with its manifest entry's algorithm on ``pool``, while the
+    caller copies (reshard, convert and consolidate read byte ranges, not whole files);
+    ``check_source_digests`` waits for them."""
+    return [(f, entry, pool.submit(file_digest, f, entry.algorithm)) for f, entry in files]
+
+
+def check_source_digests(hashed: list[tuple[Path, FileEntry, Future[str]]], refusing: str, retry: str) -> None:
+    """Each digest ``hash_beside`` computed against the source's manifest: a CheckpointError naming
+    the first file whose content changed, both digests and the fix. ``refusing``: what is refused
+    ("publish the reshard of"); ``retry``: the other way out ("reshard another tag")."""
+    for f, want, future in hashed:
+        got = future.result()
+        if got != want.digest:
+            raise CheckpointError(
+                f"refusing to {refusing} {f.parent}: {f} fails verification: its {want.algorithm} is {got}, its manifest "
+                f"says {want.digest} (the file is corrupted, or was modified after the save). Nothing was written. Fix: "
+                f"restore the file or {retry} (`shardkit verify {f.parent}` lists every problem)")

@@ -30,15 +30,21 @@ import os
 import shutil
 import stat
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, fsync_dir, os_errors_named
-from shardkit.checkpoint.io.manifest import FileEntry, file_digest
-from shardkit.checkpoint.io.pipeline import default_workers, verify_before_reading, warn_unverified
+from shardkit.checkpoint.io.manifest import FileEntry
+from shardkit.checkpoint.io.pipeline import (
+    check_source_digests,
+    default_workers,
+    hash_beside,
+    verify_before_reading,
+    warn_unverified,
+)
 from shardkit.checkpoint.io.safetensors_file import TensorEntry as _Entry
 from shardkit.checkpoint.io.safetensors_file import copy_bytes as _copy_bytes
 from shardkit.checkpoint.io.safetensors_file import header_layout as _layout
@@ -393,9 +399,9 @@ def _write_shared(out: Path, launch: Launch, write_small: Callable[[int], None],
                 try:
                     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(to_hash))),
                                             thread_name_prefix="shardkit-verify") as hashers:
-                        hashed = [(f, want, hashers.submit(file_digest, f, want.algorithm)) for f, want in to_hash]
+                        hashed = hash_beside(hashers, to_hash)
                         copy_share(fd)
-                        _check_hashes(hashed)
+                        check_source_digests(hashed, "publish the consolidation of", "consolidate another tag")
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -451,17 +457,6 @@ def _open_when_created(data: Path, launch: Launch) -> int:
                     f"create {data} within {JOIN_TIMEOUT_S:.0f} s although it claimed {data.parent}: it is stuck or "
                     "failed (see its output). Run the whole command again") from None
             time.sleep(0.05)
-
-
-def _check_hashes(hashed: list[tuple[Path, FileEntry, Future[str]]]) -> None:
-    for f, want, future in hashed:
-        got = future.result()
-        if got != want.digest:
-            raise CheckpointError(
-                f"refusing to publish the consolidation of {f.parent}: {f} fails verification: its {want.algorithm} is "
-                f"{got}, its manifest says {want.digest} (the file is corrupted, or was modified after the save). Nothing was "
-                f"written. Fix: restore the file or consolidate another tag (`shardkit verify {f.parent}` lists "
-                "every problem)")
 
 
 def _small_tensors(ckpt: Zero3Checkpoint, out_name: str, include_frozen: bool) -> dict[str, "torch.Tensor"]:

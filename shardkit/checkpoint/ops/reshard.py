@@ -34,16 +34,18 @@ import contextlib
 import os
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from shardkit.checkpoint.io.atomic import os_errors_named
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest, file_digest
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest
 from shardkit.checkpoint.io.pipeline import (
     check_output_root,
+    check_source_digests,
     default_workers,
+    hash_beside,
     output_tag,
     verify_before_reading,
     warn_unverified,
@@ -179,9 +181,9 @@ def reshard_zero3(
             try:
                 with ThreadPoolExecutor(max_workers=max(1, min(workers, len(to_hash))),
                                         thread_name_prefix="shardkit-verify") as hashers:
-                    hashed = [(f, hashers.submit(file_digest, f, expected[f.name].algorithm)) for f in to_hash]
+                    hashed = hash_beside(hashers, [(f, expected[f.name]) for f in to_hash])
                     entries = _write_share(staged, share, workers, outcome_unchanged(root))
-                    _check_hashes(hashed, expected)
+                    check_source_digests(hashed, "publish the reshard of", "reshard another tag")
                 _check_unchanged(before)
             except BaseException as exc:  # noqa: BLE001 - reported to process 0 before it is raised here
                 error = exc
@@ -281,17 +283,6 @@ def _write_share(staged: Path, share: list[_Job], workers: int, outcome: str) ->
     written = write_parallel([(staged / j.name, j.write) for j in share], workers, outcome=outcome,
                              thread_name="shardkit-reshard")
     return [FileEntry.of(j.name, d.size, d.algorithm, d.digest) for j, d in zip(share, written)]
-
-
-def _check_hashes(hashed: list[tuple[Path, Future[str]]], expected: dict[str, FileEntry]) -> None:
-    for f, future in hashed:
-        got, want = future.result(), expected[f.name]
-        if got != want.digest:
-            raise CheckpointError(
-                f"refusing to publish the reshard of {f.parent}: {f} fails verification: its {want.algorithm} is {got}, "
-                f"its manifest says {want.digest} (the file is corrupted, or was modified after the save). Nothing "
-                f"was written. Fix: restore the file or reshard another tag (`shardkit verify {f.parent}` lists every "
-                "problem)")
 
 
 def _signature(path: Path) -> tuple[int, int, int]:

@@ -13,12 +13,12 @@ import contextlib
 import os
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.checkpoint.io.manifest import FileEntry, Manifest, file_digest
-from shardkit.checkpoint.io.pipeline import default_workers
+from shardkit.checkpoint.io.manifest import FileEntry, Manifest
+from shardkit.checkpoint.io.pipeline import check_source_digests, default_workers, hash_beside
 
 # the same balanced split of files over processes as reshard's (by bytes, largest first)
 from shardkit.checkpoint.io.shared_save import (
@@ -81,9 +81,9 @@ def write_share(root: Path, tag: str, items: DcpItems, facts: Manifest, expected
                 # fresh manifest vouching for it
                 with ThreadPoolExecutor(max_workers=max(1, min(len(to_hash), len(os.sched_getaffinity(0)))),
                                         thread_name_prefix="shardkit-verify") as hashers:
-                    hashed = [(f, hashers.submit(file_digest, f, expected[f.name].algorithm)) for f in to_hash]
+                    hashed = hash_beside(hashers, [(f, expected[f.name]) for f in to_hash])
                     entries = write_tensor_files(staged, mine, names, outcome, workers)
-                    _check_digests(hashed, expected)
+                    check_source_digests(hashed, "convert", "convert the previous checkpoint")
                 _check_unchanged(before)
             except BaseException as exc:  # noqa: BLE001 - reported to process 0 before it is raised here
                 error = exc
@@ -106,17 +106,6 @@ def write_share(root: Path, tag: str, items: DcpItems, facts: Manifest, expected
                     root.rmdir()  # the folder this run made, if nothing else was put there meanwhile
         raise
     return ShareResult(len(mine), sum(it.nbytes for it in mine), workers)
-
-
-def _check_digests(hashed: list[tuple[Path, Future[str]]], expected: dict[str, FileEntry]) -> None:
-    """Each source file's digest (computed beside the writers) against the source's manifest."""
-    for f, future in hashed:
-        got, want = future.result(), expected[f.name]
-        if got != want.digest:
-            raise CheckpointError(
-                f"refusing to convert {f.parent}: {f} fails verification: its {want.algorithm} is {got}, its manifest "
-                f"says {want.digest}. The file is corrupted, or was rewritten after the save. Nothing was published; "
-                "restore the file from a copy, or convert the previous checkpoint")
 
 
 def _signature(path: Path) -> Signature:
