@@ -25,7 +25,7 @@ TIMEOUT_S = 300
 # Prints every loss and, at the end, a digest of the rank's fp32 masters (the bits the next step reads).
 SCRIPT = textwrap.dedent(
     """
-    import argparse, hashlib, json, sys
+    import argparse, hashlib, json, os, sys
     import deepspeed, torch, torch.nn as nn
     import torch.distributed as dist
 
@@ -35,6 +35,13 @@ SCRIPT = textwrap.dedent(
     p.add_argument("--load")
     p.add_argument("--save")
     a = p.parse_args()
+
+    def say(line):
+        # one write per line: both ranks share the pipe, and print() writes the text and its newline
+        # separately, so two ranks' lines could run together and a loss go unparsed
+        sys.stdout.flush()
+        os.write(1, (line + "\\n").encode())
+
     deepspeed.init_distributed()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
@@ -50,18 +57,17 @@ SCRIPT = textwrap.dedent(
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
-        print(f"rank {rank} step {step} loss {loss.item().hex()}", flush=True)
+        say(f"rank {rank} step {step} loss {loss.item().hex()}")
     if a.save:
         engine.save_checkpoint(a.save)
     masters = b"".join(t.detach().cpu().numpy().tobytes() for t in engine.optimizer.fp32_partitioned_groups_flat)
-    print(f"rank {rank} masters {hashlib.sha256(masters).hexdigest()}", flush=True)
+    say(f"rank {rank} masters {hashlib.sha256(masters).hexdigest()}")
     dist.barrier()
     dist.destroy_process_group()
     # done and flushed: leave without interpreter finalization, where torch 2.13 CPU ranks abort now
     # and then ("terminate called without an active exception"; launch/train_tiny.py, docs/slurm.md)
     sys.stdout.flush()
     sys.stderr.flush()
-    import os
     os._exit(0)
     """
 )
