@@ -4,8 +4,10 @@ tests/test_slurm_two_node.py on two)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -35,10 +37,31 @@ def run_grouped(argv: list[str], env: dict[str, str], timeout: float) -> subproc
     return subprocess.CompletedProcess(argv, proc.returncode, out, "")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (bind to port 0, a connect's source port)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(span: int = 1) -> int:
+    """A port p with p .. p + span - 1 free on every address, chosen below the kernel's ephemeral
+    range: a port from there (bind to port 0) is free only until a job binds it seconds later,
+    and meanwhile the other test worker's ranks take ephemeral ports by the hundred (a rendezvous
+    store that cannot bind its port joins whatever store listens there instead)."""
+    low = max(1024, min(_ephemeral_low(), 65536) - 12000)
+    high = min(_ephemeral_low(), 65536) - span
+    for _ in range(500):
+        port = random.randint(low, max(low, high))
+        with contextlib.ExitStack() as stack:
+            try:
+                for p in range(port, port + span):
+                    stack.enter_context(socket.socket()).bind(("", p))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no {span} consecutive free port(s) in {low}-{high}")
 
 
 @dataclass
@@ -77,6 +100,9 @@ def submit(env: dict[str, str], folder: Path, script: Path, ds_config: str, *scr
         "DEVICE": "cpu", "NPROC_PER_NODE": "2", "SCRIPT": str(script), "DS_CONFIG": ds_config,
         "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SHARDKIT_AUTOPREFLIGHT_JSON": str(report),
         "MASTER_PORT": str(master_port),
+        # a job stuck past its timeout is asked where it is: SIGABRT makes every Python process
+        # of it write its threads' stacks into the job's output (_fail_stuck_job)
+        "PYTHONFAULTHANDLER": "1",
         **(extra_env or {}),
     }
     # 2 CPUs for the launcher and its ranks, or all the node has (a 1-CPU runner could never start it)
@@ -92,12 +118,66 @@ def submit(env: dict[str, str], folder: Path, script: Path, ds_config: str, *scr
     info = scontrol_job(job_id, env)
     while info.get("JobState") not in TERMINAL_STATES:
         if time.monotonic() > deadline:
-            run_grouped(["scancel", str(job_id)], env, 30)
-            out = folder / f"job-{job_id}.out"
-            pytest.fail(f"job {job_id} still {info.get('JobState')} after {timeout_s}s (cancelled): "
-                        f"{out.read_text()[-3000:] if out.exists() else '(no output)'}")
+            _fail_stuck_job(job_id, info.get("JobState"), timeout_s, folder, env)
         time.sleep(2)
         info = scontrol_job(job_id, env)
     output = (folder / f"job-{job_id}.out").read_text(errors="replace")
     preflight = json.loads(report.read_text()) if report.exists() else None
     return Job(job_id, info["JobState"], info.get("ExitCode", "?"), output, preflight, master_port, folder)
+
+
+def job_processes(job_id: int) -> dict[int, str]:
+    """pid -> command line of every process of Slurm job ``job_id`` on this machine (its
+    SLURM_JOB_ID in the process environment: the batch script, srun, launchers, ranks)."""
+    found: dict[int, str] = {}
+    marker = f"SLURM_JOB_ID={job_id}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+    return found
+
+
+def _fail_stuck_job(job_id: int, state: str | None, timeout_s: float, folder: Path, env: dict[str, str]) -> None:
+    """Fail the test with where the job is stuck (each process's state, each Python process's
+    stacks), after cancelling it and making sure none of its processes is left holding a node:
+    the next test's job would otherwise wait out its own timeout PENDING behind this one."""
+    procs = job_processes(job_id)
+    table = ""
+    if procs:
+        ps = subprocess.run(["ps", "-ww", "-o", "pid,ppid,stat,wchan:24,etime,args", "-p", ",".join(map(str, procs))],
+                            capture_output=True, text=True, timeout=30)
+        table = ps.stdout
+        parents = {int(line.split()[1]) for line in table.splitlines()[1:] if len(line.split()) > 1}
+        python = [pid for pid in procs if "python" in Path(f"/proc/{pid}/exe").resolve().name]
+        # the ranks (no child) first: a launcher aborted first would have its ranks killed unheard
+        for batch in ([p for p in python if p not in parents], [p for p in python if p in parents]):
+            for pid in batch:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGABRT)
+            time.sleep(3)  # the stacks reach the output file
+    run_grouped(["scancel", str(job_id)], env, 30)
+    gone_by = time.monotonic() + 30
+    while job_processes(job_id) and time.monotonic() < gone_by:
+        time.sleep(1)
+    left = job_processes(job_id)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    idle_by = time.monotonic() + 60
+    nodes = ""
+    while time.monotonic() < idle_by:
+        nodes = run_grouped(["sinfo", "-h", "-N", "-o", "%N=%t"], env, 30).stdout.split()
+        if all(n.endswith("=idle") for n in nodes):
+            break
+        time.sleep(2)
+    out = folder / f"job-{job_id}.out"
+    text = out.read_text(errors="replace") if out.exists() else "(no output)"
+    pytest.fail(f"job {job_id} still {state} after {timeout_s}s (cancelled; {len(left)} process(es) killed after "
+                f"scancel; nodes now {nodes}). Its processes when it was stopped:\n{table}\n"
+                f"Its output ({out}), with every Python process's stacks at the end:\n{text[-12000:]}")

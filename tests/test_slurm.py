@@ -6,12 +6,10 @@ the cluster (not root, no apt-get, the install failed, the daemons did not come 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,23 +17,13 @@ from typing import Iterator
 
 import pytest
 
-from tests._slurm_jobs import CLUSTER, REPO, TEMPLATE, Job, run_grouped, submit
+from tests._slurm_jobs import CLUSTER, REPO, TEMPLATE, Job, free_port, run_grouped, submit
 from tests.test_launch import GOOD_AND_BAD
 
 # A fresh machine installs slurm-wlm + munge first (about 20 s here, minutes on a slow mirror).
 START_TIMEOUT_S = 240
 # A 2-rank ZeRO-3 job took 60-75 s on this shared 2-core machine.
 JOB_TIMEOUT_S = 240
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports: every socket stays bound until all are chosen, so the kernel cannot
-    hand the same port out twice."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-
 
 def _live_daemons(state: Path) -> dict[str, int]:
     """The cluster's daemons still alive, from their pid files."""
@@ -58,7 +46,8 @@ def cluster() -> Iterator[dict[str, str]]:
     # /tmp, short: the munge socket lives in the state folder (a socket path has ~100 characters),
     # and munged wants every folder above it searchable by all (pytest's tmp folders are 0700).
     state = Path(tempfile.mkdtemp(prefix="sk-slurm-", dir="/tmp" if os.path.isdir("/tmp") else None))
-    ctld_port, slurmd_port = _free_ports(2)
+    ctld_port = free_port(2)
+    slurmd_port = ctld_port + 1
     env = {
         **os.environ,
         "SHARDKIT_SLURM_DIR": str(state),

@@ -36,27 +36,11 @@ NODES = ("sknode1", "sknode2")
 NODE_NET = "127.0.77"
 START_TIMEOUT_S = 240  # a fresh machine installs slurm-wlm + munge first
 # A 2 x 2 rank ZeRO-3 job took ~140 s on this shared 2-core machine; the small jobs ~60 s.
-JOB_TIMEOUT_S = 480
+ZERO3_JOB_TIMEOUT_S = 480
+JOB_TIMEOUT_S = 300
 # The failure cases shorten torchrun's rendezvous timeouts (600 s / 60 s by default) so they end fast.
 JOIN_TIMEOUT_S = 30
 READ_TIMEOUT_S = 15
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 both free on every address (the two slurmds listen on p, p + 1)."""
-    for _ in range(200):
-        with socket.socket() as a:
-            a.bind(("", 0))
-            port = int(a.getsockname()[1])
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports on this machine")
 
 
 def _pids(state: Path) -> dict[str, int]:
@@ -92,7 +76,8 @@ def cluster() -> Iterator[dict[str, str]]:
     # /tmp, short: the munge socket lives in the state folder, and munged wants every folder above
     # it searchable by all (pytest's tmp folders are 0700)
     state = Path(tempfile.mkdtemp(prefix="sk-slurm2-", dir="/tmp" if os.path.isdir("/tmp") else None))
-    slurmd_port = _free_port_pair()
+    # the two slurmds listen on p and p + 1
+    slurmd_port = free_port(2)
     ctld_port = free_port()
     env = {
         **os.environ,
@@ -146,9 +131,9 @@ def test_each_node_has_its_own_hostname_and_hosts_file(cluster: dict[str, str]):
 
 
 def _submit(env: dict[str, str], folder: Path, script: Path, ds_config: str, *script_args: str,
-            extra_env: dict[str, str] | None = None) -> Job:
+            extra_env: dict[str, str] | None = None, timeout_s: float = JOB_TIMEOUT_S) -> Job:
     """The template on 2 nodes x 2 CPU ranks."""
-    return submit(env, folder, script, ds_config, *script_args, nodes=2, timeout_s=JOB_TIMEOUT_S, extra_env=extra_env)
+    return submit(env, folder, script, ds_config, *script_args, nodes=2, timeout_s=timeout_s, extra_env=extra_env)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +142,7 @@ def zero3_job(cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory)
     folder = tmp_path_factory.mktemp("zero3-2node")
     # the 4 ranks save their ZeRO-3 checkpoint into the folder both nodes share (the reshard test reads it)
     return _submit(cluster, folder, REPO / "launch" / "train_tiny.py", str(REPO / "ds_configs" / "zero3.json"),
-                   "--steps", "3", "--save", str(folder / "ckpt"))
+                   "--steps", "3", "--save", str(folder / "ckpt"), timeout_s=ZERO3_JOB_TIMEOUT_S)
 
 
 @pytest.mark.slurm
