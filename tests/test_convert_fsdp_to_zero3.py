@@ -371,3 +371,101 @@ def test_the_first_failed_rank_file_stops_the_rest_and_leaves_nothing(runs, tmp_
         convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=8, ds_config=B.ds_config(2, False))
     assert len(started) <= 9, started  # 8 writers: the 8 optim files, at most one model file of the 8 queued
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _to_zero3_cli(src: Path, out: Path, cfg: Path, world: int = 3) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "shardkit", "convert", str(src), "--to", "zero3", "--world-size", str(world),
+            "--ds-config", str(cfg), "-o", str(out), "--workers", "1"]
+
+
+def test_two_processes_under_torchrun_write_what_one_process_writes(runs, tmp_path):
+    """Under torchrun each process writes the files of its share of the new ranks (r % 2), hashes its
+    share of the source beside them, and process 0 seals one manifest: the same rank files, byte for
+    byte, as one process writes."""
+    import json
+    import subprocess
+    import sys
+
+    from shardkit.checkpoint.io.manifest import read_manifest
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(B.ds_config(3, OFFLOAD[3])))
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = subprocess.run(_to_zero3_cli(runs["src"], one, cfg), env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardkit",
+           *_to_zero3_cli(runs["src"], two, cfg)[3:]]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert re.search(r"wrote .*two/step2 by 2 processes \(torchrun\): fsdp2 -> zero3, 21 parameters", done.stdout), done.stdout
+    # rank 1 of 2 owns new rank 1 of 3: its optim and model files
+    assert re.search(r"rank 1 of 2 \(torchrun\): wrote its share, 2 files", done.stdout), done.stdout
+
+    def files(root: Path) -> dict[str, tuple[int, str]]:
+        return {e.path: (e.size, e.digest) for e in read_manifest(root / "step2").files}
+
+    assert files(two) == files(one) and len(files(one)) == 6
+    manifest = read_manifest(two / "step2")
+    assert manifest.world_size == 3 and manifest.extra["converted_from"]["verified"] == "hash"
+    assert sorted(p.name for p in two.iterdir()) == ["latest", "step2"]
+
+
+def _start(rank: int, world: int, src: Path, out: Path, cfg: Path, prefix: str = "", **extra: str):
+    import shlex
+    import subprocess
+
+    env = _env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29641", **extra)
+    return subprocess.Popen(["sh", "-c", prefix + shlex.join(_to_zero3_cli(src, out, cfg))], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(*procs) -> list[str]:
+    errs = []
+    try:
+        for p in procs:
+            errs.append(p.communicate(timeout=240)[1])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return errs
+
+
+def test_a_failed_process_or_a_corrupted_source_share_fails_the_run_naming_it(runs, tmp_path):
+    """A process whose writes fail (a file-size limit: EFBIG) is named by process 0; a .distcp file
+    corrupted after the save is caught by the process hashing it beside its writes; nothing is
+    published either way."""
+    import json
+
+    from shardkit.checkpoint.io.manifest import read_manifest
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(B.ds_config(3, OFFLOAD[3])))
+    out = tmp_path / "out"
+    r1 = _start(1, 2, runs["src"], out, cfg, prefix="ulimit -f 1; exec ")
+    r0 = _start(0, 2, runs["src"], out, cfg)
+    err0, err1 = _finish(r0, r1)
+    assert r1.returncode == 1 and "File too large" in err1, err1
+    assert r0.returncode == 1 and re.search(r"rank 1 of 2 \(host .*, pid \d+\) failed writing its share: .*File too "
+                                            r"large", err0), err0
+    assert not out.exists() or os.listdir(out) == []
+
+    src = tmp_path / "src"
+    shutil.copytree(runs["src"], src)
+    tag = next(p for p in src.iterdir() if p.is_dir())
+    # process 1 hashes every second file of the manifest (.metadata aside: every process checks it first)
+    victim = tag / sorted(e.path for e in read_manifest(tag).files if e.path != ".metadata")[1]
+    flip_a_byte(victim)
+    r0, r1 = _start(0, 2, src, out, cfg), _start(1, 2, src, out, cfg)
+    err0, err1 = _finish(r0, r1)
+    assert r0.returncode == 1 and r1.returncode == 1, err0 + err1
+    assert re.search(rf"{re.escape(str(victim))} fails verification: its (blake3|sha256) is [0-9a-f]{{64}}, its manifest says", err1), err1
+    assert re.search(r"rank 1 of 2 .*failed writing its share: CheckpointError: refusing to convert", err0), err0
+    assert not out.exists() or os.listdir(out) == []

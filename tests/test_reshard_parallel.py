@@ -215,7 +215,7 @@ def test_a_source_rewritten_while_it_is_read_is_refused(sources, tmp_path, monke
 
     monkeypatch.setattr(reshard, "write_torch_zip", write_then_a_save_rewrites_the_source)
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))}: was modified while the reshard read it "
-                       r"\(size/mtime/inode changed\): the output would mix two saves\. Nothing was written"):
+                       r"\(size/mtime/inode changed\): the output would mix two saves\. Nothing was published"):
         reshard.reshard_zero3(src, tmp_path / "out", 3, warn=lambda m: None)
     _nothing_published(tmp_path / "out")
 

@@ -48,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "origin gets its own prefix back)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="files written at once by each process (default: one per file, at least the usable cores, "
-                        "at most max(cores, 8)); --to fsdp2 under srun/torchrun: every launched process writes its "
-                        "share of the files")
+                        "at most max(cores, 8)); under srun/torchrun every launched process writes its share of the "
+                        "files")
     p.add_argument("--force", action="store_true",
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
     p.add_argument("--no-verify", action="store_true",
@@ -87,11 +87,7 @@ def convert_command(args: argparse.Namespace) -> int:
         source = args.source if trainer is None else trainer.folder
         r = convert_zero3_to_dcp(source, args.output, tag=args.tag, force=args.force,
                                  verify=not args.no_verify, warn=warn, adam_w_mode=adam_w, workers=args.workers)
-        if r.rank != 0:  # under srun/torchrun: process 0 reports the whole result
-            print(f"rank {r.rank} of {r.processes} ({r.launcher}): wrote its share, {r.share_files} files, "
-                  f"{r.share_bytes / 2**20:,.1f} MiB, {r.workers} writer thread(s)")
-            return 0
-        if trainer is not None:  # trainer_state.json, scheduler.pt, rng_state_*.pth ...: named, never dropped silently
+        if trainer is not None and r.rank == 0:  # trainer_state.json, scheduler.pt, rng_state_*.pth ...: named, never dropped silently
             r.not_carried.extend(trainer_files_not_converted(trainer.folder))
         resume = f"load_fsdp_checkpoint(model, optimizer, {str(r.output)!r}) at any world size"
     else:
@@ -108,6 +104,10 @@ def convert_command(args: argparse.Namespace) -> int:
                                  force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config,
                                  name_prefix=prefix, workers=args.workers)
         resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"
+    if r.rank != 0:  # under srun/torchrun: process 0 reports the whole result
+        print(f"rank {r.rank} of {r.processes} ({r.launcher}): wrote its share, {r.share_files} files, "
+              f"{r.share_bytes / 2**20:,.1f} MiB, {r.workers} writer thread(s)")
+        return 0
     by = f" by {r.processes} processes ({r.launcher})" if r.processes > 1 else ""
     print(f"wrote {r.output / r.tag}{by}: {r.source_engine} -> {r.target_engine}, {r.params} parameters, "
           f"{r.bytes / 2**20:,.1f} MiB; resume with {resume}")

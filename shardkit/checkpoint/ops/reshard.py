@@ -30,11 +30,6 @@ hash is the check.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -43,25 +38,13 @@ from shardkit.checkpoint.io.atomic import os_errors_named
 from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest
 from shardkit.checkpoint.io.pipeline import (
     check_output_root,
-    check_source_digests,
     default_workers,
-    hash_beside,
     output_tag,
     verify_before_reading,
     warn_unverified,
 )
-from shardkit.checkpoint.io.shared_save import (
-    Launch,
-    claim,
-    gather_parts,
-    heartbeat,
-    join,
-    launch_from_env,
-    outcome_unchanged,
-    seal,
-    split_by_bytes,
-    write_part,
-)
+from shardkit.checkpoint.io.shared_save import Launch, launch_from_env, outcome_unchanged, split_by_bytes
+from shardkit.checkpoint.io.shared_tag import Activity, signatures, write_tag_shared
 from shardkit.checkpoint.io.stream import WrittenFile, copy_file_hashed, write_parallel
 from shardkit.checkpoint.io.torch_zip import write_torch_zip
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
@@ -72,6 +55,8 @@ from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import library_versions
+
+RESHARD = Activity("the reshard", "re-run the reshard", "publish the reshard of", "reshard another tag")
 
 
 @dataclass
@@ -170,46 +155,23 @@ def reshard_zero3(
     to_hash = [] if unchanged else [f for i, f in enumerate(sources) if i % launch.world == launch.rank and f.name in expected]
     if workers is None:
         workers = default_workers(max(1, len(share)))
-    before = {f: _signature(f) for f in sources}
-    started = time.monotonic()
-    made_root = not os.path.lexists(root)
-    staged = claim(root, tag, launch) if launch.rank == 0 else join(root, tag, launch)
-    try:
-        with heartbeat(staged, launch.rank):
-            entries: list[FileEntry] = []
-            error: BaseException | None = None
-            try:
-                with ThreadPoolExecutor(max_workers=max(1, min(workers, len(to_hash))),
-                                        thread_name_prefix="shardkit-verify") as hashers:
-                    hashed = hash_beside(hashers, [(f, expected[f.name]) for f in to_hash])
-                    entries = _write_share(staged, share, workers, outcome_unchanged(root))
-                    check_source_digests(hashed, "publish the reshard of", "reshard another tag")
-                _check_unchanged(before)
-            except BaseException as exc:  # noqa: BLE001 - reported to process 0 before it is raised here
-                error = exc
-            if launch.distributed:
-                write_part(staged, launch, entries, None if error is None else _one_line(error))
-            if error is not None:
-                raise error
-            if launch.rank == 0 and launch.distributed:
-                entries = gather_parts(staged, launch, started)
-        if launch.rank == 0:
-            facts = Manifest(
-                engine="deepspeed", tag=tag, world_size=world_size, files=sorted(entries, key=lambda e: e.path),
-                step=ckpt.model_state.get("global_steps"), zero_stage=3, dtype=ckpt.precision,
-                versions=library_versions(), config_digest=config_digest(ckpt.ds_config or None),
-                extra={"resharded_from": {"path": str(ckpt.tag_dir), "world_size": ckpt.world_size,
-                                          "ds_version": ckpt.ds_version, "verified": verified,
-                                          "copied_unchanged": unchanged}},
-            )
-            seal(staged, root, tag, facts if manifest else None)
-    except BaseException:
-        if launch.rank == 0:
-            shutil.rmtree(staged, ignore_errors=True)
-            if made_root:
-                with contextlib.suppress(OSError):
-                    root.rmdir()  # the folder this run made, if nothing else was put there meanwhile
-        raise
+    before = signatures(sources)
+
+    def facts(entries: list[FileEntry]) -> Manifest | None:
+        if not manifest:
+            return None
+        return Manifest(
+            engine="deepspeed", tag=tag, world_size=world_size, step=ckpt.model_state.get("global_steps"), zero_stage=3,
+            dtype=ckpt.precision, versions=library_versions(), config_digest=config_digest(ckpt.ds_config or None),
+            extra={"resharded_from": {"path": str(ckpt.tag_dir), "world_size": ckpt.world_size,
+                                      "ds_version": ckpt.ds_version, "verified": verified,
+                                      "copied_unchanged": unchanged}},
+        )
+
+    entries = write_tag_shared(
+        root, tag, launch, write_mine=lambda staged: _write_share(staged, share, workers, outcome_unchanged(root)),
+        to_hash=[(f, expected[f.name]) for f in to_hash], hash_workers=workers, before=before, activity=RESHARD,
+        facts=facts)
     final = root / tag
     return ReshardResult(
         output=root,
@@ -285,26 +247,3 @@ def _write_share(staged: Path, share: list[_Job], workers: int, outcome: str) ->
     return [FileEntry.of(j.name, d.size, d.algorithm, d.digest) for j, d in zip(share, written)]
 
 
-def _signature(path: Path) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
-def _check_unchanged(before: dict[Path, tuple[int, int, int]]) -> None:
-    """A source file replaced or rewritten while it was read (a run saving the same tag) is refused:
-    the output would mix bytes of two saves."""
-    for path, sig in before.items():
-        try:
-            now = _signature(path)
-        except FileNotFoundError:
-            now = None
-        if now != sig:
-            what = "removed" if now is None else "modified"
-            raise CheckpointError(
-                f"{path}: was {what} while the reshard read it (size/mtime/inode changed): the output would mix two "
-                "saves. Nothing was written; re-run the reshard once the source is no longer being saved")
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"

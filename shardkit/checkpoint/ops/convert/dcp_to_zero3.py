@@ -50,15 +50,26 @@ config and optimizer, param-group format, sub-group layout, steps and counters);
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 from typing import Any, Callable
 
+from shardkit.checkpoint.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.io.atomic import os_errors_named
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, read_manifest
-from shardkit.checkpoint.io.pipeline import check_output_root, verify_before_reading, warn_unverified
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
+from shardkit.checkpoint.io.pipeline import (
+    check_output_root,
+    check_source_digests,
+    default_workers,
+    hash_beside,
+    verify_before_reading,
+    warn_unverified,
+)
+from shardkit.checkpoint.io.shared_save import Launch, launch_from_env, outcome_unchanged
+from shardkit.checkpoint.io.shared_tag import signatures, write_tag_shared
 from shardkit.checkpoint.io.staged_save import atomic_checkpoint
-from shardkit.checkpoint.io.tags import LATEST_NAME, check_tag
+from shardkit.checkpoint.io.tags import check_tag
 from shardkit.checkpoint.io.verify import refuse_links_leaving
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import (
     check_target_config,
@@ -71,8 +82,10 @@ from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import (
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, classify_source, resolve_dcp_tag_dir
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_write import RankStates, write_rank_files
 from shardkit.checkpoint.ops.convert.result import ConvertResult
+from shardkit.checkpoint.ops.convert.zero3_to_dcp_share import CONVERT
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import UsageError
+from shardkit.platform.versions import library_versions
 
 MAX_WORLD_SIZE = 2**20
 
@@ -90,6 +103,7 @@ def convert_dcp_to_zero3(
     ds_config: str | os.PathLike[str] | dict[str, Any] | None = None,
     name_prefix: str | None = None,
     workers: int | None = None,
+    launch: Launch | None = None,
     **options: Any,
 ) -> ConvertResult:
     """Write the FSDP2 (DCP) checkpoint ``source`` as the ZeRO-3 files of a DeepSpeed run at
@@ -105,12 +119,16 @@ def convert_dcp_to_zero3(
     policy) is refused, naming ``--ds-config``. ``name_prefix``: ``"module."`` when the resuming
     engine's model is a wrapper holding it as ``.module``, ``""`` when not; None keeps the source's
     names (or restores the prefix a ZeRO-3 origin had). ``workers``: rank files written at once
-    (default: one per new rank's file, ``default_workers``). ``options``: ``sub_group_size``
-    overrides the config's.
+    (default: one per new rank's file, ``default_workers``). ``launch``: this process's share of the
+    new ranks' files (default: from ``srun``/``torchrun``'s variables; one process does everything
+    without them). ``options``: ``sub_group_size`` overrides the config's.
 
     The source is verified against its manifest first (sizes, digests unless ``verify=False``);
     ``output`` must be new, empty or a shardkit checkpoint folder (an existing tag only with
-    ``force``). Run it in one process (no process group): DCP reads would otherwise be collective.
+    ``force``). No process group may be initialized (DCP reads would otherwise be collective):
+    under ``srun``/``torchrun`` the processes share the work through the output folder
+    (``io.shared_tag``), each writing the files of the new ranks ``r`` with ``r % processes ==
+    its rank``, hashing its share of the source beside them, and process 0 seals one manifest.
     """
     if workers is not None and workers < 1:
         raise UsageError(f"workers={workers}: must be at least 1 (rank files written at once)")
@@ -126,23 +144,36 @@ def convert_dcp_to_zero3(
         raise UsageError("convert_dcp_to_zero3 runs in one process, but a torch.distributed process group is "
                          "initialized here (its DCP reads would become collective); run `shardkit convert` outside "
                          "the training job")
+    launch = launch or launch_from_env()
     warn = warn or warn_unverified
     tag_dir = resolve_dcp_tag_dir(source)
     tag = check_tag(tag) if tag is not None else check_tag(tag_dir.name, "source tag (the source folder's name; no --tag given)")
     root = Path(output)
-    check_output_root(root, tag, tag_dir, force=force)
+    if launch.rank == 0:
+        # the others write into the staging folder process 0 claims after this check
+        check_output_root(root, tag, tag_dir, force=force)
     cfg = read_ds_config(ds_config)
     sub_group_size, precision = check_target_config(cfg)
     if options.get("sub_group_size") is not None:
         sub_group_size = int(options["sub_group_size"])
         if sub_group_size < 1:
             raise UsageError(f"sub_group_size {sub_group_size}: must be at least 1")
-    checked = verify_before_reading(tag_dir, checksums=verify)
+    # One process: every digest before anything is read. Several (srun/torchrun): sizes and the
+    # small .metadata now, each process's share of the .distcp digests while the files are written.
+    checked = verify_before_reading(tag_dir, checksums=verify and not launch.distributed)
     # a folder without a manifest is not verified: a link out of it must still never be read
     refuse_links_leaving(tag_dir, "convert")
-    for note in checked.warnings:
-        warn(note)
+    if launch.rank == 0:
+        for note in checked.warnings:
+            if not (verify and launch.distributed and note.startswith("--no-verify")):
+                warn(note)
     manifest = read_manifest(tag_dir) if (tag_dir / MANIFEST_NAME).is_file() else None
+    expected = {e.path: e for e in manifest.files} if manifest is not None and verify and launch.distributed else {}
+    if METADATA_NAME in expected:  # every process reads it next
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            check_source_digests(hash_beside(pool, [(tag_dir / METADATA_NAME, expected.pop(METADATA_NAME))]),
+                                 "convert", "convert another checkpoint")
+    verified = checked.level if not launch.distributed or checked.manifest is None else ("hash" if verify else "sizes")
     if manifest is not None and manifest.engine != "fsdp2":
         raise UsageError(f"{tag_dir}: its manifest says engine {manifest.engine!r}, not 'fsdp2'; --to zero3 converts FSDP2 "
                          "checkpoints (a ZeRO-3 checkpoint at another world size: `shardkit reshard`)")
@@ -165,11 +196,36 @@ def convert_dcp_to_zero3(
                  config_digest=config_digest(target.cfg),
                  extra={"converted_from": {"path": str(tag_dir), "engine": "fsdp2",
                                            "world_size": manifest.world_size if manifest else None,
-                                           "verified": checked.level}})
-    outcome = f"nothing written: the staging folder was removed, {root / LATEST_NAME} is unchanged"
-    with atomic_checkpoint(root, tag, engine="deepspeed", **facts) as save, closing(src.slices):
-        save.known_files = write_rank_files(save.path, out, precision, outcome, workers)
-        written = [e.path for e in save.known_files]
+                                           "verified": verified}})
+    outcome = outcome_unchanged(root)
+    mine = [r for r in range(world_size) if r % launch.world == launch.rank]
+    share: list[FileEntry] = []
+    with closing(src.slices):
+        all_segments = out.all_segments()
+        if launch.distributed:
+            if not all_segments:
+                raise UsageError(f"{tag_dir}: some tensors of this checkpoint are not plain float32 byte ranges (they "
+                                 "are read through torch.distributed.checkpoint, in one process only); "
+                                 f"{launch.launcher} started {launch.world}. Run shardkit convert once, without "
+                                 "srun/torchrun")
+            # each process: its share of the new ranks' files, and of the source's digests beside them
+            workers = workers or default_workers(max(1, 2 * len(mine)))
+
+            def write_mine(staged: Path) -> list[FileEntry]:
+                share.extend(write_rank_files(staged, out, precision, outcome, workers, mine))
+                return share
+
+            distcp = sorted(expected)
+            written = [e.path for e in write_tag_shared(
+                root, tag, launch, write_mine=write_mine,
+                to_hash=[(tag_dir / n, expected[n]) for i, n in enumerate(distcp) if i % launch.world == launch.rank],
+                hash_workers=len(os.sched_getaffinity(0)),
+                before=signatures(sorted([*tag_dir.glob("*.distcp"), tag_dir / METADATA_NAME])), activity=CONVERT,
+                facts=lambda entries: Manifest(engine="deepspeed", tag=tag, versions=library_versions(), **facts))]
+        else:
+            with atomic_checkpoint(root, tag, engine="deepspeed", **facts) as save:
+                save.known_files = share = write_rank_files(save.path, out, precision, outcome, workers)
+                written = [e.path for e in save.known_files]
     final = root / tag
     carried = ["fp32 masters", "exp_avg", "exp_avg_sq", "step", "param_groups (lr, betas, eps, weight_decay)"]
     if plan.buffers:
@@ -189,5 +245,9 @@ def convert_dcp_to_zero3(
     return ConvertResult(
         output=root, tag=tag, source_engine="fsdp2", target_engine="zero3", world_size=world_size,
         source_world_size=manifest.world_size if manifest is not None else 0,
-        params=len(plan.trainable) + len(plan.frozen), bytes=sum((final / f).stat().st_size for f in written),
-        carried=carried, not_carried=plan.not_carried, notes=notes, verified=checked.level)
+        params=len(plan.trainable) + len(plan.frozen),
+        bytes=sum((final / f).stat().st_size for f in written) if launch.rank == 0 else sum(e.size for e in share),
+        carried=carried, not_carried=plan.not_carried, notes=notes, verified=verified,
+        route="bytes" if all_segments else "torch", rank=launch.rank, processes=launch.world, share_files=len(share),
+        share_bytes=sum(e.size for e in share), workers=workers or default_workers(max(1, 2 * len(mine))),
+        launcher=launch.launcher)

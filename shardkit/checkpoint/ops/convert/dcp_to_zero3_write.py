@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from shardkit.checkpoint.io.manifest import FileEntry
 from shardkit.checkpoint.io.pipeline import default_workers
@@ -33,13 +33,13 @@ BATCH_BYTES = 64 * 2**20
 
 
 def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str,
-                     workers: int | None = None) -> list[FileEntry]:
-    """Every rank's optim and model-states file of ``out`` written into the staging folder
-    ``folder`` (``bf16_`` optim file names for a bf16 run); the files written, for the manifest."""
-    world_size = out.layout.world_size
+                     workers: int | None = None, ranks: Sequence[int] | None = None) -> list[FileEntry]:
+    """The optim and model-states file of every rank of ``out`` (or of ``ranks``: this process's
+    share) written into the staging folder ``folder`` (``bf16_`` optim file names for a bf16 run);
+    the files written, for the manifest."""
     prefix = "bf16_" if precision == "bf16" else ""
-
-    ranks = range(world_size)
+    if ranks is None:
+        ranks = range(out.layout.world_size)
     # optim files first (the large ones), so the small model files fill the gaps at the end
     files: list[tuple[str, Callable[[], dict[str, Any]]]] = (
         [(OPTIM_FILE.format(prefix=prefix, rank=r), partial(out.optim_states, r)) for r in ranks]
@@ -48,7 +48,7 @@ def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str
     # Byte-range copies release the GIL (preadv, crc32, blake3/sha256, write): one thread per rank file
     # (reshard's rule). Tensors that need dcp.load are produced one at a time.
     if workers is None:
-        workers = default_workers(world_size) if out.all_segments() else 1
+        workers = default_workers(max(1, len(ranks))) if out.all_segments() else 1
     # hashed as written (the manifest needs no second read), fsynced by the thread that wrote
     # it; the first failure cancels the files not yet started (stream.write_parallel)
     def job(produce: Callable[[], dict[str, Any]]) -> Callable[[Path], Any]:
