@@ -302,6 +302,62 @@ def run_reshard_only(workdir: Path) -> dict[str, Any]:
     return results
 
 
+def run_convert_only(workdir: Path) -> dict[str, Any]:
+    """``shardkit convert --to zero3`` of the kept checkpoint's DCP form: one process with its
+    default writers and with one, and two launched processes x 1 writer (RANK/WORLD_SIZE, what
+    srun/torchrun start on two nodes), beside ``cp -r`` + fsync of the DCP folder."""
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    ckpt = workdir / "ckpt"
+    if not (ckpt / "latest").exists():
+        raise SystemExit(f"[bench] --convert-only needs the checkpoint of a full run in {ckpt} (--workdir DIR --keep)")
+    dcp, back, copy = workdir / "dcp", workdir / "zero3_back", workdir / "copy_dcp"
+    shutil.rmtree(dcp, ignore_errors=True)
+    results: dict[str, Any] = {"convert_to_dcp": measure("shardkit convert --to fsdp2", _py(
+        "-m", "shardkit", "convert", str(ckpt), "--to", "fsdp2", "-o", str(dcp)), env, inputs=ckpt)}
+    results["dcp_bytes"] = _dir_bytes(dcp)
+    cfg = workdir / "ds_config.json"
+    cfg.write_text(json.dumps(ds_config(RESUME_WORLD)))
+
+    def fresh(p: Path) -> None:
+        shutil.rmtree(p, ignore_errors=True)
+
+    results["dcp_copy_fsync"] = measure_median(
+        "cp -r DCP + fsync", ["sh", "-c", f'cp -r "{dcp}" "{copy}" && find "{copy}" -type f -exec sync {{}} +'],
+        inputs=dcp, before=lambda: fresh(copy))
+    fresh(copy)
+    to_zero3 = _py("-m", "shardkit", "convert", str(dcp), "--to", "zero3", "--world-size", str(RESUME_WORLD),
+                   "--ds-config", str(cfg), "-o", str(back))
+    results["to_zero3"] = measure_median("shardkit convert --to zero3", to_zero3, env, inputs=dcp,
+                                         before=lambda: fresh(back))
+    results["to_zero3_one_writer"] = measure_median("shardkit convert --to zero3 --workers 1", [*to_zero3, "--workers", "1"],
+                                                    env, inputs=dcp, before=lambda: fresh(back))
+    cmd = " ".join(f"'{a}'" for a in [*to_zero3, "--workers", "1"])
+    two = ["sh", "-c", "; ".join(f"RANK={r} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29701 {cmd} & p{r}=$!"
+                                 for r in range(2)) + "; wait $p0 && wait $p1"]
+    results["to_zero3_two_processes"] = measure_median("shardkit convert --to zero3: 2 launched processes x 1 writer",
+                                                       two, env, inputs=dcp, before=lambda: fresh(back))
+    results["zero3_bytes"] = _dir_bytes(back)
+    fresh(back)
+    fresh(dcp)
+    return results
+
+
+def convert_only_table(r: dict[str, Any]) -> str:
+    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    floor = r["dcp_copy_fsync"]
+    rows = [f"| `shardkit convert --to zero3 --world-size {RESUME_WORLD}` | wall (s) | GB/s written | peak RSS (MiB) | "
+            "vs 1 writer | vs `cp -r` + fsync of the DCP |", "|---|---:|---:|---:|---:|---:|"]
+    base = r["to_zero3_one_writer"]
+    for key, label in (("to_zero3_one_writer", "1 process, `--workers 1`"), ("to_zero3", "1 process, default writers"),
+                       ("to_zero3_two_processes", "2 launched processes x 1 writer (RANK/WORLD_SIZE, as srun/torchrun)")):
+        m = r[key]
+        rows.append(f"| {label} | {m.wall_s:.2f} | {r['zero3_bytes'] / 1e9 / m.wall_s:.2f} | {mib(m.peak_rss)} | "
+                    f"{base.wall_s / m.wall_s:.2f}x | {m.wall_s / floor.wall_s:.2f}x the time |")
+    rows += ["", f"DCP source {r['dcp_bytes'] / 1e9:.2f} GB (`cp -r` + fsync {floor.wall_s:.2f} s), ZeRO-3 output "
+             f"{r['zero3_bytes'] / 1e9:.2f} GB; medians of {REPEAT}."]
+    return "\n".join(rows)
+
+
 def sha256_twin(ckpt: Path, workdir: Path) -> Path:
     """The same checkpoint (hard links: no extra disk) under a manifest of sha256 digests, as every
     shardkit before blake3 sealed it; ``SHARDKIT_HASH=sha256`` then reshards it as they did."""
@@ -643,13 +699,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
     ap.add_argument("--reshard-only", action="store_true",
                     help="only the copy floors and the reshard rows (needs a kept workdir of a full run)")
+    ap.add_argument("--convert-only", action="store_true",
+                    help="only `convert --to zero3` by 1 and 2 processes (needs a kept workdir of a full run)")
     args = ap.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shardkit-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        results = run_reshard_only(workdir) if args.reshard_only else run(workdir)
+        if args.convert_only:
+            results = run_convert_only(workdir)
+            text = convert_only_table(results)
+        elif args.reshard_only:
+            results = run_reshard_only(workdir)
+            text = reshard_table(results)
+        else:
+            results = run(workdir)
+            text = table(results)
         print()
-        print(reshard_table(results) if args.reshard_only else table(results))
+        print(text)
         if args.json:
             args.json.write_text(json.dumps({k: (v.__dict__ if isinstance(v, Measured) else v) for k, v in results.items()}, indent=1))
     finally:

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,38 +85,20 @@ def scontrol_job(job_id: int, env: dict[str, str]) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
 
 
-class StuckJobWarning(UserWarning):
-    """A job that stopped before any rank printed a line, resubmitted once: its stacks are in the message."""
-
-
-# What the template and the launchers print before any rank runs: a job whose output holds nothing
-# else when it is stuck never got as far as the ranks (rendezvous, process start-up).
-_BEFORE_RANKS = ("slurm_multinode.sbatch: ", "shardkit launch: ", "warning: the rendezvous host ")
-
-
 def submit(env: dict[str, str], folder: Path, script: Path, ds_config: str, *script_args: str, nodes: int,
            timeout_s: float, extra_env: dict[str, str] | None = None) -> Job:
     """sbatch the template on ``nodes`` nodes x 2 CPU ranks, wait for it (cancelled after ``timeout_s``),
-    read its output and rank 0's preflight report.
-
-    A job stuck past ``timeout_s`` fails the test with every process's stacks; one stuck before any
-    rank printed anything (twice seen in a whole-suite run, once on CI, never alone) is resubmitted
-    once, its stacks given as a StuckJobWarning, and fails the test if it sticks again."""
-    for attempt in (1, 2):
-        # the same folder: the stuck try's output is job-<its id>.out, and it wrote nothing else
-        job = _submit_once(env, folder, script, ds_config, *script_args, nodes=nodes, timeout_s=timeout_s,
-                           extra_env=extra_env)
-        if isinstance(job, Job):
-            return job
-        message, reached_ranks = job
-        if reached_ranks or attempt == 2:
-            pytest.fail(message)
-        warnings.warn(StuckJobWarning(f"resubmitting once: {message}"), stacklevel=2)
-    raise AssertionError("unreachable")
+    read its output and rank 0's preflight report. A job stuck past ``timeout_s`` fails the test
+    with every process's stacks and the daemons' logs; at once when a daemon of the cluster died."""
+    job = _submit_once(env, folder, script, ds_config, *script_args, nodes=nodes, timeout_s=timeout_s,
+                       extra_env=extra_env)
+    if isinstance(job, str):
+        pytest.fail(job)
+    return job
 
 
 def _submit_once(env: dict[str, str], folder: Path, script: Path, ds_config: str, *script_args: str, nodes: int,
-                 timeout_s: float, extra_env: dict[str, str] | None) -> Job | tuple[str, bool]:
+                 timeout_s: float, extra_env: dict[str, str] | None) -> Job | str:
     """One sbatch of the template, waited for; a stuck job is stopped and described instead."""
     folder.mkdir(parents=True, exist_ok=True)
     report = folder / "preflight.json"
@@ -131,7 +112,7 @@ def _submit_once(env: dict[str, str], folder: Path, script: Path, ds_config: str
         "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SHARDKIT_AUTOPREFLIGHT_JSON": str(report),
         "MASTER_PORT": str(master_port),
         # a job stuck past its timeout is asked where it is: SIGABRT makes every Python process
-        # of it write its threads' stacks into the job's output (_fail_stuck_job)
+        # of it write its threads' stacks into the job's output (_stop_stuck_job)
         "PYTHONFAULTHANDLER": "1",
         **(extra_env or {}),
     }
@@ -149,6 +130,10 @@ def _submit_once(env: dict[str, str], folder: Path, script: Path, ds_config: str
     while info.get("JobState") not in TERMINAL_STATES:
         if time.monotonic() > deadline:
             return _stop_stuck_job(job_id, info.get("JobState"), timeout_s, folder, env)
+        if not all(_daemon_states(env).values()):
+            # a dead slurmd never answers again: waiting out the timeout would only delay the failure
+            return (f"a cluster daemon died while job {job_id} was {info.get('JobState')}: "
+                    + _stop_stuck_job(job_id, info.get("JobState"), timeout_s, folder, env))
         time.sleep(2)
         info = scontrol_job(job_id, env)
     output = (folder / f"job-{job_id}.out").read_text(errors="replace")
@@ -173,14 +158,11 @@ def job_processes(job_id: int) -> dict[int, str]:
     return found
 
 
-def _stop_stuck_job(job_id: int, state: str | None, timeout_s: float, folder: Path,
-                    env: dict[str, str]) -> tuple[str, bool]:
-    """Where the job is stuck (each process's state, each Python process's stacks), and whether any
-    rank had printed a line, after cancelling it and making sure none of its processes is left
-    holding a node: the next job would otherwise wait out its own timeout PENDING behind this one."""
+def _stop_stuck_job(job_id: int, state: str | None, timeout_s: float, folder: Path, env: dict[str, str]) -> str:
+    """Where the job is stuck (each process's state, each Python process's stacks, the daemons'
+    logs), after cancelling it and making sure none of its processes is left holding a node: the
+    next job would otherwise wait out its own timeout PENDING behind this one."""
     out = folder / f"job-{job_id}.out"
-    before = out.read_text(errors="replace") if out.exists() else ""
-    reached_ranks = any(line.strip() and not line.startswith(_BEFORE_RANKS) for line in before.splitlines())
     procs = job_processes(job_id)
     table = ""
     if procs:
@@ -212,5 +194,30 @@ def _stop_stuck_job(job_id: int, state: str | None, timeout_s: float, folder: Pa
         time.sleep(2)
     text = out.read_text(errors="replace") if out.exists() else "(no output)"
     return (f"job {job_id} still {state} after {timeout_s}s (cancelled; {len(left)} process(es) killed after "
-            f"scancel; nodes now {nodes}). Its processes when it was stopped:\n{table}\n"
-            f"Its output ({out}), with every Python process's stacks at the end:\n{text[-12000:]}"), reached_ranks
+            f"scancel; nodes now {nodes}). {_daemons(env)}\nIts processes when it was stopped:\n{table}\n"
+            f"Its output ({out}), with every Python process's stacks at the end:\n{text[-12000:]}")
+
+
+def _daemons(env: dict[str, str]) -> str:
+    """Which of the cluster's daemons are alive, and the end of each one's log (the state folder
+    goes with the cluster: a daemon that died is only explained here)."""
+    state = Path(env.get("SHARDKIT_SLURM_DIR", "/nonexistent"))
+    alive = [f"{name} {'alive' if up else 'GONE'}" for name, up in _daemon_states(env).items()]
+    logs = []
+    for log in sorted((state / "log").glob("*.log")):
+        with contextlib.suppress(OSError):
+            logs.append(f"--- {log.name}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-12:]))
+    return "Daemons: " + ", ".join(alive) + "\n" + "\n".join(logs)
+
+
+def _daemon_states(env: dict[str, str]) -> dict[str, bool]:
+    """Each daemon of the cluster (its pid file's name) -> alive."""
+    states = {}
+    for pid_file in sorted((Path(env.get("SHARDKIT_SLURM_DIR", "/nonexistent")) / "run").glob("*.pid")):
+        try:
+            os.kill(int(pid_file.read_text().strip()), 0)
+            states[pid_file.stem] = True
+        except (OSError, ValueError):
+            states[pid_file.stem] = False
+    return states
+

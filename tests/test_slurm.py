@@ -20,10 +20,16 @@ import pytest
 from tests._slurm_jobs import CLUSTER, REPO, TEMPLATE, Job, free_port, run_grouped, submit
 from tests.test_launch import GOOD_AND_BAD
 
+# One worker runs both Slurm modules, one after the other (`--dist loadgroup`, pyproject): two
+# clusters at once would share this machine's two cores, and the two-node ones their node names
+# and addresses.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 # A fresh machine installs slurm-wlm + munge first (about 20 s here, minutes on a slow mirror).
 START_TIMEOUT_S = 240
 # A 2-rank ZeRO-3 job took 60-75 s on this shared 2-core machine.
 JOB_TIMEOUT_S = 240
+
 
 def _live_daemons(state: Path) -> dict[str, int]:
     """The cluster's daemons still alive, from their pid files."""

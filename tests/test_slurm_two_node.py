@@ -2,8 +2,8 @@
 SHARDKIT_SLURM_NODES=2 starts one slurmd per node, each in its own UTS + mount namespace (own
 hostname, own /etc/hosts, own loopback address), and launch/slurm_multinode.sbatch goes through
 `sbatch` with 2 nodes x 2 CPU ranks: ZeRO-3 trains with the automatic preflight on all 4 ranks and
-saves a checkpoint that both nodes then reshard together (srun, each node writing its share), a
-replaced module fails the job with exit 3, and the cross-node failures are named within their
+saves a checkpoint that both nodes then reshard, and convert to FSDP2 and back, together (srun,
+each node writing its share), a replaced module fails the job with exit 3, and the cross-node failures are named within their
 timeouts: a node that never joins, a MASTER_ADDR one node cannot reach, different shardkit versions
 on the two nodes (and, without a cluster, two nodes whose ranks claim the same (host, device)).
 Skipped, with the reason, where the machine cannot host the cluster. All traffic stays on loopback."""
@@ -32,10 +32,15 @@ from shardkit.run.rendezvous_diagnosis import diagnose, rendezvous_of
 from tests._slurm_jobs import CLUSTER, REPO, Job, free_port, run_grouped, submit
 from tests.test_launch import GOOD_AND_BAD
 
+# One worker runs both Slurm modules, one after the other (`--dist loadgroup`, pyproject): two
+# clusters at once would share this machine's two cores, and the two-node ones their node names
+# and addresses.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 NODES = ("sknode1", "sknode2")
 NODE_NET = "127.0.77"
 START_TIMEOUT_S = 240  # a fresh machine installs slurm-wlm + munge first
-# A 2 x 2 rank ZeRO-3 job took ~140 s on this shared 2-core machine; the small jobs ~60 s.
+# A 2 x 2 rank ZeRO-3 job took 15 s on this 2-core machine idle, ~140 s beside other tests; the small jobs less.
 ZERO3_JOB_TIMEOUT_S = 480
 JOB_TIMEOUT_S = 300
 # The failure cases shorten torchrun's rendezvous timeouts (600 s / 60 s by default) so they end fast.
@@ -90,6 +95,7 @@ def cluster() -> Iterator[dict[str, str]]:
         "SLURM_CONF": str(state / "slurm.conf"),
     }
     namespaces: set[str] = set()
+    pins: list[int] = []
     try:
         try:
             r = run_grouped(["bash", str(CLUSTER), "start"], env, START_TIMEOUT_S)
@@ -100,6 +106,10 @@ def cluster() -> Iterator[dict[str, str]]:
         assert r.returncode == 0, r.stdout
         assert "cluster up in" in r.stdout and "2 nodes, each in its own UTS + mount namespace" in r.stdout, r.stdout
         daemons = _pids(state)
+        # An open descriptor keeps each node's namespace (and so its inode number) alive until the
+        # end: a namespace that ended can have its number given to a new one (another cluster's
+        # node), whose processes the orphan check below would then take for this cluster's.
+        pins = [os.open(f"/proc/{daemons[f'slurmd-{n}']}/ns/uts", os.O_RDONLY) for n in NODES]
         namespaces = {os.readlink(f"/proc/{daemons[f'slurmd-{n}']}/ns/uts") for n in NODES}
         assert len(namespaces) == 2 and os.readlink("/proc/self/ns/uts") not in namespaces
         yield env
@@ -114,6 +124,8 @@ def cluster() -> Iterator[dict[str, str]]:
         orphans = _in_namespaces(namespaces)
         for pid in orphans:
             os.kill(pid, signal.SIGKILL)
+        for fd in pins:
+            os.close(fd)
         shutil.rmtree(state, ignore_errors=True)
         assert not survivors, f"`slurm_local_cluster.sh stop` left {survivors} running (killed now): {stop.stdout}"
         assert not orphans, f"processes left in the nodes' namespaces after stop (killed now): {orphans}"
@@ -407,16 +419,58 @@ def test_the_two_node_checkpoint_resharded_by_both_nodes_each_writing_its_share(
     assert (src / "latest").read_text().strip() == "global_step3", list(src.iterdir())
     assert len(list((src / "global_step3").glob("*optim_states.pt"))) == 4  # one per rank, both nodes'
     out = tmp_path / "ckpt_ws3"
-    env = {**cluster, "PATH": os.pathsep.join([str(Path(sys.executable).parent), cluster.get("PATH", "")])}
-    r = run_grouped(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=5", "--kill-on-bad-exit=1",
-              "shardkit", "reshard", str(src), "--world-size", "3", "-o", str(out)], env, 300)
+    r = _srun_shardkit(cluster, "reshard", str(src), "--world-size", "3", "-o", str(out))
     assert r.returncode == 0, r.stdout[-4000:]
     assert re.search(r"wrote .*ckpt_ws3/global_step3 by 2 processes \(srun\): \d+ files", r.stdout), r.stdout[-3000:]
     assert re.search(r"rank 1 of 2 \(srun\): wrote its share, [1-9]\d* files", r.stdout), r.stdout[-3000:]
-    verify = run_grouped([sys.executable, "-m", "shardkit", "verify", str(out), "--world-size", "3"], env, 120)
+    verify = run_grouped([sys.executable, "-m", "shardkit", "verify", str(out), "--world-size", "3"], cluster, 120)
     assert verify.returncode == 0, verify.stdout[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["global_step3", "latest"], list(out.iterdir())
 
+
+def _srun_shardkit(cluster: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`shardkit ARGS` once on each node (srun), this interpreter's console script first on PATH."""
+    env = {**cluster, "PATH": os.pathsep.join([str(Path(sys.executable).parent), cluster.get("PATH", "")])}
+    return run_grouped(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=5", "--kill-on-bad-exit=1", "shardkit",
+                        *args], env, 300)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_two_node_checkpoint_converted_to_fsdp2_and_back_by_both_nodes(
+        zero3_job: Job, cluster: dict[str, str], tmp_path: Path):
+    # ZeRO-3 (4 ranks, both nodes) -> FSDP2 -> ZeRO-3 at 4 ranks, each conversion one `shardkit
+    # convert` per node (srun), each writing its share into the shared folder: the masters and both
+    # moments of every rank come back bit for bit
+    import torch
+
+    from shardkit.checkpoint.io.torch_load import safe_torch_load
+
+    assert (zero3_job.state, zero3_job.exit_code) == ("COMPLETED", "0:0"), zero3_job.output[-3000:]
+    src = zero3_job.folder / "ckpt"
+    dcp, back = tmp_path / "dcp", tmp_path / "back"
+    r = _srun_shardkit(cluster, "convert", str(src), "--to", "fsdp2", "-o", str(dcp))
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert re.search(r"wrote .*dcp/global_step3 by 2 processes \(srun\): zero3 -> fsdp2", r.stdout), r.stdout[-3000:]
+    r = _srun_shardkit(cluster, "convert", str(dcp), "--to", "zero3", "--world-size", "4", "--ds-config",
+                       str(REPO / "ds_configs" / "zero3.json"), "-o", str(back))
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert re.search(r"wrote .*back/global_step3 by 2 processes \(srun\): fsdp2 -> zero3", r.stdout), r.stdout[-3000:]
+    # 4 new ranks over 2 processes: ranks 1 and 3 (two files each) on the second
+    assert re.search(r"rank 1 of 2 \(srun\): wrote its share, 4 files", r.stdout), r.stdout[-3000:]
+    verify = run_grouped([sys.executable, "-m", "shardkit", "verify", str(back), "--world-size", "4"], cluster, 120)
+    assert verify.returncode == 0, verify.stdout[-3000:]
+    for rank in range(4):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        a = safe_torch_load(src / "global_step3" / name)["optimizer_state_dict"]
+        b = safe_torch_load(back / "global_step3" / name)["optimizer_state_dict"]
+        assert len(a["fp32_flat_groups"]) == len(b["fp32_flat_groups"])
+        for x, y in zip(a["fp32_flat_groups"], b["fp32_flat_groups"]):
+            assert x.dtype == y.dtype == torch.float32 and torch.equal(x.view(torch.int32), y.view(torch.int32)), rank
+        for j, st in a["optimizer_state_dict"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[key].view(torch.int32), b["optimizer_state_dict"]["state"][j][key].view(torch.int32)), \
+                    (rank, j, key)
 
 def test_two_nodes_without_unshare_exit_2_saying_what_is_missing(tmp_path: Path):
     # a PATH with Slurm and the tools the script uses before the namespace check, but no unshare
