@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,14 @@ def pytest_configure(config: pytest.Config) -> None:
     mid-build by a test's timeout, leaving a stale lock that hangs every later DeepSpeed test.
     """
     if hasattr(config, "workerinput"):  # an xdist worker: the controller already did it
+        # the worker names each test's group when the controller schedules by group (below)
+        config.option.loadgroup = bool(getattr(config, "workerinput").get("shardkit_loadgroup"))
         return
+    # Under -n, the tests marked xdist_group("slurm") share one worker (xdist's loadgroup instead
+    # of its default load): two Slurm clusters at once would fight over this machine's cores, and
+    # a second two-node cluster over its node names and addresses (docs/slurm.md).
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadgroup"
     import subprocess
 
     code = "from shardkit.engines.deepspeed import prebuild_ops; print(prebuild_ops())"
@@ -44,6 +52,13 @@ def pytest_configure(config: pytest.Config) -> None:
         subprocess.run([sys.executable, "-c", code], timeout=1200, capture_output=True, check=False)
     except subprocess.TimeoutExpired:
         pass  # the tests that need the ops will fail with DeepSpeed's own message
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under -p no:xdist
+def pytest_configure_node(node: Any) -> None:
+    """xdist's controller, for each worker it starts: whether tests are scheduled by group (the
+    worker parses the command line itself and would not know it)."""
+    node.workerinput["shardkit_loadgroup"] = node.config.option.dist == "loadgroup"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,7 +20,7 @@ import pytest
 from tests._slurm_jobs import CLUSTER, REPO, TEMPLATE, Job, free_port, run_grouped, submit
 from tests.test_launch import GOOD_AND_BAD
 
-# One worker runs both Slurm modules, one after the other (`--dist loadgroup`, pyproject): two
+# One worker runs both Slurm modules, one after the other (loadgroup, tests/conftest.py): two
 # clusters at once would share this machine's two cores, and the two-node ones their node names
 # and addresses.
 pytestmark = pytest.mark.xdist_group("slurm")
