@@ -40,6 +40,8 @@ from shardkit.platform.versions import SHARDKIT_VERSION
 OWNER_NAME = ".shardkit-owner.json"
 _PART = ".shardkit-part-{rank}.json"
 _ALIVE = ".shardkit-alive-{rank}"
+#: A staging folder younger than this without an owner file is a claim under way, not a leftover.
+CLAIM_GRACE_S = 30.0
 #: Seconds between heartbeats of a writing process.
 HEARTBEAT_S = 5.0
 
@@ -183,6 +185,10 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True) -> Path:
             staged.mkdir()
         except FileExistsError:
             alive, who = owner_alive(staged, grace=1.0)
+            if not alive and not (staged / OWNER_NAME).exists() and _age(staged) < CLAIM_GRACE_S:
+                # made a moment ago, its owner file not written yet (a loaded machine can pause a
+                # claimer between the two for longer than the grace): another claim, not a leftover
+                alive, who = True, f"a run claiming it right now ({OWNER_NAME} not written yet)"
             if alive:
                 raise CheckpointError(
                     f"{root / tag}: another shardkit run ({who}) is writing this output right now (its staging folder "
@@ -191,11 +197,12 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True) -> Path:
             shutil.rmtree(staged, ignore_errors=True)
             continue
         try:
-            if sweep:
-                remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
+            # the owner file first, so a writer racing for the same tag sees the claim at once
             atomic_write_text(staged / OWNER_NAME, json.dumps({"job": launch.job, "host": launch.host,
                                                                "pid": os.getpid(), "world": launch.world,
                                                                "started": time.time(), "shardkit": SHARDKIT_VERSION}))
+            if sweep:
+                remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
         except BaseException:  # an interrupt right after the mkdir leaves nothing either
             shutil.rmtree(staged, ignore_errors=True)
             raise

@@ -31,7 +31,8 @@ class ConvertResult:
     verified: str = "hash"
     """How the source was checked before it was read: 'hash' (sizes and digests), 'sizes' or 'none' (no manifest)."""
     route: str = "bytes"
-    """'bytes': byte ranges copied without torch; 'torch': through dcp.save (what bytes cannot express)."""
+    """'bytes': tensors copied as byte ranges; 'torch': some through torch (--to fsdp2: dcp.save; --to
+    zero3: tensors dcp.load reads whole), for what byte ranges cannot express."""
     rank: int = 0
     """This process's share (under srun/torchrun; 0 alone)."""
     processes: int = 1
