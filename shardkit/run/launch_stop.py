@@ -41,6 +41,9 @@ class LaunchStop:
     """The first SIGINT/SIGTERM received (passed on to the launcher)."""
     seen: list[int] = field(default_factory=list)
     """Pids below the launcher when the signal came (the fallback where there is no subreaper)."""
+    seen_created: dict[int, float] = field(default_factory=dict)
+    """Each seen pid's start time: a pid reused by another process before the reap is not that one
+    (pids wrap quickly where pid_max is 32768, as in many containers)."""
     before: set[int] = field(default_factory=set)
     """This process's descendants before the launcher started: never the launch's, never touched
     (a caller that runs the launch in process may have children of its own)."""
@@ -53,9 +56,16 @@ class LaunchStop:
         return cls(before=set(_descendants(psutil.Process().pid)))
 
     def note(self, signum: int, launcher_pid: int) -> None:
+        import psutil
+
         if self.signum is None:
             self.signum = signum
-        self.seen = sorted(set(self.seen) | set(_descendants(launcher_pid)))
+        for pid in _descendants(launcher_pid):
+            try:
+                self.seen_created.setdefault(pid, psutil.Process(pid).create_time())
+            except psutil.Error:
+                continue
+        self.seen = sorted(set(self.seen) | set(self.seen_created))
 
     @property
     def exit_code(self) -> int | None:
@@ -77,12 +87,14 @@ def reap_leftovers(stop: LaunchStop, subreaper: bool, grace_s: float = GRACE_S) 
     was still running (empty when the launcher cleaned up after itself)."""
     import psutil
 
-    pids = set(_descendants(psutil.Process().pid)) if subreaper else set()
-    pids = (pids | set(stop.seen)) - stop.before
+    below = set(_descendants(psutil.Process().pid)) if subreaper else set()
+    pids = (below | set(stop.seen)) - stop.before
     alive = []
     for pid in sorted(pids):
         try:
             proc = psutil.Process(pid)
+            if pid not in below and pid in stop.seen_created and proc.create_time() != stop.seen_created[pid]:
+                continue  # the pid now names another process: never signal that one
             if proc.status() != psutil.STATUS_ZOMBIE:
                 alive.append(proc)
         except psutil.Error:
