@@ -447,6 +447,11 @@ ACCELERATE_SCRIPT = textwrap.dedent(
     print(f"rank {acc.process_index} of {acc.num_processes} trained ({acc.distributed_type})", flush=True)
     acc.wait_for_everyone()
     acc.end_training()
+    # torch 2.13 CPU can abort a finished rank at interpreter finalization ("terminate called
+    # without an active exception", docs/slurm.md): leave once everything is flushed
+    import os, sys
+    sys.stdout.flush()
+    os._exit(0)
     """
 )
 

@@ -169,6 +169,9 @@ def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = F
     checkpoints = [e for e in entries if e.is_dir() and not e.name.startswith(STAGING_PREFIX)
                    and REPLACED_MARK not in e.name and (e / MANIFEST_NAME).is_file()]
     if not checkpoints:
+        if any(not os.path.lexists(e) for e in entries):
+            # another writer published (renamed its staging folder) while this looked: look again
+            return check_output_root(root, tag, source_dir, force=force)
         shown = [e.name for e in entries[:5]] + (["..."] if len(entries) > 5 else [])
         raise UsageError(
             f"-o {root}: folder is not empty and is not a shardkit checkpoint folder (it holds {shown}); writing "

@@ -180,34 +180,70 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True) -> Path:
     """
     root.mkdir(parents=True, exist_ok=True)
     staged = staging_dir(root, tag)
+    owner = json.dumps({"job": launch.job, "host": launch.host, "pid": os.getpid(), "world": launch.world,
+                        "started": time.time(), "shardkit": SHARDKIT_VERSION})
     for _ in range(3):
         try:
-            staged.mkdir()
-        except FileExistsError:
-            alive, who = owner_alive(staged, grace=1.0)
-            if not alive and not (staged / OWNER_NAME).exists() and _age(staged) < CLAIM_GRACE_S:
-                # made a moment ago, its owner file not written yet (a loaded machine can pause a
-                # claimer between the two for longer than the grace): another claim, not a leftover
-                alive, who = True, f"a run claiming it right now ({OWNER_NAME} not written yet)"
-            if alive:
-                raise CheckpointError(
-                    f"{root / tag}: another shardkit run ({who}) is writing this output right now (its staging folder "
-                    f"{staged} is live). One writer per output: wait for it to finish, or write to another -o/--tag. "
-                    f"If no such run exists (it was killed on another host), remove {staged}") from None
-            shutil.rmtree(staged, ignore_errors=True)
-            continue
-        try:
-            # the owner file first, so a writer racing for the same tag sees the claim at once
-            atomic_write_text(staged / OWNER_NAME, json.dumps({"job": launch.job, "host": launch.host,
-                                                               "pid": os.getpid(), "world": launch.world,
-                                                               "started": time.time(), "shardkit": SHARDKIT_VERSION}))
+            # the folder and its owner file come into being together as far as an interrupt can
+            # tell (Ctrl-C / SIGTERM are held for these two file operations): whatever stops this
+            # run afterwards finds its claim by the owner file and removes it (remove_own_claim)
+            with _interrupts_held():
+                try:
+                    staged.mkdir()
+                    made = True
+                except FileExistsError:
+                    made = False
+                if made:
+                    try:
+                        atomic_write_text(staged / OWNER_NAME, owner)
+                    except BaseException:
+                        shutil.rmtree(staged, ignore_errors=True)
+                        raise
+            if not made:
+                alive, who = owner_alive(staged, grace=1.0)
+                if not alive and not (staged / OWNER_NAME).exists() and _age(staged) < CLAIM_GRACE_S:
+                    # made a moment ago, its owner file not written yet (a claimer paused between the
+                    # two on a loaded machine, or an older release): another claim, not a leftover
+                    alive, who = True, f"a run claiming it right now ({OWNER_NAME} not written yet)"
+                if alive:
+                    raise CheckpointError(
+                        f"{root / tag}: another shardkit run ({who}) is writing this output right now (its staging "
+                        f"folder {staged} is live). One writer per output: wait for it to finish, or write to another "
+                        f"-o/--tag. If no such run exists (it was killed on another host), remove {staged}")
+                shutil.rmtree(staged, ignore_errors=True)
+                continue
             if sweep:
                 remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
-        except BaseException:  # an interrupt right after the mkdir leaves nothing either
-            shutil.rmtree(staged, ignore_errors=True)
+        except BaseException:
+            remove_own_claim(staged, launch)  # an interrupt or error after the claim leaves nothing either
             raise
         return staged
     raise CheckpointError(f"{staged}: could not be claimed (it kept coming back); is another run writing {root / tag}?")
+
+
+def remove_own_claim(staged: Path, launch: Launch) -> None:
+    """Remove the staging folder ``staged`` if this run claimed it (its owner file names this job):
+    the clean-up after any failure or interrupt, which need not know how far the claim got."""
+    owner = _read_json(staged / OWNER_NAME)
+    if owner is not None and owner.get("job") == launch.job and owner.get("pid") == os.getpid():
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back by the OS for the body (a few file operations that must not be
+    split), then delivered: Python runs its handlers in the main thread only, so elsewhere this
+    holds nothing back and needs not to."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def join(root: Path, tag: str, launch: Launch) -> Path:

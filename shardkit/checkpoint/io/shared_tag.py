@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
+from shardkit.checkpoint.io.atomic import staging_dir
 from shardkit.checkpoint.io.manifest import FileEntry, Manifest
 from shardkit.checkpoint.io.pipeline import check_source_digests, hash_beside
-from shardkit.checkpoint.io.shared_save import Launch, claim, gather_parts, heartbeat, join, seal, write_part
+from shardkit.checkpoint.io.shared_save import (
+    Launch,
+    claim,
+    gather_parts,
+    heartbeat,
+    join,
+    remove_own_claim,
+    seal,
+    write_part,
+)
 from shardkit.core.errors import CheckpointError
 
 #: (size, mtime_ns, inode) of a source file: a rewrite or replacement changes one of them.
@@ -69,8 +78,9 @@ def write_tag_shared(
     the entries this process wrote (on process 0: every file of the tag)."""
     started = time.monotonic()
     made_root = not os.path.lexists(root)
-    staged = claim(root, tag, launch) if launch.rank == 0 else join(root, tag, launch)
     try:
+        # inside the try: an interrupt right as the claim returns still leaves nothing
+        staged = claim(root, tag, launch) if launch.rank == 0 else join(root, tag, launch)
         with heartbeat(staged, launch.rank):
             entries: list[FileEntry] = []
             error: BaseException | None = None
@@ -104,7 +114,7 @@ def write_tag_shared(
             seal(staged, root, tag, manifest)
     except BaseException:
         if launch.rank == 0:
-            shutil.rmtree(staged, ignore_errors=True)
+            remove_own_claim(staging_dir(root, tag), launch)  # found by its owner file, however far it got
             if made_root:
                 with contextlib.suppress(OSError):
                     root.rmdir()  # the folder this run made, if nothing else was put there meanwhile

@@ -55,6 +55,7 @@ class DeepSpeedObjectStub:
     """
 
     deepspeed_name: str = ""
+    args: tuple[Any, ...]
 
     def __new__(cls, *args: Any) -> "DeepSpeedObjectStub":
         obj = object.__new__(cls)
@@ -84,6 +85,15 @@ _STUBS: dict[str, type[DeepSpeedObjectStub]] = {
     name: type(name.rsplit(".", 1)[1] + "Stub", (DeepSpeedObjectStub,), {"deepspeed_name": name})
     for name in DEEPSPEED_SAFE_GLOBALS
 }
+
+
+def deepspeed_stub(name: str, *args: Any, **state: Any) -> DeepSpeedObjectStub:
+    """The stand-in for DeepSpeed's ``name(*args)`` with attributes ``state`` (in that order), which
+    ``torch_pickle.StubPickler`` writes as the real object pickles: a writer of DeepSpeed's files
+    needs no DeepSpeed import (``ZeroStageEnum`` -> ``deepspeed_stub(ZERO_STAGE, 3)``)."""
+    obj = _STUBS[name](*args)
+    vars(obj).update(state)
+    return obj
 
 
 def _real_deepspeed_globals() -> list[tuple[Any, str]]:

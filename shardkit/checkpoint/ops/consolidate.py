@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, fsync_dir, os_errors_named
+from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, fsync_dir, os_errors_named, staging_dir
 from shardkit.checkpoint.io.manifest import FileEntry
 from shardkit.checkpoint.io.pipeline import (
     check_source_digests,
@@ -57,6 +57,7 @@ from shardkit.checkpoint.io.shared_save import (
     heartbeat,
     join,
     launch_from_env,
+    remove_own_claim,
     split_by_bytes,
     write_part,
 )
@@ -389,9 +390,10 @@ def _write_shared(out: Path, launch: Launch, write_small: Callable[[int], None],
     """
     started = time.monotonic()
     made_parent = not out.parent.exists()
-    staged = claim(out.parent, out.name, launch, sweep=False) if launch.rank == 0 else join(out.parent, out.name, launch)
-    data = staged / out.name
     try:
+        # inside the try: an interrupt right as the claim returns still leaves nothing
+        staged = claim(out.parent, out.name, launch, sweep=False) if launch.rank == 0 else join(out.parent, out.name, launch)
+        data = staged / out.name
         with disk_full_named(out, outcome), heartbeat(staged, launch.rank):
             error: BaseException | None = None
             try:
@@ -419,7 +421,7 @@ def _write_shared(out: Path, launch: Launch, write_small: Callable[[int], None],
             shutil.rmtree(staged, ignore_errors=True)
     except BaseException:
         if launch.rank == 0:
-            shutil.rmtree(staged, ignore_errors=True)
+            remove_own_claim(staging_dir(out.parent, out.name), launch)  # found by its owner file
             if made_parent:
                 with contextlib.suppress(OSError):
                     out.parent.rmdir()  # the folder this run made, if nothing else was put there meanwhile

@@ -15,18 +15,24 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from shardkit.checkpoint.io.manifest import FileEntry
 from shardkit.checkpoint.io.pipeline import default_workers
 from shardkit.checkpoint.io.stream import LazyTensor, Segment, stream_save, write_parallel
+from shardkit.checkpoint.io.torch_load import deepspeed_stub
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import TargetOptimizer
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, SourcePlan
 from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, MODEL_KEY, OPTIM_KEY
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.repartition import TargetLayout
+from shardkit.core.errors import UsageError
+from shardkit.platform.versions import package_version
 
 if TYPE_CHECKING:
     import torch
 
 FP32 = "fp32"
 """Pseudo state key: the fp32 masters (the FSDP2 parameters themselves)."""
+
+ZERO_STAGE = "deepspeed.runtime.zero.config.ZeroStageEnum"
+LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
 
 BATCH_BYTES = 64 * 2**20
 """Full source tensors read per ``dcp.load`` call while a partition is produced (bounds memory)."""
@@ -66,12 +72,17 @@ class RankStates:
                  groups: list[dict[str, Any]], sub_steps: list[tuple[int, Any]], precision: str, global_steps: int,
                  counters: dict[str, Any], client: dict[str, Any], cfg: dict[str, Any],
                  names: dict[str, str] | None = None):
-        import deepspeed
         import torch
 
         self.src, self.plan, self.layout, self.opt, self.sub_steps = src, plan, layout, opt, sub_steps
         self.global_steps, self.counters, self.client, self.cfg = global_steps, counters, client, cfg
-        self.ds_version = deepspeed.__version__
+        # the release the files say wrote them, read without importing DeepSpeed (1.2 s here)
+        ds_version = package_version("deepspeed")
+        if ds_version is None:
+            raise UsageError("DeepSpeed is not installed in this environment, and the ZeRO-3 files record the DeepSpeed "
+                             "release that loads them (ds_version); install the release the resuming run uses "
+                             "(pip install 'deepspeed==X') and convert again")
+        self.ds_version = ds_version
         self.module_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         # source FQN -> the name the resuming engine's module has (``module.`` added or removed:
         # ``dcp_to_zero3_plan.target_names``); the DCP keys are always read under the source's
@@ -120,9 +131,6 @@ class RankStates:
     def optim_states(self, rank: int) -> dict[str, Any]:
         """``_save_zero_checkpoint``'s dict around ``DeepSpeedZeroOptimizer_Stage3._rigid_state_dict``,
         with the flat tensors produced only when ``stream_save`` writes them."""
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-
         layout = self.layout
         state: dict[int, dict[str, Any]] = {}
         for j in range(len(layout.sub_groups)):
@@ -132,8 +140,9 @@ class RankStates:
                 st[key] = self._lazy(j, rank, key)
             state[j] = st
         osd = {
-            "zero_stage": ZeroStageEnum.weights,
-            "loss_scaler": LossScaler(1.0),  # bf16/fp32: DeepSpeed's static scale of 1 (fp16 is refused)
+            # DeepSpeed's ZeroStageEnum.weights and LossScaler(1.0), written as they pickle (no import)
+            "zero_stage": deepspeed_stub(ZERO_STAGE, 3),
+            "loss_scaler": deepspeed_stub(LOSS_SCALER, cur_scale=1.0, dynamic=False),  # bf16/fp32: a static 1 (fp16 is refused)
             "dynamic_loss_scale": False,
             "overflow": False,
             "partition_count": layout.world_size,
