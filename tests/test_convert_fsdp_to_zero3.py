@@ -496,3 +496,17 @@ def test_converts_without_importing_deepspeed(runs, tmp_path):
     a, b = safe_torch_load(ours / name)["optimizer_state_dict"], safe_torch_load(theirs / name)["optimizer_state_dict"]
     assert (a["zero_stage"].value, a["loss_scaler"].cur_scale, a["loss_scaler"].dynamic) == (3, 1.0, False)
     assert all(torch.equal(x, y) for x, y in zip(a["fp32_flat_groups"], b["fp32_flat_groups"]))
+
+
+def test_a_source_needing_dcp_load_is_refused_under_a_launcher(runs, tmp_path, monkeypatch):
+    """Tensors the slice reader cannot take are loaded through DCP, in one process only: under a
+    launcher that is refused before anything is claimed, naming the folder, why and the fix."""
+    from shardkit.checkpoint.dcp import slices as dcp_slices
+    from shardkit.checkpoint.io.shared_save import Launch
+
+    monkeypatch.setattr(dcp_slices.DcpSlices, "chunks", lambda self, key: None)
+    with pytest.raises(UsageError, match=r"some tensors of this checkpoint are not plain float32 byte ranges .* torchrun "
+                                         r"started 2\. Run shardkit convert once, without srun/torchrun"):
+        convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=3, ds_config=B.ds_config(3, True),
+                             launch=Launch(0, 2, "job-1", "torchrun", "host"))
+    assert not (tmp_path / "out").exists()

@@ -21,10 +21,9 @@ def test_a_seen_process_is_stopped_and_a_reused_pid_is_not():
     mine, other = _sleeper(), _sleeper()
     try:
         stop = LaunchStop(signum=15)
-        stop.seen_created = {mine.pid: psutil.Process(mine.pid).create_time(),
-                             # as if the launch had seen an earlier process under this pid
-                             other.pid: psutil.Process(other.pid).create_time() - 5.0}
-        stop.seen = sorted(stop.seen_created)
+        stop.seen = {mine.pid: psutil.Process(mine.pid).create_time(),
+                     # as if the launch had seen an earlier process under this pid
+                     other.pid: psutil.Process(other.pid).create_time() - 5.0}
         named = reap_leftovers(stop, subreaper=False, grace_s=5.0)
         assert mine.wait(timeout=10) is not None and named == [f"{mine.pid} ({sys.executable} -c import time; time.sleep(60))"]
         assert other.poll() is None, "a process the launch never started was signalled"
@@ -46,8 +45,7 @@ def test_note_records_what_is_below_the_launcher_with_its_start_time():
         (child,) = proc.children()
         stop = LaunchStop()
         stop.note(15, parent.pid)
-        assert stop.signum == 15 and stop.seen == [child.pid]
-        assert stop.seen_created == {child.pid: child.create_time()}
+        assert stop.signum == 15 and stop.seen == {child.pid: child.create_time()}
     finally:
         for p in psutil.Process(parent.pid).children(recursive=True):
             p.kill()

@@ -39,11 +39,10 @@ class LaunchStop:
 
     signum: int | None = None
     """The first SIGINT/SIGTERM received (passed on to the launcher)."""
-    seen: list[int] = field(default_factory=list)
-    """Pids below the launcher when the signal came (the fallback where there is no subreaper)."""
-    seen_created: dict[int, float] = field(default_factory=dict)
-    """Each seen pid's start time: a pid reused by another process before the reap is not that one
-    (pids wrap quickly where pid_max is 32768, as in many containers)."""
+    seen: dict[int, float] = field(default_factory=dict)
+    """Pids below the launcher when the signal came (the fallback where there is no subreaper), each
+    with its start time: a pid reused by another process before the reap is not that one (pids wrap
+    quickly where pid_max is 32768, as in many containers)."""
     before: set[int] = field(default_factory=set)
     """This process's descendants before the launcher started: never the launch's, never touched
     (a caller that runs the launch in process may have children of its own)."""
@@ -62,10 +61,9 @@ class LaunchStop:
             self.signum = signum
         for pid in _descendants(launcher_pid):
             try:
-                self.seen_created.setdefault(pid, psutil.Process(pid).create_time())
+                self.seen.setdefault(pid, psutil.Process(pid).create_time())
             except psutil.Error:
                 continue
-        self.seen = sorted(set(self.seen) | set(self.seen_created))
 
     @property
     def exit_code(self) -> int | None:
@@ -93,7 +91,7 @@ def reap_leftovers(stop: LaunchStop, subreaper: bool, grace_s: float = GRACE_S) 
     for pid in sorted(pids):
         try:
             proc = psutil.Process(pid)
-            if pid not in below and pid in stop.seen_created and proc.create_time() != stop.seen_created[pid]:
+            if pid not in below and proc.create_time() != stop.seen[pid]:
                 continue  # the pid now names another process: never signal that one
             if proc.status() != psutil.STATUS_ZOMBIE:
                 alive.append(proc)

@@ -204,8 +204,6 @@ def default_workers(rank_files: int) -> int:
     return max(1, min(rank_files, max(cores, 8)))
 
 
-
-
 def hash_beside(pool: Executor, files: list[tuple[Path, FileEntry]]) -> list[tuple[Path, FileEntry, Future[str]]]:
     """Start hashing each source file with its manifest entry's algorithm on ``pool``, while the
     caller copies (reshard, convert and consolidate read byte ranges, not whole files);

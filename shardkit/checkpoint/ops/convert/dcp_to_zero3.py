@@ -61,7 +61,6 @@ from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest, 
 from shardkit.checkpoint.io.pipeline import (
     check_output_root,
     check_source_digests,
-    default_workers,
     hash_beside,
     verify_before_reading,
     warn_unverified,
@@ -80,7 +79,7 @@ from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import (
     target_names,
 )
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, classify_source, resolve_dcp_tag_dir
-from shardkit.checkpoint.ops.convert.dcp_to_zero3_write import RankStates, write_rank_files
+from shardkit.checkpoint.ops.convert.dcp_to_zero3_write import RankStates, rank_file_workers, write_rank_files
 from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_share import CONVERT
 from shardkit.config.loading import config_digest
@@ -202,6 +201,7 @@ def convert_dcp_to_zero3(
     share: list[FileEntry] = []
     with closing(src.slices):
         all_segments = out.all_segments()
+        workers = workers or rank_file_workers(mine, all_segments)
         if launch.distributed:
             if not all_segments:
                 raise UsageError(f"{tag_dir}: some tensors of this checkpoint are not plain float32 byte ranges (they "
@@ -209,8 +209,6 @@ def convert_dcp_to_zero3(
                                  f"{launch.launcher} started {launch.world}. Run shardkit convert once, without "
                                  "srun/torchrun")
             # each process: its share of the new ranks' files, and of the source's digests beside them
-            workers = workers or default_workers(max(1, 2 * len(mine)))
-
             def write_mine(staged: Path) -> list[FileEntry]:
                 share.extend(write_rank_files(staged, out, precision, outcome, workers, mine))
                 return share
@@ -249,5 +247,4 @@ def convert_dcp_to_zero3(
         bytes=sum((final / f).stat().st_size for f in written) if launch.rank == 0 else sum(e.size for e in share),
         carried=carried, not_carried=plan.not_carried, notes=notes, verified=verified,
         route="bytes" if all_segments else "torch", rank=launch.rank, processes=launch.world, share_files=len(share),
-        share_bytes=sum(e.size for e in share), workers=workers or default_workers(max(1, 2 * len(mine))),
-        launcher=launch.launcher)
+        share_bytes=sum(e.size for e in share), workers=workers, launcher=launch.launcher)

@@ -38,11 +38,18 @@ BATCH_BYTES = 64 * 2**20
 """Full source tensors read per ``dcp.load`` call while a partition is produced (bounds memory)."""
 
 
+def rank_file_workers(ranks: Sequence[int], all_segments: bool) -> int:
+    """Threads writing ``ranks``' files at once by default: byte-range copies release the GIL
+    (preadv, crc32, blake3/sha256, write), so one per rank file (reshard's rule); tensors that need
+    dcp.load are produced one at a time (``all_segments`` False: one thread)."""
+    return default_workers(max(1, len(ranks))) if all_segments else 1
+
+
 def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str,
                      workers: int | None = None, ranks: Sequence[int] | None = None) -> list[FileEntry]:
     """The optim and model-states file of every rank of ``out`` (or of ``ranks``: this process's
-    share) written into the staging folder ``folder`` (``bf16_`` optim file names for a bf16 run);
-    the files written, for the manifest."""
+    share) written into the staging folder ``folder`` (``bf16_`` optim file names for a bf16 run)
+    by ``workers`` threads (default ``rank_file_workers``); the files written, for the manifest."""
     prefix = "bf16_" if precision == "bf16" else ""
     if ranks is None:
         ranks = range(out.layout.world_size)
@@ -51,10 +58,8 @@ def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str
         [(OPTIM_FILE.format(prefix=prefix, rank=r), partial(out.optim_states, r)) for r in ranks]
         + [(MODEL_FILE.format(rank=r), partial(out.model_states, r)) for r in ranks])
 
-    # Byte-range copies release the GIL (preadv, crc32, blake3/sha256, write): one thread per rank file
-    # (reshard's rule). Tensors that need dcp.load are produced one at a time.
     if workers is None:
-        workers = default_workers(max(1, len(ranks))) if out.all_segments() else 1
+        workers = rank_file_workers(ranks, out.all_segments())
     # hashed as written (the manifest needs no second read), fsynced by the thread that wrote
     # it; the first failure cancels the files not yet started (stream.write_parallel)
     def job(produce: Callable[[], dict[str, Any]]) -> Callable[[Path], Any]:
@@ -96,13 +101,6 @@ class RankStates:
             for n in plan.model_keys)
         self.param_shapes = [OrderedDict((self.name(tp.source.name), torch.Size(tp.source.shape)) for tp in sub)
                              for sub in layout.sub_groups]
-        # Frozen parameters are never loaded whole: each rank's fragment is a lazy tensor, byte
-        # ranges of the .distcp file where the dtype already is the module's (so a LoRA model whose
-        # weights are mostly frozen converts at the peak memory of a fully trained one), else its
-        # slice read and cast when the file is written. They used to be dcp.load-ed all at once.
-        self.frozen_fragments = [
-            OrderedDict((p.fqn, self._frozen_fragment(p.fqn, p.numel, r)) for p in plan.frozen)
-            for r in range(layout.world_size)]
         owners: dict[int, list[int]] = {}
         for j, g in enumerate(layout.sub_group_param_group):
             owners.setdefault(g, []).append(j)
@@ -119,7 +117,7 @@ class RankStates:
             frozen_param_shapes=OrderedDict((self.name(p.fqn), torch.Size(p.shape)) for p in plan.frozen),
             shared_params={self.name(a): self.name(o) for a, o in plan.aliases.items()},
             frozen_param_fragments=OrderedDict(
-                (self.name(fqn), fragment) for fqn, fragment in self.frozen_fragments[rank].items()),
+                (self.name(fqn), fragment) for fqn, fragment in self.frozen_fragments(rank).items()),
             lr_scheduler=self.counters.get("lr_scheduler"), data_sampler=None, random_ltd=None,
             skipped_steps=self.counters["skipped_steps"], global_steps=self.global_steps)
         if "global_samples" in self.counters:
@@ -156,7 +154,18 @@ class RankStates:
         ``dcp.load`` needed: the files can be written by several threads at once)."""
         return (all(self._lazy(j, r, key).segments is not None for r in range(self.layout.world_size)
                     for j in range(len(self.layout.sub_groups)) for key in (FP32, *ADAM_STATE_KEYS))
-                and all(f.segments is not None for frags in self.frozen_fragments for f in frags.values()))
+                and all(f.segments is not None for r in range(self.layout.world_size)
+                        for f in self.frozen_fragments(r).values()))
+
+    def frozen_fragments(self, rank: int) -> OrderedDict[str, LazyTensor]:
+        """Rank ``rank``'s fragment of each frozen parameter, built when asked (a process keeps no
+        ranks x frozen-parameters table: under srun/torchrun it writes only its share of the ranks).
+
+        Frozen parameters are never loaded whole: each rank's fragment is a lazy tensor, byte ranges
+        of the .distcp file where the dtype already is the module's (so a LoRA model whose weights
+        are mostly frozen converts at the peak memory of a fully trained one), else its slice read
+        and cast when the file is written. They used to be dcp.load-ed all at once."""
+        return OrderedDict((p.fqn, self._frozen_fragment(p.fqn, p.numel, rank)) for p in self.plan.frozen)
 
     def _frozen_fragment(self, fqn: str, numel: int, rank: int) -> LazyTensor:
         """Rank ``rank``'s ZeRO-3 fragment of the frozen parameter ``fqn`` (``ceil(numel/N)``

@@ -1,0 +1,46 @@
+"""The claim on an output's staging folder (shardkit/checkpoint/io/shared_save.py): a fresh folder
+without an owner file is another run's claim under way, refused by name; an old one is a killed
+save's leftover, removed and claimed; a failure after the claim removes this run's claim only."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from shardkit.checkpoint.io.atomic import staging_dir
+from shardkit.checkpoint.io.shared_save import CLAIM_GRACE_S, OWNER_NAME, Launch, claim, remove_own_claim
+from shardkit.core.errors import CheckpointError
+
+LAUNCH = Launch(0, 1, "job-a", "single process", "host")
+
+
+def test_a_fresh_staging_folder_without_an_owner_is_a_claim_under_way(tmp_path):
+    staged = staging_dir(tmp_path, "step1")
+    staged.mkdir()
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'step1'}: another shardkit run \(a run claiming it right now "
+                                              rf"\({OWNER_NAME} not written yet\)\) is writing this output right now .*"
+                                              rf"remove {staged}"):
+        claim(tmp_path, "step1", LAUNCH)
+    assert staged.is_dir()  # never removed under the other claimer
+
+
+def test_an_old_staging_folder_without_an_owner_is_a_leftover_and_is_claimed(tmp_path):
+    staged = staging_dir(tmp_path, "step1")
+    staged.mkdir()
+    (staged / "half.pt").write_bytes(b"x")
+    old = time.time() - CLAIM_GRACE_S - 5
+    os.utime(staged, (old, old))
+    assert claim(tmp_path, "step1", LAUNCH) == staged
+    assert sorted(p.name for p in staged.iterdir()) == [OWNER_NAME]
+    assert json.loads((staged / OWNER_NAME).read_text())["job"] == "job-a"
+
+
+def test_only_this_runs_claim_is_removed(tmp_path):
+    staged = claim(tmp_path, "step1", LAUNCH)
+    remove_own_claim(staged, Launch(0, 1, "job-b", "single process", "host"))
+    assert staged.is_dir()  # another job's claim: left alone
+    remove_own_claim(staged, LAUNCH)
+    assert not staged.exists()
