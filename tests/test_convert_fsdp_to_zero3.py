@@ -334,17 +334,37 @@ def test_direct_slices_and_dcp_load_write_the_same_tensors(runs, tmp_path, monke
 
 
 def test_direct_slices_refuse_what_they_cannot_read(runs):
-    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+    """What dcp.slices reads straight from the files (element ranges, whole tensors, plain values,
+    byte equality) equals what dcp.load gives, and what it cannot read it answers with None."""
     from shardkit.checkpoint.dcp.slices import DcpSlices
+    from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource
+    from tests.test_dcp_plain_metadata import assert_same_as_torch
 
     tag_dir = runs["src"] / "step2"
-    slices = DcpSlices(tag_dir, read_dcp_metadata(tag_dir / ".metadata"))
+    assert_same_as_torch(tag_dir / ".metadata")  # FSDP2's two chunks per tensor, read without torch
+    slices = DcpSlices(tag_dir)
     try:
         assert slices.chunks("model.lm_head.weight") is not None  # FSDP2's two dim-0 slabs
         assert slices.chunks("optim.state.lm_head.weight.step") is None  # a 0-dim tensor
         assert slices.chunks("optim.param_groups.0.lr") is None  # not a tensor
         out = torch.empty(10, dtype=torch.float64)
         assert not slices.read_into("model.lm_head.weight", 0, out)  # another dtype: caller loads it
+        # the whole-tensor, value and equality readers against dcp.load of the same items
+        step_key, lr_key = "optim.state.lm_head.weight.step", "optim.param_groups.0.lr"
+        loaded = DcpSource(tag_dir).load([step_key, lr_key, "optim.param_groups.0.betas"])
+        ref = slices.tensor_ref(step_key)
+        assert ref is not None and (ref.dtype, ref.shape) == ("float32", ())
+        assert slices.scalar(ref) == float(loaded[step_key]) == 2.0
+        assert slices.read_ref(ref) == loaded[step_key].numpy().tobytes()
+        assert slices.value(lr_key) == (True, loaded[lr_key])
+        assert slices.value("optim.param_groups.0.betas") == (True, loaded["optim.param_groups.0.betas"])
+        assert slices.value(step_key) == (False, None)  # a tensor is not a plain value
+        assert slices.tensor_ref("model.lm_head.weight") is None  # two chunks: not stored whole
+        assert slices.same_bytes("model.lm_head.weight", "model.lm_head.weight") is True
+        others = [k for k, m in slices.md.tensors.items() if m.size == slices.md.tensors["model.lm_head.weight"].size
+                  and k != "model.lm_head.weight" and slices.chunks(k) is not None]
+        assert others and slices.same_bytes("model.lm_head.weight", others[0]) is False
+        assert slices.same_bytes("model.lm_head.weight", step_key) is None
     finally:
         slices.close()
 
@@ -356,17 +376,17 @@ def test_the_first_failed_rank_file_stops_the_rest_and_leaves_nothing(runs, tmp_
 
     import shardkit.checkpoint.ops.convert.dcp_to_zero3_write as d2z
 
-    real, started, lock = d2z.stream_save, [], threading.Lock()
+    real, started, lock = d2z.write_rank_file, [], threading.Lock()
 
-    def rank0_fails(obj, path):
+    def rank0_fails(obj, path, plain):
         with lock:
             started.append(Path(path).name)
         if Path(path).name == "zero_pp_rank_0_mp_rank_00_optim_states.pt":
             raise OSError("rank 0's disk went away")
         time.sleep(0.3)  # the other writers are still busy when rank 0 fails
-        return real(obj, path)
+        return real(obj, path, plain)
 
-    monkeypatch.setattr(d2z, "stream_save", rank0_fails)
+    monkeypatch.setattr(d2z, "write_rank_file", rank0_fails)
     with pytest.raises(CheckpointError, match=r"converting the checkpoint failed \(OSError: rank 0's disk went away\)"):
         convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=8, ds_config=B.ds_config(2, False))
     assert len(started) <= 9, started  # 8 writers: the 8 optim files, at most one model file of the 8 queued

@@ -324,3 +324,66 @@ def test_convert_refuses_a_source_with_a_link_leading_outside_even_without_a_man
                        r"leads outside the checkpoint folder"):
         convert_dcp_to_zero3(src, tmp_path / "out", world_size=1, ds_config=_ds_config(1))
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+# --- D: the torch-free route (issue 18) ---------------------------------------------------------------
+
+
+def _torch_route(monkeypatch, everything: bool) -> None:
+    """What a source the byte route cannot take goes through: buffers, steps and param-group values
+    read by dcp.load (``everything``: the flat tensors and fragments too)."""
+    from shardkit.checkpoint.dcp import slices as dcp_slices
+    from shardkit.checkpoint.ops.convert.dcp_to_zero3_write import RankStates
+
+    monkeypatch.setattr(RankStates, "_rest_plain", lambda self: False)
+    if everything:
+        monkeypatch.setattr(dcp_slices.DcpSlices, "chunks", lambda self, key: None)
+        monkeypatch.setattr(dcp_slices.DcpSlices, "tensor_ref", lambda self, key: None)
+        monkeypatch.setattr(dcp_slices.DcpSlices, "value", lambda self, key: (False, None))
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "FusedAdam"])
+def test_the_usual_route_imports_no_torch_and_writes_what_torch_writes(sources, tmp_path, monkeypatch, optimizer):
+    """`shardkit convert --to zero3` reads the .metadata, the param-group values, the Adam steps and
+    the buffers straight from the files and writes the rank files without importing torch (1.2 s,
+    224 MB). Its files equal, byte for byte, those of the torch route (dcp.load of the small items;
+    and of everything): a torch optimizer's step tensors, a buffer, frozen fragments, FusedAdam's
+    groups. DeepSpeed loads of those files are tested above and in test_convert_fsdp_to_zero3.py."""
+    frozen = tmp_path / "frozen_src"
+    _train_and_save(Net(frozen=True), frozen)
+    cfg = _ds_config(3)
+    if optimizer == "torch":
+        del cfg["optimizer"]  # a client torch AdamW: step kept as a 0-dim float32 tensor
+    cfg_path = tmp_path / "ds.json"
+    cfg_path.write_text(json.dumps(cfg))
+    for src in (sources["fp32"], frozen):
+        out = tmp_path / f"plain_{src.name}"
+        code = ("import sys; from shardkit.cli import main; "
+                f"code = main(['convert', {str(src)!r}, '--to', 'zero3', '--world-size', '3', '--ds-config', "
+                f"{str(cfg_path)!r}, '-o', {str(out)!r}]); "
+                "print('imported:', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', "
+                "'numpy'))); sys.exit(code)")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr + done.stdout
+        assert "imported: []" in done.stdout and "written through torch" not in done.stdout, done.stdout[:3000]
+        written = sorted(p.name for p in (out / "step2").glob("*.pt"))
+        assert len(written) == 6
+        for everything in (False, True):
+            with monkeypatch.context() as m:
+                _torch_route(m, everything)
+                ref = convert_dcp_to_zero3(src, tmp_path / f"torch_{src.name}_{everything}", world_size=3,
+                                           ds_config=cfg_path)
+            assert ref.route == "torch"
+            (note,) = [n for n in ref.notes if n.startswith("written through torch (dcp.load; slower, more memory): ")]
+            assert ("are not byte ranges" if everything else "not stored as plain records") in note, note
+            for name in written:
+                a, b = (out / "step2" / name).read_bytes(), (ref.output / "step2" / name).read_bytes()
+                assert a == b, (src.name, everything, name)
+    model = safe_torch_load(tmp_path / "plain_frozen_src" / "step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    assert model["buffer_names"] == ["scale"] and torch.equal(model["module"]["scale"], torch.full((DIM,), 0.5))
+    assert list(model["frozen_param_fragments"]) == ["layers.0.weight", "layers.0.bias", "layers.1.weight",
+                                                     "layers.1.bias"]
+    optim = safe_torch_load(tmp_path / "plain_fp32" / "step2" / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    step = optim["optimizer_state_dict"]["optimizer_state_dict"]["state"][0]["step"]
+    assert (step == 2) and (isinstance(step, int) if optimizer == "FusedAdam" else step.dtype == torch.float32)

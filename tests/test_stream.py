@@ -239,3 +239,32 @@ def test_the_fast_crc32_is_zlib_s_crc32():
             fast, slow = torch_zip.crc32(data[at : at + cut], fast), zlib.crc32(data[at : at + cut], slow)
         assert fast == slow == zlib.crc32(data)
     assert torch_zip.crc32(b"") == 0
+
+
+def test_several_produced_tensors_in_one_file_pickle_as_torch_save_does(tmp_path):
+    """LazyTensors (stream_save) and NewTensors (torch_pickle, the torch-free writers) in one file:
+    each gets its own size and stride tuples, as torch's do. A shared ``(1,)`` constant was memoized
+    and written as a back-reference torch.save never writes (loaded the same, but not its bytes)."""
+    from shardkit.checkpoint.io.torch_pickle import NewTensor, pickle_structure
+    from shardkit.checkpoint.io.torch_zip import write_torch_zip
+
+    tensors = [torch.arange(4.0), torch.arange(3.0), torch.empty(0), torch.ones(2)]
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(b"".join(t.numpy().tobytes() for t in tensors))
+    news, at = [], 0
+    for t in tensors:
+        n = t.numel() * 4
+        news.append(NewTensor("float32", t.numel(), [Segment(str(raw), at, n)] if n else []))
+        at += n
+    for d in ("torch", "lazy", "new"):
+        (tmp_path / d).mkdir()
+    torch.save({"x": tensors}, tmp_path / "torch" / "x.pt")
+    stream_save({"x": [LazyTensor(t.numel(), t.dtype, lambda t=t: t) for t in tensors]}, tmp_path / "lazy" / "x.pt")
+    write_torch_zip(tmp_path / "new" / "x.pt", *pickle_structure({"x": news}))
+    ref = zipfile.ZipFile(tmp_path / "torch" / "x.pt")
+    for d in ("lazy", "new"):
+        mine = zipfile.ZipFile(tmp_path / d / "x.pt")
+        assert [i.filename for i in ref.infolist()] == [i.filename for i in mine.infolist()], d
+        for x in ref.infolist():
+            if not x.filename.endswith(SID):
+                assert ref.read(x) == mine.read(x.filename), (d, x.filename)

@@ -14,6 +14,13 @@ the chunk's size, and a ``data.pkl`` that rebuilds one tensor from that record w
 the chunk's shape and contiguous strides (read by a restricted unpickler that only records the
 arguments; nothing is constructed or called). Chunks split along dim 0 only (FSDP2's ``Shard(0)``).
 Anything else answers ``None`` and the caller reads that tensor through ``load_dcp_state``.
+
+The same checks give what else a converter needs without torch: a tensor stored whole (a buffer, an
+Adam ``step``) as a ``TensorRef`` to its record (``tensor_ref``, ``scalar``), a non-tensor item's
+plain value (``value``: a restricted unpickler that takes no global at all), and whether two tensors
+hold the same bytes (``same_bytes``: tied weights). The ``.metadata`` is read by
+``plain_metadata.read_plain_metadata``, so none of this imports torch (``read_into`` fills a tensor
+the caller made).
 """
 
 from __future__ import annotations
@@ -28,13 +35,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, StorageInfo, read_plain_metadata
+from shardkit.checkpoint.dcp.reader import METADATA_NAME
+from shardkit.checkpoint.io.torch_load import _ITEMSIZE, _STORAGE_DTYPES, TensorRef
+
 if TYPE_CHECKING:
     import torch
 
-_STORAGE_DTYPES = {
-    "FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16", "DoubleStorage": "float64",
-}
-
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+"""Dtypes whose element ranges are cut (partitions, fragments); whole tensors (``tensor_ref``) take any."""
+_SCALAR_FORMATS = {"float32": "f", "float64": "d", "int64": "q", "int32": "i"}
+_UNREADABLE = (OSError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError, KeyError, EOFError, struct.error,
+               IndexError, TypeError, AttributeError)
 
 @dataclass(frozen=True)
 class _Chunk:
@@ -78,7 +90,8 @@ class _Probe(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *_: ("tensor", storage, offset, tuple(size), tuple(stride))
+            return lambda storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None: (
+                "tensor", storage, offset, tuple(size), tuple(stride), bool(requires_grad), bool(hooks) or bool(metadata))
         if module == "torch" and name in _STORAGE_DTYPES:
             return name
         if (module, name) == ("collections", "OrderedDict"):
@@ -93,6 +106,16 @@ class _Probe(pickle.Unpickler):
         return tuple(pid)
 
 
+class _PlainValue(pickle.Unpickler):
+    """A ``BYTE_IO`` item's ``data.pkl`` holding plain data only: any global or tensor is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name}: not plain data")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a tensor: not plain data")
+
+
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
     for d in reversed(shape):
@@ -101,11 +124,34 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _chunk_data_offset(fh: Any, path: Path, base: int, length: int, shape: tuple[int, ...], dtype: str) -> int | None:
+@dataclass(frozen=True)
+class _Record:
+    """The one tensor a ``torch.save`` zip inside a ``.distcp`` file holds, as ``_rebuild_tensor_v2`` reads it."""
+
+    dtype: str
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    data_offset: int
+    """Where the storage record's bytes start in the ``.distcp`` file."""
+    nbytes: int
+    """The storage record's size."""
+
+
+def _item_zip(fh: Any, base: int, length: int) -> zipfile.ZipFile | None:
     fh.seek(base)
     if fh.read(4) != b"PK\x03\x04":
         return None
-    with zipfile.ZipFile(_Window(fh, base, length)) as z:
+    return zipfile.ZipFile(_Window(fh, base, length))
+
+
+def _tensor_record(fh: Any, base: int, length: int) -> _Record | None:
+    """The tensor stored in the item zip at ``base`` (uncompressed, one data record, no requires_grad,
+    hooks or tensor metadata), or None."""
+    z = _item_zip(fh, base, length)
+    if z is None:
+        return None
+    with z:
         infos = z.infolist()
         data = [i for i in infos if "/data/" in i.filename]
         pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
@@ -113,27 +159,40 @@ def _chunk_data_offset(fh: Any, path: Path, base: int, length: int, shape: tuple
             return None
         record = data[0]
         got = _Probe(io.BytesIO(z.read(pkl[0]))).load()
-    elsize = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[dtype]
-    if not (isinstance(got, tuple) and len(got) == 5 and got[0] == "tensor"):
+    if not (isinstance(got, tuple) and len(got) == 7 and got[0] == "tensor") or got[5] or got[6]:
         return None
-    _, pid, storage_offset, size, stride = got
-    if (len(pid) < 3 or _STORAGE_DTYPES.get(str(pid[1])) != dtype or f"/data/{pid[2]}" not in record.filename
-            or storage_offset != 0 or size != shape or stride != _contiguous(shape)
-            or record.file_size != math.prod(shape) * elsize):
+    _, pid, storage_offset, size, stride, _, _ = got
+    dtype = _STORAGE_DTYPES.get(str(pid[1])) if len(pid) >= 3 else None
+    if dtype is None or f"/data/{pid[2]}" not in record.filename or type(storage_offset) is not int:
+        return None
+    extent = 0 if 0 in size else 1 + sum((d - 1) * st for d, st in zip(size, stride))
+    if storage_offset < 0 or (storage_offset + extent) * _ITEMSIZE[dtype] > record.file_size:
         return None
     fh.seek(base + record.header_offset)
     header = fh.read(30)
     if header[:4] != b"PK\x03\x04":
         return None
     name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return base + record.header_offset + 30 + name_len + extra_len
+    return _Record(dtype, storage_offset, size, stride, base + record.header_offset + 30 + name_len + extra_len,
+                   record.file_size)
+
+
+def _chunk_data_offset(fh: Any, base: int, length: int, shape: tuple[int, ...], dtype: str) -> int | None:
+    """Where a stored chunk's elements start, when its record is exactly them, row-major."""
+    r = _tensor_record(fh, base, length)
+    if (r is None or r.dtype != dtype or r.storage_offset != 0 or r.shape != shape or r.stride != _contiguous(shape)
+            or r.nbytes != math.prod(shape) * _ITEMSIZE[dtype]):
+        return None
+    return r.data_offset
 
 
 class DcpSlices:
-    """Element ranges of a DCP checkpoint's tensors, read with ``os.preadv`` (see module doc)."""
+    """Element ranges, whole tensors and plain values of a DCP checkpoint, read from its files
+    without torch (see module doc); ``md``: its ``.metadata`` (read here when not given)."""
 
-    def __init__(self, tag_dir: Path, metadata: Any):
-        self.tag_dir, self.md = tag_dir, metadata
+    def __init__(self, tag_dir: Path, md: DcpMetadata | None = None):
+        self.tag_dir = tag_dir
+        self.md = md if md is not None else read_plain_metadata(tag_dir / METADATA_NAME)
         self._chunks: dict[str, list[_Chunk] | None] = {}
         self._fds: dict[Path, int] = {}
         self.bytes_read = 0
@@ -148,37 +207,39 @@ class DcpSlices:
         if key not in self._chunks:
             try:
                 self._chunks[key] = self._find(key)
-            except (OSError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError, KeyError, EOFError, struct.error):
+            except _UNREADABLE:
                 self._chunks[key] = None
         return self._chunks[key]
 
-    def _find(self, key: str) -> list[_Chunk] | None:
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    def _item(self, key: str, offsets: tuple[int, ...] | None) -> tuple[Path, StorageInfo] | None:
+        """The file and place of one stored item, when it is a plain zip inside this folder."""
+        info = self.md.storage_info(key, offsets)
+        if info is None or info.transformed:
+            return None
+        path = self.tag_dir / info.relative_path
+        if path.resolve().parent != self.tag_dir.resolve():
+            return None
+        return path, info
 
-        meta = self.md.state_dict_metadata.get(key)
-        if not isinstance(meta, TensorStorageMetadata) or len(meta.size) == 0:
+    def _find(self, key: str) -> list[_Chunk] | None:
+        meta = self.md.tensors.get(key)
+        if meta is None or len(meta.size) == 0 or meta.dtype not in _FLOAT_DTYPES:
             return None
-        dtype = str(meta.properties.dtype).removeprefix("torch.")
-        if dtype not in ("float32", "bfloat16", "float16", "float64"):
-            return None
-        full = tuple(meta.size)
+        full = meta.size
         row = math.prod(full[1:])
         out = []
         for c in meta.chunks:
-            offs, sizes = tuple(c.offsets), tuple(c.sizes)
-            if any(offs[1:]) or sizes[1:] != full[1:]:
+            if any(c.offsets[1:]) or c.sizes[1:] != full[1:]:
                 return None  # not a dim-0 slab
-            info = self.md.storage_data.get(MetadataIndex(key, c.offsets))
-            if info is None or getattr(info, "transform_descriptors", None):
+            item = self._item(key, c.offsets)
+            if item is None:
                 return None
-            path = self.tag_dir / info.relative_path
-            if path.resolve().parent != self.tag_dir.resolve():
-                return None
+            path, info = item
             with open(path, "rb") as fh:
-                at = _chunk_data_offset(fh, path, info.offset, info.length, sizes, dtype)
+                at = _chunk_data_offset(fh, info.offset, info.length, c.sizes, meta.dtype)
             if at is None:
                 return None
-            out.append(_Chunk(offs[0] * row, math.prod(sizes), path, at))
+            out.append(_Chunk(c.offsets[0] * row, math.prod(c.sizes), path, at))
         out.sort(key=lambda ch: ch.start)
         pos = 0
         for ch in out:
@@ -186,6 +247,92 @@ class DcpSlices:
                 return None  # chunks overlap or leave a gap
             pos += ch.numel
         return out if pos == math.prod(full) else None
+
+    def tensor_ref(self, key: str) -> TensorRef | None:
+        """Tensor ``key`` stored whole (one chunk: a buffer, an Adam ``step``) as a ``TensorRef`` to
+        its storage record (any dtype, shape and strides), for ``torch_pickle`` to copy; None when
+        it is not stored so."""
+        meta = self.md.tensors.get(key)
+        if meta is None or len(meta.chunks) != 1 or meta.chunks[0].sizes != meta.size or any(meta.chunks[0].offsets):
+            return None
+        item = self._item(key, meta.chunks[0].offsets)
+        if item is None:
+            return None
+        path, info = item
+        try:
+            with open(path, "rb") as fh:
+                r = _tensor_record(fh, info.offset, info.length)
+        except _UNREADABLE:
+            return None
+        if r is None or r.dtype != meta.dtype or r.shape != meta.size:
+            return None
+        ref = TensorRef(key, r.dtype, r.storage_offset, r.shape, r.stride)
+        ref.path, ref.record_offset, ref.record_nbytes = str(path), r.data_offset, r.nbytes
+        ref.file_offset = r.data_offset + r.storage_offset * ref.itemsize
+        return ref
+
+    def read_ref(self, ref: TensorRef) -> bytes:
+        """The bytes of a contiguous ``TensorRef`` (a small one: a step, a buffer to compare)."""
+        if not ref.is_contiguous() or ref.path is None or ref.file_offset is None:
+            raise ValueError(f"{ref!r}: not a contiguous tensor read from a file")
+        path = Path(ref.path)
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        n = ref.numel * ref.itemsize
+        data = os.pread(fd, n, ref.file_offset)
+        if len(data) != n:
+            raise OSError(f"{path}: ended {n - len(data)} bytes early reading {ref.key}")
+        self.bytes_read += n
+        return data
+
+    def scalar(self, ref: TensorRef) -> float | None:
+        """The number a one-element float/int tensor (``tensor_ref``: an Adam ``step``) holds, or None."""
+        if ref.numel != 1 or ref.dtype not in _SCALAR_FORMATS:
+            return None
+        return float(struct.unpack("<" + _SCALAR_FORMATS[ref.dtype], self.read_ref(ref))[0])
+
+    def value(self, key: str) -> tuple[bool, Any]:
+        """``(True, value)`` for a non-tensor item holding plain data (numbers, strings, lists,
+        tuples, dicts of them: a param group's ``lr``, ``betas``, ``params``); ``(False, None)``
+        when it holds anything else (it is then read through torch's weights_only loader)."""
+        if key not in self.md.values:
+            return False, None
+        item = self._item(key, None)
+        if item is None:
+            return False, None
+        path, info = item
+        try:
+            with open(path, "rb") as fh:
+                z = _item_zip(fh, info.offset, info.length)
+                if z is None:
+                    return False, None
+                with z:
+                    infos = z.infolist()
+                    pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+                    if len(pkl) != 1 or any("/data/" in i.filename for i in infos):
+                        return False, None
+                    return True, _PlainValue(io.BytesIO(z.read(pkl[0]))).load()
+        except _UNREADABLE:
+            return False, None
+
+    def same_bytes(self, a: str, b: str) -> bool | None:
+        """Tensors ``a`` and ``b`` hold the same bytes (a tied weight); None when either is not
+        directly readable. Compared 16 MiB at a time."""
+        ca, cb, ma, mb = self.chunks(a), self.chunks(b), self.md.tensors.get(a), self.md.tensors.get(b)
+        if ca is None or cb is None or ma is None or mb is None:
+            return None
+        if (ma.dtype, ma.size) != (mb.dtype, mb.size):
+            return False
+        elsize, step, total = _ITEMSIZE[ma.dtype], (16 * 2**20) // _ITEMSIZE[ma.dtype], math.prod(ma.size)
+        for start in range(0, total, step):
+            n = min(step, total - start)
+            x, y = bytearray(n * elsize), bytearray(n * elsize)
+            self._read(a, ca, start, memoryview(x))
+            self._read(b, cb, start, memoryview(y))
+            if x != y:
+                return False
+        return True
 
     def read_into(self, key: str, start: int, out: "torch.Tensor") -> bool:
         """Elements ``[start, start + out.numel())`` of tensor ``key`` (flattened) into ``out``
@@ -195,12 +342,14 @@ class DcpSlices:
             return False
         import torch
 
-        meta = self.md.state_dict_metadata[key]
-        if out.dtype != meta.properties.dtype:
+        if str(out.dtype).removeprefix("torch.") != self.md.tensors[key].dtype:
             return False
-        elsize = out.element_size()
-        view = out.view(torch.uint8).numpy().data
-        stop = start + out.numel()
+        self._read(key, chunks, start, out.view(torch.uint8).numpy().data)
+        return True
+
+    def _read(self, key: str, chunks: list[_Chunk], start: int, view: memoryview) -> None:
+        elsize = _ITEMSIZE[self.md.tensors[key].dtype]
+        stop = start + len(view) // elsize
         for ch in chunks:
             a, b = max(start, ch.start), min(stop, ch.start + ch.numel)
             if b <= a:
@@ -216,4 +365,3 @@ class DcpSlices:
                     raise OSError(f"{ch.file}: ended {len(dst) - done} bytes early reading {key}")
                 done += n
             self.bytes_read += len(dst)
-        return True

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -333,10 +334,11 @@ def describe_files_distributed(tag_dir: str | os.PathLike[str], exclude: set[str
     the default process group (file i goes to rank i % world), so a 2-GB checkpoint written by 8
     ranks is hashed in parallel. Every rank returns the full list (less ``exclude``). Collective: call on
     all ranks."""
-    import torch.distributed as dist
-
     rels = [r for r in checkpoint_files(tag_dir) if r not in (exclude or ())]
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    # no process group without torch.distributed imported: a torch-free writer (convert --to zero3)
+    # must not import torch (1.2 s) just to learn that
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return describe_files(tag_dir, rels)
     rank, world = dist.get_rank(), dist.get_world_size()
     # rank 0's listing is authoritative: every rank must hash the same set

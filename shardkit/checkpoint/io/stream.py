@@ -67,7 +67,8 @@ class LazyTensor:
     def __reduce_ex__(self, protocol: int) -> Any:
         import torch
 
-        return (torch._utils._rebuild_tensor_v2, (self.storage, 0, (self.numel,), (1,), False, OrderedDict()))
+        # a new stride tuple per tensor, as Tensor.stride() returns (a shared constant would be memoized)
+        return (torch._utils._rebuild_tensor_v2, (self.storage, 0, (self.numel,), tuple([1]), False, OrderedDict()))
 
 
 class _LazyStorage:

@@ -128,8 +128,11 @@ class _StructurePickler(StubPickler):
             return o.reduce
         if isinstance(o, NewTensor):
             storage = self._storage(id(o), o.dtype, SegmentedRecord(o.nbytes, o.segments))
+            # a new stride tuple per tensor, as Tensor.stride() returns: a shared constant (1,) would
+            # be memoized and written as a back-reference, bytes torch.save never writes
+            stride = tuple([1])
             return (torch_global("torch._utils", "_rebuild_tensor_v2"),
-                    (storage, 0, (o.numel,), (1,), False, OrderedDict()))
+                    (storage, 0, (o.numel,), stride, False, OrderedDict()))
         return super().reducer_override(o)
 
     def persistent_id(self, o: Any) -> Any:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from shardkit.checkpoint.io.manifest import Manifest
-from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import SourcePlan
+from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import SourcePlan, StepValue
 from shardkit.checkpoint.ops.convert.names import ADAM_TYPES, DEEPSPEED_PREFIX
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, DEFAULT_SUB_GROUP_SIZE
@@ -65,7 +65,7 @@ class Zero3Target:
     groups: list[dict[str, Any]]
     """The inner optimizer's param groups in ``opt``'s format (``params`` filled by the writer)."""
     layout: TargetLayout
-    sub_steps: list[tuple[int, Any]]
+    sub_steps: list[tuple[int, StepValue]]
     """Each sub-group's Adam step: the count and the source's value it came from."""
     global_steps: int
     counters: dict[str, Any]
@@ -299,14 +299,9 @@ def plan_zero3_target(plan: SourcePlan, cfg: dict[str, Any] | None, manifest: Ma
                        counters=counters, client=client, cfg=record_cfg)
 
 
-def _step_value(fqns: list[str], steps: dict[str, Any], source: Path) -> tuple[int, Any]:
+def _step_value(fqns: list[str], steps: dict[str, StepValue], source: Path) -> tuple[int, StepValue]:
     """The one step count of a sub-group (ZeRO-3 keeps one per sub-group; torch one per parameter)."""
-    import torch
-
-    values: dict[str, float] = {}
-    for n in fqns:
-        s = steps[n]
-        values[n] = float(s.item() if isinstance(s, torch.Tensor) else s)
+    values = {n: steps[n].count for n in fqns}
     distinct = sorted(set(values.values()))
     if len(distinct) != 1:
         first = {v: next(n for n in fqns if values[n] == v) for v in distinct}

@@ -1,6 +1,7 @@
 """Reading the FSDP2 (DCP) source of ``convert_dcp_to_zero3``: which folder is its tag folder
-(``resolve_dcp_tag_dir``), its ``.metadata`` and items read through the restricted reader in
-batches (``DcpSource``, with ``DcpSlices`` for element ranges straight from the ``.distcp`` files),
+(``resolve_dcp_tag_dir``), its ``.metadata`` and items read without torch where their layout allows
+(``DcpSource``: ``plain_metadata``, ``DcpSlices`` for element ranges, whole tensors and plain values
+straight from the ``.distcp`` files), else through the restricted ``dcp.load`` in batches,
 and what its model keys are (``classify_source``: trainable, frozen, tied alias or buffer, with
 their Adam ``step`` and the source's param groups) as the ``SourcePlan`` the target plan and the
 writer follow.
@@ -13,17 +14,16 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state, read_dcp_metadata
+from shardkit.checkpoint.dcp.plain_metadata import TensorMeta, read_plain_metadata
+from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state
 from shardkit.checkpoint.dcp.slices import DcpSlices
 from shardkit.checkpoint.io.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.tags import LATEST_NAME, latest_tag
+from shardkit.checkpoint.io.torch_load import TensorRef
 from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, MODEL_KEY, OPTIM_KEY
 from shardkit.core.errors import CheckpointError, UsageError
-
-if TYPE_CHECKING:
-    import torch
 
 
 def resolve_dcp_tag_dir(path: str | os.PathLike[str]) -> Path:
@@ -60,11 +60,24 @@ class DcpParam:
 
     fqn: str
     shape: tuple[int, ...]
-    dtype: "torch.dtype"
+    dtype: str
+    """torch's dtype name without ``torch.`` (``float32``)."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class StepValue:
+    """One parameter's Adam ``step`` in the source."""
+
+    count: float
+    ref: TensorRef | None
+    """Its tensor's bytes in the source (torch keeps ``step`` as a 0-dim float32 tensor), copied as
+    they are into a torch-format target; None when it was read through torch or is a number."""
+    dtype: str
+    """The tensor's dtype name (``float32``); empty for a number."""
 
 
 @dataclass
@@ -81,8 +94,8 @@ class SourcePlan:
     """Tied alias FQN -> the FQN holding the data (DeepSpeed's ``shared_params``)."""
     model_keys: list[str]
     """Every model state dict key, in the source's order (the ``module`` dict's order)."""
-    steps: dict[str, Any]
-    """FQN -> the source's ``step`` value."""
+    steps: dict[str, StepValue]
+    """FQN -> the source's ``step``."""
     groups: list[dict[str, Any]]
     """Source param groups (torch format, ``params`` as FQN lists)."""
     notes: list[str] = field(default_factory=list)
@@ -90,14 +103,15 @@ class SourcePlan:
 
 
 class DcpSource:
-    """A DCP checkpoint folder: its metadata and batched, restricted reads of its items."""
+    """A DCP checkpoint folder: its metadata, and its items read without torch where their layout
+    allows (``slices``), else through restricted, batched ``dcp.load`` reads (``load``)."""
 
     def __init__(self, tag_dir: Path):
         self.tag_dir = tag_dir
-        self.md = read_dcp_metadata(tag_dir / METADATA_NAME)
-        planner = getattr(self.md, "planner_data", None)
-        keys = list(self.md.state_dict_metadata)
-        if not isinstance(planner, dict) or not all(k in planner for k in keys):
+        self.md = read_plain_metadata(tag_dir / METADATA_NAME)
+        planner = self.md.planner_data
+        keys = list(self.md.keys)
+        if not all(k in planner for k in keys):
             raise CheckpointError(
                 f"{tag_dir / METADATA_NAME}: has no flattening map (planner_data) for its {len(keys)} keys, so "
                 "model and optimizer entries cannot be told apart: it was not written by save_fsdp_checkpoint "
@@ -105,16 +119,42 @@ class DcpSource:
         self.paths: dict[str, tuple[Any, ...]] = {k: tuple(planner[k]) for k in keys}
         self.bytes_read = 0
         self.slices = DcpSlices(tag_dir, self.md)
-        """Element ranges read straight from the .distcp files where the layout allows (dcp.slices)."""
+        """Element ranges, whole tensors and values read straight from the .distcp files (dcp.slices)."""
 
-    def tensor_meta(self, key: str) -> Any:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    def tensor_meta(self, key: str) -> TensorMeta | None:
+        return self.md.tensors.get(key)
 
-        meta = self.md.state_dict_metadata.get(key)
-        return meta if isinstance(meta, TensorStorageMetadata) else None
+    def values(self, keys: list[str]) -> dict[str, Any]:
+        """The values of non-tensor items ``keys``: plain data read directly, anything else through ``load``."""
+        out: dict[str, Any] = {}
+        rest: list[str] = []
+        for key in keys:
+            plain, value = self.slices.value(key)
+            if plain:
+                out[key] = value
+            else:
+                rest.append(key)
+        if rest:
+            out.update(self.load(rest))
+        return {key: out[key] for key in keys}
+
+    def step(self, key: str) -> StepValue:
+        """The Adam ``step`` item ``key``: its number, and its bytes when it is a tensor stored whole."""
+        ref = self.slices.tensor_ref(key)
+        count = self.slices.scalar(ref) if ref is not None else None
+        if ref is not None and count is not None:
+            return StepValue(count, ref, ref.dtype)
+        plain, value = self.slices.value(key)
+        if plain and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return StepValue(float(value), None, "")
+        loaded = self.load([key])[key]
+        if hasattr(loaded, "item"):  # a tensor the slice reader did not take
+            return StepValue(float(loaded.item()), None, str(loaded.dtype).removeprefix("torch."))
+        return StepValue(float(loaded), None, "")
 
     def load(self, keys: list[str]) -> dict[str, Any]:
-        """The items ``keys`` (flattened DCP keys): full tensors, or the objects bytes items hold."""
+        """The items ``keys`` (flattened DCP keys) through ``load_dcp_state``: full tensors, or the
+        objects bytes items hold (imports torch)."""
         import torch
 
         template: dict[str, Any] = {}
@@ -122,7 +162,7 @@ class DcpSource:
             meta = self.tensor_meta(key)
             value: Any = None
             if meta is not None:
-                value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                value = torch.empty(meta.size, dtype=getattr(torch, meta.dtype))
                 self.bytes_read += value.numel() * value.element_size()
             _set_path(template, self.paths[key], value)
         with warnings.catch_warnings():
@@ -183,7 +223,7 @@ def classify_source(src: DcpSource, buffer_names: list[str] | None = None) -> So
             "a ZeRO-3 checkpoint needs fp32 masters and Adam moments. Save with save_fsdp_checkpoint(model, optimizer, ...) "
             "after at least one step, or load the weights alone (engine.load_checkpoint(..., load_module_only=True) of a "
             "consolidated checkpoint)")
-    loaded = src.load([k for keys in group_keys.values() for k in keys])
+    loaded = src.values([k for keys in group_keys.values() for k in keys])
     groups: list[dict[str, Any]] = []
     for g in sorted(group_keys):
         groups.append({src.paths[k][3]: loaded[k] for k in group_keys[g]})
@@ -192,7 +232,7 @@ def classify_source(src: DcpSource, buffer_names: list[str] | None = None) -> So
         plan.not_carried.append(f"{len(other)} DCP item(s) outside model/optimizer state ({other[:4]}): DeepSpeed's files "
                                 "have no place for them")
 
-    def meta(fqn: str) -> Any:
+    def meta(fqn: str) -> TensorMeta:
         m = src.tensor_meta(f"{MODEL_KEY}.{fqn}")
         if m is None:
             raise CheckpointError(f"{src.tag_dir}: model entry {fqn!r} is not a tensor; not a model state dict")
@@ -214,7 +254,7 @@ def classify_source(src: DcpSource, buffer_names: list[str] | None = None) -> So
     no_state = [n for n in in_groups if not all(k in state.get(n, {}) for k in ADAM_STATE_KEYS)]
     for fqn in in_groups:
         m = meta(fqn)
-        p = DcpParam(fqn, tuple(m.size), m.properties.dtype)
+        p = DcpParam(fqn, m.size, m.dtype)
         if fqn in no_state:
             plan.frozen.append(p)
         else:
@@ -232,17 +272,17 @@ def classify_source(src: DcpSource, buffer_names: list[str] | None = None) -> So
                           "run trains them, its flat partitions will not match and load_checkpoint fails")
     # model keys the optimizer never saw: tied aliases (same tensor as an optimizer parameter),
     # frozen parameters left out of the optimizer (FSDP2 shards them: more than one chunk), buffers
-    trainable_by_shape: dict[tuple[Any, ...], list[str]] = {}
+    trainable_by_shape: dict[tuple[tuple[int, ...], str], list[str]] = {}
     for p in plan.trainable + plan.frozen:
         trainable_by_shape.setdefault((p.shape, p.dtype), []).append(p.fqn)
     outside = [n for n in model if n not in plan.param_group_of]
     for fqn in outside:
         m = meta(fqn)
-        owner = _tied_owner(src, fqn, trainable_by_shape.get((tuple(m.size), m.properties.dtype), []))
+        owner = _tied_owner(src, fqn, trainable_by_shape.get((m.size, m.dtype), []))
         if owner is not None:
             plan.aliases[fqn] = owner
         elif (fqn not in buffer_names) if buffer_names is not None else len(m.chunks) > 1:
-            plan.frozen.append(DcpParam(fqn, tuple(m.size), m.properties.dtype))
+            plan.frozen.append(DcpParam(fqn, m.size, m.dtype))
         else:
             plan.buffers.append(fqn)
     if plan.aliases:
@@ -258,21 +298,22 @@ def classify_source(src: DcpSource, buffer_names: list[str] | None = None) -> So
     order = {n: i for i, n in enumerate(model)}
     plan.frozen.sort(key=lambda p: order[p.fqn])
     plan.model_keys = model
-    steps = src.load([state[p.fqn]["step"] for p in plan.trainable])
-    plan.steps = {p.fqn: steps[state[p.fqn]["step"]] for p in plan.trainable}
+    plan.steps = {p.fqn: src.step(state[p.fqn]["step"]) for p in plan.trainable}
     return plan
 
 
 def _tied_owner(src: DcpSource, fqn: str, candidates: list[str]) -> str | None:
     """The optimizer parameter ``fqn`` is tied to: same shape, dtype and bytes (FSDP's model state
-    dict holds a tied weight under every name; its optimizer state under the first only)."""
-    if not candidates:
-        return None
-    import torch
-
-    mine = src.load([f"{MODEL_KEY}.{fqn}"])[f"{MODEL_KEY}.{fqn}"]
+    dict holds a tied weight under every name; its optimizer state under the first only). Compared
+    straight from the files; through dcp.load where the slice reader cannot read them."""
     for cand in candidates:
-        other = src.load([f"{MODEL_KEY}.{cand}"])[f"{MODEL_KEY}.{cand}"]
-        if torch.equal(mine.view(torch.uint8) if mine.dtype != torch.uint8 else mine, other.view(torch.uint8) if other.dtype != torch.uint8 else other):
+        same = src.slices.same_bytes(f"{MODEL_KEY}.{fqn}", f"{MODEL_KEY}.{cand}")
+        if same is None:
+            import torch
+
+            mine = src.load([f"{MODEL_KEY}.{fqn}"])[f"{MODEL_KEY}.{fqn}"]
+            other = src.load([f"{MODEL_KEY}.{cand}"])[f"{MODEL_KEY}.{cand}"]
+            same = torch.equal(mine.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))
+        if same:
             return cand
     return None

@@ -1,6 +1,6 @@
 """An FSDP2 / torch.distributed.checkpoint (DCP) checkpoint's model tensors as ``Piece``s.
 
-The ``.metadata`` is read with the restricted unpickler (``dcp.reader.read_dcp_metadata``), and each
+The ``.metadata`` is read with the restricted, torch-free unpickler (``dcp.plain_metadata``), and each
 tensor's stored chunks are located with ``dcp.slices.DcpSlices`` (dim-0 slabs in plain zip
 records: one byte range each). Model tensors are the keys under ``model.`` (shardkit's
 ``save_fsdp_checkpoint`` saves ``{"model": ..., "optim": ...}``, accelerate's FSDP save of the
@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state, read_dcp_metadata
+from shardkit.checkpoint.dcp.plain_metadata import read_plain_metadata
+from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state
 from shardkit.checkpoint.dcp.slices import DcpSlices
 from shardkit.checkpoint.ops.export.pieces import Piece, SourceTensor
 from shardkit.core.errors import CheckpointError
@@ -27,38 +28,35 @@ MODEL_PREFIX = "model."
 
 def dcp_tensors(tag_dir: Path) -> dict[str, SourceTensor]:
     """The model tensors of the DCP folder ``tag_dir`` (holding ``.metadata``), by name under ``model.``."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = read_dcp_metadata(tag_dir / METADATA_NAME)
+    md = read_plain_metadata(tag_dir / METADATA_NAME)
     slices = DcpSlices(tag_dir, md)
     out: dict[str, SourceTensor] = {}
     try:
-        for key, meta in md.state_dict_metadata.items():
-            if not key.startswith(MODEL_PREFIX) or not isinstance(meta, TensorStorageMetadata):
+        for key, meta in md.tensors.items():
+            if not key.startswith(MODEL_PREFIX):
                 continue
             name = key[len(MODEL_PREFIX):]
-            dtype = str(meta.properties.dtype).removeprefix("torch.")
-            shape = tuple(int(d) for d in meta.size)
+            dtype, shape = meta.dtype, meta.size
             chunks = slices.chunks(key) if math.prod(shape) > 0 else []
             if chunks is None:
-                out[name] = SourceTensor(name, dtype, shape, load=_loader(tag_dir, key, shape, meta.properties.dtype))
+                out[name] = SourceTensor(name, dtype, shape, load=_loader(tag_dir, key, shape, dtype))
             else:
                 out[name] = SourceTensor(name, dtype, shape, [Piece(c.file, c.data_offset, c.start, c.numel) for c in chunks])
     finally:
         slices.close()
     if not out:
-        keys = sorted(md.state_dict_metadata)[:5]
+        keys = sorted(md.keys)[:5]
         raise CheckpointError(f"{tag_dir}: a DCP checkpoint without model tensors (no key under '{MODEL_PREFIX}'; it "
                               f"holds {keys}): not a model checkpoint shardkit or the Trainer wrote (an optimizer-only "
                               "folder such as optimizer_0/?). Pass the model's folder")
     return out
 
 
-def _loader(tag_dir: Path, key: str, shape: tuple[int, ...], dtype: Any) -> Any:
+def _loader(tag_dir: Path, key: str, shape: tuple[int, ...], dtype: str) -> Any:
     def load() -> "torch.Tensor":
         import torch
 
-        holder = {key: torch.empty(shape, dtype=dtype)}
+        holder = {key: torch.empty(shape, dtype=getattr(torch, dtype))}
         load_dcp_state(holder, tag_dir)
         return holder[key]
 
