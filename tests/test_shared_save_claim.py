@@ -44,3 +44,45 @@ def test_only_this_runs_claim_is_removed(tmp_path):
     assert staged.is_dir()  # another job's claim: left alone
     remove_own_claim(staged, LAUNCH)
     assert not staged.exists()
+
+
+def test_the_output_check_looks_again_when_another_writer_publishes_while_it_looks(tmp_path, monkeypatch):
+    """Two converts into one -o: the loser lists the folder while the winner's staging folder is
+    still there, and the winner renames it to its tag right after. The check looks again and sees
+    a shardkit checkpoint folder (and, for the same tag, names it), instead of calling the folder
+    'not a shardkit checkpoint folder' because the entry it listed vanished."""
+    from pathlib import Path
+
+    from shardkit.checkpoint.io.manifest import MANIFEST_NAME
+    from shardkit.checkpoint.io.pipeline import check_output_root
+    from shardkit.checkpoint.io.tags import STAGING_PREFIX
+    from shardkit.core.errors import UsageError
+
+    source = tmp_path / "src" / "step1"
+    source.mkdir(parents=True)
+    root = tmp_path / "out"
+
+    def racing(tag: str) -> None:
+        staged = root / f"{STAGING_PREFIX}B"
+        staged.mkdir(parents=True)
+        (staged / MANIFEST_NAME).write_text("{}")
+        real, published = Path.iterdir, []
+
+        def iterdir(self: Path):
+            listed = list(real(self))
+            if self == root and not published:
+                published.append(True)
+                staged.rename(root / "B")  # the winner publishes right after this listing
+            return iter(listed)
+
+        with monkeypatch.context() as m:
+            m.setattr(Path, "iterdir", iterdir)
+            check_output_root(root, tag, source)
+        assert published
+
+    racing("A")  # another tag beside the winner's: accepted
+    for p in sorted(root.iterdir(), reverse=True):
+        (p / MANIFEST_NAME).unlink()
+        p.rmdir()
+    with pytest.raises(UsageError, match=r"out: already holds checkpoint 'B' .*; pass --force to replace it"):
+        racing("B")  # the same tag: the winner's checkpoint is named, not 'not a checkpoint folder'

@@ -207,10 +207,10 @@ def convert_dcp_to_zero3(
         workers = workers or rank_file_workers(mine, out.byte_ranges)
         if launch.distributed:
             if not out.byte_ranges:
-                raise UsageError(f"{tag_dir}: some tensors of this checkpoint are not plain float32 byte ranges (they "
-                                 "are read through torch.distributed.checkpoint, in one process only); "
-                                 f"{launch.launcher} started {launch.world}. Run shardkit convert once, without "
-                                 "srun/torchrun")
+                raise UsageError(f"{tag_dir}: some tensors of this checkpoint are not plain float32 byte ranges "
+                                 f"({out.not_byte_ranges}); they are read through torch.distributed.checkpoint, in one "
+                                 f"process only, and {launch.launcher} started {launch.world}. Run shardkit convert "
+                                 "once, without srun/torchrun")
             # each process: its share of the new ranks' files, and of the source's digests beside them
             def write_mine(staged: Path) -> list[FileEntry]:
                 share.extend(write_rank_files(staged, out, precision, outcome, workers, mine))

@@ -118,14 +118,15 @@ class RankStates:
             owners.setdefault(g, []).append(j)
         self.groups = [{**group, "params": owners.get(g, [])} for g, group in enumerate(groups)]
         self.buffer_refs = {n: src.slices.tensor_ref(f"{MODEL_KEY}.{n}") for n in plan.buffers}
+        self.not_byte_ranges = ""
+        """The first source tensor that is not byte ranges, and why (empty when all are)."""
         self.byte_ranges = self._all_byte_ranges()
         """Every flat partition and frozen fragment is byte ranges (several threads may write)."""
         self.plain = (self.byte_ranges and self._rest_plain()) if plain is None else plain
         """The bytes route: nothing in the files needs torch (module doc)."""
         self.torch_route_reason = None if self.plain else (
-            "some fp32 partitions or frozen fragments are not byte ranges of the .distcp files (another dtype to "
-            "cast, or a chunk layout the direct reader does not take)" if not self.byte_ranges else
-            "buffers, Adam steps or param-group values are not stored as plain records")
+            f"not every fp32 partition or frozen fragment is byte ranges of the .distcp files: {self.not_byte_ranges}"
+            if not self.byte_ranges else "buffers, Adam steps or param-group values are not stored as plain records")
         """Why the torch route was taken (for the result's notes), None on the bytes route."""
         params = {p.fqn for p in plan.trainable} | {p.fqn for p in plan.frozen} | set(plan.aliases)
         buffers = self._buffers()
@@ -138,16 +139,23 @@ class RankStates:
     def _all_byte_ranges(self) -> bool:
         """Whether every rank's flat tensors and frozen fragments are byte ranges: decided per source
         tensor (float32 and readable by ``DcpSlices``, frozen ones in the module's dtype), not by
-        walking ranks x tensors."""
-        for tp in (tp for sub in self.layout.sub_groups for tp in sub):
-            for key in (FP32, *ADAM_STATE_KEYS):
-                if not self._readable(_source_key(tp.source.name, key), "float32"):
-                    return False
-        return all(self._readable(f"{MODEL_KEY}.{p.fqn}", self.module_dtype) for p in self.plan.frozen)
-
-    def _readable(self, key: str, dtype: str) -> bool:
-        meta: TensorMeta | None = self.src.tensor_meta(key)
-        return meta is not None and meta.dtype == dtype and self.src.slices.chunks(key) is not None
+        walking ranks x tensors. The first tensor that is not is named in ``not_byte_ranges``."""
+        wanted = [(_source_key(tp.source.name, key), "float32")
+                  for tp in (tp for sub in self.layout.sub_groups for tp in sub) for key in (FP32, *ADAM_STATE_KEYS)]
+        wanted += [(f"{MODEL_KEY}.{p.fqn}", self.module_dtype) for p in self.plan.frozen]
+        for key, dtype in wanted:
+            meta: TensorMeta | None = self.src.tensor_meta(key)
+            if meta is None:
+                self.not_byte_ranges = f"{key} is not a tensor in the .metadata"
+            elif meta.dtype != dtype:
+                self.not_byte_ranges = f"{key} is {meta.dtype}, the ZeRO-3 files hold it as {dtype} (a cast)"
+            elif self.src.slices.chunks(key) is None:
+                self.not_byte_ranges = (f"{key}'s stored chunks are not dim-0 slabs in plain zip records (a layout the "
+                                        "direct reader does not take)")
+            else:
+                continue
+            return False
+        return True
 
     def _rest_plain(self) -> bool:
         """Buffers and steps are records to copy, param-group values plain data: the files need no torch."""
