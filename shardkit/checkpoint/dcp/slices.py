@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, StorageInfo, read_plain_metadata
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.io.torch_load import _ITEMSIZE, _STORAGE_DTYPES, TensorRef
+from shardkit.checkpoint.io.torch_zip import pread_exact
 
 if TYPE_CHECKING:
     import torch
@@ -279,12 +280,10 @@ class DcpSlices:
         fd = self._fds.get(path)
         if fd is None:
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        n = ref.numel * ref.itemsize
-        data = os.pread(fd, n, ref.file_offset)
-        if len(data) != n:
-            raise OSError(f"{path}: ended {n - len(data)} bytes early reading {ref.key}")
-        self.bytes_read += n
-        return data
+        data = bytearray(ref.numel * ref.itemsize)
+        pread_exact(fd, memoryview(data), ref.file_offset, f"{path} ({ref.key})")
+        self.bytes_read += len(data)
+        return bytes(data)
 
     def scalar(self, ref: TensorRef) -> float | None:
         """The number a one-element float/int tensor (``tensor_ref``: an Adam ``step``) holds, or None."""
@@ -358,10 +357,5 @@ class DcpSlices:
             if fd is None:
                 fd = self._fds[ch.file] = os.open(ch.file, os.O_RDONLY)
             dst = view[(a - start) * elsize:(b - start) * elsize]
-            at, done = ch.data_offset + (a - ch.start) * elsize, 0
-            while done < len(dst):
-                n = os.preadv(fd, [dst[done:]], at + done)
-                if n <= 0:
-                    raise OSError(f"{ch.file}: ended {len(dst) - done} bytes early reading {key}")
-                done += n
+            pread_exact(fd, dst, ch.data_offset + (a - ch.start) * elsize, f"{ch.file} ({key})")
             self.bytes_read += len(dst)
