@@ -12,7 +12,7 @@ Two routes, decided once for the whole source (``RankStates.plain``):
   the same dicts with ``LazyTensor``s, the tensors that are not byte ranges cut from ``dcp.load``ed
   tensors (``_partition``) when ``stream_save`` reaches them.
 
-Both write the same bytes for the same source (tests/test_convert_fsdp_to_zero3.py).
+Both write the same bytes for the same source (tests/test_convert_names_precision.py).
 """
 
 from __future__ import annotations
@@ -93,12 +93,12 @@ def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str
 
 class RankStates:
     """Each output rank's two dicts, in the key order DeepSpeed 0.19.8 writes them (see module doc
-    for the two routes; ``plain`` says which, decided here from the source's layout)."""
+    for the two routes; ``plain`` says which, decided here from the source's layout and items)."""
 
     def __init__(self, *, src: DcpSource, plan: SourcePlan, layout: TargetLayout, opt: TargetOptimizer,
                  groups: list[dict[str, Any]], sub_steps: list[tuple[int, StepValue]], precision: str,
                  global_steps: int, counters: dict[str, Any], client: dict[str, Any], cfg: dict[str, Any],
-                 names: dict[str, str] | None = None, plain: bool | None = None):
+                 names: dict[str, str] | None = None):
         self.src, self.plan, self.layout, self.opt, self.sub_steps = src, plan, layout, opt, sub_steps
         self.global_steps, self.counters, self.client, self.cfg = global_steps, counters, client, cfg
         # the release the files say wrote them, read without importing DeepSpeed (1.2 s here)
@@ -122,7 +122,7 @@ class RankStates:
         """The first source tensor that is not byte ranges, and why (empty when all are)."""
         self.byte_ranges = self._all_byte_ranges()
         """Every flat partition and frozen fragment is byte ranges (several threads may write)."""
-        self.plain = (self.byte_ranges and self._rest_plain()) if plain is None else plain
+        self.plain = self.byte_ranges and self._rest_plain()
         """The bytes route: nothing in the files needs torch (module doc)."""
         self.torch_route_reason = None if self.plain else (
             f"not every fp32 partition or frozen fragment is byte ranges of the .distcp files: {self.not_byte_ranges}"
