@@ -393,3 +393,35 @@ def test_the_usual_route_imports_no_torch_and_writes_what_torch_writes(sources, 
     optim = safe_torch_load(tmp_path / "plain_fp32" / "step2" / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
     step = optim["optimizer_state_dict"]["optimizer_state_dict"]["state"][0]["step"]
     assert (step == 2) and (isinstance(step, int) if optimizer == "FusedAdam" else step.dtype == torch.float32)
+
+
+class _RunsCode:
+    """Pickles as a call that creates a marker file when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def test_a_param_group_value_that_would_run_code_is_refused_by_name_and_never_run(tmp_path):
+    """The torch-free value reader takes no global at all; a value it refuses goes to torch's
+    weights_only reader, which refuses it by name: nothing from the file runs, nothing is written."""
+    from shardkit.checkpoint.ops.fsdp_checkpoint import save_fsdp_checkpoint
+
+    marker = tmp_path / "ran"
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, DIM)).pow(2).mean().backward()
+    opt.step()
+    opt.param_groups[0]["note"] = _RunsCode(marker)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process (intended)
+        save_fsdp_checkpoint(model, opt, tmp_path / "src", step=1)
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match=r"DCP item 'optim\.param_groups\.0\.note': refused to load: it holds "
+                                              r"objects outside torch's weights_only allow-list"):
+        convert_dcp_to_zero3(tmp_path / "src", tmp_path / "out", world_size=2, ds_config=_ds_config(2))
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
