@@ -90,15 +90,22 @@ def test_a_poisoned_metadata_is_refused_by_name_and_nothing_runs(tmp_path):
     assert not marker.exists()
 
 
-def test_truncated_foreign_and_missing_files_are_named(tmp_path):
+@pytest.mark.parametrize("reader", ["plain", "torch"])
+def test_truncated_foreign_and_missing_files_are_named(tmp_path, reader):
+    """Both readers (torch-free, and the one dcp.load uses) name the file, what is wrong and the fix."""
+    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+
+    read = read_plain_metadata if reader == "plain" else read_dcp_metadata
     d = _save(tmp_path, {"w": torch.arange(6.0)})
     data = (d / ".metadata").read_bytes()
     (d / ".metadata").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"\.metadata: cannot be read as DCP metadata \(.*\); the file is truncated "
-                                              r"or corrupted"):
-        read_plain_metadata(d / ".metadata")
+                                              r"or corrupted\. Resume from another checkpoint"):
+        read(d / ".metadata")
     (d / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
-    with pytest.raises(CheckpointError, match=r"holds a dict, not torch.distributed.checkpoint Metadata"):
-        read_plain_metadata(d / ".metadata")
-    with pytest.raises(CheckpointError, match=r"nothing/\.metadata: missing"):
-        read_plain_metadata(tmp_path / "nothing" / ".metadata")
+    with pytest.raises(CheckpointError, match=r"holds a dict, not torch.distributed.checkpoint Metadata; not a DCP "
+                                              r"checkpoint\. Pass the folder save_fsdp_checkpoint \(or dcp.save\) wrote"):
+        read(d / ".metadata")
+    with pytest.raises(CheckpointError, match=r"nothing/\.metadata: missing; a DCP checkpoint directory needs its "
+                                              r"\.metadata file \(the save did not complete\)\. Resume from another"):
+        read(tmp_path / "nothing" / ".metadata")

@@ -414,8 +414,7 @@ def test_the_two_node_checkpoint_resharded_by_both_nodes_each_writing_its_share(
         zero3_job: Job, cluster: dict[str, str], tmp_path: Path):
     # the checkpoint the 4 ranks of the two nodes saved, resharded for 3 ranks by one `shardkit
     # reshard` per node (srun: each writes its share into the shared output folder, rank 0 seals)
-    assert (zero3_job.state, zero3_job.exit_code) == ("COMPLETED", "0:0"), zero3_job.output[-3000:]
-    src = zero3_job.folder / "ckpt"
+    src = _saved_checkpoint(zero3_job)
     assert (src / "latest").read_text().strip() == "global_step3", list(src.iterdir())
     assert len(list((src / "global_step3").glob("*optim_states.pt"))) == 4  # one per rank, both nodes'
     out = tmp_path / "ckpt_ws3"
@@ -426,6 +425,12 @@ def test_the_two_node_checkpoint_resharded_by_both_nodes_each_writing_its_share(
     verify = run_grouped([sys.executable, "-m", "shardkit", "verify", str(out), "--world-size", "3"], cluster, 120)
     assert verify.returncode == 0, verify.stdout[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["global_step3", "latest"], list(out.iterdir())
+
+
+def _saved_checkpoint(job: Job) -> Path:
+    """The checkpoint the module's two-node ZeRO-3 job saved (the job must have completed)."""
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.output[-3000:]
+    return job.folder / "ckpt"
 
 
 def _srun_shardkit(cluster: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -446,8 +451,7 @@ def test_the_two_node_checkpoint_converted_to_fsdp2_and_back_by_both_nodes(
 
     from shardkit.checkpoint.io.torch_load import safe_torch_load
 
-    assert (zero3_job.state, zero3_job.exit_code) == ("COMPLETED", "0:0"), zero3_job.output[-3000:]
-    src = zero3_job.folder / "ckpt"
+    src = _saved_checkpoint(zero3_job)
     dcp, back = tmp_path / "dcp", tmp_path / "back"
     r = _srun_shardkit(cluster, "convert", str(src), "--to", "fsdp2", "-o", str(dcp))
     assert r.returncode == 0, r.stdout[-4000:]

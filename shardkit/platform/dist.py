@@ -7,7 +7,8 @@ import sys
 from typing import Any, Mapping
 
 
-def _active() -> bool:
+def process_group_active() -> bool:
+    """Whether a default torch.distributed process group is initialized in this process."""
     # No process group can exist in a process that never imported torch.distributed: answering
     # from sys.modules keeps the torch-free writers (reshard, convert, consolidate) free of a 1-3 s
     # `import torch` that the check itself would cost.
@@ -20,7 +21,7 @@ def _active() -> bool:
 
 def rank_world() -> tuple[int, int]:
     """(rank, world size) of the default process group; (0, 1) without one."""
-    if not _active():
+    if not process_group_active():
         return 0, 1
     import torch.distributed as dist
 
@@ -29,7 +30,7 @@ def rank_world() -> tuple[int, int]:
 
 def barrier() -> None:
     """``dist.barrier()`` when a process group exists."""
-    if _active():
+    if process_group_active():
         import torch.distributed as dist
 
         dist.barrier()
@@ -37,7 +38,7 @@ def barrier() -> None:
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
-    if not _active():
+    if not process_group_active():
         return [obj]
     import torch.distributed as dist
 
@@ -50,7 +51,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank."""
-    if not _active():
+    if not process_group_active():
         return obj
     import torch.distributed as dist
 

@@ -30,14 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardkit.checkpoint.io.torch_load import _Dtype
 from shardkit.core.errors import CheckpointError
 
 _MD = "torch.distributed.checkpoint.metadata"
-_STAND_IN_CLASSES = {
-    (_MD, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                             "BytesStorageMetadata", "ChunkStorageMetadata")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-_PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
+#: The allow-list, shared with ``reader`` (which resolves the same names to torch's classes).
+METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                    "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
+_STAND_IN_CLASSES = {(_MD, name) for name in METADATA_CLASSES if name != "_MEM_FORMAT_ENCODING"} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 #: torch dtype names (``torch.float32`` pickles as ``GLOBAL torch float32``): kept as the name
 _DTYPE_NAME = re.compile(r"^(float|bfloat|half|double|int|uint|long|short|complex|bool|qint|quint|bits)\w*$")
 
@@ -96,10 +98,6 @@ class _Reduced:
         self.name, self.args = name, args
 
 
-class _Dtype(str):
-    pass
-
-
 def _stand_in(module: str, name: str) -> type[_StandIn]:
     return type(name, (_StandIn,), {"module_name": (module, name)})
 
@@ -123,7 +121,7 @@ class _Unpickler(pickle.Unpickler):
             return tuple
         if module == "torch" and _DTYPE_NAME.match(name):
             return _Dtype(name)
-        if module == "pathlib" and name in _PATH_CLASSES:
+        if module == "pathlib" and name in PATH_CLASSES:
             import pathlib
 
             return getattr(pathlib, name)  # builds a path object from strings; no I/O
@@ -131,11 +129,32 @@ class _Unpickler(pickle.Unpickler):
             import collections
 
             return collections.OrderedDict
-        raise CheckpointError(
-            f"{self._source}: refused to load: the DCP metadata pickle asks for global {module}.{name}, which real "
-            "torch.distributed.checkpoint metadata never holds (it could run code). The checkpoint was tampered with "
-            "or written by something else; resume from a checkpoint you trust, or load it with plain dcp.load only "
-            "if you trust its source")
+        raise refused_global(self._source, module, name)
+
+
+def refused_global(source: str, module: str, name: str) -> CheckpointError:
+    return CheckpointError(
+        f"{source}: refused to load: the DCP metadata pickle asks for global {module}.{name}, which real "
+        "torch.distributed.checkpoint metadata never holds (it could run code). The checkpoint was tampered with "
+        "or written by something else; resume from a checkpoint you trust, or load it with plain dcp.load only "
+        "if you trust its source")
+
+
+def unreadable(p: Path, exc: BaseException) -> CheckpointError:
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointError(f"{p}: missing; a DCP checkpoint directory needs its .metadata file (the save did not "
+                               "complete). Resume from another checkpoint")
+    return CheckpointError(f"{p}: cannot be read as DCP metadata ({type(exc).__name__}: {exc}); the file is "
+                           "truncated or corrupted. Resume from another checkpoint")
+
+
+def not_metadata(p: Path, obj: Any) -> CheckpointError:
+    return CheckpointError(f"{p}: holds a {type(obj).__name__}, not torch.distributed.checkpoint Metadata; not a DCP "
+                           "checkpoint. Pass the folder save_fsdp_checkpoint (or dcp.save) wrote")
+
+
+#: What a damaged ``.metadata`` raises while it is unpickled or checked.
+READ_ERRORS = (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError, OSError)
 
 
 def read_plain_metadata(path: str | os.PathLike[str]) -> DcpMetadata:
@@ -149,13 +168,8 @@ def read_plain_metadata(path: str | os.PathLike[str]) -> DcpMetadata:
         return _convert(raw, p)
     except CheckpointError:
         raise
-    except FileNotFoundError:
-        raise CheckpointError(f"{p}: missing; a DCP checkpoint directory needs its .metadata file (the save did not "
-                              "complete). Resume from another checkpoint") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError,
-            OSError) as exc:
-        raise CheckpointError(f"{p}: cannot be read as DCP metadata ({type(exc).__name__}: {exc}); the file is "
-                              "truncated or corrupted. Resume from another checkpoint") from None
+    except READ_ERRORS as exc:
+        raise unreadable(p, exc) from None
 
 
 def _is(obj: Any, name: str) -> bool:
@@ -176,8 +190,7 @@ def _ints(value: Any, where: str) -> tuple[int, ...]:
 
 def _convert(raw: Any, p: Path) -> DcpMetadata:
     if not _is(raw, "Metadata"):
-        raise CheckpointError(f"{p}: holds a {type(raw).__name__}, not torch.distributed.checkpoint Metadata; not a "
-                              "DCP checkpoint")
+        raise not_metadata(p, raw)
     md = _fields(raw, "Metadata", "the metadata")
     entries = md.get("state_dict_metadata")
     if not isinstance(entries, dict):

@@ -28,22 +28,25 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from shardkit.checkpoint.dcp.plain_metadata import (
+    METADATA_CLASSES,
+    PATH_CLASSES,
+    READ_ERRORS,
+    not_metadata,
+    refused_global,
+    unreadable,
+)
 from shardkit.core.errors import CheckpointError
 
 METADATA_NAME = ".metadata"
 
-_METADATA_CLASSES = (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-    "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
-)
-_PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
 
 
 def _allowed_global(module: str, name: str) -> Any | None:
     """The object ``module.name`` resolves to when it is allowed in DCP metadata, else None."""
     import torch
 
-    if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES:
+    if module == "torch.distributed.checkpoint.metadata" and name in METADATA_CLASSES:
         import torch.distributed.checkpoint.metadata as md
 
         return getattr(md, name, None)
@@ -57,7 +60,7 @@ def _allowed_global(module: str, name: str) -> Any | None:
         return getattr(torch, name)
     if module == "torch.serialization" and name == "_get_layout":
         return torch.serialization._get_layout
-    if module == "pathlib" and name in _PATH_CLASSES:
+    if module == "pathlib" and name in PATH_CLASSES:
         import pathlib
 
         return getattr(pathlib, name)
@@ -76,12 +79,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         obj = _allowed_global(module, name)
         if obj is None:
-            raise CheckpointError(
-                f"{self._source}: refused to load: the DCP metadata pickle asks for global {module}.{name}, "
-                "which real torch.distributed.checkpoint metadata never holds (it could run code). The "
-                "checkpoint was tampered with or written by something else; resume from a checkpoint you "
-                "trust, or load it with plain dcp.load only if you trust its source"
-            )
+            raise refused_global(self._source, module, name)
         return obj
 
 
@@ -94,17 +92,12 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
             md = _MetadataUnpickler(fh, str(p)).load()
     except CheckpointError:
         raise
-    except FileNotFoundError:
-        raise CheckpointError(f"{p}: missing; a DCP checkpoint directory needs its {METADATA_NAME} file "
-                              "(the save did not complete). Resume from another checkpoint") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, OSError) as exc:
-        raise CheckpointError(f"{p}: cannot be read as DCP metadata ({type(exc).__name__}: {exc}); the file is "
-                              "truncated or corrupted. Resume from another checkpoint") from None
+    except READ_ERRORS as exc:
+        raise unreadable(p, exc) from None
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not isinstance(md, Metadata):
-        raise CheckpointError(f"{p}: holds a {type(md).__name__}, not torch.distributed.checkpoint Metadata; "
-                              "not a DCP checkpoint")
+        raise not_metadata(p, md)
     return md
 
 

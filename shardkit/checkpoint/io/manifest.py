@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from shardkit.checkpoint.io.digest import ALGORITHMS, default_algorithm, new_has
 from shardkit.checkpoint.io.tags import STAGING_PREFIX, tag_problem
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import FileReadError, read_regular_file
+from shardkit.platform.dist import all_gather_object, broadcast_object, rank_world
 from shardkit.platform.versions import library_versions
 
 MANIFEST_NAME = "shardkit_manifest.json"
@@ -335,20 +335,13 @@ def describe_files_distributed(tag_dir: str | os.PathLike[str], exclude: set[str
     ranks is hashed in parallel. Every rank returns the full list (less ``exclude``). Collective: call on
     all ranks."""
     rels = [r for r in checkpoint_files(tag_dir) if r not in (exclude or ())]
-    # no process group without torch.distributed imported: a torch-free writer (convert --to zero3)
-    # must not import torch (1.2 s) just to learn that
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    rank, world = rank_world()  # (0, 1) without a process group, and no torch import to learn it
+    if world == 1:
         return describe_files(tag_dir, rels)
-    rank, world = dist.get_rank(), dist.get_world_size()
     # rank 0's listing is authoritative: every rank must hash the same set
-    holder: list[Any] = [rels]
-    dist.broadcast_object_list(holder, src=0)
-    rels = holder[0]
+    rels = broadcast_object(rels, src=0)
     mine = describe_files(tag_dir, rels[rank::world])
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, [asdict(e) for e in mine])
-    entries = [FileEntry(**d) for part in gathered for d in part]
+    entries = [FileEntry(**d) for part in all_gather_object([asdict(e) for e in mine]) for d in part]
     return sorted(entries, key=lambda e: e.path)
 
 

@@ -53,7 +53,6 @@ config and optimizer, param-group format, sub-group layout, steps and counters);
 from __future__ import annotations
 
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
@@ -88,6 +87,7 @@ from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_share import CONVERT
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import UsageError
+from shardkit.platform.dist import process_group_active
 from shardkit.platform.versions import library_versions
 
 MAX_WORLD_SIZE = 2**20
@@ -141,9 +141,7 @@ def convert_dcp_to_zero3(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise UsageError(f"--world-size {world_size!r}: must be a whole number from 1 to {MAX_WORLD_SIZE} (the data-"
                          "parallel ranks of the resuming DeepSpeed run)")
-    # a process group exists only where torch.distributed was imported (the usual route never imports torch)
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if process_group_active():
         raise UsageError("convert_dcp_to_zero3 runs in one process, but a torch.distributed process group is "
                          "initialized here (its DCP reads would become collective); run `shardkit convert` outside "
                          "the training job")

@@ -118,16 +118,12 @@ class RankStates:
             owners.setdefault(g, []).append(j)
         self.groups = [{**group, "params": owners.get(g, [])} for g, group in enumerate(groups)]
         self.buffer_refs = {n: src.slices.tensor_ref(f"{MODEL_KEY}.{n}") for n in plan.buffers}
-        self.not_byte_ranges = ""
+        self.not_byte_ranges = self._first_not_byte_ranges()
         """The first source tensor that is not byte ranges, and why (empty when all are)."""
-        self.byte_ranges = self._all_byte_ranges()
+        self.byte_ranges = not self.not_byte_ranges
         """Every flat partition and frozen fragment is byte ranges (several threads may write)."""
         self.plain = self.byte_ranges and self._rest_plain()
         """The bytes route: nothing in the files needs torch (module doc)."""
-        self.torch_route_reason = None if self.plain else (
-            f"not every fp32 partition or frozen fragment is byte ranges of the .distcp files: {self.not_byte_ranges}"
-            if not self.byte_ranges else "buffers, Adam steps or param-group values are not stored as plain records")
-        """Why the torch route was taken (for the result's notes), None on the bytes route."""
         params = {p.fqn for p in plan.trainable} | {p.fqn for p in plan.frozen} | set(plan.aliases)
         buffers = self._buffers()
         # a partitioned ZeRO-3 module's state_dict holds an empty tensor per parameter, buffers whole
@@ -136,26 +132,32 @@ class RankStates:
         self.param_shapes = [OrderedDict((self.name(tp.source.name), TorchSize(tp.source.shape)) for tp in sub)
                              for sub in layout.sub_groups]
 
-    def _all_byte_ranges(self) -> bool:
-        """Whether every rank's flat tensors and frozen fragments are byte ranges: decided per source
-        tensor (float32 and readable by ``DcpSlices``, frozen ones in the module's dtype), not by
-        walking ranks x tensors. The first tensor that is not is named in ``not_byte_ranges``."""
+    @property
+    def torch_route_reason(self) -> str | None:
+        """Why the torch route was taken (for the result's notes), None on the bytes route."""
+        if self.plain:
+            return None
+        if not self.byte_ranges:
+            return f"not every fp32 partition or frozen fragment is byte ranges of the .distcp files: {self.not_byte_ranges}"
+        return "buffers, Adam steps or param-group values are not stored as plain records"
+
+    def _first_not_byte_ranges(self) -> str:
+        """The first source tensor whose partitions or fragments are not byte ranges, and why; empty
+        when all are. Decided per source tensor (float32 and readable by ``DcpSlices``, frozen ones in
+        the module's dtype), not by walking ranks x tensors."""
         wanted = [(_source_key(tp.source.name, key), "float32")
                   for tp in (tp for sub in self.layout.sub_groups for tp in sub) for key in (FP32, *ADAM_STATE_KEYS)]
         wanted += [(f"{MODEL_KEY}.{p.fqn}", self.module_dtype) for p in self.plan.frozen]
         for key, dtype in wanted:
             meta: TensorMeta | None = self.src.tensor_meta(key)
             if meta is None:
-                self.not_byte_ranges = f"{key} is not a tensor in the .metadata"
-            elif meta.dtype != dtype:
-                self.not_byte_ranges = f"{key} is {meta.dtype}, the ZeRO-3 files hold it as {dtype} (a cast)"
-            elif self.src.slices.chunks(key) is None:
-                self.not_byte_ranges = (f"{key}'s stored chunks are not dim-0 slabs in plain zip records (a layout the "
-                                        "direct reader does not take)")
-            else:
-                continue
-            return False
-        return True
+                return f"{key} is not a tensor in the .metadata"
+            if meta.dtype != dtype:
+                return f"{key} is {meta.dtype}, the ZeRO-3 files hold it as {dtype} (a cast)"
+            if self.src.slices.chunks(key) is None:
+                return (f"{key}'s stored chunks are not dim-0 slabs in plain zip records (a layout the direct reader "
+                        "does not take)")
+        return ""
 
     def _rest_plain(self) -> bool:
         """Buffers and steps are records to copy, param-group values plain data: the files need no torch."""
@@ -276,30 +278,29 @@ class RankStates:
         """Rank ``rank``'s flat ``key`` tensor of sub-group ``j``, written later: byte ranges of the
         ``.distcp`` files and zero runs when every slice is float32 there (copied through one 1 MiB
         buffer, never built), else produced by ``_partition``."""
-        segments: list[Segment] | None = []
+        segments: list[Segment] = []
+        readable = True
         for tp in self.layout.sub_groups[j]:
             lo, hi = tp.rank_range(rank)
             source = _source_key(tp.source.name, key)
             chunks = self.src.slices.chunks(source) if hi > lo else []
             meta = self.src.tensor_meta(source)
             if chunks is None or meta is None or meta.dtype != "float32":
-                segments = None
+                readable = False
                 break
-            here: list[Segment] = segments if segments is not None else []
             for ch in chunks:
                 a, b = max(lo, ch.start), min(hi, ch.start + ch.numel)
                 if b > a:
-                    here.append(Segment(str(ch.file), ch.data_offset + (a - ch.start) * 4, (b - a) * 4))
+                    segments.append(Segment(str(ch.file), ch.data_offset + (a - ch.start) * 4, (b - a) * 4))
             if tp.partition_numel > hi - lo:
-                here.append(Segment(None, 0, (tp.partition_numel - (hi - lo)) * 4))
+                segments.append(Segment(None, 0, (tp.partition_numel - (hi - lo)) * 4))
         numel = self.layout.sub_group_numel(j)
-        if self.plain and segments is not None:
+        if self.plain and readable:
             return NewTensor("float32", numel, segments)
         import torch
 
-        done = segments
         return LazyTensor(numel, torch.float32, _producer(self.src, self.layout, j, rank, key),
-                          segments=(lambda: done) if done is not None else None)
+                          segments=(lambda: segments) if readable else None)
 
 
 def _producer(src: DcpSource, layout: TargetLayout, j: int, rank: int, key: str) -> Callable[[], "torch.Tensor"]:
