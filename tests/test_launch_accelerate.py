@@ -396,7 +396,7 @@ def test_dry_run_prints_the_accelerate_command_and_starts_nothing(run_cli, no_de
     script, marker = _marker_script(no_default_config)
     code, out, err = run_cli("launch", "--dry-run", "--launcher", "accelerate", "--config_file", cfg, script, "--steps", "2")
     assert code == 0, out + err
-    assert f"shardkit launch: {cfg} checked; placement preflight on every rank; would run: " in err
+    assert f"shardkit launch: {cfg} checked; placement preflight requested on every rank; would run: " in err
     assert err.rstrip().endswith(f"launch --config_file {cfg} {script} --steps 2")
     assert not marker.exists()
     # a script that does not exist: one line, nothing started
@@ -471,7 +471,7 @@ def zero3_run(tmp_path_factory, zero3_json):
 def test_accelerate_zero3_on_two_cpu_ranks_runs_the_preflight_on_every_rank(zero3_run):
     out = zero3_run.stdout
     assert zero3_run.returncode == 0, out[-4000:]
-    assert "acc.yaml checked; placement preflight on every rank; starting: " in out
+    assert "acc.yaml checked; placement preflight requested on every rank; starting: " in out
     # the preflight gathered both ranks' records, through the engine Accelerate built
     assert "placement preflight passed on 2 rank(s)" in out and "(DeepSpeed engine)" in out
     assert "rank 0 of 2 trained (DistributedType.DEEPSPEED)" in out and "rank 1 of 2 trained" in out

@@ -18,7 +18,6 @@ from shardkit.autopreflight.rank_env import (
     DEFAULT_TIMEOUT_S,
     ENV_CONFIG,
     ENV_ENABLE,
-    ENV_FAILED_DIR,
     ENV_JSON,
     ENV_TIMEOUT,
     EXIT_CODE,
@@ -28,6 +27,6 @@ from shardkit.autopreflight.rank_env import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "ENV_CONFIG", "ENV_ENABLE", "ENV_FAILED_DIR", "ENV_JSON", "ENV_TIMEOUT", "EXIT_CODE",
+    "DEFAULT_TIMEOUT_S", "ENV_CONFIG", "ENV_ENABLE", "ENV_JSON", "ENV_TIMEOUT", "EXIT_CODE",
     "enabled", "rank_env", "site_dir",
 ]

@@ -14,11 +14,6 @@ ENV_TIMEOUT = "SHARDKIT_AUTOPREFLIGHT_TIMEOUT"
 """Seconds the preflight waits for every rank (default 120: ranks reach their first step at different times)."""
 ENV_JSON = "SHARDKIT_AUTOPREFLIGHT_JSON"
 """Optional path where rank 0 writes the preflight report as JSON."""
-ENV_FAILED_DIR = "SHARDKIT_AUTOPREFLIGHT_FAILED_DIR"
-"""Set by `shardkit launch`: a rank whose preflight fails leaves ``rank<RANK>`` there (first line of
-the failure), so the launch can say which ranks failed after the launcher's own output (torchrun
-reports a rank's exit 3 as 1, under a ChildFailedError traceback)."""
-
 EXIT_CODE = 3
 """Exit status of a rank whose placement preflight failed (the launcher then stops the others)."""
 

@@ -13,7 +13,9 @@ import sys
 import weakref
 from typing import Any, Callable, NoReturn
 
-from shardkit.autopreflight.rank_env import DEFAULT_TIMEOUT_S, ENV_FAILED_DIR, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
+from shardkit.autopreflight.launch_link import send_report
+from shardkit.autopreflight.rank_env import DEFAULT_TIMEOUT_S, ENV_JSON, ENV_TIMEOUT, EXIT_CODE
+from shardkit.core.env_settings import read_seconds, read_text
 
 LAUNCH_SKIP_HINT = "relaunch with `shardkit launch --no-preflight` to skip the check"
 """How a failure message tells a `shardkit launch` user to skip the check."""
@@ -52,21 +54,23 @@ def run_or_exit(
 ) -> Any:
     """``shardkit.preflight(**kwargs)`` with the launch's timeout and JSON path; rank 0 prints one
     summary line when it passes. On failure every rank prints why and exits with EXIT_CODE (rank 0
-    has printed the table), leaving the marker `shardkit launch` names the failed ranks from."""
+    has printed the table), reporting it to `shardkit launch`, which names the failed ranks."""
     from shardkit.core.errors import PreflightError
 
     rank = os.environ.get("RANK", "?")
     try:
         from shardkit.placement.preflight import preflight
 
-        report = preflight(**kwargs, timeout=preflight_timeout(timeout), json_path=json_path or os.environ.get(ENV_JSON))
+        report = preflight(**kwargs, timeout=preflight_timeout(timeout), json_path=json_path or read_text(ENV_JSON))
     except PreflightError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "placement preflight failed"
         where = "the table above" if rank == "0" else "rank 0's output"
         stop_rank(rank, f"placement preflight failed {when}", first, where, skip_hint)
     except ImportError as exc:
         print(f"shardkit autopreflight: rank {rank}: preflight unavailable ({exc}); continuing", file=sys.stderr)
+        send_report("skipped", f"preflight unavailable ({exc})")
         return None
+    send_report("passed", f"{report.tensor_count} tensors ({what})")
     if rank in ("0", "?"):
         print(
             f"shardkit autopreflight: placement preflight passed on {report.rank_count} rank(s), "
@@ -78,8 +82,9 @@ def run_or_exit(
 
 
 def preflight_timeout(given: float | None = None) -> float:
-    """``given``, else SHARDKIT_AUTOPREFLIGHT_TIMEOUT, else the default (ranks arrive at different times)."""
-    return float(given if given is not None else os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+    """``given``, else SHARDKIT_AUTOPREFLIGHT_TIMEOUT, else the default (ranks arrive at different times).
+    A bad value is warned about once and the default used: the rank is mid-run, past its start."""
+    return given if given is not None else read_seconds(ENV_TIMEOUT, DEFAULT_TIMEOUT_S, during_run=True)
 
 
 def _write_whole(text: str) -> None:
@@ -96,28 +101,17 @@ def _write_whole(text: str) -> None:
 
 def stop_rank(rank: str, what_failed: str, first_line: str, where: str, skip_hint: str = LAUNCH_SKIP_HINT) -> NoReturn:
     """End this rank with EXIT_CODE after one line saying what failed and why (the same on every
-    rank); ``first_line`` (the cause) goes into the marker `shardkit launch` summarizes."""
+    rank); ``first_line`` (the cause) goes to `shardkit launch`, which summarizes the failed ranks."""
     _write_whole(
         f"shardkit autopreflight: rank {rank}: {what_failed}: {first_line}\n"
         f"shardkit autopreflight: rank {rank}: stopping (exit {EXIT_CODE}); see {where}. "
         f"Fix it, or {skip_hint}.\n"
     )
     sys.stdout.flush()
-    _leave_failure_marker(rank, first_line)
+    # the launch names the failed ranks (with this line) after the launcher's own output
+    send_report("failed", first_line)
     # os._exit: atexit handlers can block in a collective the other ranks never join.
     os._exit(EXIT_CODE)
-
-
-def _leave_failure_marker(rank: str, first_line: str) -> None:
-    """Tell `shardkit launch` this rank failed the preflight (it prints the summary last)."""
-    folder = os.environ.get(ENV_FAILED_DIR)
-    if not folder:
-        return
-    try:
-        with open(os.path.join(folder, f"rank{rank}"), "w", encoding="utf-8") as fh:
-            fh.write(first_line + "\n")
-    except OSError as exc:  # the summary is a convenience; the exit code still says it
-        print(f"shardkit autopreflight: rank {rank}: cannot leave a failure marker in {folder} ({exc})", file=sys.stderr)
 
 
 def _remove_hooks() -> None:

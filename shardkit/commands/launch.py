@@ -52,8 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "the command line's overrides), runs "
             "`shardkit check` and the known-bad version table on it (errors stop the launch, exit 1), then starts "
             "the real launcher with every argument passed through untouched. Unless --no-preflight, each rank "
-            "runs the placement preflight before its first optimizer step (no change to the script); a failing "
-            "preflight stops all ranks. shardkit's own options must come first."
+            "runs the placement preflight before its first optimizer step (no change to the script) and reports to "
+            "the launch; a failing preflight stops all ranks (exit 3), and the launch's last line says on how many "
+            "ranks it passed, or names the ranks where it never ran and why. shardkit's own options must come first."
         ),
     )
     p.__class__ = _PassThroughParser
@@ -73,7 +74,7 @@ def launch_command(args: argparse.Namespace) -> int:
 
     from shardkit.core.render import print_report
     from shardkit.platform.environment.report import require_no_hang_traps
-    from shardkit.run.launcher import build_launch, check_launch_config, missing_script, run_launch
+    from shardkit.run.launcher import build_launch, check_launch_config, expected_ranks, missing_script, run_launch
 
     plan = build_launch(args.argv, args.launcher, preflight=not args.no_preflight)
     why = missing_script(plan)
@@ -97,9 +98,14 @@ def launch_command(args: argparse.Namespace) -> int:
     rdzv = plan.rendezvous
     require_no_hang_traps(plan.env, cross_node=(rdzv.host, rdzv.min_nodes) if rdzv is not None else None)
     checked = f"{subject} checked" if checked_something else "no config named"
-    preflight = "placement preflight on every rank" if plan.preflight else "no preflight"
+    # a request, not a promise: the closing line says on how many ranks it ran (launch_reports)
+    expected = expected_ranks(plan) if plan.preflight else None
+    preflight = "placement preflight requested on every rank" if plan.preflight else "no preflight"
+    if expected is not None and expected.unreachable:
+        print(f"shardkit launch: warning: the preflight will not reach the other nodes' ranks: {expected.unreachable}",
+              file=sys.stderr, flush=True)
     if args.dry_run:
         print(f"shardkit launch: {checked}; {preflight}; would run: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
         return 0
     print(f"shardkit launch: {checked}; {preflight}; starting: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
-    return run_launch(plan)
+    return run_launch(plan, expected)

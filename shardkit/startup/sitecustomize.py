@@ -7,22 +7,49 @@ Installs lazy import watchers in training ranks, then runs the ``sitecustomize``
 
 def _shardkit_install() -> None:
     try:
-        from shardkit.autopreflight.rank_env import enabled
+        # the launch's settings, packed into one PYTHON* variable so that DeepSpeed's multi-node
+        # runner carries them to the other nodes (it passes only PYTHON*, MLFLOW*, MV2*, UCX* there)
+        from shardkit.autopreflight.launch_link import arrive, send_report
+        from shardkit.autopreflight.rank_env import ENV_ENABLE, enabled
 
-        if enabled():
-            from shardkit.integrations.trainer_hook import wrap_trainer_init
-            from shardkit.autopreflight.hooks import install
+        arrive()
+        if not enabled():
+            _say_what_did_not_arrive(ENV_ENABLE)
+            return
+        from shardkit.integrations.trainer_hook import wrap_trainer_init
+        from shardkit.autopreflight.hooks import install
 
-            install({"transformers.trainer": wrap_trainer_init})
-            # a rank of `shardkit launch` silent for SHARDKIT_SILENCE_S (build lock, rendezvous,
-            # collective) says where it waits; a daemon thread sampling the main thread's stack
-            from shardkit.run.spawn.silence import start_from_env
+        install({"transformers.trainer": wrap_trainer_init})
+        # a rank of `shardkit launch` silent for SHARDKIT_SILENCE_S (build lock, rendezvous,
+        # collective) says where it waits; a daemon thread sampling the main thread's stack
+        from shardkit.run.spawn.silence import start_from_env
 
-            start_from_env()
+        start_from_env()
+        send_report("armed")
     except Exception as exc:  # never break interpreter start-up
         import sys
 
         print(f"shardkit autopreflight: not installed ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+def _say_what_did_not_arrive(enable: str) -> None:
+    """A training rank (RANK set) whose PYTHONPATH reached it with this file on it came from
+    `shardkit launch`, but the launch's settings did not: say so, since no preflight runs here."""
+    import os
+    import socket
+    import sys
+
+    from shardkit.autopreflight.launch_link import PACKED_ENV
+
+    if "RANK" not in os.environ or os.environ.get(enable) == "0":
+        return
+    missing = PACKED_ENV if PACKED_ENV not in os.environ else enable
+    print(
+        f"shardkit autopreflight: rank {os.environ['RANK']} on {socket.gethostname()}: {missing} did not arrive in "
+        "this rank's environment, so no placement preflight runs here (the launcher passed PYTHONPATH but not "
+        f"{missing}; see docs/launch.md, how each launcher reaches remote nodes)",
+        file=sys.stderr, flush=True,
+    )
 
 
 def _chain_to_shadowed_sitecustomize() -> None:
