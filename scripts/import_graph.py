@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("shardkit.checkpoint.io", "shardkit.engines"),
     # config rules; placement records and verdicts; what each engine writes and how to read it
     ("shardkit.checks", "shardkit.placement", "shardkit.checkpoint.zero3", "shardkit.checkpoint.dcp",
-     "shardkit.checkpoint.hf_trainer", "shardkit.checkpoint"),
+     "shardkit.checkpoint.hf_trainer", "shardkit.checkpoint.layout", "shardkit.checkpoint"),
     # checkpoint operations users run: save/resume, reshard, convert, consolidate
     ("shardkit.checkpoint.ops",),
     # the rank side of runs: spawning local ranks, the code they run, the automatic preflight

@@ -62,6 +62,7 @@ from shardkit.checkpoint.io.shared_save import (
     write_part,
 )
 from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX
+from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.io.torch_load import read_structure
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
@@ -145,6 +146,7 @@ def consolidate_zero3(
     if dtype not in OUTPUT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
     out_name = _OUT_NAMES[dtype]
+    refuse_unsupported(checkpoint, "consolidate")  # a layout nothing converts correctly: refused before anything is read
     source_dir, _ = resolve_tag_dir(checkpoint)
     launch = launch or launch_from_env()
     # every process resolves -o the same way: the staging folder is named after the file

@@ -49,6 +49,7 @@ from shardkit.checkpoint.io.stream import WrittenFile, copy_file_hashed, write_p
 from shardkit.checkpoint.io.torch_zip import write_torch_zip
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
+from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, plan_layout
 from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
@@ -130,6 +131,7 @@ def reshard_zero3(
     source_dir, source_tag = resolve_tag_dir(checkpoint)
     tag = output_tag(tag, checkpoint, source_dir, source_tag)
     root = Path(output)
+    refuse_unsupported(checkpoint, "reshard")  # a layout nothing converts correctly: refused before anything is read
     if launch.rank == 0:
         # the others write into the staging folder rank 0 claims after this check (by the time
         # they run it, that folder may already be in ``root``)

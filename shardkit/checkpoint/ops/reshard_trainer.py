@@ -28,6 +28,7 @@ from shardkit.checkpoint.io.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.shared_save import launch_from_env
 from shardkit.checkpoint.io.sibling_staging import remove_stale_staging, staging_folder
 from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, read_latest
+from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
@@ -155,6 +156,7 @@ def reshard_trainer_checkpoint(
     """
     final = Path(output)
     src = source.folder
+    refuse_unsupported(src, "reshard")  # a layout nothing converts correctly: refused before anything is read
     src_tag_dir, src_tag = resolve_tag_dir(src)
     new_tag = check_tag(tag) if tag is not None else src_tag
     if not new_tag.startswith(DEEPSPEED_TAG_PREFIX):

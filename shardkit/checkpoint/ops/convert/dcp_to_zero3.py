@@ -74,6 +74,7 @@ from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.checkpoint.io.tags import check_tag
 from shardkit.checkpoint.io.verify import refuse_links_leaving
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import (
+from shardkit.checkpoint.layout.support import refuse_unsupported
     check_target_config,
     decide_precision,
     plan_zero3_target,
@@ -148,6 +149,7 @@ def convert_dcp_to_zero3(
     launch = launch or launch_from_env()
     warn = warn or warn_unverified
     tag_dir = resolve_dcp_tag_dir(source)
+    refuse_unsupported(source, "convert --to zero3")  # a layout nothing converts correctly: refused before anything is read
     tag = check_tag(tag) if tag is not None else check_tag(tag_dir.name, "source tag (the source folder's name; no --tag given)")
     root = Path(output)
     if launch.rank == 0:

@@ -67,6 +67,7 @@ from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.checkpoint.io.torch_load import read_structure, safe_torch_load
 from shardkit.checkpoint.io.verify import refuse_links_leaving
 from shardkit.checkpoint.ops.convert.names import MODEL_KEY, OPTIM_KEY, not_carried_lines, refuse_if_any
+from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_bytes import (
     DcpItems,
@@ -115,6 +116,7 @@ def convert_zero3_to_dcp(
     launch = launch or launch_from_env()
     warn = warn or warn_unverified
     source_dir, source_tag = resolve_tag_dir(source)
+    refuse_unsupported(source, "convert --to fsdp2")  # a layout nothing converts correctly: refused before anything is read
     refuse_if_any(layout_refusals(source_dir), source_dir, "fsdp2")
     tag = output_tag(tag, source, source_dir, source_tag)
     root = Path(output)

@@ -24,6 +24,7 @@ from shardkit.checkpoint.io.atomic import atomic_write_text, disk_full_named, os
 from shardkit.checkpoint.io.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.checkpoint.io.sibling_staging import remove_stale_staging, staging_folder
 from shardkit.checkpoint.io.torch_load import _ITEMSIZE
+from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.export.adapter_spec import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_spec
 from shardkit.checkpoint.ops.export.dcp_pieces import dcp_tensors
 from shardkit.checkpoint.ops.export.match import adapter_names, match, normalize
@@ -116,6 +117,7 @@ def export_hf_folder(
         raise UsageError(f"--workers {workers}: must be at least 1 (shard files written at once)")
     limit = parse_shard_size(max_shard_size)
     final = Path(output)
+    refuse_unsupported(source, "export")  # a layout nothing converts correctly: refused before anything is read
     src = resolve_source(source)
     config_dir = find_config_dir(src, model_config)
     check_output_dir(final, [src.folder, src.tag_dir], force=force)

@@ -1,0 +1,205 @@
+"""Describe a DeepSpeed tag folder from its file names and pickled structures (``read_structure``: no
+torch, no tensor bytes): ZeRO-0, -1, -2 or -3, precision, offload, world sizes, parameters, the
+optimizer; a universal checkpoint (``ds_to_universal`` output); and the markers of layouts nothing
+converts correctly, each a ``Refusal``.
+
+What DeepSpeed 0.19.8 writes (``runtime/engine.py``):
+
+- ZeRO-3: ``zero_pp_rank_{r}_mp_rank_{m}_model_states.pt`` per data-parallel rank, and
+  ``[bf16_]zero_pp_rank_{r}_mp_rank_{m}_optim_states.pt`` with ``fp32_flat_groups``.
+- ZeRO-1/2: one ``mp_rank_{m}_model_states.pt`` (the whole 16-bit module, ``param_shapes``) and
+  ``[bf16_]zero_pp_rank_{r}_mp_rank_{m}_optim_states.pt`` with ``single_partition_of_fp32_groups``,
+  ``param_slice_mappings`` and ``base_optimizer_state``. ZeRO-0: the model states file alone.
+- Tensor parallelism: ``mp_rank_01``... files, ``mp_world_size`` > 1 in the model states.
+- Pipeline engines: ``layer_{XX}-model_{..}-model_states.pt`` per layer (``PipelineModule.ckpt_layer_path``).
+- Native MoE: ``expp_rank_{e}_mp_rank_{m}_optim_states.pt`` and
+  ``layer_{l}_expert_{e}_mp_rank_{m}_model_states.pt`` (``_get_expert_ckpt_name``).
+- AutoEP with ZeRO-3: plain ZeRO-3 file names, ``ds_autoep_layers`` in the model states; the experts
+  are partitioned over expert groups, and DeepSpeed's own consolidation refuses them
+  (``_raise_if_autoep_zero3_consolidated_export``: "would produce incomplete expert tensors").
+- NVMe optimizer offload: swapped sub-groups are saved as empty ``fp32_flat_groups`` tensors
+  (``stage3.py``: ``torch.empty(0)`` for a swappable sub-group) and their masters and moments are
+  copied from the swap folder to ``<tag>/offloaded_tensors/rank{r}/``.
+- Universal (``ds_to_universal``): ``mp_rank_00_model_states.pt`` beside ``zero/<param>/fp32.pt``,
+  ``exp_avg.pt``, ``exp_avg_sq.pt``, ``step.pt``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from shardkit.checkpoint.io.torch_load import TensorRef, read_structure
+from shardkit.checkpoint.layout.description import CheckpointDescription, Refusal
+from shardkit.checkpoint.zero3.files import RANK_FILE
+from shardkit.core.errors import CheckpointError
+
+_MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_EXPERT_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_EXPERT_MODEL = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_PIPE_LAYER = re.compile(r"^layer_(\d+)-.*model_states\.pt$")
+#: The folder ds_to_universal writes beside the model states, and the file every parameter has there.
+UNIVERSAL_FOLDER = "zero"
+UNIVERSAL_FP32 = "fp32.pt"
+#: Where DeepSpeed copies the NVMe swap folder at save time (engine.save_checkpoint).
+NVME_FOLDER = "offloaded_tensors"
+AUTOEP_KEY = "ds_autoep_layers"
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def is_deepspeed_folder(folder: Path) -> bool:
+    """True when ``folder`` holds DeepSpeed rank files (or a universal checkpoint's ``zero/``)."""
+    if (folder / UNIVERSAL_FOLDER).is_dir() and any(_MP_MODEL.match(e.name) for e in folder.iterdir()):
+        return True
+    return any(e.name.endswith(("_model_states.pt", "_optim_states.pt")) for e in folder.iterdir() if e.is_file())
+
+
+def _value(stub: Any) -> Any:
+    return getattr(stub, "value", stub)
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    """``value`` when it is a dict, else an empty one (a hostile or older file's odd entry reads as absent)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _int(value: Any) -> int | None:
+    value = _value(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _dtype(t: Any) -> str | None:
+    return t.dtype if isinstance(t, TensorRef) else None
+
+
+def _numel(shape: Any) -> int:
+    dims = list(shape) if isinstance(shape, (list, tuple)) else None
+    if dims is None or not all(isinstance(d, int) and d >= 0 for d in dims):
+        raise CheckpointError(f"param_shapes holds {shape!r} where a parameter's shape belongs: not a DeepSpeed "
+                              "model-states file shardkit knows")
+    return math.prod(dims)
+
+
+def _refusals(tag_dir: Path, names: list[str], model_state: dict[str, Any], model_file: str,
+              optim: dict[str, Any], optim_file: str) -> list[Refusal]:
+    """The markers of layouts that no command converts correctly, as found in this folder."""
+    out: list[Refusal] = []
+    mp_ranks = sorted({int(m.group(3)) for n in names if (m := RANK_FILE.match(n))}
+                      | {int(m.group(1)) for n in names if (m := _MP_MODEL.match(n))})
+    mp_world = int(model_state.get("mp_world_size") or 1)
+    if mp_world > 1 or any(r > 0 for r in mp_ranks):
+        shown = [n for n in names if "mp_rank_01" in n][:2] or [model_file]
+        out.append(Refusal(
+            f"tensor/model-parallel ranks (mp_world_size {mp_world}, files {', '.join(shown)})", str(tag_dir),
+            "each parameter is split across tensor-parallel ranks as well as data-parallel ones, and shardkit reads "
+            "data-parallel partitions only: the slices would be written as whole tensors",
+            "Resume with the same tensor-parallel size, or convert with DeepSpeed's ds_to_universal (it merges the "
+            "slices where the model records universal_checkpoint_info) and load with checkpoint.load_universal"))
+    pipe = [n for n in names if _PIPE_LAYER.match(n)]
+    if pipe:
+        out.append(Refusal(
+            f"pipeline-parallel layer files ({', '.join(pipe[:2])}{' ...' if len(pipe) > 2 else ''})", str(tag_dir),
+            "a PipelineEngine saves each stage's layers in their own files, which shardkit's readers do not assemble",
+            "Resume with the same pipeline topology, or use DeepSpeed's ds_to_universal and checkpoint.load_universal"))
+    experts = [n for n in names if _EXPERT_OPTIM.match(n) or _EXPERT_MODEL.match(n)]
+    if experts:
+        out.append(Refusal(
+            f"native DeepSpeed MoE expert files ({', '.join(experts[:2])}{' ...' if len(experts) > 2 else ''})",
+            str(tag_dir),
+            "expert weights and their optimizer state live in per-expert and per-expert-parallel-rank files that "
+            "shardkit does not read: a conversion would drop or mis-assemble the experts",
+            "Resume with the same expert-parallel size with DeepSpeed's own load_checkpoint"))
+    if model_state.get(AUTOEP_KEY):
+        out.append(Refusal(
+            f"'{AUTOEP_KEY}' in the model states (DeepSpeed AutoEP)", f"{tag_dir / model_file}",
+            "the experts are partitioned over expert groups, not over the data-parallel ranks these files look "
+            "partitioned by, so a ZeRO-3 reading would produce incomplete expert tensors (DeepSpeed's own "
+            "zero_to_fp32 refuses them for the same reason)",
+            "Use DeepSpeed's ds_to_universal.py (expert-aware) and resume with checkpoint.load_universal"))
+    offload = _offload(model_state)
+    flats = optim.get("fp32_flat_groups") or optim.get("single_partition_of_fp32_groups") or []
+    empty = [i for i, t in enumerate(flats) if isinstance(t, TensorRef) and t.numel == 0]
+    if (tag_dir / NVME_FOLDER).is_dir() or offload == "nvme" or empty:
+        marker = (f"{NVME_FOLDER}/ (the NVMe swap folder DeepSpeed copies into the checkpoint)"
+                  if (tag_dir / NVME_FOLDER).is_dir() else "zero_optimization.offload_optimizer.device 'nvme'")
+        if empty:
+            marker += f"; fp32 sub-group(s) {empty[:4]} saved empty in {optim_file}"
+        out.append(Refusal(
+            marker, str(tag_dir),
+            "the optimizer state was swapped to NVMe: the rank files hold empty fp32 partitions for the swapped "
+            "sub-groups and their masters and moments are in DeepSpeed's own swap files, which shardkit does not read",
+            "Resume with the same world size and NVMe offload (DeepSpeed restores the swap files itself), or resume "
+            "once with offload_optimizer.device 'cpu' and save again"))
+    return out
+
+
+def _offload(model_state: dict[str, Any]) -> str | None:
+    zero = _dict(_dict(model_state.get("ds_config")).get("zero_optimization"))
+    device = _dict(zero.get("offload_optimizer")).get("device")
+    return str(device) if device not in (None, "none") else None
+
+
+def describe_deepspeed(tag_dir: Path, given: str) -> CheckpointDescription:
+    """Describe the DeepSpeed tag folder ``tag_dir`` (ZeRO-0..3 or universal) from its small files.
+
+    Reads rank 0's model states and optimizer-states pickles with ``read_structure`` (tensors are
+    offsets, never read); raises CheckpointError (from the reader) when they are not readable.
+    """
+    names = sorted(e.name for e in tag_dir.iterdir())
+    zero3_models = sorted(n for n in names if (m := RANK_FILE.match(n)) and m.group(4) == "model")
+    optims = sorted((int(m.group(2)), n) for n in names if (m := RANK_FILE.match(n)) and m.group(4) == "optim"
+                    and m.group(3) == "00")
+    mp_models = sorted(n for n in names if _MP_MODEL.match(n))
+    universal = (tag_dir / UNIVERSAL_FOLDER).is_dir() and bool(mp_models)
+    model_file = next((n for n in zero3_models if n.startswith("zero_pp_rank_0_")), None) or next(iter(mp_models), None)
+    model_state = _dict(read_structure(tag_dir / model_file)) if model_file is not None else {}
+    optim_file = optims[0][1] if optims else ""
+    osd = _dict(_dict(read_structure(tag_dir / optim_file)).get("optimizer_state_dict")) if optim_file else {}
+    cfg = _dict(model_state.get("ds_config"))
+    stage, stage_source = _int(osd.get("zero_stage")), f"zero_stage in {optim_file}"
+    if stage is None:
+        stage, stage_source = _int(_dict(cfg.get("zero_optimization")).get("stage")), f"ds_config in {model_file}"
+    if stage is None:
+        stage, stage_source = (3, "per-rank model-states files") if zero3_models else (0, "no optimizer files")
+    precision = ("bf16" if any(n.startswith("bf16_") for n in names) or _dict(cfg.get("bf16")).get("enabled")
+                 else "fp16" if _dict(cfg.get("fp16")).get("enabled") else "fp32")
+    shapes = [g for g in model_state.get("param_shapes") or [] if isinstance(g, dict)]
+    frozen = model_state.get("frozen_param_shapes") or {}
+    all_shapes = [s for g in shapes for s in g.values()] + (list(frozen.values()) if isinstance(frozen, dict) else [])
+    desc = CheckpointDescription(
+        path=given, folder=str(tag_dir), format="deepspeed-universal" if universal else "deepspeed",
+        layout="DeepSpeed universal checkpoint (ds_to_universal)" if universal else f"DeepSpeed ZeRO-{stage}",
+        stage=None if universal else stage, stage_source=None if universal else stage_source, precision=precision, offload=_offload(model_state),
+        world_size=_int(model_state.get("dp_world_size")) or len(optims) or 1,
+        parameters=len(all_shapes) if model_state else None,
+        elements=sum(_numel(s) for s in all_shapes) if model_state else None,
+        step=_int(model_state.get("global_steps")),
+    )
+    desc.dtypes["weights"] = _TORCH_DTYPES[precision]
+    opt_cfg = _dict(cfg.get("optimizer"))
+    desc.optimizer = str(opt_cfg["type"]) if opt_cfg.get("type") else ("client optimizer" if osd else None)
+    if osd:
+        flats = osd.get("fp32_flat_groups") or osd.get("single_partition_of_fp32_groups") or []
+        if flats and _dtype(flats[0]):
+            desc.dtypes["fp32 masters"] = str(_dtype(flats[0]))
+        state = _dict(osd.get("optimizer_state_dict") or osd.get("base_optimizer_state")).get("state")
+        if isinstance(state, dict) and state:
+            first = next(iter(state.values()))
+            desc.optimizer_state_keys = sorted(first) if isinstance(first, dict) else []
+            moment = next((v for v in (first or {}).values() if isinstance(v, TensorRef) and v.numel > 1), None)
+            if moment is not None:
+                desc.dtypes["optimizer state"] = moment.dtype
+    if universal:
+        params = sorted(d for d in (tag_dir / UNIVERSAL_FOLDER).iterdir() if (d / UNIVERSAL_FP32).is_file())
+        desc.parameters, desc.world_size = len(params), None
+        # beside fp32.pt, the optimizer's own atoms (exp_avg.pt, exp_avg_sq.pt, step.pt), one file each per parameter
+        atoms = sorted(f.stem for f in params[0].iterdir() if f.suffix == ".pt") if params else []
+        desc.optimizer_state_keys = [a for a in atoms if a != Path(UNIVERSAL_FP32).stem]
+        desc.dtypes = {"fp32 masters": "float32"}  # the 16-bit weights are not part of a universal checkpoint
+        desc.notes.append(f"a universal checkpoint loads at any world size with checkpoint.load_universal; it was "
+                          f"converted from a DeepSpeed run at {int(model_state.get('dp_world_size') or 0)} rank(s)")
+    desc.refusals = _refusals(tag_dir, names, model_state, model_file or "", osd, optim_file)
+    return desc

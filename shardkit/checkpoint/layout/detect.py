@@ -1,0 +1,130 @@
+"""Which checkpoint a path designates, and its description: ``describe_checkpoint`` resolves a Trainer
+output_dir to its newest ``checkpoint-N``, a root to the tag its ``latest`` (or ``latest_universal``)
+names, a file to its folder, then hands the folder to the reader of its format. Reads only small
+files: pickled structures, ``.metadata``, safetensors headers, the manifest (sizes, never digests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from shardkit.checkpoint.hf_trainer.folder import CHECKPOINT_DIR, DEEPSPEED_TAG_PREFIX, TRAINER_STATE, checkpoint_dirs
+from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME
+from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX, read_latest
+from shardkit.checkpoint.io.verify import verify_checkpoint
+from shardkit.checkpoint.layout.deepspeed_files import describe_deepspeed, is_deepspeed_folder
+from shardkit.checkpoint.layout.description import CheckpointDescription
+from shardkit.checkpoint.layout.torch_files import (
+    HF_WEIGHTS,
+    METADATA_NAME,
+    describe_accelerate_fsdp,
+    describe_dcp,
+    describe_hf_model,
+)
+from shardkit.core.errors import CheckpointError
+
+#: The pointer ds_to_universal's users write beside ``latest`` (DeepSpeed's load_universal reads it).
+LATEST_UNIVERSAL = "latest_universal"
+
+
+def _size(folder: Path) -> tuple[int, int]:
+    """(files, bytes) under ``folder``, links not followed (a stat per file, nothing read)."""
+    n = total = 0
+    for top, _dirs, names in os.walk(folder):
+        for name in names:
+            st = os.lstat(os.path.join(top, name))
+            n, total = n + 1, total + st.st_size
+    return n, total
+
+
+def _manifest(desc: CheckpointDescription, folder: Path) -> None:
+    if not (folder / MANIFEST_NAME).is_file():
+        return
+    report = verify_checkpoint(folder, checksums=False)
+    desc.manifest = f"fails: {report.errors[0].message}" if report.errors else "sizes match"
+    if report.manifest is not None and desc.step is None:
+        desc.step = report.manifest.step
+
+
+def _trainer_step(folder: Path) -> int | None:
+    try:
+        state = json.loads((folder / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    step = state.get("global_step") if isinstance(state, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def _tag_folder(p: Path) -> Path | None:
+    """The tag folder a root's ``latest`` (or ``latest_universal``) names, if it exists."""
+    for pointer in (LATEST_NAME, LATEST_UNIVERSAL):
+        if (p / pointer).is_file():
+            tag = read_latest(p, pointer)
+            if tag is not None and (p / tag).is_dir():
+                return p / tag
+            raise CheckpointError(f"{p / pointer}: names tag {tag!r} but {p / str(tag)} is not a folder (an "
+                                  "interrupted save or a partial copy); pass an existing tag folder")
+    return None
+
+
+def _describe_folder(p: Path, given: str) -> CheckpointDescription:
+    if (p / METADATA_NAME).is_file():
+        return describe_dcp(p, given)
+    if is_deepspeed_folder(p):
+        return describe_deepspeed(p, given)
+    fsdp = fsdp_layout(p)
+    if fsdp is not None:
+        return describe_accelerate_fsdp(p, fsdp, given)
+    if any((p / n).is_file() for n in HF_WEIGHTS):
+        return describe_hf_model(p, given)
+    tags = sorted(d.name for d in p.iterdir() if d.is_dir() and d.name.startswith(DEEPSPEED_TAG_PREFIX))
+    if tags:
+        raise CheckpointError(f"{p}: has no '{LATEST_NAME}' file, so which tag to read is ambiguous; found {tags}. "
+                              f"Pass the tag folder, e.g. {p / tags[-1]}")
+    names = sorted(e.name for e in p.iterdir())
+    shown = names[:8] + (["..."] if len(names) > 8 else [])
+    raise CheckpointError(
+        f"{p}: not a checkpoint shardkit knows (it holds {shown}): expected DeepSpeed rank files "
+        "(*_model_states.pt, *_optim_states.pt) or a 'latest' naming their tag, a DCP folder (.metadata), "
+        "accelerate's FSDP files (pytorch_model_fsdp*), a universal checkpoint (zero/ beside "
+        "mp_rank_00_model_states.pt) or a Hugging Face folder (model.safetensors)")
+
+
+def describe_checkpoint(path: str | Path, *, check_manifest: bool = True) -> CheckpointDescription:
+    """Describe the checkpoint at ``path`` (a root, tag folder, rank file, DCP folder, Trainer
+    checkpoint-N or output_dir, accelerate FSDP folder, universal checkpoint, Hugging Face folder).
+
+    Raises CheckpointError naming the path when it is none of those. ``check_manifest``: compare the
+    file sizes with a shardkit manifest when there is one (digests are `shardkit verify`'s job).
+    """
+    given = str(path)
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: checkpoint path does not exist")
+    if p.is_file():
+        p = p.parent
+    if p.name.startswith(STAGING_PREFIX):
+        raise CheckpointError(f"{p}: is the staging folder of a save that never completed; pass a complete checkpoint")
+    notes: list[str] = []
+    found = checkpoint_dirs(p) if _tag_folder(p) is None and not is_deepspeed_folder(p) else []
+    if found:
+        older = f"; also there: {', '.join(d.name for _, d in found[:-1])}" if found[:-1] else ""
+        notes.append(f"{p} is a Trainer output_dir: describing {found[-1][1].name}, its newest checkpoint (the one "
+                     f"resume_from_checkpoint=True picks){older}")
+        p = found[-1][1]
+    trainer = p if (p / TRAINER_STATE).is_file() or CHECKPOINT_DIR.match(p.name) else None
+    tag = _tag_folder(p)
+    folder = tag if tag is not None else p
+    desc = _describe_folder(folder, given)
+    desc.notes[:0] = notes
+    if trainer is not None:
+        desc.trainer_folder = str(trainer)
+        desc.step = desc.step if desc.step is not None else _trainer_step(trainer)
+        desc.layout = f"Hugging Face Trainer {trainer.name} holding {desc.layout}"
+    desc.files, desc.size_bytes = _size(trainer if trainer is not None else folder)
+    if check_manifest:
+        _manifest(desc, folder)
+    return desc

@@ -1,0 +1,118 @@
+"""The one place that decides which checkpoint layouts each shardkit command takes today, and why
+the others are refused: ``verdicts`` for ``shardkit inspect``, ``refuse_unsupported`` for the
+commands themselves, called by each operation's entry point before anything is read or written.
+
+``refuse_unsupported`` raises for the layouts no command converts correctly (``Refusal`` markers:
+AutoEP, native MoE experts, tensor/pipeline parallel ranks, NVMe-swapped optimizer state), for
+ZeRO-0/1/2 and for universal checkpoints. The other layouts a command does not take (an FSDP
+FULL_STATE_DICT folder given to ``export``, a DCP folder given to ``reshard``) keep the command's
+own refusal, which already says what the folder is and what to do. A path this module cannot
+describe is left to the command, whose reader names the problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardkit.checkpoint.layout.description import CheckpointDescription
+from shardkit.checkpoint.layout.detect import describe_checkpoint
+from shardkit.core.errors import CheckpointError
+
+#: The checkpoint commands, as ``inspect`` lists them.
+COMMANDS = ("reshard", "convert --to fsdp2", "convert --to zero3", "consolidate", "export")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one command takes a checkpoint today."""
+
+    command: str
+    applies: bool
+    why: str
+    """What it would do, or why it refuses and where to go instead."""
+
+
+def _zero12_why(desc: CheckpointDescription) -> str:
+    root = Path(desc.folder).parent
+    return (f"a DeepSpeed ZeRO-{desc.stage} checkpoint ({desc.stage_source}): shardkit's commands read ZeRO-3 "
+            "partitions only today. For "
+            f"the full weights, run the zero_to_fp32.py DeepSpeed saved beside it (python {root}/zero_to_fp32.py "
+            f"{root} OUT_DIR --safe_serialization); to resume at another world size, convert it with "
+            f"DeepSpeed's ds_to_universal (python -m deepspeed.checkpoint.ds_to_universal --input_folder {desc.folder} "
+            "--output_folder UNIVERSAL --inject_missing_state) and resume with checkpoint.load_universal: true")
+
+
+def _universal_why(desc: CheckpointDescription) -> str:
+    return ("a DeepSpeed universal checkpoint (ds_to_universal output): only DeepSpeed's loader reads it today; "
+            "resume it at any world size with checkpoint.load_universal: true, or keep the ZeRO-3 checkpoint it was "
+            "made from for shardkit's commands")
+
+
+def blocking_reason(desc: CheckpointDescription) -> str | None:
+    """Why no checkpoint command takes ``desc`` at all (a marker, ZeRO-0/1/2, universal), or None."""
+    if desc.refusals:
+        r = desc.refusals[0]
+        more = f" ({len(desc.refusals) - 1} more marker(s): shardkit inspect lists them)" if len(desc.refusals) > 1 else ""
+        return f"{r.message()}{more}"
+    if desc.format == "deepspeed" and desc.stage != 3:
+        return _zero12_why(desc)
+    if desc.format == "deepspeed-universal":
+        return _universal_why(desc)
+    return None
+
+
+def _per_format(desc: CheckpointDescription) -> dict[str, tuple[bool, str]]:
+    if desc.format == "deepspeed":  # ZeRO-3 (the others are blocked)
+        return {
+            "reshard": (True, "new per-rank files for another world size, loaded by DeepSpeed's plain load_checkpoint"),
+            "convert --to fsdp2": (True, "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state"),
+            "convert --to zero3": (False, "it is ZeRO-3 already: use reshard for another world size"),
+            "consolidate": (True, "the fp32 masters as one safetensors file"),
+            "export": (True, "a from_pretrained folder (needs the model's config.json)"),
+        }
+    if desc.format == "dcp":
+        return {
+            "reshard": (False, "DCP loads at any world size: there is nothing to reshard"),
+            "convert --to fsdp2": (False, "it is DCP already"),
+            "convert --to zero3": (True, "per-rank ZeRO-3 files for --world-size N (shardkit's FSDP2 saves)"),
+            "consolidate": (False, "consolidate reads ZeRO-3; use export for a from_pretrained folder"),
+            "export": (True, "a from_pretrained folder (needs the model's config.json)"),
+        }
+    if desc.format == "accelerate-fsdp":
+        sharded = desc.state_dict_type == "SHARDED_STATE_DICT"
+        not_ours = ("shardkit's reshard, convert and consolidate read DeepSpeed ZeRO-3 and shardkit's own FSDP2 "
+                    "checkpoints, not accelerate's FSDP files")
+        export = ((True, "a from_pretrained folder from pytorch_model_fsdp_0/ (equal to torch's dcp_to_torch_save)")
+                  if sharded else (False, "export reads accelerate's SHARDED_STATE_DICT (DCP) layout only"
+                                   + ("; a FULL_STATE_DICT folder holds the full weights already"
+                                      if desc.state_dict_type == "FULL_STATE_DICT" else "")))
+        return {"reshard": (False, not_ours), "convert --to fsdp2": (False, not_ours),
+                "convert --to zero3": (False, not_ours), "consolidate": (False, not_ours), "export": export}
+    why = "a from_pretrained folder already: load it as it is"
+    return {c: (False, why) for c in COMMANDS}
+
+
+def verdicts(desc: CheckpointDescription) -> list[Verdict]:
+    """What each checkpoint command does with ``desc`` today, or why it refuses it."""
+    blocked = blocking_reason(desc)
+    if blocked is not None:
+        return [Verdict(c, False, blocked) for c in COMMANDS]
+    table = _per_format(desc)
+    return [Verdict(c, *table[c]) for c in COMMANDS]
+
+
+def refuse_unsupported(path: str | Path, command: str) -> None:
+    """Raise CheckpointError when ``path`` is a layout ``command`` must not read (see the module doc),
+    naming the marker, the file and where to go; nothing has been written when it raises.
+
+    Reads small files only (``describe_checkpoint`` without the manifest check). A path it cannot
+    describe is not refused here: the command's own reader says what is wrong with it.
+    """
+    try:
+        desc = describe_checkpoint(path, check_manifest=False)
+    except (CheckpointError, OSError, ValueError):
+        return
+    blocked = blocking_reason(desc)
+    if blocked is not None:
+        raise CheckpointError(f"shardkit {command} refuses {path}: {blocked}. Nothing was written")

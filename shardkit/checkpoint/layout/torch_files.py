@@ -1,0 +1,153 @@
+"""Describe the checkpoints torch itself writes, from their small files only: a DCP folder (FSDP2,
+shardkit's ``save_fsdp_checkpoint``) from its ``.metadata`` (``read_plain_metadata``, no torch);
+the FSDP files accelerate and the Trainer write (``hf_trainer.fsdp_files``: SHARDED_STATE_DICT as
+DCP folders, FULL_STATE_DICT, per-rank ``*_rank{R}.bin``, LOCAL_STATE_DICT); and a Hugging Face
+model folder from its safetensors headers (8-byte length + JSON)."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, read_plain_metadata
+from shardkit.checkpoint.hf_trainer.fsdp_files import FsdpLayout
+from shardkit.checkpoint.io.torch_load import TensorRef, read_structure
+from shardkit.checkpoint.layout.description import CheckpointDescription
+from shardkit.core.errors import CheckpointError
+
+METADATA_NAME = ".metadata"
+#: Weight files of a folder from_pretrained loads as it is.
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+#: A safetensors header is read only up to this size (the format's own limit is 100 MB).
+_MAX_HEADER = 100_000_000
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def _model_and_state(md: DcpMetadata) -> tuple[dict[str, tuple[str, int]], set[str], set[str]]:
+    """(parameter -> (dtype, numel), optimizer state keys, optimizer state dtypes) of a DCP ``.metadata``.
+
+    shardkit's FSDP2 save nests ``{"model", "optim"}``, accelerate's two folders ``{"model"}`` and
+    ``{"optimizer"}``; the optimizer's per-parameter state is ``<optim>.state.<param>.<key>``."""
+    params: dict[str, tuple[str, int]] = {}
+    state_keys: set[str] = set()
+    state_dtypes: set[str] = set()
+    for key, meta in md.tensors.items():
+        head, _, rest = key.partition(".")
+        if head == "model":
+            params[rest] = (meta.dtype, math.prod(meta.size))
+        elif head in ("optim", "optimizer") and rest.startswith("state."):
+            state_keys.add(rest.rsplit(".", 1)[-1])
+            if math.prod(meta.size) > 1:
+                state_dtypes.add(meta.dtype)
+    for key in md.values:
+        head, _, rest = key.partition(".")
+        if head in ("optim", "optimizer") and rest.startswith("state."):
+            state_keys.add(rest.rsplit(".", 1)[-1])
+    return params, state_keys, state_dtypes
+
+
+def _distcp_files(folder: Path) -> int:
+    return sum(1 for f in folder.iterdir() if f.name.endswith(".distcp"))
+
+
+def _fill_from_dcp(desc: CheckpointDescription, model_dir: Path, optim_dir: Path | None) -> None:
+    params, keys, state_dtypes = _model_and_state(read_plain_metadata(model_dir / METADATA_NAME))
+    if optim_dir is not None and optim_dir != model_dir:
+        _, keys, state_dtypes = _model_and_state(read_plain_metadata(optim_dir / METADATA_NAME))
+    desc.parameters = len(params)
+    desc.elements = sum(n for _, n in params.values())
+    desc.world_size = _distcp_files(model_dir) or None
+    weights = sorted({d for d, _ in params.values()})
+    if weights:
+        desc.dtypes["weights"] = ", ".join(weights)
+    if state_dtypes:
+        desc.dtypes["optimizer state"] = ", ".join(sorted(state_dtypes))
+    desc.optimizer_state_keys = sorted(keys)
+    desc.optimizer = "saved" if keys else None
+
+
+def describe_dcp(folder: Path, given: str) -> CheckpointDescription:
+    """A DCP folder holding ``.metadata`` (FSDP2; shardkit's save nests ``{"model", "optim"}``)."""
+    desc = CheckpointDescription(path=given, folder=str(folder), format="dcp",
+                                 layout="FSDP2 / torch.distributed.checkpoint (DCP)")
+    _fill_from_dcp(desc, folder, None)
+    desc.notes.append("DCP loads at any world size (it reshards while loading)")
+    return desc
+
+
+def _full_state_file(desc: CheckpointDescription, file: Path) -> None:
+    """Parameters and dtypes of a whole-model ``torch.save`` file (FULL_STATE_DICT), from its pickle."""
+    try:
+        sd = read_structure(file)
+    except CheckpointError as exc:
+        desc.notes.append(f"{file.name}: its structure could not be read without torch ({exc})")
+        return
+    tensors = {k: v for k, v in sd.items() if isinstance(v, TensorRef)} if isinstance(sd, dict) else {}
+    desc.parameters = len(tensors)
+    desc.elements = sum(t.numel for t in tensors.values())
+    if tensors:
+        desc.dtypes["weights"] = ", ".join(sorted({t.dtype for t in tensors.values()}))
+
+
+def describe_accelerate_fsdp(folder: Path, layout: FsdpLayout, given: str) -> CheckpointDescription:
+    """What accelerate's ``save_fsdp_model``/``save_fsdp_optimizer`` wrote into ``folder``."""
+    kind = {"SHARDED_STATE_DICT": "DCP folders", "SHARDED_STATE_DICT (use_dcp=False)": "per-rank torch.save files",
+            "FULL_STATE_DICT": "whole model and optimizer saved by rank 0",
+            "LOCAL_STATE_DICT": "each rank's flat FSDP1 shard"}.get(layout.state_dict_type, "")
+    desc = CheckpointDescription(
+        path=given, folder=str(folder), format="accelerate-fsdp", state_dict_type=layout.state_dict_type,
+        layout=f"FSDP (Accelerate/Trainer) {layout.state_dict_type}: {kind} ({', '.join(layout.model + layout.optimizer)})",
+        world_size=layout.ranks)
+    if layout.state_dict_type == "SHARDED_STATE_DICT":
+        optim = folder / layout.optimizer[0].rstrip("/") if layout.optimizer else None
+        _fill_from_dcp(desc, folder / layout.model[0].rstrip("/"), optim)
+        desc.world_size = layout.ranks
+    elif layout.state_dict_type == "FULL_STATE_DICT":
+        _full_state_file(desc, folder / layout.model[0])
+        desc.optimizer = "saved" if layout.optimizer else None
+    else:
+        desc.optimizer = "saved" if layout.optimizer else None
+    if not layout.optimizer:
+        desc.notes.append("no optimizer state saved: it can start a run, not resume one")
+    return desc
+
+
+def _safetensors_header(file: Path) -> dict[str, object]:
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{file}: shorter than a safetensors header (8 bytes); the file is truncated")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER:
+            raise CheckpointError(f"{file}: safetensors header of {n} bytes, over the format's 100 MB limit: not a "
+                                  "safetensors file")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: its safetensors header is not a JSON object")
+    return header
+
+
+def describe_hf_model(folder: Path, given: str) -> CheckpointDescription:
+    """A folder ``from_pretrained`` loads: its safetensors headers give names, dtypes and shapes."""
+    desc = CheckpointDescription(path=given, folder=str(folder), format="hf-model",
+                                 layout="Hugging Face model folder (save_pretrained)")
+    files = sorted(folder.glob("*.safetensors"))
+    dtypes: set[str] = set()
+    params = elements = 0
+    for f in files:
+        for name, entry in _safetensors_header(f).items():
+            if name == "__metadata__" or not isinstance(entry, dict):
+                continue
+            params += 1
+            elements += math.prod(int(d) for d in entry.get("shape", []))
+            dtypes.add(_ST_DTYPES.get(str(entry.get("dtype")), str(entry.get("dtype"))))
+    if files:
+        desc.parameters, desc.elements = params, elements
+        desc.dtypes["weights"] = ", ".join(sorted(dtypes))
+    else:
+        desc.notes.append("weights in pytorch_model.bin: not read (torch.save files need torch)")
+    desc.notes.append("from_pretrained loads this folder as it is; it holds no optimizer state")
+    return desc
