@@ -66,6 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "sigterm_cleans_up", False):
         _terminate_as_interrupt()
     try:
+        # every SHARDKIT_* variable judged before any work: a bad value refused naming it (exit 2),
+        # not met hours later by the code that reads it; a name shardkit does not read warned about
+        from shardkit.core.env_settings import check_all, warn_unknown
+
+        check_all()
+        warn_unknown()
         return int(args.func(args) or 0)
     except Terminated:
         print(f"shardkit {args.command}: terminated (SIGTERM); nothing was published: the partial output (staging "

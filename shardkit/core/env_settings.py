@@ -27,7 +27,8 @@ class Setting:
 
     name: str
     kind: str
-    """'seconds' (a number >= 0; 0 where ``zero_means`` says), 'choice', 'flag' (1 or 0), 'path' or 'internal'."""
+    """'seconds' (a number >= 0; 0 where ``zero_means`` says), 'choice', 'flag' (1 or 0), 'path' or 'text'
+    (any text is a value: only the consumer can judge it)."""
     default: str
     """The value used when the variable is unset or empty, as shown in the docs."""
     accepted: str
@@ -42,10 +43,10 @@ class Setting:
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    Setting("SHARDKIT_SILENCE_S", "seconds", "60", "a number of seconds >= 0 (0 turns the reports off)",
+    Setting("SHARDKIT_SILENCE_S", "seconds", "120", "a number of seconds >= 0 (0 turns the reports off)",
             "a rank (or a split command's process) silent this long says where it waits, and again at each interval",
             zero_means="never report"),
-    Setting("SHARDKIT_STALE_LOCK_S", "seconds", "300", "a number of seconds >= 0",
+    Setting("SHARDKIT_STALE_LOCK_S", "seconds", "600", "a number of seconds >= 0",
             "a DeepSpeed op-build lock unchanged this long, with no builder seen, counts as left by a dead build",
             zero_means="any lock without a live builder is stale at once"),
     Setting("SHARDKIT_STALE_S", "seconds", "60", "a number of seconds > 0",
@@ -59,12 +60,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "how long a rank's automatic preflight waits for the other ranks to reach it"),
     Setting("SHARDKIT_AUTOPREFLIGHT_JSON", "path", "(none)", "a file path",
             "rank 0 of `shardkit launch` also writes the preflight report there as JSON"),
+    Setting("SHARDKIT_LAUNCH_ADDR", "text", "(the launch host's address)", "a host name or IP address, optionally :port",
+            "where the ranks of `shardkit launch` report to the launch (a node that cannot reach its default address)"),
     Setting("SHARDKIT_AUTOPREFLIGHT", "flag", "(set by shardkit launch)", "1", "the ranks run the automatic preflight",
             internal=True),
     Setting("SHARDKIT_AUTOPREFLIGHT_CONFIG", "path", "(set by shardkit launch)", "a file path",
             "the config the launch found, for the ranks' expected devices", internal=True),
-    Setting("SHARDKIT_AUTOPREFLIGHT_FAILED_DIR", "path", "(set by shardkit launch)", "a folder path",
-            "where local ranks leave the line naming why their preflight failed", internal=True),
+    Setting("SHARDKIT_LAUNCH_REPORT", "text", "(set by shardkit launch)", "host:port/token",
+            "where each rank of `shardkit launch` reports its preflight (armed, passed, failed, skipped)", internal=True),
 )}
 
 
@@ -146,3 +149,28 @@ def check_all(environ: Mapping[str, str] | None = None) -> None:
             read_seconds(name, 0.0 if setting.zero_means else 1.0, environ)
         elif setting.kind == "choice":
             read_choice(name, setting.default, environ)
+
+
+def warn_unknown(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning on stderr per ``SHARDKIT_*`` variable shardkit does not read, with the declared name it
+    most resembles: a typo (``SHARDKIT_SILENSE_S``) otherwise sets nothing and says nothing. Returns them."""
+    import difflib
+
+    unknown = unknown_settings(environ)
+    for name in unknown:
+        near = difflib.get_close_matches(name, list(SETTINGS), n=1, cutoff=0.75)
+        hint = f"did you mean {near[0]}?" if near else "the variables shardkit reads are listed in docs/cli.md"
+        print(f"shardkit: warning: {name} is set, but shardkit reads no such variable, so it changes nothing "
+              f"({hint}); unset it or correct the name", file=sys.stderr, flush=True)
+    return unknown
+
+
+def docs_table() -> str:
+    """The Markdown table docs/cli.md shows under "Environment variables" (tests/test_env_settings.py
+    compares the two, so the page cannot drift from this table)."""
+    rows = ["| variable | default | accepted | what it does |", "|---|---|---|---|"]
+    for s in SETTINGS.values():
+        what = s.what + (f"; 0: {s.zero_means}" if s.zero_means else "")
+        what += " (set by `shardkit launch` for its ranks; not for users)" if s.internal else ""
+        rows.append(f"| `{s.name}` | {s.default} | {s.accepted} | {what.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"

@@ -15,9 +15,9 @@ and a byte-for-byte copy keeps its source's algorithm (the copy's digest is the 
 from __future__ import annotations
 
 import hashlib
-import os
-from typing import Protocol
+from typing import Mapping, Protocol
 
+from shardkit.core.env_settings import read_choice
 from shardkit.core.errors import CheckpointError, UsageError
 
 #: What a manifest entry may name, in order of preference.
@@ -40,18 +40,18 @@ def blake3_available() -> bool:
     return True
 
 
-def default_algorithm() -> str:
+def default_algorithm(environ: Mapping[str, str] | None = None) -> str:
     """The algorithm new manifests use: ``SHARDKIT_HASH`` when set, else blake3 where its package is
     installed (a dependency of shardkit; a platform without its wheel falls back to sha256)."""
-    chosen = os.environ.get(HASH_ENV, "").strip().lower()
+    fallback = "blake3" if blake3_available() else "sha256"
+    # refused (UsageError naming the variable, the value and the choices) when it is not one of them
+    chosen = read_choice(HASH_ENV, "", environ)
     if chosen:
-        if chosen not in ALGORITHMS:
-            raise UsageError(f"{HASH_ENV}={chosen!r}: choose one of {list(ALGORITHMS)} (or unset it for blake3)")
         if chosen == "blake3" and not blake3_available():
             raise UsageError(f"{HASH_ENV}=blake3 but the blake3 package is not installed: pip install blake3, or set "
                              f"{HASH_ENV}=sha256")
         return chosen
-    return "blake3" if blake3_available() else "sha256"
+    return fallback
 
 
 def new_hasher(algorithm: str) -> Hasher:

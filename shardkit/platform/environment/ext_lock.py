@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Literal, Mapping
 
+from shardkit.core.env_settings import read_seconds
 from shardkit.core.findings import Finding, Severity
 
 #: Seconds with no change to a lock and its build folder after which a lock nobody here holds is
@@ -77,14 +78,11 @@ class ExtensionLock:
         return f"rm {shlex.quote(str(self.path))}"
 
 
-def stale_after_s(environ: Mapping[str, str] | None = None) -> float:
-    """The quiet time after which an unseen builder counts as gone (``SHARDKIT_STALE_LOCK_S``)."""
-    raw = (os.environ if environ is None else environ).get(ENV_STALE_S, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_STALE_S
-    except ValueError:
-        return DEFAULT_STALE_S
-    return value if value >= 0 else DEFAULT_STALE_S
+def stale_after_s(environ: Mapping[str, str] | None = None, *, during_run: bool = False) -> float:
+    """The quiet time after which an unseen builder counts as gone (``SHARDKIT_STALE_LOCK_S``). A value
+    that is not seconds is refused naming it, or, ``during_run`` (a rank's watchdog), warned about once
+    and the default used."""
+    return read_seconds(ENV_STALE_S, DEFAULT_STALE_S, environ, during_run=during_run)
 
 
 def _torch_build_tag() -> str | None:
@@ -228,9 +226,11 @@ def inspect_locks(
     stale_s: float | None = None,
     proc: Path = Path("/proc"),
     mounts: Path = Path("/proc/mounts"),
+    during_run: bool = False,
 ) -> list[ExtensionLock]:
     """Every ``<op>/lock`` under the extensions root a process with ``environ`` uses (``root``
-    overrides it), each with a verdict. No lock: no /proc scan (the common case costs one listdir)."""
+    overrides it), each with a verdict. No lock: no /proc scan (the common case costs one listdir).
+    ``during_run``: called while a run goes on (a watchdog), so a bad SHARDKIT_STALE_LOCK_S warns."""
     root = root or extension_root(environ)
     if root is None or not root.is_dir():
         return []
@@ -241,7 +241,7 @@ def inspect_locks(
     if not candidates:
         return []
     now = time.time() if now is None else now
-    stale_s = stale_after_s(environ) if stale_s is None else stale_s
+    stale_s = stale_after_s(environ, during_run=during_run) if stale_s is None else stale_s
     folders = {str(c.parent.resolve()): c for c in candidates}
     seen = _scan_processes(folders, proc)
     my_uid = os.geteuid() if hasattr(os, "geteuid") else 0

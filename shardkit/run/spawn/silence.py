@@ -27,6 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Mapping, TextIO
 
+from shardkit.core.env_settings import read_seconds
 from shardkit.platform.environment.ext_lock import describe, inspect_locks
 
 ENV_SILENCE_S = "SHARDKIT_SILENCE_S"
@@ -46,13 +47,11 @@ _COLLECTIVES = frozenset({
 _RENDEZVOUS = frozenset({"init_process_group", "_new_process_group_helper", "_store_based_barrier", "init_device_mesh"})
 
 
-def silence_s(environ: Mapping[str, str] | None = None) -> float:
-    """Seconds of silence before a rank speaks (``SHARDKIT_SILENCE_S``; 0 or less: never)."""
-    raw = (os.environ if environ is None else environ).get(ENV_SILENCE_S, "").strip()
-    try:
-        return float(raw) if raw else DEFAULT_SILENCE_S
-    except ValueError:
-        return DEFAULT_SILENCE_S
+def silence_s(environ: Mapping[str, str] | None = None, *, during_run: bool = False) -> float:
+    """Seconds of silence before a rank speaks (``SHARDKIT_SILENCE_S``; 0: never). A value that is not
+    seconds is refused naming it (the CLI, before work starts), or, ``during_run`` (a rank already
+    running), warned about once and the default used: stopping a rank over its watchdog loses the run."""
+    return read_seconds(ENV_SILENCE_S, DEFAULT_SILENCE_S, environ, during_run=during_run)
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,8 @@ def explain(rank: int, seconds: float, wait: Wait) -> str:
     """The one line a silent rank prints: where it waits, the likely cause, and the fix."""
     head = f"shardkit: rank {rank} has printed nothing for {seconds:.0f} s"
     if wait.kind == "build-lock":
-        locks = [lk for lk in inspect_locks(root=Path(wait.detail).parent.parent) if str(lk.path) == wait.detail]
+        locks = [lk for lk in inspect_locks(root=Path(wait.detail).parent.parent, during_run=True)
+                 if str(lk.path) == wait.detail]
         state = describe(locks[0]) if locks else f"the lock {wait.detail} is gone now: the wait should end"
         return f"{head}: waiting for the DeepSpeed/torch op build lock {wait.detail}: {state}"
     if wait.kind == "building":
@@ -264,7 +264,7 @@ class RankWatchdog:
 def start_rank_watchdog(rank: int, status_dir: str | Path | None = None,
                         environ: Mapping[str, str] | None = None) -> RankWatchdog:
     """Start this rank's watchdog with ``SHARDKIT_SILENCE_S`` from ``environ`` (default os.environ)."""
-    return RankWatchdog(rank, status_dir, silence_s(environ)).start()
+    return RankWatchdog(rank, status_dir, silence_s(environ, during_run=True)).start()
 
 
 def start_from_env() -> RankWatchdog | None:
@@ -348,7 +348,7 @@ class LockWatch:
     def check(self) -> list[str]:
         """One look: the lines to say now (each lock and verdict once)."""
         lines = []
-        for lock in inspect_locks(self.environ):
+        for lock in inspect_locks(self.environ, during_run=True):  # the launch is running: warn, never stop it
             key = (str(lock.path), lock.verdict)
             if key in self._said or (lock.verdict != "stale" and lock.age_s < self.after_s):
                 continue
