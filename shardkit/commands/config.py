@@ -69,8 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free gathered params after forward (FULL_SHARD); --no-... keeps them (SHARD_GRAD_OP) (default: on)")
     f.add_argument("--cpu-offload", action="store_true", help="offload params, grads and optimizer states to CPU")
-    f.add_argument("--pin-memory", action="store_true",
-                   help="pin offloaded memory (needs an accelerator; torch's own default is on, shardkit's off)")
+    # --no-pin-memory too, the spelling `config zero3` accepts, so one script works for both kinds
+    f.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=False,
+                   help="pin offloaded memory (needs an accelerator; torch's own default is on, shardkit's off: "
+                   "--no-pin-memory states it)")
     f.add_argument("--mixed-precision", choices=["bf16", "fp16", "none"], default="bf16", help="default: bf16")
     f.add_argument("--wrap", nargs="+", default=["LlamaDecoderLayer"], metavar="CLASSNAME",
                    help="module classes sharded as their own unit (default: LlamaDecoderLayer)")
