@@ -1,7 +1,7 @@
 """The `shardkit` command: a thin shim. Each command lives in ``shardkit/commands/<name>.py`` and
 exposes ``register(subparsers)``; the parsed args go to one plain function tests can call directly.
 
-Exit codes: 0 clean, 1 findings or failure, 2 usage error.
+Exit codes: 0 clean, 1 findings or failure, 2 usage error, 130 Ctrl-C, 143 SIGTERM (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Sequence
 
 import shardkit.commands as commands_pkg
 from shardkit._version import __version__
-from shardkit.commands._parser import HelpFormatter
+from shardkit.commands._parser import HelpFormatter, json_results, reset_renamed_notes
 from shardkit.core.errors import ShardkitError
 
 EPILOG = """examples:
-  shardkit smoke --engine all --nproc 2 --steps 4
+  shardkit smoke --engine all --world-size 2 --steps 4
   shardkit config zero3 --offload-optimizer cpu --offload-param cpu -o ds_config.json
   shardkit check ds_config.json --world-size 8
-  shardkit preflight ds_config.json --nproc 2
+  shardkit preflight ds_config.json --world-size 2
 """
 
 
@@ -59,6 +59,7 @@ def _terminate_as_interrupt() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    reset_renamed_notes()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
@@ -72,7 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         check_all()
         warn_unknown()
-        return int(args.func(args) or 0)
+        # --json: the command's human lines go to stderr and its JSON result alone to stdout
+        with json_results(args):
+            return int(args.func(args) or 0)
     except Terminated:
         print(f"shardkit {args.command}: terminated (SIGTERM); nothing was published: the partial output (staging "
               "folder or temporary file) was removed, the previous output is unchanged", file=sys.stderr)

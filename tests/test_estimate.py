@@ -222,7 +222,7 @@ def test_the_python_api_gives_the_command_s_estimate(tmp_path, capsys):
     (["--params", "7B", "--model", "x.json"], r"give one"),
     ([], r"no model: pass --model"),
     (["--model", "x/config.json", "--largest-layer", "5"], r"--largest-layer 5: only with --params"),
-    (["ds_configs/zero3.json", "--engine", "fsdp", "--params", "7B"], r"CONFIG ds_configs/zero3\.json and --engine fsdp"),
+    (["ds_configs/zero3.json", "--engine", "fsdp2", "--params", "7B"], r"CONFIG ds_configs/zero3\.json and --engine fsdp2"),
     (["--params", "7B", "--world-size", "2", "--gpus-per-node", "4"], r"--gpus-per-node 4 is more than --world-size 2"),
     (["--engine", "zero2", "--offload-param", "cpu", "--params", "7B"], r"--offload-param needs --engine zero3"),
 ])

@@ -269,8 +269,10 @@ def test_preflight_cli_flags_are_frozen(run_cli):
     code, out, _ = run_cli("preflight", "--help")
     assert code == 0
     flags = set(re.findall(r"(--[a-z][a-z-]*)", out.split("options:", 1)[1]))
-    assert flags == {"--help", "--nproc", "--device", "--model", "--static", "--json", "--timeout", "--observed", "--config", "--record"}
-    assert "example:\n  shardkit preflight ds_config.json --nproc 2" in out
+    # --nproc and --timeout: the old spellings of --world-size and --rank-wait, kept so no script breaks
+    assert flags == {"--help", "--world-size", "--nproc", "--device", "--model", "--static", "--json", "--json-file",
+                     "--rank-wait", "--timeout", "--observed", "--config", "--record"}
+    assert "example:\n  shardkit preflight ds_config.json --world-size 2" in out
 
 
 def test_public_names_are_lazy_exports():

@@ -178,15 +178,17 @@ def test_cli_static_stops_before_spawning_and_static_errors_exit_1(run_cli, tmp_
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--nproc", "0"], r"--nproc 0: must be at least 1"),
+        (["--world-size", "0"], r"--world-size 0: must be at least 1"),
+        (["--nproc", "0"], r"--world-size 0: must be at least 1"),
         (["--model", "nodots"], r"--model 'nodots': expected 'pkg.module:factory'"),
-        (["--timeout", "0"], r"--timeout 0.0: must be positive"),
+        (["--rank-wait", "0"], r"--rank-wait 0.0: must be positive"),
+        (["--timeout", "0"], r"--rank-wait 0.0: must be positive"),
     ],
 )
 def test_cli_usage_errors_exit_2(run_cli, tmp_path, argv, message):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ZERO3_CLI))
-    code, _, err = run_cli("preflight", cfg, "--nproc", "2", "--device", "cpu", *argv) if argv[0] != "--nproc" else run_cli("preflight", cfg, *argv)
+    code, _, err = run_cli("preflight", cfg, "--world-size", "2", "--device", "cpu", *argv) if argv[0] not in ("--nproc", "--world-size") else run_cli("preflight", cfg, *argv)
     assert code == 2 and re.search(message, err), err
 
 
@@ -235,7 +237,7 @@ def test_cli_refuses_more_ranks_than_visible_gpus_before_spawning(run_cli, tmp_p
     cfg.write_text(json.dumps(ZERO3_CLI))
     code, out, err = run_cli("preflight", cfg, "--nproc", "2")
     assert code == 2 and "spawning" not in out
-    assert "--nproc 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "--device cpu" in err
+    assert "--world-size 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "--device cpu" in err
 
 
 def test_cli_static_checks_at_any_world_size_on_a_one_gpu_machine(run_cli, tmp_path, monkeypatch):
@@ -251,7 +253,7 @@ def test_cli_static_checks_at_any_world_size_on_a_one_gpu_machine(run_cli, tmp_p
     code, out, _ = run_cli("preflight", cfg, "--static", "--nproc", "3")
     assert code == 1 and "train_batch_size" in out and "static checks failed" in out
     code, _, err = run_cli("preflight", cfg, "--static", "--nproc", "0")
-    assert code == 2 and "--nproc 0: must be at least 1" in err
+    assert code == 2 and "--world-size 0: must be at least 1" in err
 
 
 def _after_preflight_results(json_path):

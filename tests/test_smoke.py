@@ -188,7 +188,8 @@ def test_smoke_refuses_more_ranks_than_visible_gpus(run_cli, monkeypatch):
     monkeypatch.setattr(shardkit.run.spawn.plan, "visible_gpus", lambda: 1)
     code, out, err = run_cli("smoke", "--engine", "fsdp2", "--nproc", "2", "--quiet")
     assert code == 2
-    assert "--nproc 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "or --device cpu to run 2 CPU ranks" in err
+    assert "--world-size 2 asks for 2 ranks but 1 GPU(s) are visible" in err and "or --device cpu to run 2 CPU ranks" in err
+    assert "--nproc is now --world-size" in err  # the old spelling works, and says what replaced it
 
 
 def test_keep_checkpoint_never_replaces_files(tmp_path):

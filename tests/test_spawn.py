@@ -63,9 +63,9 @@ def test_more_ranks_than_visible_gpus_is_refused_naming_both_numbers_and_the_fix
     from shardkit.core.errors import UsageError
     from shardkit.run.spawn.plan import plan_ranks
 
-    with pytest.raises(UsageError, match=r"--nproc 2 asks for 2 ranks but 1 GPU\(s\) are visible.*--nproc 1 \(or fewer\), or --device cpu"):
+    with pytest.raises(UsageError, match=r"--world-size 2 asks for 2 ranks but 1 GPU\(s\) are visible.*--world-size 1 \(or fewer\), or --device cpu"):
         plan_ranks(2, "auto", gpus=1, cores=16)
-    with pytest.raises(UsageError, match=r"--nproc 3 asks for 3 ranks but 2 GPU"):
+    with pytest.raises(UsageError, match=r"--world-size 3 asks for 3 ranks but 2 GPU"):
         plan_ranks(3, "gpu", gpus=2, cores=16)
     with pytest.raises(UsageError, match=r"--device gpu: no CUDA GPU is visible.*--device cpu"):
         plan_ranks(None, "gpu", gpus=0, cores=16)
@@ -88,7 +88,7 @@ def test_a_rank_count_far_beyond_the_cores_gets_a_warning():
     from shardkit.run.spawn.plan import plan_ranks
 
     (warning,) = plan_ranks(64, "cpu", gpus=0, cores=2).warnings
-    assert "--nproc 64 starts 64 CPU ranks on 2 core(s)" in warning and "use --nproc 2" in warning
+    assert "--world-size 64 starts 64 CPU ranks on 2 core(s)" in warning and "use --world-size 2" in warning
 
 
 def test_cpu_ranks_cannot_see_a_gpu_and_deepspeed_is_forced_to_its_cpu_accelerator():

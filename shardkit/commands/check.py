@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import MODEL_SPEC_HELP, add_command, add_json, add_world_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("config", metavar="CONFIG", help="DeepSpeed JSON/YAML, shardkit FSDP2 JSON, or Accelerate FSDP config")
-    p.add_argument("--world-size", type=int, default=None, help="number of data-parallel ranks the run will use")
+    add_world_size(p, "number of data-parallel ranks the run will use")
     p.add_argument("--deepspeed-version", default=None, metavar="V",
                    help="check against this DeepSpeed release (default: the installed one)")
     p.add_argument("--torch-version", default=None, metavar="V",
@@ -30,13 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "unknown; `shardkit config` and `shardkit preflight` use this machine's answer)")
     p.add_argument("--hf-auto", action="store_true", help='"auto" values are expected (HF Trainer/Accelerate fills them)')
     p.add_argument("--model", default=None, metavar="SPEC",
-                   help="model ('llama:tiny' or 'pkg.module:factory') to check FSDP wrap classes against")
-    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+                   help=f"model ({MODEL_SPEC_HELP}) to check FSDP wrap classes against")
+    add_json(p)
     p.set_defaults(func=check_command)
 
 
 def check_command(args: argparse.Namespace) -> int:
     from shardkit.checks import check_file
+    from shardkit.commands._parser import emit_json
     from shardkit.core.errors import UsageError
     from shardkit.core.render import print_report
 
@@ -51,9 +52,9 @@ def check_command(args: argparse.Namespace) -> int:
         expect_hf_auto=args.hf_auto,
         model=args.model,
     )
-    if args.json:
-        print(report.to_json())
-    else:
+    if args.json or args.json_file:
+        emit_json(args, report.to_dict())
+    if not args.json:
         # captured output (CI logs, pipes) gets render's fixed 160 columns so key paths do not fold
         print_report(report, file=None if sys.stdout.isatty() else sys.stdout)
     return report.exit_code

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from shardkit.commands._parser import HelpFormatter, add_command
+from shardkit.commands._parser import HelpFormatter, add_command, add_json
 from shardkit.commands.estimate import add_fit_flags
 
 
@@ -56,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         k.add_argument("--hf-auto", action="store_true",
                        help='emit "auto" for the values the HF Trainer/Accelerate fills in')
         k.add_argument("-o", "--output", default="-", metavar="FILE", help="output file ('-' for stdout, the default)")
+        add_json(k)
         add_fit_flags(k, name)
         k.set_defaults(func=config_command, stage=stage)
 
@@ -87,6 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--format", choices=["shardkit", "accelerate"], default="shardkit",
                    help="shardkit JSON (default) or an Accelerate config (YAML unless FILE ends in .json)")
     f.add_argument("-o", "--output", default="-", metavar="FILE", help="output file ('-' for stdout, the default)")
+    add_json(f)
     add_fit_flags(f, "fsdp")
     f.set_defaults(func=config_command, stage=None)
 
@@ -185,6 +187,11 @@ def config_command(args: argparse.Namespace, facts: Any = None) -> int:
     _write(cfg, args.output, yaml=args.kind == "fsdp" and args.format == "accelerate" and not args.output.endswith(".json"))
     if args.output != "-":
         print(f"wrote {args.output}: {passed_message(args, report, accelerator, world_size, hf_auto)}", file=sys.stderr)
+    if args.json or args.json_file:
+        from shardkit.commands._parser import emit_json
+
+        emit_json(args, {"command": "config", "kind": args.kind, "output": None if args.output == "-" else args.output,
+                         "config": cfg, "check": report.to_dict()})
     return 0
 
 

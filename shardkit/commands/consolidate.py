@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import add_command, add_dry_run, add_json, add_no_verify, add_quiet
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,11 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="leave out parameters the optimizer did not train (frozen ones)")
     p.add_argument("--force", action="store_true",
                    help="replace FILE if it exists (only ever a regular file, never one inside a checkpoint)")
-    p.add_argument("--no-verify", action="store_true",
-                   help="check only the sizes of the source's files against its manifest, not their content digests (faster)")
+    add_no_verify(p)
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="source files hashed and rank files copied at once, per process (default: one per file, at least the "
                         "usable cores, at most max(cores, 8))")
+    add_dry_run(p)
+    add_json(p)
+    add_quiet(p)
     p.set_defaults(func=consolidate_command, sigterm_cleans_up=True)
 
 
@@ -47,18 +49,35 @@ def consolidate_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import resolve_source
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+    from shardkit.commands._parser import Stopwatch, emit_json
+    from shardkit.commands._plan import byte_progress, result_base
     from shardkit.core.errors import UsageError
 
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers {args.workers}: must be at least 1 (rank files copied at once)")
+    if args.dry_run:
+        return _dry_run(args)
+    clock = Stopwatch()
 
     # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
     source = resolve_source(args.checkpoint, lambda m: print(f"note: {m}"))
-    result = consolidate_zero3(
-        source, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,
-        verify=not args.no_verify, warn=lambda m: print(f"shardkit consolidate: warning: {m}", file=sys.stderr),
-        workers=args.workers,
-    )
+    with byte_progress(args, "consolidate"):
+        result = consolidate_zero3(
+            source, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,
+            verify=not args.no_verify, warn=lambda m: print(f"shardkit consolidate: warning: {m}", file=sys.stderr),
+            workers=args.workers,
+        )
+    if args.json or args.json_file:
+        data = result_base("consolidate", args.checkpoint, clock.seconds, rank=result.rank,
+                           processes=result.processes, launcher=result.launcher)
+        if result.rank != 0:
+            data["wrote"] = {"share_pieces": result.share_pieces, "share_bytes": result.share_bytes}
+        else:
+            data.update(wrote={"path": str(result.output), "files": 1, "bytes": result.bytes, "tensors": result.tensors,
+                               "parameters": result.parameters, "dtype": args.dtype},
+                        source_world_size=result.source_world_size, tag=result.tag,
+                        checked=CHECKED_LEVELS[result.verified])
+        emit_json(args, data)
     if result.rank != 0:
         print(f"rank {result.rank} of {result.processes} ({result.launcher}): copied its share, {result.share_pieces} "
               f"pieces, {result.share_bytes / 2**20:,.1f} MiB; rank 0 renames {result.output} into place once every "
@@ -70,4 +89,25 @@ def consolidate_command(args: argparse.Namespace) -> int:
         f"{result.bytes / 2**20:,.1f} MiB ({args.dtype}) from tag {result.tag!r} saved by "
         f"{result.source_world_size} rank(s); source checked before reading: {CHECKED_LEVELS[result.verified]}"
     )
+    return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """--dry-run: what would be read, and the file and staging place the real run would use."""
+    from pathlib import Path
+
+    from shardkit.commands._parser import emit_json
+    from shardkit.commands._plan import launch_summary, plan_of, print_plan
+
+    out = Path(args.output)
+    if out.is_dir():
+        out = out / "model.safetensors"
+    if launch_summary()["processes"] > 1:
+        staging = str(out.parent / f".shardkit-tmp-{out.name}")
+    else:
+        staging = f"a hidden temporary file .{out.name}.tmp-<pid>-<nonce> beside {out}"
+    plan = plan_of("consolidate", args.checkpoint, out, staging, args.workers, dtype=args.dtype)
+    print_plan(plan)
+    if args.json or args.json_file:
+        emit_json(args, plan)
     return 0

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import add_command, add_dry_run, add_json, add_no_verify, add_quiet
+
+if TYPE_CHECKING:
+    from shardkit.checkpoint.ops.convert.result import ConvertResult
 
 TARGETS = ("fsdp2", "zero3")
 
@@ -52,8 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "files")
     p.add_argument("--force", action="store_true",
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
-    p.add_argument("--no-verify", action="store_true",
-                   help="check only the sizes of the source's files against its manifest, not their content digests (faster)")
+    add_no_verify(p)
+    add_dry_run(p)
+    add_json(p)
+    add_quiet(p)
     p.set_defaults(func=convert_command, sigterm_cleans_up=True)
 
 
@@ -62,7 +68,11 @@ def convert_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
     from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
+    from shardkit.commands._parser import Stopwatch
+    from shardkit.commands._plan import byte_progress
     from shardkit.core.errors import UsageError
+
+    clock = Stopwatch()
 
     def warn(message: str) -> None:
         print(f"shardkit convert: warning: {message}", file=sys.stderr)
@@ -85,8 +95,11 @@ def convert_command(args: argparse.Namespace) -> int:
         if trainer is not None and trainer.note():
             print(f"note: {trainer.note()}")
         source = args.source if trainer is None else trainer.folder
-        r = convert_zero3_to_dcp(source, args.output, tag=args.tag, force=args.force,
-                                 verify=not args.no_verify, warn=warn, adam_w_mode=adam_w, workers=args.workers)
+        if args.dry_run:
+            return _dry_run(args)
+        with byte_progress(args, "convert"):
+            r = convert_zero3_to_dcp(source, args.output, tag=args.tag, force=args.force,
+                                     verify=not args.no_verify, warn=warn, adam_w_mode=adam_w, workers=args.workers)
         if trainer is not None and r.rank == 0:  # trainer_state.json, scheduler.pt, rng_state_*.pth ...: named, never dropped silently
             r.not_carried.extend(trainer_files_not_converted(trainer.folder))
         resume = f"load_fsdp_checkpoint(model, optimizer, {str(r.output)!r}) at any world size"
@@ -100,10 +113,14 @@ def convert_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--adam-w-mode {args.adam_w_mode} with --to zero3: the FSDP2 checkpoint's param "
                              "groups already record decoupled_weight_decay; drop --adam-w-mode")
         prefix = {"module": "module.", "none": "", None: None}[args.name_prefix]
-        r = convert_dcp_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
-                                 force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config,
-                                 name_prefix=prefix, workers=args.workers)
+        if args.dry_run:
+            return _dry_run(args)
+        with byte_progress(args, "convert"):
+            r = convert_dcp_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
+                                     force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config,
+                                     name_prefix=prefix, workers=args.workers)
         resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"
+    _emit_result(args, r, clock.seconds)
     if r.rank != 0:  # under srun/torchrun: process 0 reports the whole result
         print(f"rank {r.rank} of {r.processes} ({r.launcher}): wrote its share, {r.share_files} files, "
               f"{r.share_bytes / 2**20:,.1f} MiB, {r.workers} writer thread(s)")
@@ -119,3 +136,43 @@ def convert_command(args: argparse.Namespace) -> int:
     for note in r.notes:
         print(f"note: {note}")
     return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """--dry-run: what would be read and written, the output folder checked as the real run checks it."""
+    from pathlib import Path
+
+    from shardkit.checkpoint.io.atomic import staging_dir
+    from shardkit.checkpoint.io.pipeline import check_output_root
+    from shardkit.commands._parser import emit_json
+    from shardkit.commands._plan import plan_of, print_plan, source_tag_dir
+
+    out = Path(args.output)
+    tag_dir, source_tag = source_tag_dir(args.source)
+    tag = args.tag or source_tag
+    check_output_root(out, tag, tag_dir, force=args.force)  # a refusal now, not after the plan
+    plan = plan_of("convert", args.source, out / tag, str(staging_dir(out, tag)), args.workers, to=args.to,
+                   world_size=args.world_size)
+    print_plan(plan)
+    if args.json or args.json_file:
+        emit_json(args, plan)
+    return 0
+
+
+def _emit_result(args: argparse.Namespace, r: "ConvertResult", seconds: float) -> None:
+    """--json / --json-file: what was read, written, carried and checked, and how long it took."""
+    if not (args.json or args.json_file):
+        return
+    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
+    from shardkit.commands._parser import emit_json
+    from shardkit.commands._plan import result_base
+
+    data = result_base("convert", args.source, seconds, rank=r.rank, processes=r.processes, launcher=r.launcher)
+    if r.rank != 0:
+        data["wrote"] = {"share_files": r.share_files, "share_bytes": r.share_bytes, "workers": r.workers}
+    else:
+        data.update(wrote={"path": str(r.output / r.tag), "bytes": r.bytes, "parameters": r.params},
+                    engines={"from": r.source_engine, "to": r.target_engine}, world_size=r.world_size,
+                    checked=CHECKED_LEVELS[r.verified], carried=list(r.carried), not_carried=list(r.not_carried),
+                    route=r.route, notes=list(r.notes))
+    emit_json(args, data)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import add_command, add_engine, add_json, add_world_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,20 +26,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", default=None, metavar="CONFIG",
                    help="DeepSpeed JSON/YAML or shardkit FSDP2 JSON (or describe one with --engine and its flags)")
     add_model_flags(p)
-    p.add_argument("--engine", choices=["zero3", "zero2", "fsdp"], default=None,
-                   help="instead of CONFIG: the config `shardkit config ENGINE` would write with the flags below")
+    add_engine(p, ["zero3", "zero2", "fsdp2"], "instead of CONFIG: the config `shardkit config` would write for this "
+               "engine with the flags below ('fsdp' is the old spelling of fsdp2)")
     p.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none",
                    help="with --engine zero*: where fp32 masters and optimizer state live (default: none)")
     p.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none",
                    help="with --engine zero3: where 16-bit parameter partitions live (default: none)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16", help="with --engine zero*: default bf16")
-    p.add_argument("--cpu-offload", action="store_true", help="with --engine fsdp: CPUOffloadPolicy")
+    p.add_argument("--cpu-offload", action="store_true", help="with --engine fsdp2: CPUOffloadPolicy")
     p.add_argument("--mixed-precision", choices=["bf16", "fp16", "none"], default="bf16",
-                   help="with --engine fsdp: default bf16")
+                   help="with --engine fsdp2: default bf16")
     add_run_flags(p)
     p.add_argument("--gpu-memory", default=None, metavar="SIZE", help="usable memory per GPU, e.g. 80GiB or 80GB")
     p.add_argument("--host-memory", default=None, metavar="SIZE", help="usable RAM per host, e.g. 512GiB")
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON instead of a table")
+    add_json(p)
     p.set_defaults(func=estimate_command)
 
 
@@ -58,7 +58,7 @@ def add_run_flags(p: argparse.ArgumentParser, world_size: bool = True, micro_bat
     """The run around the model; shared with `shardkit config ... --fit` (which has its own --world-size and
     --micro-batch)."""
     if world_size:
-        p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks, one per GPU (default: 1)")
+        add_world_size(p, "data-parallel ranks, one per GPU (default: 1)", default=1)
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="ranks per host, for host memory (default: the world size, at most 8)")
     if micro_batch:
@@ -97,7 +97,7 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
 
         return read_engine_config(args.config)
     engine = args.engine or "zero3"
-    if engine == "fsdp":
+    if engine == "fsdp2":
         return generate.fsdp_config(cpu_offload=args.cpu_offload, mixed_precision=args.mixed_precision)
     if engine == "zero2" and args.offload_param != "none":
         raise UsageError("--offload-param needs --engine zero3: ZeRO-2 would ignore it silently")
@@ -118,9 +118,13 @@ def estimate_command(args: argparse.Namespace) -> int:
     settings = settings_from_config(cfg, model.hidden_size)
     run = run_shape(args, args.world_size, args.micro_batch or micro_batch_of(cfg) or 1)
     est = estimate_memory(model, settings, run, gpu, host)
-    if args.json:
-        print(est.to_json())
-    else:
+    if args.json or args.json_file:
+        import json
+
+        from shardkit.commands._parser import emit_json
+
+        emit_json(args, json.loads(est.to_json()))
+    if not args.json:
         print_estimate(est, file=None if sys.stdout.isatty() else sys.stdout)
         if not est.fits():
             console(sys.stderr).print("[red]does not fit[/red]: try `shardkit config zero3 --fit ...` for the least "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import add_command, add_dry_run, add_json, add_no_verify, add_quiet
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,20 +40,35 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shard files written at once, one thread each (default: one per shard, at most "
                         "max(cores, 8))")
     p.add_argument("--force", action="store_true", help="replace DIR when it holds an earlier shardkit export")
-    p.add_argument("--no-verify", action="store_true",
-                   help="check only the sizes of the source's files against its manifest, not their content digests (faster)")
+    add_no_verify(p)
+    add_dry_run(p)
+    add_json(p)
+    add_quiet(p)
     p.set_defaults(func=export_command, sigterm_cleans_up=True)
 
 
 def export_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.export.export_hf import export_hf_folder
+    from shardkit.commands._parser import Stopwatch, emit_json
+    from shardkit.commands._plan import byte_progress, result_base
 
-    result = export_hf_folder(
-        args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        model_config=args.model_config, workers=args.workers, force=args.force, verify=not args.no_verify,
-        warn=lambda m: print(f"shardkit export: warning: {m}", file=sys.stderr),
-    )
+    if args.dry_run:
+        return _dry_run(args)
+    clock = Stopwatch()
+    with byte_progress(args, "export"):
+        result = export_hf_folder(
+            args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
+            model_config=args.model_config, workers=args.workers, force=args.force, verify=not args.no_verify,
+            warn=lambda m: print(f"shardkit export: warning: {m}", file=sys.stderr),
+        )
+    if args.json or args.json_file:
+        emit_json(args, result_base(
+            "export", args.checkpoint, clock.seconds, rank=0, processes=1, launcher="single process",
+            wrote={"path": str(result.output), "files": list(result.files), "bytes": result.bytes,
+                   "tensors": result.tensors, "parameters": result.parameters, "dtype": result.dtype,
+                   "model_class": result.model_class, "copied": list(result.copied)},
+            source_kind=result.source_kind, checked=CHECKED_LEVELS[result.verified], notes=list(result.notes)))
     for note in result.notes:
         print(f"note: {note}")
     files = result.files[0] if len(result.files) == 1 else f"{len(result.files)} shards + model.safetensors.index.json"
@@ -62,4 +77,21 @@ def export_command(args: argparse.Namespace) -> int:
         f"{result.bytes / 2**20:,.1f} MiB ({result.dtype}) in {files}; copied {', '.join(result.copied)}; source "
         f"({result.source_kind}) checked before reading: {CHECKED_LEVELS[result.verified]}"
     )
+    return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """--dry-run: what would be read, and the folder and staging place the real run would use."""
+    from pathlib import Path
+
+    from shardkit.commands._parser import emit_json
+    from shardkit.commands._plan import plan_of, print_plan
+
+    out = Path(args.output)
+    staging = f"a hidden .shardkit-tmp-{out.name}-<pid@host>-<nonce> folder beside {out}"
+    plan = plan_of("export", args.checkpoint, out, staging, args.workers, dtype=args.dtype,
+                   max_shard_size=args.max_shard_size)
+    print_plan(plan)
+    if args.json or args.json_file:
+        emit_json(args, plan)
     return 0

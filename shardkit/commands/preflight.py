@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+from contextlib import contextmanager
+from typing import Iterator
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import MODEL_SPEC_HELP, add_command, add_json, add_world_size, alias_action
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -12,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub,
         "preflight",
         help="check that every rank's tensors sit on the device CONFIG implies, before the first step",
-        example="shardkit preflight ds_config.json --nproc 2 --json placement.json",
+        example="shardkit preflight ds_config.json --world-size 2 --json-file placement.json",
         description=(
             "Runs the static config checks (stops on errors; --static stops there), then spawns N ranks that "
             "build the model, initialize DeepSpeed or FSDP2 from CONFIG, run the placement preflight "
@@ -33,16 +36,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--record", default=None, metavar="FILE",
                    help="each rank writes where every tensor is after init and after the step (rank N>0: FILE.rankN.json), "
                    "in the ground-truth format --observed reads")
-    p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: visible GPUs, else 2 CPU ranks with gloo)")
+    add_world_size(p, "ranks to spawn (default: visible GPUs, else 2 CPU ranks with gloo)", nproc_alias=True)
     p.add_argument(
         "--device", choices=["auto", "cpu", "gpu"], default="auto",
         help="auto: one rank per visible GPU (nccl), CPU ranks (gloo) without GPUs; cpu: gloo ranks that never touch "
-        "a GPU (any --nproc); gpu: GPUs only. More ranks than visible GPUs is refused unless --device cpu",
+        "a GPU (any --world-size); gpu: GPUs only. More ranks than visible GPUs is refused unless --device cpu",
     )
-    p.add_argument("--model", default=None, metavar="SPEC", help="llama:SIZE (tiny, small, 40m, 160m) or pkg.module:factory (default: llama:tiny)")
+    p.add_argument("--model", default=None, metavar="SPEC", help=f"{MODEL_SPEC_HELP} (default: llama:tiny)")
     p.add_argument("--static", action="store_true", help="only the static config checks; spawn nothing")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the full placement report as JSON ('-' for stdout)")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds to wait for a late rank at the preflight (default: 60)")
+    add_json(p, file_after_json=True)
+    p.add_argument("--rank-wait", type=float, default=60.0, metavar="S",
+                   help="seconds to wait for a late rank at the preflight (default: 60)")
+    p.add_argument("--timeout", dest="rank_wait", type=float, metavar="S", action=alias_action("--rank-wait"),
+                   help="old spelling of --rank-wait (a late rank's wait, not a limit on the run)")
     p.set_defaults(func=preflight_command)
 
 
@@ -55,39 +61,70 @@ def preflight_command(args: argparse.Namespace) -> int:
         raise UsageError(f"two configs given ({args.config} and --config {args.config_opt}): pass one")
     config = args.config or args.config_opt
     if args.observed:
-        live_only = [flag for flag, given in (("--nproc", args.nproc is not None), ("--device", args.device != "auto"),
+        live_only = [flag for flag, given in (("--world-size", args.world_size is not None), ("--device", args.device != "auto"),
                                               ("--record", args.record), ("--static", args.static), ("--model", args.model))
                      if given]
         if live_only:
             raise UsageError(f"--observed judges a recording offline: {', '.join(live_only)} would be ignored; "
                              "drop them, or run the live preflight without --observed")
-        return observed_command(args.observed, config, args.json)
+        return observed_command(args, config)
     if not config:
         raise UsageError("preflight needs CONFIG (a DeepSpeed or FSDP2 config), or --observed SNAPSHOT to judge a recording")
     if args.record:
         check_record_target(args.record)  # before any rank starts: never replace a config or a checkpoint
-    return run_preflight(
-        PreflightOptions(
-            config=config,
-            nproc=args.nproc,
-            device=args.device,
-            model=args.model,
-            static=args.static,
-            json_path=args.json,
-            record_path=args.record,
-            timeout=args.timeout,
+    with _placement_json(args) as json_path:
+        code = run_preflight(
+            PreflightOptions(
+                config=config,
+                nproc=args.world_size,
+                device=args.device,
+                model=args.model,
+                static=args.static,
+                json_path=json_path,
+                record_path=args.record,
+                timeout=args.rank_wait,
+            )
         )
-    )
+    if (args.json or args.json_file) and not getattr(args, "json_emitted", False):
+        # no rank wrote a placement report (--static, or the static checks stopped the run)
+        from shardkit.commands._parser import emit_json
+
+        emit_json(args, {"command": "preflight", "ok": code == 0, "exit_code": code, "static_only": args.static,
+                         "placement": None})
+    return code
 
 
-def observed_command(snapshot: str, config: str | None, json_path: str | None) -> int:
+@contextmanager
+def _placement_json(args: argparse.Namespace) -> Iterator[str | None]:
+    """The ranks write the placement report to a file; with --json it is read back and printed alone on
+    stdout (also when ranks died: the failure record), with --json-file it is that file."""
+    import tempfile
+    from pathlib import Path
+
+    from shardkit.commands._parser import emit_json
+
+    if not args.json:
+        yield args.json_file
+        # the ranks wrote it (or the failure record): nothing to add
+        args.json_emitted = bool(args.json_file) and Path(args.json_file).is_file()
+        return
+    with tempfile.TemporaryDirectory(prefix="shardkit-preflight-json-") as tmp:
+        path = Path(tmp) / "placement.json"
+        try:
+            yield str(path)
+        finally:
+            if path.is_file():
+                emit_json(args, json.loads(path.read_text()))
+
+
+def observed_command(args: argparse.Namespace, config: str | None) -> int:
     """``--observed``: judge a recording; exit 0 and one summary line when healthy, 1 and the table when not."""
-    from shardkit.core.render import write_json
+    from shardkit.commands._parser import emit_json
     from shardkit.placement.observed import judge_snapshot_file
 
-    report = judge_snapshot_file(snapshot, config)
-    if json_path:
-        write_json(report.to_dict(), json_path)
-    if json_path != "-":
+    report = judge_snapshot_file(args.observed, config)
+    if args.json or args.json_file:
+        emit_json(args, report.to_dict())
+    if not args.json:
         print(report.render() if not report.ok or report.not_checked else report.summary())
     return report.exit_code

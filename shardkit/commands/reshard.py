@@ -6,10 +6,12 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import add_command, add_dry_run, add_json, add_no_verify, add_quiet, add_world_size
 
 if TYPE_CHECKING:
     from shardkit.checkpoint.hf_trainer.folder import TrainerCheckpoint
+    from shardkit.checkpoint.ops.reshard import ReshardResult
+    from shardkit.commands._parser import Stopwatch
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", metavar="CKPT",
                    help="DeepSpeed checkpoint folder (with 'latest') or tag folder; a Trainer checkpoint-N or output_dir")
-    p.add_argument("--world-size", type=int, required=True, metavar="M", help="data-parallel ranks of the resuming run")
+    add_world_size(p, "data-parallel ranks of the resuming run", required=True, metavar="M")
     p.add_argument("-o", "--output", required=True, metavar="OUT",
                    help="new checkpoint folder (gets OUT/<tag>/ and OUT/latest; for a Trainer source, the new checkpoint-N)")
     p.add_argument("--tag", default=None, help="tag of the new checkpoint (default: the source tag)")
@@ -42,11 +44,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-manifest", action="store_true", help="do not write shardkit_manifest.json")
     p.add_argument("--force", action="store_true",
                    help="replace OUT/<tag> when OUT already holds a shardkit checkpoint of that tag")
-    p.add_argument("--no-verify", action="store_true",
-                   help="check only the sizes of the source's files against its manifest, not their content digests (faster)")
+    add_no_verify(p)
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="files written at once by this process (default: one per file, at least the usable cores, "
                         "at most max(cores, 8)); under srun/torchrun every launched process writes its share")
+    add_dry_run(p)
+    add_json(p)
+    add_quiet(p)
     p.set_defaults(func=reshard_command, sigterm_cleans_up=True)
 
 
@@ -54,6 +58,8 @@ def reshard_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import locate_trainer_checkpoint, trainer_folder_of_tag
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.commands._parser import Stopwatch
+    from shardkit.commands._plan import byte_progress
     from shardkit.core.errors import UsageError
 
     if args.world_size < 1:
@@ -62,18 +68,23 @@ def reshard_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers {args.workers}: must be at least 1 (files written at once)")
     if args.sub_group_size is not None and args.sub_group_size < 1:
         raise UsageError(f"--sub-group-size {args.sub_group_size}: must be at least 1")
+    if args.dry_run:
+        return _dry_run(args, trainer=locate_trainer_checkpoint(args.checkpoint) is not None)
+    clock = Stopwatch()
     trainer_checkpoint = locate_trainer_checkpoint(args.checkpoint)
     if trainer_checkpoint is not None:
-        return _reshard_trainer(args, trainer_checkpoint)
+        return _reshard_trainer(args, trainer_checkpoint, clock)
     parent = trainer_folder_of_tag(args.checkpoint)
     if parent is not None:
         print(f"shardkit reshard: warning: {args.checkpoint} is the DeepSpeed tag folder of the Trainer checkpoint "
               f"{parent}: {args.output} gets the DeepSpeed files only (no trainer_state.json, no RNG files). Pass "
               f"{parent} to write a checkpoint-N that Trainer.train(resume_from_checkpoint=...) resumes", file=sys.stderr)
-    r = reshard_zero3(args.checkpoint, args.output, args.world_size, tag=args.tag,
-                      sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
-                      verify=not args.no_verify, workers=args.workers,
-                      warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
+    with byte_progress(args, "reshard"):
+        r = reshard_zero3(args.checkpoint, args.output, args.world_size, tag=args.tag,
+                          sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
+                          verify=not args.no_verify, workers=args.workers,
+                          warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
+    _emit_result(args, r, clock.seconds, r.output / r.tag)
     if r.rank != 0:
         print(f"rank {r.rank} of {r.processes} ({r.launcher}): wrote its share, {r.share_files} files, "
               f"{r.share_bytes / 2**20:,.1f} MiB, with {r.workers} writer(s); rank 0 seals {r.output / r.tag} once every "
@@ -91,7 +102,7 @@ def reshard_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint") -> int:
+def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint", clock: "Stopwatch") -> int:
     """A Hugging Face Trainer checkpoint-N (or output_dir): -o is the new checkpoint-N folder."""
     from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.io.shared_save import launch_from_env
@@ -106,11 +117,15 @@ def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint") -> i
                          "srun/torchrun (--workers N sets its writer threads)")
     if source.note():
         print(f"note: {source.note()}")
-    t = reshard_trainer_checkpoint(source, args.output, args.world_size, tag=args.tag,
-                                   sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
-                                   verify=not args.no_verify, workers=args.workers,
-                                   warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
+    from shardkit.commands._plan import byte_progress
+
+    with byte_progress(args, "reshard"):
+        t = reshard_trainer_checkpoint(source, args.output, args.world_size, tag=args.tag,
+                                       sub_group_size=args.sub_group_size, manifest=not args.no_manifest,
+                                       force=args.force, verify=not args.no_verify, workers=args.workers,
+                                       warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
     r = t.reshard
+    _emit_result(args, r, clock.seconds, t.folder, trainer_files=t.copied, notes=t.notes)
     print(
         f"wrote {t.folder}: Trainer checkpoint with {r.tag}/ ({len(r.files)} files, {r.bytes / 2**20:,.1f} MiB), world "
         f"size {r.source_world_size} -> {r.world_size}; resume with Trainer.train(resume_from_checkpoint="
@@ -122,3 +137,48 @@ def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint") -> i
     for note in t.notes:
         print(f"note: {note}")
     return 0
+
+
+def _dry_run(args: argparse.Namespace, trainer: bool) -> int:
+    """--dry-run: what would be read and written, the output folder checked as the real run checks it."""
+    from pathlib import Path
+
+    from shardkit.checkpoint.io.atomic import staging_dir
+    from shardkit.checkpoint.io.pipeline import check_output_root
+    from shardkit.commands._parser import emit_json
+    from shardkit.commands._plan import plan_of, print_plan, source_tag_dir
+
+    out = Path(args.output)
+    if trainer:  # the new checkpoint-N folder is staged beside itself
+        final, staging = out, f"a hidden .shardkit-tmp-{out.name}-<pid@host>-<nonce> folder beside {out}"
+    else:
+        tag_dir, source_tag = source_tag_dir(args.checkpoint)
+        tag = args.tag or source_tag
+        check_output_root(out, tag, tag_dir, force=args.force)  # a refusal now, not after the plan
+        final, staging = out / tag, str(staging_dir(out, tag))
+    plan = plan_of("reshard", args.checkpoint, final, staging, args.workers, world_size=args.world_size)
+    print_plan(plan)
+    if args.json or args.json_file:
+        emit_json(args, plan)
+    return 0
+
+
+def _emit_result(args: argparse.Namespace, r: "ReshardResult", seconds: float, wrote: object,
+                 trainer_files: list[str] | None = None, notes: list[str] | None = None) -> None:
+    """--json / --json-file: what was read, written and checked, and how long it took."""
+    if not (args.json or args.json_file):
+        return
+    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
+    from shardkit.commands._parser import emit_json
+    from shardkit.commands._plan import result_base
+
+    data = result_base("reshard", args.checkpoint, seconds, rank=r.rank, processes=r.processes, launcher=r.launcher)
+    if r.rank != 0:
+        data["wrote"] = {"share_files": r.share_files, "share_bytes": r.share_bytes, "workers": r.workers}
+    else:
+        data.update(wrote={"path": str(wrote), "files": len(r.files), "bytes": r.bytes},
+                    world_size={"from": r.source_world_size, "to": r.world_size}, checked=CHECKED_LEVELS[r.verified],
+                    notes=list(r.notes if notes is None else notes))
+        if trainer_files is not None:
+            data["trainer_files"] = list(trainer_files)
+    emit_json(args, data)

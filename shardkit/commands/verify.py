@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import add_command, add_engine, add_json, add_no_verify, add_world_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,28 +23,36 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint root (with 'latest') or a tag directory")
-    p.add_argument("--world-size", type=int, default=None, help="world size of the run that will resume")
-    p.add_argument("--engine", choices=["deepspeed", "fsdp2", "torch"], default=None,
-                   help="engine of the run that will resume")
-    p.add_argument("--no-checksum", action="store_true", help="check sizes only, skip the content digests (fast)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_world_size(p, "world size of the run that will resume")
+    add_engine(p, ["zero3", "fsdp2", "torch"], "engine of the run that will resume (zero3: a DeepSpeed checkpoint; "
+               "'deepspeed' is the old spelling)")
+    add_no_verify(p, "check sizes only, skip the content digests (fast)", no_checksum_alias=True)
+    add_json(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import verify_trainer_checkpoint
     from shardkit.checkpoint.io.verify import verify_checkpoint
+    from shardkit.commands._parser import Stopwatch, emit_json
     from shardkit.core.errors import UsageError
-    from shardkit.core.render import print_report, write_json
+    from shardkit.core.render import print_report
 
     if args.world_size is not None and args.world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
-    kw = dict(world_size=args.world_size, engine=args.engine, checksums=not args.no_checksum)
+    clock = Stopwatch()
+    # the manifests name a ZeRO-3 checkpoint's engine 'deepspeed'
+    engine = "deepspeed" if args.engine == "zero3" else args.engine
+    kw = dict(world_size=args.world_size, engine=engine, checksums=not args.no_verify)
     # a Trainer checkpoint-N or output_dir (None: not Trainer-shaped, the plain rules apply)
     report = verify_trainer_checkpoint(args.checkpoint, **kw) or verify_checkpoint(args.checkpoint, **kw)
-    if args.json:
-        write_json(report.to_dict(), None)
-    else:
+    if args.json or args.json_file:
+        files = report.manifest.files if report.manifest is not None else []
+        emit_json(args, {**report.to_dict(), "command": "verify", "files": len(files),
+                         "bytes": sum(f.size for f in files),
+                         "checked": "sizes only" if args.no_verify else "sizes and content digests",
+                         "seconds": clock.seconds})
+    if not args.json:
         print_report(report)
         if report.ok and report.manifest is not None:
             m = report.manifest

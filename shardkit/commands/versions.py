@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import add_command, add_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", default=None, metavar="CONFIG", help="only rows whose trigger matches this DeepSpeed config")
     p.add_argument("--deepspeed-version", default=None, metavar="V", help="evaluate this release instead of the installed one")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json(p)
     p.set_defaults(func=versions_command)
 
 
@@ -35,11 +35,12 @@ def versions_command(args: argparse.Namespace) -> int:
     if args.config:
         cfg = load_config(args.config)
     data, report = version_report(cfg, deepspeed_version=args.deepspeed_version, source=args.config)
-    if args.json:
-        import json
+    if args.json or args.json_file:
+        from shardkit.commands._parser import emit_json
 
-        print(json.dumps({**data, "report": report.to_dict()}, indent=2))
-        return report.exit_code
+        emit_json(args, {**data, "report": report.to_dict()})
+        if args.json:
+            return report.exit_code
     con = console()
     for name, version in data["installed"].items():
         con.print(f"{name:13} {version or 'not installed'}")

@@ -56,9 +56,9 @@ def run_preflight(opts: PreflightOptions, out: TextIO | None = None) -> int:
     """Exit code: 0 clean, 1 findings (static errors, placement problems, a failed step)."""
     out = out or sys.stdout
     if opts.timeout <= 0:
-        raise UsageError(f"--timeout {opts.timeout}: must be positive (seconds a late rank is waited for)")
+        raise UsageError(f"--rank-wait {opts.timeout}: must be positive (seconds a late rank is waited for)")
     if opts.static:
-        # nothing is spawned: --nproc is only the world size to check at (more ranks than this
+        # nothing is spawned: --world-size is only the world size to check at (more ranks than this
         # machine's GPUs is fine: the config may be meant for another machine)
         nproc, on_gpu = static_world(opts.nproc, opts.device)  # type: ignore[arg-type]
         plan = None

@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 
 from shardkit.checkpoint.io.torch_load import _ITEMSIZE
+from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
 
 #: torch dtype name (without ``torch.``) -> safetensors dtype code.
@@ -94,3 +95,4 @@ def copy_bytes(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int
         if n <= 0:
             raise CheckpointError(f"short read at byte {src_off + done}: the source file is truncated")
         done += n
+        progress.advance(n)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Sequence, Union
 
 from shardkit.checkpoint.io.digest import default_algorithm, new_hasher
+from shardkit.core import progress
 
 try:
     # ISA-L's crc32 (CRC-32/ISO-HDLC, zlib's polynomial, same values) folds with PCLMULQDQ/PMULL:
@@ -104,6 +105,7 @@ class HashingWriter:
                 raise OSError(f"short write to {getattr(self.raw, 'name', 'the output file')}")
             done += n
         self.size += len(view)
+        progress.advance(len(view))
 
 
 @dataclass

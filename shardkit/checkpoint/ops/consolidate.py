@@ -68,6 +68,7 @@ from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoin
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.gather import full_frozen_params
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.files import file_kind
 
@@ -209,6 +210,7 @@ def consolidate_zero3(
 
     if launch.distributed:
         by_rank, result.share_bytes = _my_pieces(ckpt, launch, lambda slot: itemsize * len(targets(slot.name)))
+        progress.expect(result.share_bytes)
         manifest_files = checked.manifest.files if checked.manifest is not None and verify else []
         to_hash = [manifest_files[i] for i in split_by_bytes([e.size for e in manifest_files], launch.world)[launch.rank]]
 
@@ -229,6 +231,7 @@ def consolidate_zero3(
     # written; positional writes go straight to its descriptor (nothing is buffered in the file object)
     for note in remove_stale_temps(out):  # a run killed (SIGKILL, OOM) before it could remove its own
         (warn or warn_unverified)(note)
+    progress.expect(total)
     with disk_full_named(out, outcome), atomic_open(out, "wb") as fh:
         fd = fh.fileno()
         write_small(fd)
@@ -377,7 +380,7 @@ def _copy_rank_cast(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets: Targ
             if stop > start:
                 buf = _as_bytes(part.param_slice(slot, FP32).to(_torch_dtype(out_name)))
                 for at in targets(slot.name):
-                    os.pwrite(dst_fd, buf, at + start * itemsize)
+                    progress.advance(os.pwrite(dst_fd, buf, at + start * itemsize))
 
 
 def _write_shared(out: Path, launch: Launch, write_small: Callable[[int], None], copy_share: Callable[[int], None],

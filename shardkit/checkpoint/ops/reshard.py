@@ -54,6 +54,7 @@ from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, plan_layout
 from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
 from shardkit.config.loading import config_digest
+from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import library_versions
 
@@ -244,6 +245,7 @@ def _reshard_jobs(ckpt: Zero3Checkpoint, layout: TargetLayout) -> list[_Job]:
 def _write_share(staged: Path, share: list[_Job], workers: int, outcome: str) -> list[FileEntry]:
     """Write this process's files into ``staged`` (``stream.write_parallel``: fsynced by their
     writers, described by the digest computed while written, the first failure cancels the rest)."""
+    progress.expect(sum(j.nbytes for j in share))
     written = write_parallel([(staged / j.name, j.write) for j in share], workers, outcome=outcome,
                              thread_name="shardkit-reshard")
     return [FileEntry.of(j.name, d.size, d.algorithm, d.digest) for j, d in zip(share, written)]

@@ -100,16 +100,16 @@ def plan_ranks(
     if on_gpu:
         if n > gpus:
             raise UsageError(
-                f"--nproc {n} asks for {n} ranks but {gpus} GPU(s) are visible, and nccl needs one GPU per rank; "
-                f"pass --nproc {gpus} (or fewer), or --device cpu to run {n} CPU ranks with gloo"
+                f"--world-size {n} asks for {n} ranks but {gpus} GPU(s) are visible, and nccl needs one GPU per rank; "
+                f"pass --world-size {gpus} (or fewer), or --device cpu to run {n} CPU ranks with gloo"
             )
         return RankPlan(n, "gpu")
     cores = usable_cores() if cores is None else cores
     warnings: list[str] = []
     if n > RANKS_PER_CORE_WARNING * cores:
         warnings.append(
-            f"--nproc {n} starts {n} CPU ranks on {cores} core(s): each rank is a whole process with its own "
-            f"model and engine, so this is slow and memory-hungry; use --nproc {max(1, min(2, cores))} unless you "
+            f"--world-size {n} starts {n} CPU ranks on {cores} core(s): each rank is a whole process with its own "
+            f"model and engine, so this is slow and memory-hungry; use --world-size {max(1, min(2, cores))} unless you "
             "are testing scale"
         )
     return RankPlan(n, "cpu", tuple(warnings))
@@ -119,7 +119,7 @@ def _check_request(nproc: int | None, device: str) -> None:
     if device not in DEVICES:
         raise UsageError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
     if nproc is not None and nproc < 1:
-        raise UsageError(f"--nproc {nproc}: must be at least 1")
+        raise UsageError(f"--world-size {nproc}: must be at least 1")
 
 
 def static_world(nproc: int | None, device: Device = "auto", *, gpus: int | None = None) -> tuple[int, bool]:

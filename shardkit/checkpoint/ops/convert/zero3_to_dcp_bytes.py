@@ -48,6 +48,7 @@ from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, MODEL_KEY, OP
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_plan import DcpTarget
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint, zero3_optimizer_sd
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
+from shardkit.core import progress
 
 #: The file holding the small items (the name DCP's writer gives rank 0's first file).
 SMALL_FILE = "__0_0.distcp"
@@ -238,6 +239,7 @@ def write_tensor_files(path: Path, share: list[TensorItem], names: dict[str, str
     a time (largest first, so the last files to finish are small ones and no thread idles long)."""
     order = sorted(share, key=lambda it: -it.nbytes)
     jobs: list[FileJob] = [(path / names[it.key], partial(_write_one, it)) for it in order]
+    progress.expect(sum(it.nbytes for it in order))
     written = write_parallel(jobs, workers, outcome=outcome, thread_name="shardkit-convert")
     return [FileEntry.of(names[it.key], done.size, done.algorithm, done.digest)
             for it, done in zip(order, written, strict=True)]

@@ -17,6 +17,7 @@ from shardkit.checkpoint.io.atomic import disk_full_named
 from shardkit.checkpoint.io.manifest import FileEntry
 from shardkit.checkpoint.io.pipeline import default_workers
 from shardkit.checkpoint.io.stream import FileJob, LazyTensor, WrittenFile, stream_save, write_parallel
+from shardkit.core import progress
 
 
 def write_dcp_files(path: Path, state: dict[str, Any], lazy: dict[str, LazyTensor], outcome: str,
@@ -63,6 +64,7 @@ class _TensorFiles:
         # largest first, so the last files to finish are small ones and no thread idles long
         self._order = sorted(lazy, key=lambda k: -lazy[k].nbytes)
         jobs: list[FileJob] = [(path / self.names[k], partial(stream_save, lazy[k])) for k in self._order]
+        progress.expect(sum(t.nbytes for t in lazy.values()))
         self._digests: dict[str, WrittenFile] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(jobs,), name="shardkit-convert", daemon=True)

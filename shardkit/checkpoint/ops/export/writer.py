@@ -21,6 +21,7 @@ from shardkit.checkpoint.io.safetensors_file import TensorEntry, copy_bytes, hea
 from shardkit.checkpoint.io.torch_load import _ITEMSIZE
 from shardkit.checkpoint.ops.export.pieces import SourceTensor
 from shardkit.checkpoint.ops.export.shard_plan import Shard
+from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ def write_shard(path: Path, job: ShardJob, stop: threading.Event) -> int:
     entries = {n: TensorEntry(n, entry_dtype(t, job.out_dtype), tuple(t.shape)) for n, t in job.tensors.items()}
     header, data_start = header_layout(entries)
     total = data_start + sum(e.nbytes for e in entries.values())
+    progress.expect(total - data_start)  # the tensor bytes; the header is too small to show
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sources: dict[Path, int] = {}
     try:
@@ -123,7 +125,9 @@ def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
+        n = os.pwrite(fd, data[done:], offset + done)
+        done += n
+        progress.advance(n)
 
 
 def write_shards(folder: Path, jobs: list[ShardJob], workers: int) -> list[int]:

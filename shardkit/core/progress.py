@@ -1,0 +1,161 @@
+"""Bytes done of the total, the rate and the time left, for every command that moves checkpoint bytes.
+
+The byte loops (``checkpoint.io``'s hashing writer, ``copy_bytes``, the export and consolidate cast
+writes) call one function, :func:`advance`, with the bytes they just wrote; the operations say how
+many they plan to write with :func:`expect` once they know. Both cost one attribute read when no
+command is reporting (a library call, a test, a rank of a training run), so the writers need no
+option threaded through them.
+
+A command turns reporting on around its work with :func:`reporting`: a live rich bar on a terminal,
+a plain line every ``interval`` seconds otherwise (a Slurm log, a pipe), one closing line, nothing
+with ``quiet``. Always on stderr: stdout carries ``--json``. Under srun/torchrun only the process
+with rank 0 reports, for the whole job, as its own share times the number of processes (the shares
+are split by bytes, so they advance at about the same pace); the line says so.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, TextIO
+
+#: Seconds between two plain progress lines (a log line every few seconds is read; more is noise).
+PLAIN_INTERVAL_S = 5.0
+
+
+class ByteProgress:
+    """Thread-safe count of bytes written against an expected total (None: not known yet)."""
+
+    def __init__(self, label: str, *, processes: int = 1, clock: Callable[[], float] = time.monotonic):
+        self.label, self.processes, self.clock = label, max(1, processes), clock
+        self.started = clock()
+        self._done, self._total = 0, 0
+        self._lock = threading.Lock()
+
+    def advance(self, nbytes: int) -> None:
+        with self._lock:
+            self._done += nbytes
+
+    def expect(self, nbytes: int) -> None:
+        with self._lock:
+            self._total += nbytes
+
+    @property
+    def done(self) -> int:
+        """Bytes of the whole job (this process's share times the processes under a launcher)."""
+        return self._done * self.processes
+
+    @property
+    def total(self) -> int | None:
+        return self._total * self.processes if self._total else None
+
+    def line(self) -> str:
+        """``label: 1.2 GiB of 4.0 GiB (30%), 310 MiB/s, 9 s left``: what a plain progress line says."""
+        elapsed = max(self.clock() - self.started, 1e-9)
+        done, total = self.done, self.total
+        rate = done / elapsed
+        text = f"{self.label}: {format_bytes(done)}"
+        if total:
+            text += f" of {format_bytes(total)} ({min(100.0, 100.0 * done / total):.0f}%)"
+        text += f", {format_bytes(rate)}/s"
+        if total and rate > 0:
+            text += f", {_duration(max(0.0, (total - done) / rate))} left"
+        if self.processes > 1:
+            text += f" (estimated for {self.processes} processes: this process's share x {self.processes})"
+        return text
+
+
+_ACTIVE: ByteProgress | None = None
+
+
+def advance(nbytes: int) -> None:
+    """The byte loops' one callback: ``nbytes`` more written (no-op when nothing reports)."""
+    active = _ACTIVE
+    if active is not None:
+        active.advance(nbytes)
+
+
+def expect(nbytes: int) -> None:
+    """An operation's plan: ``nbytes`` more will be written by this process."""
+    active = _ACTIVE
+    if active is not None:
+        active.expect(nbytes)
+
+
+@contextmanager
+def reporting(label: str, *, quiet: bool = False, rank: int = 0, processes: int = 1,
+              stream: TextIO | None = None, interval: float = PLAIN_INTERVAL_S,
+              live: bool | None = None) -> Iterator[ByteProgress]:
+    """Count the bytes written inside the block and show them on ``stream`` (stderr). ``live``: a rich
+    bar (default: when ``stream`` is a terminal). Nothing is shown with ``quiet`` or on rank > 0."""
+    global _ACTIVE
+    out = stream if stream is not None else sys.stderr
+    meter = ByteProgress(label, processes=processes)
+    shown = not quiet and rank == 0
+    if live is None:
+        live = bool(getattr(out, "isatty", lambda: False)())
+    previous, _ACTIVE = _ACTIVE, meter
+    stop = threading.Event()
+    thread: threading.Thread | None = None
+    if shown:
+        target = _live_bar if live else _plain_lines
+        thread = threading.Thread(target=target, args=(meter, out, interval, stop), name="shardkit-progress", daemon=True)
+        thread.start()
+    finished = False
+    try:
+        yield meter
+        finished = True
+    finally:
+        _ACTIVE = previous
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=5)
+            if not live and meter.done:
+                how = "done" if finished else "stopped"
+                print(f"{meter.line()} ({how} after {_duration(meter.clock() - meter.started)})", file=out, flush=True)
+
+
+def _plain_lines(meter: ByteProgress, out: TextIO, interval: float, stop: threading.Event) -> None:
+    while not stop.wait(interval):
+        if meter.done:
+            print(meter.line(), file=out, flush=True)
+
+
+def _live_bar(meter: ByteProgress, out: TextIO, interval: float, stop: threading.Event) -> None:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+               TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(file=out), transient=False) as bar:
+        task = bar.add_task(meter.label, total=None)
+        while True:
+            finished = stop.wait(0.2)
+            bar.update(task, completed=meter.done, total=meter.total)
+            if finished:
+                return
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover (the loop returns)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
