@@ -7,10 +7,11 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from shardkit.commands._parser import add_command
+from shardkit.commands._parser import add_command, add_json
 
 USAGE = (
-    "shardkit launch [--launcher deepspeed|torchrun|accelerate] [--no-preflight] [--dry-run] [launcher args] "
+    "shardkit launch [--launcher deepspeed|torchrun|accelerate] [--no-preflight] [--dry-run] [--json] "
+    "[--json-file PATH] [launcher args] "
     "script.py [script args]"
 )
 
@@ -25,12 +26,12 @@ class _PassThroughParser(argparse.ArgumentParser):
         i = 0
         while i < len(args):
             arg = args[i]
-            if arg in ("-h", "--help", "--no-preflight", "--dry-run"):
+            if arg in ("-h", "--help", "--no-preflight", "--dry-run", "--json"):
                 own.append(arg)
-            elif arg == "--launcher":
+            elif arg in ("--launcher", "--json-file"):
                 own += args[i : i + 2]
                 i += 1
-            elif arg.startswith("--launcher="):
+            elif arg.startswith(("--launcher=", "--json-file=")):
                 own.append(arg)
             else:
                 break
@@ -65,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-preflight", action="store_true", help="do not run the placement preflight in the ranks")
     p.add_argument("--dry-run", action="store_true", help="check the config and print the launcher command, start nothing")
+    add_json(p)
     p.add_argument("argv", nargs=argparse.REMAINDER, help="launcher arguments, the script, and its arguments")
     p.set_defaults(func=launch_command)
 
@@ -106,6 +108,42 @@ def launch_command(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     if args.dry_run:
         print(f"shardkit launch: {checked}; {preflight}; would run: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
+        _emit_launch(args, plan.argv, report, None)
         return 0
     print(f"shardkit launch: {checked}; {preflight}; starting: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
-    return run_launch(plan, expected)
+    if not args.json:
+        code = run_launch(plan, expected)
+    else:
+        with _children_print_to_stderr():
+            code = run_launch(plan, expected)
+    _emit_launch(args, plan.argv, report, code)
+    return code
+
+
+def _emit_launch(args: argparse.Namespace, argv: list[str], report: Any, code: int | None) -> None:
+    """--json / --json-file: the command run (or that would run), the config findings, the exit status."""
+    if args.json or args.json_file:
+        from shardkit.commands._parser import emit_json
+
+        emit_json(args, {"command": "launch", "dry_run": code is None, "ok": code in (None, 0), "argv": argv,
+                         "preflight": not args.no_preflight, "exit_code": code, "check": report.to_dict()})
+
+
+def _children_print_to_stderr() -> Any:
+    """With --json the launched ranks' own output (file descriptor 1, inherited) goes to stderr, so stdout
+    holds the JSON result alone; descriptor 1 is restored before the result is written."""
+    import contextlib
+    import os
+
+    @contextlib.contextmanager
+    def swapped() -> Any:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            os.dup2(2, 1)
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+    return swapped()
