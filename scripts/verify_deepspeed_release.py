@@ -110,11 +110,11 @@ def _round_trips(venv: Path, kept: Path, workdir: Path, log: Path, env: dict[str
     return out
 
 
-def _json_flag(venv: Path, env: dict[str, str], cwd: Path) -> str:
-    """The smoke's write-JSON-to-a-file flag in the shardkit under test (--json FILE before the
-    one-vocabulary change, --json-file PATH after it)."""
+def _smoke_flags(venv: Path, env: dict[str, str], cwd: Path) -> tuple[str, str]:
+    """The smoke's (write-JSON-to-a-file, rank count) flags in the shardkit under test: --json FILE
+    and --nproc before the one-vocabulary change, --json-file PATH and --world-size after it."""
     text = subprocess.run([str(venv / "bin" / "shardkit"), "smoke", "--help"], capture_output=True, text=True, env=env, cwd=cwd).stdout
-    return "--json-file" if "--json-file" in text else "--json"
+    return ("--json-file" if "--json-file" in text else "--json"), ("--world-size" if "--world-size" in text else "--nproc")
 
 
 def verify(version: str, torch_version: str, workdir: Path, steps: int, nproc: int, torch_index_url: str | None = None) -> dict:
@@ -167,14 +167,14 @@ def verify(version: str, torch_version: str, workdir: Path, steps: int, nproc: i
     if ds_seen != version:
         return {**row, "result": "fail", "broke": f"asked for deepspeed {version}, the venv imports {ds_seen}"}
     broke = []
-    json_flag = _json_flag(venv, env, workdir)
+    json_flag, ranks_flag = _smoke_flags(venv, env, workdir)
     kept = workdir / "kept-zero3"
     shutil.rmtree(kept, ignore_errors=True)
     for engine, config in SMOKES:
         out = workdir / f"ds-{version}-{engine}.json"
         t1 = time.monotonic()
         keep = ["--keep-checkpoint", str(kept)] if engine == "zero3" else []
-        code = _run([str(venv / "bin" / "shardkit"), "smoke", "--engine", engine, "--nproc", str(nproc), "--device", "cpu", "--steps", str(steps),
+        code = _run([str(venv / "bin" / "shardkit"), "smoke", "--engine", engine, ranks_flag, str(nproc), "--device", "cpu", "--steps", str(steps),
                      "--config", str(REPO / config), json_flag, str(out), "--quiet", *keep,
                      # the first run of a fresh venv JIT-builds DeepSpeed's CPU Adam (minutes on 2 cores)
                      "--timeout", "1500"], log, env, workdir, 3600)

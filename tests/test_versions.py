@@ -185,3 +185,68 @@ def test_environment_rows_name_a_machine_trigger_and_never_match_a_config_alone(
     for version in ("0.16.0", "0.19.8"):
         assert not [r for r in matching_entries(fp16, version) if r.kind == "environment"]
         assert not [r for r in matching_entries(None, version) if r.kind == "environment"]
+
+
+# --- the verified-releases record, the page that shows it, and the script that writes it -------------
+
+def _shipped_rows() -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("shardkit").joinpath("data/verified_releases.json").read_text("utf-8"))
+
+
+def test_shipped_rows_say_what_ran_and_that_it_passed():
+    import datetime as dt
+
+    data = _shipped_rows()
+    assert data["releases"], "no verified release recorded"
+    for row in data["releases"]:
+        pair = (row["deepspeed"], row["torch"])
+        dt.date.fromisoformat(row["date"])  # a real date: a row says when it was run
+        assert row["result"] == "pass" and row["python"] and row["covers"], pair
+        assert {s["engine"] for s in row["smoke"]} == {"zero3", "fsdp2"}, pair
+        assert all(s["ok"] and s["exact"] and s["exit_code"] == 0 for s in row["smoke"]), pair
+        assert all(c["ok"] and c["tensors"] > 0 for c in row.get("round_trips", [])), pair
+    torches = {Version(r["torch"].split("+")[0]) for r in data["releases"]}
+    assert min(torches) >= Version("2.6"), "a row below the torch pyproject.toml allows"
+
+
+def test_versions_page_table_is_the_record():
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "versions.md").read_text()
+    section = page.split("## Verified versions", 1)[1]
+    table = {tuple(cell.strip() for cell in line.strip("|").split("|"))
+             for line in section.splitlines() if re.match(r"^\| \d+\.\d+\.\d+ \|", line)}
+    shown = {(cells[0], cells[1], re.match(r"\d{4}-\d\d-\d\d", cells[-1]).group(0)) for cells in table}
+    recorded = {(r["deepspeed"], r["torch"], r["date"]) for r in _shipped_rows()["releases"]}
+    assert shown == recorded, f"docs/versions.md shows {sorted(shown ^ recorded)} differently from verified_releases.json"
+
+
+def _verifier():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "verify_deepspeed_release.py"
+    spec = importlib.util.spec_from_file_location("verify_deepspeed_release", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_verifier_keeps_one_row_per_deepspeed_torch_pair(tmp_path):
+    verifier = _verifier()
+    record = tmp_path / "verified.json"
+    row = {"deepspeed": "0.19.8", "torch": "2.13.0+cpu", "date": "2026-11-21", "result": "pass"}
+    verifier.record(row, record)
+    verifier.record({**row, "torch": "2.14.1", "result": "pass"}, record)
+    verifier.record({**row, "deepspeed": "0.18.9", "torch": "2.6.0", "result": "pass"}, record)
+    verifier.record({**row, "torch": "2.14.1", "result": "fail", "broke": "zero3: resumed losses differ"}, record)
+    data = json.loads(record.read_text())
+    # a failed rerun of a pair moves it out of "releases": never read as verified afterwards
+    assert [(r["deepspeed"], r["torch"]) for r in data["releases"]] == [("0.19.8", "2.13.0+cpu"), ("0.18.9", "2.6.0")]
+    assert [(r["deepspeed"], r["torch"]) for r in data["failed"]] == [("0.19.8", "2.14.1")]
+    assert [r["deepspeed"] for r in verified_releases(data)] == ["0.19.8", "0.18.9"]
+    assert "torch" in data["about"]
