@@ -148,10 +148,19 @@ def verify(version: str, torch_version: str, workdir: Path, steps: int, nproc: i
         return {**row, "result": "fail", "broke": f"pip install torch=={torch_version} failed: {_tail(log)}"}
     if _run([*pip, f"torch=={torch_version}", f"deepspeed=={version}", *SHARDKIT_DEPS], log, env, workdir, 1800):
         return {**row, "result": "fail", "broke": f"pip install deepspeed=={version} failed: {_tail(log)}"}
-    # Built from a copy: building in the checkout would write build/ and *.egg-info into it.
+    # Built from a copy: building in the checkout would write build/ and *.egg-info into it. In a git
+    # checkout the copy is the committed tree (git archive HEAD), so a row names the commit it tested
+    # and never half-saved work in the working tree.
     src = workdir / "shardkit-src"
     shutil.rmtree(src, ignore_errors=True)
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"))
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if commit.returncode == 0:
+        src.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+        row["shardkit_commit"] = commit.stdout.strip()
+    else:
+        shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"))
     if _run([*pip, "--no-deps", "--force-reinstall", str(src)], log, env, workdir, 600):
         return {**row, "result": "fail", "broke": f"installing shardkit failed: {_tail(log)}"}
     row["install_seconds"] = round(time.monotonic() - t0)
