@@ -63,5 +63,6 @@ def smoke_command(args: argparse.Namespace) -> int:
     report = run_smoke(opts, progress=not args.quiet)
     print_smoke_report(report)
     if args.json or args.json_file:
-        emit_json(args, report.to_dict())
+        # "nproc" kept for scripts that read it; "world_size" is its name in the one vocabulary
+        emit_json(args, {"command": "smoke", **report.to_dict(), "world_size": report.nproc})
     return report.exit_code
