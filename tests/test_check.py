@@ -60,7 +60,7 @@ def test_json_output_is_pure_json_with_every_field(run_cli, tmp_path):
     [
         (None, r"no such file"),
         (b"", r"is empty"),
-        (b'{"zero_optimization": {"stage": 3,', r"invalid JSON at line 1.*and not valid hjson \(DeepSpeed's own loader\)"),
+        (b'{"zero_optimization": {"stage": 3,', r"invalid JSON \(expecting .* at line 1, column 35\), and not valid hjson \(DeepSpeed's own loader\)"),
         (b"\x89PNG\r\n\x1a\n\x00\x00", r"is not UTF-8 text"),
         (b"[1, 2]", r"top level is list"),
         (b"key: [unclosed", r"neither valid JSON nor valid YAML"),
@@ -358,3 +358,61 @@ def test_checking_an_fsdp_config_does_not_import_torch():
         "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+# --- what the HF Trainer's json.load refuses: an error with --hf-auto, a named warning without -------------
+
+HF_READY = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "bf16": {"enabled": "auto"}}
+_PLAIN = json.dumps(HF_READY, indent=1)
+NOT_JSON = [
+    # (file bytes, what the finding names, the fix it gives)
+    (b"\xef\xbb\xbf" + _PLAIN.encode(), r"a UTF-8 byte order mark \(BOM, bytes EF BB BF\) at byte 0\.",
+     "save the file as UTF-8 without a BOM"),
+    (_PLAIN.replace('\n "train_batch_size"', '\n // the Trainer fills it\n "train_batch_size"', 1).encode(),
+     r"a comment at line 8, column 2\.", "remove the comment at line 8, column 2"),
+    (_PLAIN.replace('"auto"\n}', '"auto",\n}').replace('"auto"\n }', '"auto",\n }').encode(),
+     r"a trailing comma at line \d+, column \d+\.", "remove the comma at line"),
+    (_PLAIN.replace('"train_batch_size"', "train_batch_size").encode(),
+     r"an unquoted key at line \d+, column 2\.", "put the key in double quotes at line"),
+]
+
+
+@pytest.mark.parametrize("content, named, fix", NOT_JSON, ids=["bom", "comment", "trailing-comma", "unquoted-key"])
+def test_what_the_trainers_json_load_refuses_fails_check_hf_auto_naming_where_and_the_fix(run_cli, tmp_path, content,
+                                                                                          named, fix):
+    import re
+
+    p = tmp_path / "ds_hf.json"
+    p.write_bytes(content)
+    with pytest.raises(ValueError):  # the premise: what the Trainer's loader does with this file
+        with open(p, encoding="utf-8") as f:
+            json.load(f)
+    code, out, err = run_cli("check", p, "--hf-auto", "--no-accelerator", "--json")
+    data = json.loads(out)
+    (syntax,) = [f for f in data["findings"] if f["rule"] == "config-syntax-hjson"]
+    assert code == 1 and data["errors"] == 1 and syntax["severity"] == "error", data
+    assert re.search("^not JSON: " + named, syntax["message"]), syntax["message"]
+    assert "json.load" in syntax["message"] and fix in syntax["fix"], syntax
+    assert ("BOM" in syntax["message"]) == (content[:3] == b"\xef\xbb\xbf")  # a BOM is named as a BOM, and only then
+    # without --hf-auto (deepspeed.initialize reads it with hjson): a warning naming the same thing
+    code, out, err = run_cli("check", p, "--no-accelerator", "--json")
+    (syntax,) = [f for f in json.loads(out)["findings"] if f["rule"] == "config-syntax-hjson"]
+    assert syntax["severity"] == "warning" and re.search("^not JSON: " + named, syntax["message"])
+    assert "Traceback" not in err
+
+
+def test_a_bom_and_a_trailing_comma_are_both_named_and_a_bom_file_without_json_suffix_is_not_read_as_yaml(tmp_path):
+    from shardkit.config.loading import read_config
+
+    p = tmp_path / "ds_config"  # no .json: a BOM is not whitespace, so this once went to the YAML parser silently
+    p.write_bytes(b"\xef\xbb\xbf{\n \"zero_optimization\": {\"stage\": 3},\n}")
+    loaded = read_config(p)
+    assert loaded.syntax == "hjson" and loaded.data == {"zero_optimization": {"stage": 3}}
+    assert loaded.not_json == ("a UTF-8 byte order mark (BOM, bytes EF BB BF) at byte 0, then a trailing comma at "
+                               "line 2, column 35")
+    report = check_file(p, expect_hf_auto=True, environment=None, accelerator=False)
+    (f,) = [f for f in report.errors if f.rule == "config-syntax-hjson"]
+    assert f.fix.startswith("save the file as UTF-8 without a BOM") and "remove the comma at line 2, column 35" in f.fix
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -330,4 +331,5 @@ def test_comments_and_trailing_commas_are_read_as_deepspeed_reads_them_with_a_wa
     findings = json.loads(out)["findings"]
     syntax = [f for f in findings if f["key"] == "<syntax>"]
     assert len(syntax) == 1 and syntax[0]["severity"] == "warning" and "json.load" in syntax[0]["message"], findings
-    assert "remove the comments and trailing commas" in syntax[0]["fix"]
+    assert "json.load takes no comments, trailing commas or unquoted keys" in syntax[0]["fix"]
+    assert re.search(r"not JSON: an? [a-z -]+ at line \d+, column \d+", syntax[0]["message"]), syntax[0]

@@ -324,3 +324,33 @@ def test_launch_accepts_auto_values_in_a_config_given_to_the_trainer_as_deepspee
     plan = build_launch(["--nproc_per_node", "2", "train.py", "--deepspeed", "--deepspeed_config", str(cfg)], "torchrun", environ={})
     auto = [f for f in check_launch_config(plan, facts).errors if f.rule == "auto-value"]
     assert len(auto) == 1 and "train_micro_batch_size_per_gpu" in auto[0].message
+
+
+@pytest.mark.parametrize("content, named", [
+    (b'\xef\xbb\xbf{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}',
+     "a UTF-8 byte order mark (BOM, bytes EF BB BF) at byte 0"),
+    (b'{\n // ZeRO-3\n "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}',
+     "a comment at line 2, column 2"),
+    (b'{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",\n}',
+     "a trailing comma at line 1, column 77"),
+], ids=["bom", "comment", "trailing-comma"])
+def test_a_config_the_trainers_json_load_refuses_is_named_before_any_rank_starts(tmp_path, content, named):
+    # The Trainer reads `--deepspeed PATH` in TrainingArguments (HfDeepSpeedConfig: open as utf-8, json.load),
+    # before any callback exists: it dies there with a bare JSONDecodeError, so the callback's own check only
+    # ever sees a filled dict. The check that can name the file is the one `shardkit launch` gives the
+    # Trainer's config before its ranks start: an error, with where and the fix.
+    from transformers import TrainingArguments
+
+    from shardkit.platform.environment.facts import probe_environment
+    from shardkit.run.launcher import build_launch, check_launch_config
+
+    p = tmp_path / "ds_hf.json"
+    p.write_bytes(content)
+    with pytest.raises(json.JSONDecodeError):
+        TrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=str(p), use_cpu=True)
+    facts = probe_environment({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}, memlock_bytes=None, cpu_fp16=False)
+    plan = build_launch(["--nproc_per_node", "2", "train.py", "--deepspeed", str(p)], "torchrun", environ={})
+    (f,) = [f for f in check_launch_config(plan, facts).errors if f.rule == "config-syntax-hjson"]
+    assert f.message.startswith(f"not JSON: {named}. The HF Trainer and Accelerate read it with json.load"), f.message
+    where = "without a BOM" if "BOM" in named else named.rsplit(" at ", 1)[1]
+    assert where in f.fix, f.fix

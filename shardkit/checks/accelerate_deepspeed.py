@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shardkit.config.loading import read_config
-from shardkit.config.parsing import duplicate_key_findings, non_finite_findings
+from shardkit.config.parsing import duplicate_key_findings, non_finite_findings, syntax_findings
 from shardkit.core.errors import ConfigError
 from shardkit.core.findings import Finding, Severity
 
@@ -249,6 +249,8 @@ def _file_findings(section: dict[str, Any], config_dir: Path | None,
         )
     from dataclasses import replace
 
-    found = duplicate_key_findings(loaded.duplicate_keys) + non_finite_findings(ds) + check(ds)
+    # Accelerate reads this file with json.load (HfDeepSpeedConfig): what only hjson takes is an error here
+    found = (duplicate_key_findings(loaded.duplicate_keys) + non_finite_findings(ds)
+             + syntax_findings(loaded.syntax, loaded.not_json, hf_trainer=True) + check(ds))
     out += [replace(f, key=prefix + f.key) for f in found]
     return out, ds

@@ -39,6 +39,7 @@ def check_config(
     duplicate_keys: Iterable[tuple[str, Any, Any]] = (),
     config_dir: Path | None = None,
     syntax: str = "json",
+    not_json: str = "",
 ) -> Report:
     """Every static finding about a DeepSpeed or shardkit-FSDP2 config.
 
@@ -51,7 +52,8 @@ def check_config(
     use, for the table's environment rows (None: the config alone; check_file probes this machine).
     ``duplicate_keys``: what loading.read_config saw repeated (check_file passes it).
     ``config_dir``: the config file's folder (for files an Accelerate config names).
-    ``syntax``: how the file was parsed (``LoadedConfig.syntax``): hjson gets a warning.
+    ``syntax``: how the file was parsed (``LoadedConfig.syntax``): hjson gets a warning, an error with
+    ``expect_hf_auto`` (the HF Trainer's json.load refuses it). ``not_json``: ``LoadedConfig.not_json``.
     """
     if world_size is not None and world_size < 1:
         raise UsageError(f"world_size {world_size}: must be at least 1 (the number of data-parallel ranks)")
@@ -62,7 +64,8 @@ def check_config(
         )
         return report
     # what parsing hid applies to every kind of config
-    report.extend(map(_compact, duplicate_key_findings(duplicate_keys) + non_finite_findings(cfg) + syntax_findings(syntax)))
+    report.extend(map(_compact, duplicate_key_findings(duplicate_keys) + non_finite_findings(cfg)
+                                 + syntax_findings(syntax, not_json, hf_trainer=expect_hf_auto)))
     if is_accelerate_config(cfg):
         report.extend(map(_compact, accelerate_findings(cfg, model_classes=_model_classes(model))))
         if accelerate_deepspeed.is_deepspeed(cfg):
@@ -217,4 +220,5 @@ def check_file(
         duplicate_keys=loaded.duplicate_keys,
         config_dir=Path(path).parent if config_dir is None else config_dir,
         syntax=loaded.syntax,
+        not_json=loaded.not_json,
     )

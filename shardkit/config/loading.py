@@ -42,8 +42,11 @@ class LoadedConfig:
     """(key path, key, the value kept) for every key written more than once in one mapping: JSON, YAML and
     DeepSpeed keep the last value silently, so an earlier ``"stage": 3`` is lost."""
     syntax: str = "json"
-    """'json', 'hjson' (comments, trailing commas, unquoted keys: what DeepSpeed's own loader, hjson,
-    accepts and ``json.load`` does not) or 'yaml'."""
+    """'json', 'hjson' (a UTF-8 BOM, comments, trailing commas, unquoted keys: what DeepSpeed's own loader,
+    hjson, accepts and ``json.load`` does not) or 'yaml'."""
+    not_json: str = ""
+    """For 'hjson': the first thing ``json.load`` refuses, with where it is (``a UTF-8 byte order mark (BOM)
+    at byte 0``, ``a // comment at line 2, column 3``): the HF Trainer and Accelerate read the file so."""
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -98,18 +101,58 @@ def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
             # DeepSpeed reads its config file with hjson (runtime/config.py: hjson.load): comments and
             # trailing commas are fine for it, so they are for the check (with a warning, since
             # transformers and accelerate read the same file with json.load)
-            looks_json = text.lstrip().startswith(("{", "[", "//", "/*", "#")) or source.endswith(".json")
+            # a BOM is not whitespace to str.lstrip: without this a BOM'd JSON file went to YAML, which skips it
+            start = text.lstrip(_BOM + " \t\r\n")
+            looks_json = start.startswith(("{", "[", "//", "/*", "#")) or source.endswith(".json")
             hjson_loaded = _parse_hjson(text, source) if looks_json else None
             if hjson_loaded is not None:
+                hjson_loaded.not_json = json_refusal(text, exc)
                 return _mapping(hjson_loaded, source)
-            if text.lstrip().startswith(("{", "[")):
+            if start.startswith(("{", "[")):
                 raise ConfigError(
-                    f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}, and not valid "
-                    "hjson (DeepSpeed's own loader) either. Fix the syntax there."
+                    f"{source}: invalid JSON ({json_refusal(text, exc)}), and not valid hjson (DeepSpeed's own "
+                    "loader) either. Fix the syntax there."
                 ) from exc
     loaded = _mapping(_parse_yaml(text, source), source)
     loaded.syntax = "yaml"
     return loaded
+
+
+_BOM = "\ufeff"
+
+
+def json_refusal(text: str, exc: json.JSONDecodeError) -> str:
+    """What ``json.load`` refuses in ``text`` first, said as a person would, with its line and column (or
+    byte): a UTF-8 BOM (``json.loads`` refuses a str that starts with one; transformers opens the file as
+    ``utf-8``, not ``utf-8-sig``, so the BOM reaches it), a comment, a trailing comma, an unquoted or
+    single-quoted key, else json's own words."""
+    if text.startswith(_BOM):
+        bom = "a UTF-8 byte order mark (BOM, bytes EF BB BF) at byte 0"
+        try:
+            json.loads(text[1:])
+        except json.JSONDecodeError as rest:
+            # positions in the rest are the file's, but for the BOM's one character on line 1
+            return f"{bom}, then {json_refusal(text[1:], rest)}"
+        except ValueError:
+            return bom
+        return bom
+    pos = min(exc.pos, len(text))
+    here = text[pos:pos + 2]
+    before = text[:pos].rstrip()
+    if here.startswith(("//", "/*", "#")):
+        what = "a comment"
+    elif text[pos:pos + 1] in ("}", "]") and before.endswith(","):
+        pos = len(before) - 1
+        what = "a trailing comma"
+    elif exc.msg.startswith("Expecting property name") and text[pos:pos + 1] == "'":
+        what = "a single-quoted key"
+    elif exc.msg.startswith("Expecting property name") and (text[pos:pos + 1].isalpha() or text[pos:pos + 1] == "_"):
+        what = "an unquoted key"
+    else:
+        what = f"{exc.msg.lower()}"
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    return f"{what} at line {line}, column {column}"
 
 
 def _parse_hjson(text: str, source: str) -> LoadedConfig | None:

@@ -49,13 +49,36 @@ def non_finite_findings(cfg: Any) -> list[Finding]:
     return out
 
 
-def syntax_findings(syntax: str) -> list[Finding]:
-    """A config that only hjson reads: fine for DeepSpeed, fatal where transformers or accelerate load it."""
+def syntax_findings(syntax: str, not_json: str = "", *, hf_trainer: bool = False) -> list[Finding]:
+    """A config that only hjson reads (``not_json``: what ``json.load`` refuses first, and where).
+
+    DeepSpeed reads its config file with hjson (``runtime/config.py``: ``hjson.load``), which takes a
+    UTF-8 BOM, comments, trailing commas and unquoted keys: for ``deepspeed.initialize`` that is a warning.
+    The HF Trainer (transformers ``HfDeepSpeedConfig``, from accelerate) and Accelerate open the file as
+    ``utf-8`` and ``json.load`` it, which refuses every one of them: where the file goes there
+    (``hf_trainer``: ``check --hf-auto``, `shardkit launch` of ``--deepspeed PATH``), an error."""
     if syntax != "hjson":
         return []
+    found = not_json or "comments, trailing commas or unquoted keys"
+    bom = "byte order mark" in found
+    fix = ("save the file as UTF-8 without a BOM (in an editor: encoding 'UTF-8', not 'UTF-8 with BOM'; or "
+           "`sed -i '1s/^\\xEF\\xBB\\xBF//' FILE`)" if bom else "")
+    rest = found.split(", then ", 1)[1] if bom and ", then " in found else ("" if bom else found)
+    if rest:
+        what, _, where = rest.rpartition(" at ")
+        action = ("remove the comment" if "comment" in what else "remove the comma" if "trailing comma" in what else
+                  "put the key in double quotes" if "key" in what else "fix the JSON")
+        fix += (" and " if fix else "") + f"{action} at {where} (json.load takes no comments, trailing commas or " \
+               "unquoted keys: check the rest of the file too)"
+    readers = ("the HF Trainer and Accelerate read it with json.load (transformers/accelerate HfDeepSpeedConfig: "
+               "`--deepspeed ds.json`, `deepspeed_config_file` in an Accelerate config)")
+    if hf_trainer:
+        return [Finding(
+            Severity.ERROR, "<syntax>", "BOM" if bom else "not JSON",
+            f"not JSON: {found}. {readers[0].upper() + readers[1:]}, which refuses it: the run stops at start "
+            "with a JSONDecodeError (DeepSpeed's own loader, hjson, would accept it)",
+            fix, "config-syntax-hjson")]
     return [Finding(
-        Severity.WARNING, "<syntax>", "hjson",
-        "not JSON (comments, trailing commas or unquoted keys): DeepSpeed reads it (its loader is hjson), but "
-        "transformers' and accelerate's HfDeepSpeedConfig read the file with json.load and fail on it "
-        "(`--deepspeed ds.json` in the HF Trainer, `deepspeed_config_file` in an Accelerate config)",
-        "remove the comments and trailing commas, and quote every key", "config-syntax-hjson")]
+        Severity.WARNING, "<syntax>", "BOM" if bom else "hjson",
+        f"not JSON: {found}. DeepSpeed reads it (its loader is hjson), but {readers} and fail on it",
+        fix, "config-syntax-hjson")]
