@@ -118,7 +118,12 @@ def describe_checkpoint(path: str | Path, *, check_manifest: bool = True) -> Che
     trainer = p if (p / TRAINER_STATE).is_file() or CHECKPOINT_DIR.match(p.name) else None
     tag = _tag_folder(p)
     folder = tag if tag is not None else p
-    desc = _describe_folder(folder, given)
+    try:
+        desc = _describe_folder(folder, given)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        # a file whose structure reads but holds odd values (hostile, or a writer shardkit does not know)
+        raise CheckpointError(f"{folder}: its files do not hold what their names promise ({type(exc).__name__}: "
+                              f"{exc}); `shardkit verify {folder}` checks them against a shardkit manifest") from exc
     desc.notes[:0] = notes
     if trainer is not None:
         desc.trainer_folder = str(trainer)

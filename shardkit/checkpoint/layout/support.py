@@ -52,9 +52,7 @@ def _universal_why(desc: CheckpointDescription) -> str:
 def blocking_reason(desc: CheckpointDescription) -> str | None:
     """Why no checkpoint command takes ``desc`` at all (a marker, ZeRO-0/1/2, universal), or None."""
     if desc.refusals:
-        r = desc.refusals[0]
-        more = f" ({len(desc.refusals) - 1} more marker(s): shardkit inspect lists them)" if len(desc.refusals) > 1 else ""
-        return f"{r.message()}{more}"
+        return "; and ".join(r.message() for r in desc.refusals)
     if desc.format == "deepspeed" and desc.stage != 3:
         return _zero12_why(desc)
     if desc.format == "deepspeed-universal":
@@ -111,8 +109,8 @@ def refuse_unsupported(path: str | Path, command: str) -> None:
     """
     try:
         desc = describe_checkpoint(path, check_manifest=False)
-    except (CheckpointError, OSError, ValueError):
-        return
+    except (CheckpointError, OSError):
+        return  # not a layout this module knows, or unreadable: the command's own reader names the problem
     blocked = blocking_reason(desc)
     if blocked is not None:
         raise CheckpointError(f"shardkit {command} refuses {path}: {blocked}. Nothing was written")
