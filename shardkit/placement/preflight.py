@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,6 +49,8 @@ _CALLS = f"{_KEY}/calls"
 # Rank 0 writes the verdict at most ``timeout`` after it arrives, plus the time to decode and judge
 # every report; the other ranks wait this much longer before deciding that rank 0 is gone.
 _JUDGE_GRACE_S = 60.0
+_READ_WAIT_S = 30.0
+"""Longest rank 0 waits, after a failed verdict, for the other ranks to read it before all exit."""
 
 
 def preflight(
@@ -202,7 +205,24 @@ def exchange(store: Any, local: RankReport, world: int, timeout: float, base: st
     if store.add(done_key, 1) == world:  # the last of the world to read the verdict cleans up
         for key in (keys[0], request_key, verdict_key, done_key):
             store.delete_key(key)
+    elif local.rank == 0 and not verdict.ok:
+        _wait_until_read(store, done_key, timeout)
     return report, verdict
+
+
+def _wait_until_read(store: Any, done_key: str, timeout: float) -> None:
+    """Rank 0 of a failed round waits (bounded) until every rank has read the verdict: every rank
+    then exits, and under the deepspeed launcher rank 0's process hosts the store (env://), so a
+    rank still reading would end in a "Broken pipe" traceback instead of the named failure. The
+    last reader deletes ``done_key``."""
+    deadline = time.monotonic() + min(timeout, _READ_WAIT_S)
+    while time.monotonic() < deadline:
+        try:
+            if not store.check([done_key]):
+                return
+        except RuntimeError:
+            return
+        time.sleep(0.05)
 
 
 def _rank0_decides(store: Any, local: RankReport, mine: RankSummary, keys: list[str], base: str, world: int,

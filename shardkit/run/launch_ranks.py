@@ -36,6 +36,8 @@ class ExpectedRanks:
 
     count: int | None
     """How many ranks this launch starts (None: the command line leaves it to the machine)."""
+    world: int | None = None
+    """Ranks of the whole job, where it is more than this launch starts (--no_ssh: every node's)."""
     hosts: dict[int, str] = field(default_factory=dict)
     """Rank -> host, where the launcher's plan says (DeepSpeed's hostfile); empty elsewhere."""
     per_node: bool = False
@@ -95,7 +97,7 @@ def _deepspeed(plan: LaunchPlan) -> ExpectedRanks:
         names = list(active)
         node = names[args.node_rank] if 0 <= args.node_rank < len(names) else None
         mine = {r: h for r, h in hosts.items() if h == node}
-        return ExpectedRanks(len(mine), hosts=mine, per_node=len(names) > 1)
+        return ExpectedRanks(len(mine), world=len(hosts), hosts=mine, per_node=len(names) > 1)
     multi_node = bool(args.force_multi or len(active) > 1)
     if not multi_node:
         return ExpectedRanks(len(hosts), hosts=hosts)

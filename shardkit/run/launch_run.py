@@ -47,7 +47,8 @@ def run_launch(plan: LaunchPlan, expected: ExpectedRanks | None = None) -> int:
     node = socket.gethostname() if plan.rendezvous is not None or expected.per_node else None
     failures = {r: seen[r].line for r in sorted(seen) if "failed" in seen[r].events}
     if failures:
-        print(preflight_summary(failures, plan.world_size, node), file=sys.stderr, flush=True)
+        world = plan.world_size or expected.world or expected.count
+        print(preflight_summary(failures, world, node), file=sys.stderr, flush=True)
         return EXIT_CODE
     print(outcome_line(seen, expected, reports.address, node), file=sys.stderr, flush=True)
     return code

@@ -1,0 +1,287 @@
+"""`shardkit launch --launcher deepspeed --hostfile ...` on two namespaced nodes, reached through a
+pdsh stand-in that gives each host what an ssh login gives it: its own hostname and /etc/hosts
+(`unshare -u -m`, addresses 127.0.77.x on loopback, as tests/test_slurm_two_node.py makes nodes) and
+an environment of HOME, PATH and LANG only (`env -i`), plus what DeepSpeed's runner writes on the
+remote command line (its `export NAME=VALUE;` of the PYTHON*, MLFLOW*, MV2*, UCX* variables and the
+lines of .deepspeed_env). The automatic preflight reaches every rank of both nodes and each reports
+to the launch: a clean ZeRO-3 job passes on 2 of 2 ranks, a module replaced after
+deepspeed.initialize stops both nodes' ranks with exit 3, named, and a runner that drops the packed
+variable leaves a launch that names the ranks where the preflight never ran and why. Also the packed
+variable through DeepSpeed's other multi-node runners' own export code (no spawning), and the
+`--no_ssh --node_rank` form (one `shardkit launch` per node)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from shardkit.autopreflight import EXIT_CODE
+from shardkit.autopreflight.launch_link import PACKED_ENV, REPORT_ENV, arrive, pack, unpack
+from shardkit.run.launcher import build_launch, expected_ranks
+
+NODES = {"sknodeA": "127.0.77.1", "sknodeB": "127.0.77.2"}
+JOB_TIMEOUT_S = 240  # ~60 s idle on 2 cores (DeepSpeed's import in 2 node launchers and 2 ranks), more beside other tests
+
+# pdsh -S -f FANOUT -w host1,host2 CMD... (deepspeed.launcher.multinode_runner.PDSHRunner) and
+# ssh [-o X] [-p N] host CMD... (the runner's reachability check): each host's command runs in its
+# own UTS + mount namespace with only HOME, PATH and LANG, as an ssh login would give it. %n is
+# the host's index (pdsh's own substitution). SKPDSH_DROP=NAME drops `export NAME=...;` (a runner
+# that does not carry that variable). -S: the largest exit status of the hosts.
+STAND_IN = textwrap.dedent(r"""
+    #!/bin/bash
+    set -u
+    me="$(basename "$0")"
+    hosts=""
+    if [ "$me" = pdsh ]; then
+        while [ $# -gt 0 ]; do
+            case "$1" in -S) shift ;; -f) shift 2 ;; -w) hosts="$2"; shift 2 ;; *) break ;; esac
+        done
+    else
+        while [ $# -gt 0 ]; do
+            case "$1" in -o|-p) shift 2 ;; -*) shift ;; *) hosts="$1"; shift; break ;; esac
+        done
+    fi
+    cmd="$*"
+    if [ -n "${SKPDSH_DROP:-}" ]; then
+        cmd="$(printf '%s' "$cmd" | sed -E "s/export ${SKPDSH_DROP}=[^;]*; //")"
+    fi
+    IFS=, read -ra list <<<"$hosts"
+    pids=()
+    i=0
+    for h in "${list[@]}"; do
+        one="${cmd//%n/$i}"
+        unshare -u -m sh -c 'hostname "$1" && mount --bind "$2" /etc/hosts &&
+            exec env -i HOME="$HOME" PATH="$PATH" LANG="${LANG:-C.UTF-8}" bash -c "$3"' \
+            sh "$h" "$SKPDSH_HOSTS" "$one" &
+        pids+=($!)
+        i=$((i + 1))
+    done
+    worst=0
+    for p in "${pids[@]}"; do wait "$p"; rc=$?; [ "$rc" -gt "$worst" ] && worst=$rc; done
+    exit "$worst"
+""").lstrip()
+
+DS_TRAIN = textwrap.dedent(
+    """
+    import socket
+    import sys
+
+    import deepspeed
+    import torch
+    import torch.nn as nn
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(16, 32)
+            self.out_head = nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.out_head(torch.relu(self.body(x)))
+
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    torch.manual_seed(0)
+    engine, _, _, _ = deepspeed.initialize(model=Net(), model_parameters=None, config=config)
+    if "--replace-head" in sys.argv:
+        engine.module.out_head = nn.Linear(32, 4)  # replaced after deepspeed.initialize: never partitioned
+    loss = engine(torch.randn(2, 16)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    print(f"rank {engine.global_rank} trained on {socket.gethostname()}", flush=True)
+    """
+)
+
+
+def _can_make_nodes() -> str | None:
+    """Why this machine cannot give a process its own hostname and /etc/hosts (None: it can)."""
+    try:
+        r = subprocess.run(["unshare", "-u", "-m", "sh", "-c", "hostname sk-probe && mount --bind /etc/hosts /etc/hosts"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare did not run: {exc}"
+    return None if r.returncode == 0 else f"`unshare -u -m` + `mount --bind` refused here (a container needs CAP_SYS_ADMIN): {r.stderr.strip()}"
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> dict[str, str]:
+    """A folder with a hostfile, a .deepspeed_env, the node's /etc/hosts and pdsh/ssh stand-ins on PATH;
+    the environment to launch from."""
+    why = _can_make_nodes()
+    if why:
+        pytest.skip(why)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("pdsh", "ssh"):
+        (bin_dir / name).write_text(STAND_IN)
+        (bin_dir / name).chmod(0o755)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in NODES.items()))
+    (tmp_path / "hostfile").write_text("".join(f"{name} slots=1\n" for name in NODES))
+    # what a user puts in .deepspeed_env for CPU ranks: these do not start with PYTHON, so the runner
+    # carries them only from this file
+    (tmp_path / ".deepspeed_env").write_text("DS_ACCELERATOR=cpu\nOMP_NUM_THREADS=1\nCUDA_VISIBLE_DEVICES=\n")
+    (tmp_path / "train.py").write_text(DS_TRAIN)
+    return {
+        **os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SKPDSH_HOSTS": str(hosts),
+        "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _launch(env: dict[str, str], cwd: Path, *args: str, port: int = 29571) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "shardkit", "launch", "--launcher", "deepspeed", "--hostfile", "hostfile",
+            "--master_addr", NODES["sknodeA"], "--master_port", str(port), *args]
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{argv} did not finish within {JOB_TIMEOUT_S}s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
+
+
+def _last_launch_line(out: str) -> str:
+    return [line for line in out.splitlines() if line.startswith("shardkit launch: ")][-1]
+
+
+@pytest.mark.slow
+def test_a_clean_zero3_job_passes_the_preflight_on_every_rank_of_both_nodes(nodes, tmp_path):
+    r = _launch(nodes, tmp_path, "train.py")
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "placement preflight requested on every rank; starting: " in r.stdout
+    assert "rank 0 trained on sknodeA" in r.stdout and "rank 1 trained on sknodeB" in r.stdout, r.stdout[-4000:]
+    assert _last_launch_line(r.stdout) == "shardkit launch: placement preflight passed on 2 of 2 rank(s) (hosts: sknodeA, sknodeB)"
+
+
+@pytest.mark.slow
+def test_a_module_replaced_after_initialize_stops_every_rank_of_both_nodes_named(nodes, tmp_path):
+    r = _launch(nodes, tmp_path, "train.py", "--replace-head", port=29572)
+    assert r.returncode == EXIT_CODE, r.stdout[-4000:]
+    assert "ds_active_sub_modules" not in r.stdout and "trained on" not in r.stdout, r.stdout[-4000:]
+    assert "out_head" in r.stdout  # the table names the replaced module's tensors
+    assert _last_launch_line(r.stdout).startswith(
+        "shardkit launch: placement preflight failed on rank(s) [0, 1] of 2 before the first optimizer step: "
+        "placement preflight (deepspeed-zero3, 2 rank(s)"), r.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_a_runner_that_drops_the_packed_variable_is_named_with_the_ranks_that_never_ran_it(nodes, tmp_path):
+    r = _launch({**nodes, "SKPDSH_DROP": PACKED_ENV}, tmp_path, "train.py", port=29573)
+    assert r.returncode == 0, r.stdout[-4000:]  # the job itself ran: the status is the launcher's
+    assert "rank 0 trained on sknodeA" in r.stdout and "rank 1 trained on sknodeB" in r.stdout
+    # each rank says which variable did not arrive; the launch names the ranks, their hosts and why
+    for rank, host in ((0, "sknodeA"), (1, "sknodeB")):
+        assert f"shardkit autopreflight: rank {rank} on {host}: {PACKED_ENV} did not arrive" in r.stdout
+    last = _last_launch_line(r.stdout)
+    assert last.startswith("shardkit launch: warning: the placement preflight never ran on rank(s) [0, 1] of 2 "
+                           f"(hosts sknodeA, sknodeB): no report came from them: {PACKED_ENV} did not arrive there"), last
+    assert "preflight passed" not in r.stdout
+
+
+@pytest.mark.slow
+def test_no_ssh_one_launch_per_node_inherits_the_environment(nodes, tmp_path):
+    """`--no_ssh --node_rank N`: the user starts one `shardkit launch` on each node (here: in each
+    node's namespaces, from the same shell environment); each names its own node's rank."""
+    procs = []
+    for node_rank, name in enumerate(NODES):
+        argv = [sys.executable, "-m", "shardkit", "launch", "--launcher", "deepspeed", "--hostfile", "hostfile",
+                "--no_ssh", "--node_rank", str(node_rank), "--master_addr", NODES["sknodeA"], "--master_port", "29574",
+                "train.py"]
+        wrapped = ["unshare", "-u", "-m", "sh", "-c", 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"',
+                   "sh", name, nodes["SKPDSH_HOSTS"], *argv]
+        procs.append(subprocess.Popen(wrapped, cwd=tmp_path, env=nodes, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=JOB_TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail("the two --no_ssh launches did not finish within the timeout")
+    for proc, out, (rank, name) in zip(procs, outs, enumerate(NODES)):
+        assert proc.returncode == 0, out[-4000:]
+        assert f"rank {rank} trained on {name}" in out
+        assert _last_launch_line(out) == f"shardkit launch: placement preflight passed on 1 of 1 rank(s) on this node ({name}) (hosts: {name})"
+
+
+# ---------------------------------------------------------------- no processes
+
+
+def test_the_packed_settings_round_trip_and_never_override_a_value_already_set():
+    value = pack({"SHARDKIT_AUTOPREFLIGHT": "1", "SHARDKIT_AUTOPREFLIGHT_CONFIG": "/a b/ds \"x\".json", "HOME": "/h"})
+    assert set(value) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=")
+    assert unpack(value) == {"SHARDKIT_AUTOPREFLIGHT": "1", "SHARDKIT_AUTOPREFLIGHT_CONFIG": '/a b/ds "x".json'}
+    env = {PACKED_ENV: value, "SHARDKIT_AUTOPREFLIGHT_CONFIG": "/mine.json"}
+    assert arrive(env) == ["SHARDKIT_AUTOPREFLIGHT"]
+    assert env["SHARDKIT_AUTOPREFLIGHT_CONFIG"] == "/mine.json" and env["SHARDKIT_AUTOPREFLIGHT"] == "1"
+    with pytest.raises(ValueError, match=f"{PACKED_ENV} does not hold SHARDKIT_\\* settings"):
+        unpack(pack({}).replace("e30=", "WyJ4Il0="))  # ["x"]
+
+
+def _runner_args(tmp_path: Path, launcher: str):
+    from deepspeed.launcher import runner
+
+    (tmp_path / "hostfile").write_text("sknodeA slots=1\nsknodeB slots=1\n")
+    args = runner.parse_args(["--hostfile", str(tmp_path / "hostfile"), "--launcher", launcher, "--master_addr",
+                              "127.0.77.1", "train.py"])
+    pool = runner.fetch_hostfile(args.hostfile)
+    return runner, args, pool, runner.parse_inclusion_exclusion(pool, "", "")
+
+
+@pytest.mark.parametrize("launcher, cls", [("pdsh", "PDSHRunner"), ("openmpi", "OpenMPIRunner"), ("mpich", "MPICHRunner"),
+                                           ("impi", "IMPIRunner"), ("slurm", "SlurmRunner")])
+def test_every_deepspeed_multinode_runner_carries_the_packed_variable(tmp_path, monkeypatch, launcher, cls):
+    """DeepSpeed's own export filter (runner.main's loop over EXPORT_ENVS) and each runner's own
+    command: the packed value is on the command line that reaches the other nodes."""
+    monkeypatch.chdir(tmp_path)
+    runner, args, pool, active = _runner_args(tmp_path, launcher)
+    backend = getattr(runner, cls)
+    built = backend(args, "e30=") if cls == "PDSHRunner" else backend(args, "e30=", pool)
+    value = pack({"SHARDKIT_AUTOPREFLIGHT": "1", REPORT_ENV: "127.0.0.1:4242/abc"})
+    env = {PACKED_ENV: value, "SHARDKIT_AUTOPREFLIGHT": "1", "PYTHONPATH": "/site"}
+    for var in env:  # the filter of deepspeed.launcher.runner.main, as it is written there
+        if any(var.startswith(name) for name in runner.EXPORT_ENVS):
+            built.add_export(var, env[var])
+    assert PACKED_ENV in built.exports and "SHARDKIT_AUTOPREFLIGHT" not in built.exports
+    cmd = built.get_cmd(dict(env), active)
+    cmd = cmd[0] if isinstance(cmd, tuple) else cmd
+    assert any(value in part for part in cmd), cmd
+
+
+def test_a_deepspeed_whose_runner_would_not_export_the_packed_variable_is_named_at_the_launch(tmp_path, monkeypatch):
+    from deepspeed.launcher import runner
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hostfile").write_text("sknodeA slots=2\nsknodeB slots=2\n")
+    args = ["--hostfile", "hostfile", "--master_addr", "127.0.77.1", "train.py", "--deepspeed_config", "ds.json"]
+    expected = expected_ranks(build_launch(args, "deepspeed", environ={}))
+    assert expected.count == 4 and expected.hosts == {0: "sknodeA", 1: "sknodeA", 2: "sknodeB", 3: "sknodeB"}
+    assert expected.remote and expected.unreachable is None and expected.route_host == "127.0.77.1"
+    monkeypatch.setattr(runner, "EXPORT_ENVS", ["MLFLOW", "MV2", "UCX"])
+    expected = expected_ranks(build_launch(args, "deepspeed", environ={}))
+    assert expected.unreachable is not None and expected.unreachable.startswith(
+        f"{PACKED_ENV} is not passed by this DeepSpeed's runner, which exports only variables starting with MLFLOW, MV2, UCX")
+    # --include / --num_gpus are counted as DeepSpeed counts them; --no_ssh starts this node's ranks only
+    some = expected_ranks(build_launch(["--hostfile", "hostfile", "--num_gpus", "1", "train.py"], "deepspeed", environ={}))
+    assert some.hosts == {0: "sknodeA", 1: "sknodeB"}
+    one = expected_ranks(build_launch(["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "train.py"], "deepspeed", environ={}))
+    assert one.hosts == {2: "sknodeB", 3: "sknodeB"} and one.per_node and not one.remote
+
+
+def test_a_deepspeed_env_file_replacing_pythonpath_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hostfile").write_text("sknodeA slots=1\nsknodeB slots=1\n")
+    (tmp_path / ".deepspeed_env").write_text("PYTHONPATH=/opt/mine\n")
+    expected = expected_ranks(build_launch(["--hostfile", "hostfile", "train.py"], "deepspeed", environ={}))
+    assert expected.unreachable is not None and ".deepspeed_env sets PYTHONPATH=/opt/mine, which replaces the launch's" in expected.unreachable
