@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=4, help="steps of the uninterrupted run; checkpoint after half (default: 4)")
     p.add_argument("--config", default=None, help="DeepSpeed ZeRO-3 or shardkit FSDP2 config to use instead of the preset (with --engine all: the engine it is for)")
-    p.add_argument("--model", type=llama_size, default="tiny", metavar="llama:SIZE",
+    p.add_argument("--model", type=llama_size, default="llama:tiny", metavar="llama:SIZE",
                    help="the Llama to train: llama:tiny, llama:small, llama:40m, llama:160m (default: llama:tiny)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="hard limit per run in seconds (default: 300)")
     add_json(p, file_after_json=True)

@@ -1,0 +1,101 @@
+"""shardkit.core.progress: what a progress line says, when it is printed, and that the writers' one
+callback reaches it from any thread."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+from shardkit.core import progress
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_line_says_bytes_done_of_total_rate_and_time_left():
+    clock = _Clock()
+    meter = progress.ByteProgress("shardkit reshard", clock=clock)
+    meter.expect(4 * 2**30)
+    meter.advance(2**30)
+    clock.now += 4.0
+    assert meter.line() == "shardkit reshard: 1.0 GiB of 4.0 GiB (25%), 256.0 MiB/s, 12 s left"
+
+
+def test_without_a_total_the_line_has_no_percentage_or_time_left():
+    clock = _Clock()
+    meter = progress.ByteProgress("shardkit convert", clock=clock)
+    meter.advance(3 * 2**20)
+    clock.now += 1.0
+    assert meter.line() == "shardkit convert: 3.0 MiB, 3.0 MiB/s"
+
+
+def test_under_a_launcher_rank_0_reports_its_share_times_the_processes_and_says_so():
+    clock = _Clock()
+    meter = progress.ByteProgress("shardkit reshard", processes=4, clock=clock)
+    meter.expect(2**30)
+    meter.advance(2**29)
+    clock.now += 2.0
+    line = meter.line()
+    assert line.startswith("shardkit reshard: 2.0 GiB of 4.0 GiB (50%), 1.0 GiB/s, 2 s left")
+    assert "estimated for 4 processes: this process's share x 4" in line
+
+
+def test_plain_lines_every_interval_then_a_closing_line_on_the_stream_given():
+    out = io.StringIO()
+    with progress.reporting("shardkit export", stream=out, interval=0.05, live=False):
+        progress.expect(1000)
+        for _ in range(10):
+            progress.advance(100)
+            time.sleep(0.03)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 2, lines  # at least one line while it ran, and the closing one
+    assert lines[-1].startswith("shardkit export: 1000 B of 1000 B (100%)") and "(done after" in lines[-1]
+
+
+def test_quiet_and_other_ranks_print_nothing_but_still_count():
+    for kwargs in ({"quiet": True}, {"rank": 1, "processes": 2}):
+        out = io.StringIO()
+        with progress.reporting("shardkit reshard", stream=out, interval=0.01, live=False, **kwargs) as meter:
+            progress.advance(10)
+            time.sleep(0.05)
+        assert out.getvalue() == ""
+        assert meter._done == 10
+
+
+def test_a_failed_run_says_stopped_not_done():
+    out = io.StringIO()
+    try:
+        with progress.reporting("shardkit reshard", stream=out, interval=10, live=False):
+            progress.advance(5)
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert "(stopped after" in out.getvalue() and "done" not in out.getvalue()
+
+
+def test_writer_threads_advance_one_meter_and_nothing_counts_outside_a_command():
+    progress.advance(123)  # no command reporting: a no-op, not an error
+    with progress.reporting("x", quiet=True) as meter:
+        threads = [threading.Thread(target=lambda: [progress.advance(1) for _ in range(10_000)]) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert meter._done == 40_000
+    assert progress._ACTIVE is None
+
+
+def test_the_hashing_writer_reports_every_byte_it_writes(tmp_path):
+    from shardkit.checkpoint.io.torch_zip import HashingWriter
+
+    with progress.reporting("x", quiet=True) as meter, open(tmp_path / "f", "wb") as fh:
+        w = HashingWriter(fh)
+        w.write(b"a" * 1000)
+        w.write(memoryview(bytearray(24)))
+    assert meter._done == 1024 == (tmp_path / "f").stat().st_size
