@@ -30,8 +30,8 @@ PACKED_ENV = "PYTHON_SHARDKIT_LAUNCH"
 """The one variable carrying every SHARDKIT_* setting of the launch to the ranks on every node."""
 REPORT_ENV = "SHARDKIT_LAUNCH_REPORT"
 """``host:port/token`` of the launch's report listener (set by `shardkit launch`, travels packed)."""
-SEND_TIMEOUT_S = 5.0
-"""How long a rank tries to reach the launch per report (a node that cannot reach it says so once)."""
+SEND_TIMEOUT_S = 3.0
+"""How long a rank tries to reach the launch (once: a process that could not reach it stops trying)."""
 _PREFIX = "SHARDKIT_"
 
 
@@ -86,18 +86,18 @@ def rank_identity(environ: Mapping[str, str] | None = None) -> dict[str, object]
     }
 
 
-_unreachable_said = False
+_unreachable: set[str] = set()
+"""Report addresses this process could not reach: said once, then not tried again."""
 
 
 def send_report(event: str, line: str = "", environ: Mapping[str, str] | None = None) -> bool:
     """Tell the launch ``event`` (armed, passed, failed, skipped) for this rank; False when there is
     no launch to tell or it cannot be reached (said once on stderr, the rank goes on)."""
-    global _unreachable_said
     env = os.environ if environ is None else environ
     target = env.get(REPORT_ENV, "")
     address, _, token = target.partition("/")
     host, _, port = address.rpartition(":")
-    if not (host and port.isdigit() and token):
+    if not (host and port.isdigit() and token) or address in _unreachable:
         return False
     message = {"token": token, "event": event, "line": line, **rank_identity(env)}
     try:
@@ -105,12 +105,11 @@ def send_report(event: str, line: str = "", environ: Mapping[str, str] | None = 
             conn.sendall(json.dumps(message).encode() + b"\n")
         return True
     except OSError as exc:
-        if not _unreachable_said:
-            _unreachable_said = True
-            print(
-                f"shardkit autopreflight: rank {message['rank']} on {message['host']}: cannot report to the launch at "
-                f"{address} ({exc}); the launch will list this rank as not reporting. Make that port reachable "
-                "from this node, or set SHARDKIT_LAUNCH_ADDR to an address of the launch host this node reaches",
-                file=sys.stderr, flush=True,
-            )
+        _unreachable.add(address)
+        print(
+            f"shardkit autopreflight: rank {message['rank']} on {message['host']}: cannot report to the launch at "
+            f"{address} ({exc}); the launch will list this rank as not reporting. Make that port reachable "
+            "from this node, or set SHARDKIT_LAUNCH_ADDR to an address of the launch host this node reaches",
+            file=sys.stderr, flush=True,
+        )
         return False

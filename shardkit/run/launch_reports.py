@@ -177,8 +177,11 @@ def preflight_summary(failures: dict[int, str], world_size: int | None, node: st
     )
 
 
-def outcome_line(reports: dict[int, RankReport], expected: ExpectedRanks, address: str, node: str | None) -> str:
-    """The launch's closing line when no rank failed: passed on N of N, or the ranks that never ran it."""
+def outcome_line(reports: dict[int, RankReport], expected: ExpectedRanks, address: str, node: str | None,
+                 launcher_code: int = 0) -> str:
+    """The launch's closing line when no rank failed: passed on N of N, or the ranks that never ran it
+    (``launcher_code``: the launcher's exit status; a launcher that failed before any rank reported
+    is the likelier reason than a variable that did not arrive)."""
     worlds = [r.world for r in reports.values() if r.world]
     count = expected.count or (max(worlds) if worlds and not expected.per_node else None) or len(reports)
     if expected.hosts:
@@ -196,6 +199,9 @@ def outcome_line(reports: dict[int, RankReport], expected: ExpectedRanks, addres
         unheard = count - len(reports)
         return (f"shardkit launch: warning: the placement preflight never ran on {unheard} of this node's {count} "
                 f"rank(s){where}: {_no_report_why(expected, address)}")
+    if not reports and launcher_code != 0:
+        return (f"shardkit launch: warning: the placement preflight never ran: the launcher exited with {launcher_code} "
+                "before any rank reported (see its output above; the ranks may never have started)")
     missing = [r for r in wanted if r not in passed]
     return "shardkit launch: warning: " + "; ".join(
         _group_line(ranks, why, count, expected, reports) for why, ranks in _by_reason(missing, reports, expected, address).items()

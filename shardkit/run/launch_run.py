@@ -50,7 +50,7 @@ def run_launch(plan: LaunchPlan, expected: ExpectedRanks | None = None) -> int:
         world = plan.world_size or expected.world or expected.count
         print(preflight_summary(failures, world, node), file=sys.stderr, flush=True)
         return EXIT_CODE
-    print(outcome_line(seen, expected, reports.address, node), file=sys.stderr, flush=True)
+    print(outcome_line(seen, expected, reports.address, node, code), file=sys.stderr, flush=True)
     return code
 
 

@@ -1,0 +1,122 @@
+"""The launch's report listener and its closing line, with real sockets and the ranks' own sender
+(shardkit.autopreflight.launch_link.send_report), no launcher: what each rank said becomes one line
+that says on how many ranks the preflight passed, or which never ran it and why."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from shardkit.autopreflight.launch_link import PACKED_ENV, REPORT_ENV, send_report
+from shardkit.core.errors import UsageError
+from shardkit.run.launch_ranks import ExpectedRanks
+from shardkit.run.launch_reports import RankReports, listen_address, outcome_line
+
+
+def _rank_env(reports: RankReports, rank: int, world: int = 2) -> dict[str, str]:
+    return {REPORT_ENV: reports.address, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+
+
+def test_reports_from_ranks_are_heard_and_a_stranger_is_ignored():
+    reports = RankReports("127.0.0.1")
+    try:
+        assert send_report("armed", environ=_rank_env(reports, 0))
+        assert send_report("passed", "8 tensors", environ=_rank_env(reports, 0))
+        assert send_report("armed", environ=_rank_env(reports, 1))
+        assert send_report("failed", "placement preflight (torch, 2 rank(s)): 1 problem(s)", environ=_rank_env(reports, 1))
+        # another launch's rank (wrong token) and a line that is not JSON change nothing
+        stranger = {**_rank_env(reports, 3), REPORT_ENV: reports.address.rsplit("/", 1)[0] + "/0000"}
+        assert send_report("failed", "not ours", environ=stranger)
+        with socket.create_connection((reports.host, reports.port), timeout=5) as conn:
+            conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
+    finally:
+        seen = reports.close()
+    assert sorted(seen) == [0, 1]
+    assert seen[0].events == {"armed", "passed"} and seen[0].world == 2 and seen[0].host == socket.gethostname()
+    assert seen[1].line == "placement preflight (torch, 2 rank(s)): 1 problem(s)"
+
+
+def test_a_rank_that_cannot_reach_the_launch_says_so_once_and_goes_on(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    env = {REPORT_ENV: f"127.0.0.1:{port}/abc", "RANK": "1", "WORLD_SIZE": "2"}
+    assert not send_report("armed", environ=env) and not send_report("passed", environ=env)
+    err = capsys.readouterr().err
+    assert err.count("cannot report to the launch") == 1
+    assert f"rank 1 on {socket.gethostname()}: cannot report to the launch at 127.0.0.1:{port}" in err
+    assert "set SHARDKIT_LAUNCH_ADDR" in err
+    assert not send_report("armed", environ={"RANK": "0"})  # not launched by shardkit: nothing to tell
+
+
+def _seen(**ranks: set[str]):
+    reports = RankReports("127.0.0.1")
+    try:
+        for rank, events in ranks.items():
+            for event in sorted(events, key=["armed", "passed", "skipped"].index):
+                send_report(event, "preflight unavailable (No module named 'x')" if event == "skipped" else "",
+                            environ=_rank_env(reports, int(rank[1:]), 4))
+    finally:
+        seen = reports.close()
+    return seen, reports.address
+
+
+def test_the_last_line_passed_on_every_rank_or_names_who_never_ran_it_and_why():
+    seen, address = _seen(r0={"armed", "passed"}, r1={"armed", "passed"}, r2={"armed", "passed"}, r3={"armed", "passed"})
+    host = socket.gethostname()
+    assert outcome_line(seen, ExpectedRanks(4), address, None) == (
+        f"shardkit launch: placement preflight passed on 4 of 4 rank(s) (hosts: {host})")
+    # the command line does not say how many: the ranks' WORLD_SIZE does
+    assert "passed on 4 of 4 rank(s)" in outcome_line(seen, ExpectedRanks(None), address, None)
+
+    seen, address = _seen(r0={"armed", "passed"}, r1={"armed"}, r2={"armed", "skipped"})
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    line = outcome_line(seen, ExpectedRanks(4, hosts=hosts, remote=True), address, None)
+    assert line.startswith("shardkit launch: warning: the placement preflight never ran on rank(s) [1] of 4 (hosts a): "
+                           "its hooks were armed, but the rank never reached an optimizer step"), line
+    assert "rank(s) [2] of 4 (hosts b): preflight unavailable (No module named 'x')" in line
+    assert (f"rank(s) [3] of 4 (hosts b): no report came from them: {PACKED_ENV} did not arrive there (the rank says so "
+            "on its stderr), or PYTHONPATH's first entry ") in line
+    assert f"or {address.split('/')[0]} is not reachable from it (set SHARDKIT_LAUNCH_ADDR)" in line
+    # a DeepSpeed whose runner would drop the variable: that reason, found before the launch
+    why = f"{PACKED_ENV} is not passed by this DeepSpeed's runner"
+    line = outcome_line({}, ExpectedRanks(2, hosts={0: "a", 1: "b"}, remote=True, unreachable=why), address, None)
+    assert line == f"shardkit launch: warning: the placement preflight never ran on rank(s) [0, 1] of 2 (hosts a, b): {why}"
+    # the launcher failed before any rank reported: that, not a missing variable
+    line = outcome_line({}, ExpectedRanks(2), address, None, launcher_code=1)
+    assert line.startswith("shardkit launch: warning: the placement preflight never ran: the launcher exited with 1 "
+                           "before any rank reported")
+
+
+def test_one_node_of_a_bigger_job_counts_its_own_ranks():
+    seen, address = _seen(r2={"armed", "passed"}, r3={"armed", "passed"})
+    assert outcome_line(seen, ExpectedRanks(2, per_node=True), address, "n2") == (
+        f"shardkit launch: placement preflight passed on 2 of 2 rank(s) on this node (n2) (hosts: {socket.gethostname()})")
+    seen, address = _seen(r2={"armed", "passed"})
+    line = outcome_line(seen, ExpectedRanks(2, per_node=True), address, "n2")
+    assert line.startswith("shardkit launch: warning: the placement preflight never ran on 1 of this node's 2 rank(s) "
+                           "on this node (n2): no report came from them"), line
+
+
+def test_the_listen_address_loopback_routed_or_given():
+    assert listen_address(ExpectedRanks(2), {}) == ("127.0.0.1", 0)
+    assert listen_address(ExpectedRanks(2, remote=True, route_host="127.0.77.1"), {})[0].startswith("127.")
+    assert listen_address(ExpectedRanks(2, remote=True), {"SHARDKIT_LAUNCH_ADDR": "10.1.2.3:29600"}) == ("10.1.2.3", 29600)
+    assert listen_address(ExpectedRanks(2, remote=True), {"SHARDKIT_LAUNCH_ADDR": "node0"}) == ("node0", 0)
+    with pytest.raises(UsageError, match=r"cannot listen for the ranks' preflight reports at 192\.0\.2\.1:0 .*set "
+                                         r"SHARDKIT_LAUNCH_ADDR to an address of this host the nodes reach"):
+        RankReports("192.0.2.1")  # TEST-NET-1: not an address of this host
+
+
+def test_a_line_over_the_limit_or_without_a_rank_is_ignored():
+    reports = RankReports("127.0.0.1")
+    try:
+        token = reports.address.rsplit("/", 1)[1]
+        for message in ({"token": token, "event": "passed"}, {"token": token, "event": "exploded", "rank": 0}):
+            with socket.create_connection((reports.host, reports.port), timeout=5) as conn:
+                conn.sendall(json.dumps(message).encode() + b"\n")
+    finally:
+        seen = reports.close()
+    assert seen == {}
