@@ -119,3 +119,4 @@ def test_export_json(run_cli, source, model_config, tmp_path):
     assert e["wrote"]["path"] == str(tmp_path / "hf") and e["wrote"]["files"] == ["model.safetensors"]
     assert e["wrote"]["bytes"] <= (tmp_path / "hf" / "model.safetensors").stat().st_size
     assert e["source_kind"] == "zero3" and e["seconds"] > 0
+    assert "shardkit export: " in err and "(100%)" in err  # the total was known before the first byte

@@ -54,7 +54,6 @@ def write_shard(path: Path, job: ShardJob, stop: threading.Event) -> int:
     entries = {n: TensorEntry(n, entry_dtype(t, job.out_dtype), tuple(t.shape)) for n, t in job.tensors.items()}
     header, data_start = header_layout(entries)
     total = data_start + sum(e.nbytes for e in entries.values())
-    progress.expect(total - data_start)  # the tensor bytes; the header is too small to show
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sources: dict[Path, int] = {}
     try:
@@ -137,6 +136,7 @@ def write_shards(folder: Path, jobs: list[ShardJob], workers: int) -> list[int]:
     of the main thread (Ctrl-C, or SIGTERM turned into one by the CLI) once the writers stopped.
     """
     stop = threading.Event()
+    progress.expect(sum(j.shard.nbytes for j in jobs))  # the tensor bytes every shard will hold
     if workers <= 1 or len(jobs) <= 1:
         return [write_shard(folder / j.shard.filename, j, stop) for j in jobs]
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-export")
