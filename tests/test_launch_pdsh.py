@@ -276,7 +276,10 @@ def test_a_deepspeed_whose_runner_would_not_export_the_packed_variable_is_named_
     some = expected_ranks(build_launch(["--hostfile", "hostfile", "--num_gpus", "1", "train.py"], "deepspeed", environ={}))
     assert some.hosts == {0: "sknodeA", 1: "sknodeB"}
     one = expected_ranks(build_launch(["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "train.py"], "deepspeed", environ={}))
-    assert one.hosts == {2: "sknodeB", 3: "sknodeB"} and one.per_node and not one.remote
+    assert one.hosts == {2: "sknodeB", 3: "sknodeB"} and one.per_node and not one.remote and one.world == 4
+    module = expected_ranks(build_launch(["--hostfile", "hostfile", "--include", "sknodeA:1@sknodeB", "--module", "pkg.train"],
+                                         "deepspeed", environ={}))
+    assert module.hosts == {0: "sknodeA", 1: "sknodeB", 2: "sknodeB"}  # slot 1 of A, both of B
 
 
 def test_a_deepspeed_env_file_replacing_pythonpath_is_named(tmp_path, monkeypatch):

@@ -1,7 +1,9 @@
 """Automatic placement preflight for ranks started by `shardkit launch`, with no change to the script.
 
 How it gets into the ranks: the launcher puts :func:`site_dir` (a directory holding only a
-``sitecustomize.py``) first on the ranks' ``PYTHONPATH`` and sets ``SHARDKIT_AUTOPREFLIGHT=1``.
+``sitecustomize.py``) first on the ranks' ``PYTHONPATH`` and sets ``SHARDKIT_AUTOPREFLIGHT=1``, also
+packed into ``PYTHON_SHARDKIT_LAUNCH`` so that DeepSpeed's multi-node runner carries it to the other
+nodes (:mod:`shardkit.autopreflight.launch_link`, which also sends each rank's report to the launch).
 Python imports ``sitecustomize`` at start-up; ours installs import watchers (nothing is imported
 eagerly) and then runs the ``sitecustomize`` it shadows, if any, so an existing one keeps working.
 

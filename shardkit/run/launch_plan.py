@@ -48,7 +48,8 @@ class LaunchPlan:
     world_size: int | None
     """Ranks the launcher will start, when the arguments say (nproc x nodes)."""
     preflight: bool
-    """Whether every rank runs the placement preflight before its first optimizer step."""
+    """Whether every rank is asked to run the placement preflight before its first optimizer step
+    (whether each did, the ranks report to the launch: :mod:`shardkit.run.launch_reports`)."""
     notes: list[str] = field(default_factory=list)
     """Things worth saying before the launch (a --config that is not an engine config ...)."""
     is_module: bool = False

@@ -86,7 +86,9 @@ def _deepspeed(plan: LaunchPlan) -> ExpectedRanks:
     except ImportError:
         return ExpectedRanks(infer_world_size("deepspeed", plan.launcher_args))
     try:
-        args = runner.parse_args([*plan.launcher_args, plan.script, *plan.script_args])
+        # with -m/--module the launcher arguments already end with the module's name
+        script = [] if plan.is_module else [plan.script]
+        args = runner.parse_args([*plan.launcher_args, *script, *plan.script_args])
         pool = runner.fetch_hostfile(args.hostfile)
         active = runner.parse_inclusion_exclusion(pool, args.include, args.exclude)
         active = runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus)
