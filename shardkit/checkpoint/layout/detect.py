@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from shardkit.checkpoint.hf_trainer.folder import CHECKPOINT_DIR, DEEPSPEED_TAG_PREFIX, TRAINER_STATE, checkpoint_dirs
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout
@@ -93,14 +95,20 @@ def _describe_folder(p: Path, given: str) -> CheckpointDescription:
         "mp_rank_00_model_states.pt) or a Hugging Face folder (model.safetensors)")
 
 
-def describe_checkpoint(path: str | Path, *, check_manifest: bool = True) -> CheckpointDescription:
-    """Describe the checkpoint at ``path`` (a root, tag folder, rank file, DCP folder, Trainer
-    checkpoint-N or output_dir, accelerate FSDP folder, universal checkpoint, Hugging Face folder).
+@dataclass(frozen=True)
+class Located:
+    """The folder whose files a checkpoint path designates, before any of them is read."""
 
-    Raises CheckpointError naming the path when it is none of those. ``check_manifest``: compare the
-    file sizes with a shardkit manifest when there is one (digests are `shardkit verify`'s job).
-    """
-    given = str(path)
+    folder: Path
+    """The tag folder (DeepSpeed), DCP folder, or the folder itself."""
+    trainer: Path | None
+    """The Hugging Face Trainer checkpoint-N holding it, if any."""
+    notes: tuple[str, ...] = ()
+
+
+def locate_checkpoint(path: str | Path) -> Located:
+    """The folder ``path`` designates: a file's folder, a Trainer output_dir's newest checkpoint-N,
+    the tag a root's ``latest`` (or ``latest_universal``) names. Reads names and pointers only."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: checkpoint path does not exist")
@@ -117,19 +125,34 @@ def describe_checkpoint(path: str | Path, *, check_manifest: bool = True) -> Che
         p = found[-1][1]
     trainer = p if (p / TRAINER_STATE).is_file() or CHECKPOINT_DIR.match(p.name) else None
     tag = _tag_folder(p)
-    folder = tag if tag is not None else p
+    return Located(tag if tag is not None else p, trainer, tuple(notes))
+
+
+def read_folder(folder: Path, given: str, describe: Callable[[Path, str], CheckpointDescription]) -> CheckpointDescription:
+    """``describe(folder, given)``, with a structure that reads but holds odd values (hostile, or a
+    writer shardkit does not know) turned into one CheckpointError naming the folder."""
     try:
-        desc = _describe_folder(folder, given)
+        return describe(folder, given)
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-        # a file whose structure reads but holds odd values (hostile, or a writer shardkit does not know)
         raise CheckpointError(f"{folder}: its files do not hold what their names promise ({type(exc).__name__}: "
                               f"{exc}); `shardkit verify {folder}` checks them against a shardkit manifest") from exc
-    desc.notes[:0] = notes
-    if trainer is not None:
-        desc.trainer_folder = str(trainer)
-        desc.step = desc.step if desc.step is not None else _trainer_step(trainer)
-        desc.layout = f"Hugging Face Trainer {trainer.name} holding {desc.layout}"
-    desc.files, desc.size_bytes = _size(trainer if trainer is not None else folder)
+
+
+def describe_checkpoint(path: str | Path, *, check_manifest: bool = True) -> CheckpointDescription:
+    """Describe the checkpoint at ``path`` (a root, tag folder, rank file, DCP folder, Trainer
+    checkpoint-N or output_dir, accelerate FSDP folder, universal checkpoint, Hugging Face folder).
+
+    Raises CheckpointError naming the path when it is none of those. ``check_manifest``: compare the
+    file sizes with a shardkit manifest when there is one (digests are `shardkit verify`'s job).
+    """
+    where = locate_checkpoint(path)
+    desc = read_folder(where.folder, str(path), _describe_folder)
+    desc.notes[:0] = where.notes
+    if where.trainer is not None:
+        desc.trainer_folder = str(where.trainer)
+        desc.step = desc.step if desc.step is not None else _trainer_step(where.trainer)
+        desc.layout = f"Hugging Face Trainer {where.trainer.name} holding {desc.layout}"
+    desc.files, desc.size_bytes = _size(where.trainer if where.trainer is not None else where.folder)
     if check_manifest:
-        _manifest(desc, folder)
+        _manifest(desc, where.folder)
     return desc

@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardkit.checkpoint.layout.deepspeed_files import describe_deepspeed, is_deepspeed_folder
 from shardkit.checkpoint.layout.description import CheckpointDescription
-from shardkit.checkpoint.layout.detect import describe_checkpoint
+from shardkit.checkpoint.layout.detect import locate_checkpoint, read_folder
 from shardkit.core.errors import CheckpointError
 
 #: The checkpoint commands, as ``inspect`` lists them.
@@ -104,11 +105,16 @@ def refuse_unsupported(path: str | Path, command: str) -> None:
     """Raise CheckpointError when ``path`` is a layout ``command`` must not read (see the module doc),
     naming the marker, the file and where to go; nothing has been written when it raises.
 
-    Reads small files only (``describe_checkpoint`` without the manifest check). A path it cannot
-    describe is not refused here: the command's own reader says what is wrong with it.
+    Reads small files only: the names of the folder, then rank 0's DeepSpeed model-states and
+    optimizer pickles (no manifest, no DCP metadata). A path it cannot describe is not refused here:
+    the command's own reader says what is wrong with it.
     """
     try:
-        desc = describe_checkpoint(path, check_manifest=False)
+        where = locate_checkpoint(path)
+        # every layout refused here is DeepSpeed's: a DCP source's .metadata (megabytes at scale) is left unread
+        if not is_deepspeed_folder(where.folder):
+            return
+        desc = read_folder(where.folder, str(path), describe_deepspeed)
     except (CheckpointError, OSError):
         return  # not a layout this module knows, or unreadable: the command's own reader names the problem
     blocked = blocking_reason(desc)
