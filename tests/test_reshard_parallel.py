@@ -99,7 +99,7 @@ def test_a_rank_killed_mid_write_fails_the_run_naming_it(big, tmp_path):
     r1 = _start_rank(1, 2, big, out, "29611", **fast)
     r0 = _start_rank(0, 2, big, out, "29611", **fast)
     try:
-        _wait_for(out, f"{STAGING_PREFIX}*/.shardkit-alive-1")
+        _wait_for(out, f"{STAGING_PREFIX}*/.shardkit-verdict.json")  # both agreed: rank 1 writes its share now
     except BaseException:
         _stop(r0, r1)
         raise

@@ -7,9 +7,12 @@ Coordination goes through the output's filesystem only (it must be shared betwee
 anyway), so ``shardkit reshard`` under ``srun``/``torchrun`` needs neither torch.distributed nor a
 rendezvous port. The files, all inside ``root/.shardkit-tmp-<tag>/``:
 
-- ``.shardkit-owner.json``: the claim (job id, host, pid), made by process 0 with an exclusive
-  ``mkdir``; another run finds it and refuses while the owner is alive, or removes it when the
-  owner is gone (same host: its pid no longer exists; another host: no heartbeat for ``STALE_S``).
+- ``.shardkit-owner.json``: the claim (job id, host, pid, and what the run was asked to do:
+  ``io.request``), made by process 0 with an exclusive ``mkdir``; another run finds it and refuses
+  while the owner is alive, or removes it when the owner is gone (same host: its pid no longer
+  exists; another host: no heartbeat for ``SHARDKIT_STALE_S``).
+- ``.shardkit-joined-<rank>.json``, ``.shardkit-verdict.json``: the first contact, where the
+  processes agree on the request before anything is written (``io.shared_meet``).
 - ``.shardkit-alive-<rank>``: touched every ``HEARTBEAT_S`` by each process while it writes.
 - ``.shardkit-part-<rank>.json``: written last by each process: its files' sizes and digests, or
   the error that stopped it. Process 0 waits for every part; a process that never joins, stops
@@ -34,6 +37,7 @@ from typing import Any, Iterator, Mapping
 from shardkit.checkpoint.io.atomic import atomic_write_text, publish_tag, remove_stale_saves, staging_dir
 from shardkit.checkpoint.io.manifest import FileEntry, Manifest, write_manifest
 from shardkit.checkpoint.io.tags import LATEST_NAME
+from shardkit.core.env_settings import read_seconds
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import SHARDKIT_VERSION
 
@@ -45,19 +49,22 @@ CLAIM_GRACE_S = 30.0
 #: Seconds between heartbeats of a writing process.
 HEARTBEAT_S = 5.0
 
-
-def _seconds(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
+#: Bookkeeping files of a staging folder, removed before it is published.
+_BOOKKEEPING = (".shardkit-part-", ".shardkit-alive-", ".shardkit-joined-", ".shardkit-verdict", ".shardkit-seen-")
 
 
-#: A claim or a heartbeat older than this belongs to a process that is gone (another host's
-#: process cannot be asked directly).
-STALE_S = _seconds("SHARDKIT_STALE_S", 60.0)
-#: How long processes wait for each other to appear (process 0's claim, the others' first heartbeat).
-JOIN_TIMEOUT_S = _seconds("SHARDKIT_JOIN_TIMEOUT_S", 120.0)
+def stale_s() -> float:
+    """``SHARDKIT_STALE_S`` (default 60): a claim or a heartbeat older than this belongs to a process
+    that is gone (another host's process cannot be asked directly)."""
+    return read_seconds("SHARDKIT_STALE_S", 60.0, during_run=True)
+
+
+def join_timeout_s() -> float:
+    """``SHARDKIT_JOIN_TIMEOUT_S`` (default 120): how long the processes of a split run wait for each
+    other at first contact, before anything is written. Not shorter: the processes of a big ``srun``
+    step or of pods that pull their image start tens of seconds apart, and a timeout that fails such
+    a run costs a rerun; a process waiting longer than a moment says so at once (``shared_meet``)."""
+    return read_seconds("SHARDKIT_JOIN_TIMEOUT_S", 120.0, during_run=True)
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,9 @@ class Launch:
     launcher: str
     """Where rank and world came from, for messages ('srun', 'torchrun', 'single process')."""
     host: str
+    variables: tuple[tuple[str, str], ...] = ()
+    """The environment variables that made this process rank ``rank`` of ``world``, as set (messages
+    name them: a shell that holds a pod's RANK/WORLD_SIZE is not a launcher)."""
 
     @property
     def distributed(self) -> bool:
@@ -108,7 +118,8 @@ def launch_from_env(env: Mapping[str, str] | None = None, *, single: bool = Fals
     slurm = ints("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
     if slurm is not None and slurm[1] > 1:
         job = f"slurm-{env.get('SLURM_JOB_ID', '?')}.{env.get('SLURM_STEP_ID', '?')}"
-        return Launch(slurm[0], slurm[1], job, "srun", host)
+        return Launch(slurm[0], slurm[1], job, "srun", host, _set(env, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
+                                                                 "SLURM_JOB_ID", "SLURM_STEP_ID"))
     torchrun = ints("RANK", "WORLD_SIZE")
     if torchrun is not None and torchrun[1] > 1:
         parts = [env.get("TORCHELASTIC_RUN_ID"), env.get("MASTER_ADDR"), env.get("MASTER_PORT"),
@@ -117,13 +128,19 @@ def launch_from_env(env: Mapping[str, str] | None = None, *, single: bool = Fals
             raise UsageError(f"RANK={torchrun[0]} WORLD_SIZE={torchrun[1]} without MASTER_ADDR/MASTER_PORT or "
                              "TORCHELASTIC_RUN_ID: the processes of one run cannot be told from another run's. Launch "
                              "with torchrun or srun, or unset RANK/WORLD_SIZE to run as a single process")
-        return Launch(torchrun[0], torchrun[1], "torchrun-" + "-".join(p or "" for p in parts), "torchrun", host)
+        return Launch(torchrun[0], torchrun[1], "torchrun-" + "-".join(p or "" for p in parts), "torchrun", host,
+                      _set(env, "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
     return Launch(0, 1, f"pid-{host}-{os.getpid()}-{time.time_ns()}", "single process", host)
+
+
+def _set(env: Mapping[str, str], *names: str) -> tuple[tuple[str, str], ...]:
+    return tuple((n, env[n]) for n in names if n in env)
 
 
 # --- the claim -------------------------------------------------------------------------------------
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when it is missing, being replaced, or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -155,21 +172,22 @@ def owner_alive(staged: Path, grace: float = 0.0) -> tuple[bool, str]:
     unless one appears within ``grace`` seconds: a claim writes it right after its ``mkdir``, so a
     writer racing for the same tag waits that long before judging.
     """
-    owner = _read_json(staged / OWNER_NAME)
+    owner = read_json(staged / OWNER_NAME)
     deadline = time.monotonic() + grace
     while owner is None and time.monotonic() < deadline:
         time.sleep(0.02)
-        owner = _read_json(staged / OWNER_NAME)
+        owner = read_json(staged / OWNER_NAME)
     newest = min(_age(staged), _age(staged / OWNER_NAME))
     if owner is None:
         return False, f"a killed save (no {OWNER_NAME})"
     who = f"job {owner.get('job')!r}, pid {owner.get('pid')} on host {owner.get('host')!r}"
     if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-        return _pid_alive(owner["pid"]) and newest < 10 * STALE_S, who
-    return newest < STALE_S, who
+        return _pid_alive(owner["pid"]) and newest < 10 * stale_s(), who
+    return newest < stale_s(), who
 
 
-def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True) -> Path:
+def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True, request: dict[str, Any] | None = None,
+          request_digest: str | None = None) -> Path:
     """Process 0: create ``root`` and an empty staging folder for ``tag`` that this run owns.
 
     A staging folder left by a run that is gone is removed first (with the other leftovers of
@@ -177,11 +195,14 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True) -> Path:
     the same output: refused, naming it, and nothing of its files is touched. ``sweep=False``:
     leave the rest of ``root`` alone (a user's folder, not a checkpoint root: consolidate's output
     folder, where another consolidate's live temporary file must not be taken for a leftover).
+    ``request``/``request_digest``: what this run was asked to do (``io.request``), for the other
+    processes to compare with theirs (``io.shared_meet``).
     """
     root.mkdir(parents=True, exist_ok=True)
     staged = staging_dir(root, tag)
     owner = json.dumps({"job": launch.job, "host": launch.host, "pid": os.getpid(), "world": launch.world,
-                        "started": time.time(), "shardkit": SHARDKIT_VERSION})
+                        "started": time.time(), "shardkit": SHARDKIT_VERSION, "request": request,
+                        "request_digest": request_digest})
     for _ in range(3):
         try:
             # the folder and its owner file come into being together as far as an interrupt can
@@ -224,7 +245,7 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True) -> Path:
 def remove_own_claim(staged: Path, launch: Launch) -> None:
     """Remove the staging folder ``staged`` if this run claimed it (its owner file names this job):
     the clean-up after any failure or interrupt, which need not know how far the claim got."""
-    owner = _read_json(staged / OWNER_NAME)
+    owner = read_json(staged / OWNER_NAME)
     if owner is not None and owner.get("job") == launch.job and owner.get("pid") == os.getpid():
         shutil.rmtree(staged, ignore_errors=True)
 
@@ -244,39 +265,6 @@ def _interrupts_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def join(root: Path, tag: str, launch: Launch) -> Path:
-    """Processes 1..N-1: wait until process 0 of this run has claimed the staging folder."""
-    staged = staging_dir(root, tag)
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while True:
-        owner = _read_json(staged / OWNER_NAME)
-        if owner is not None and owner.get("job") == launch.job:
-            _check_same_version(staged, launch, owner)
-            return staged
-        if time.monotonic() > deadline:
-            seen = f"it is owned by job {owner.get('job')!r}" if owner else "it does not exist"
-            raise CheckpointError(
-                f"rank {launch.rank} of {launch.world} ({launch.launcher}, host {launch.host}): rank 0 did not claim the "
-                f"staging folder {staged} within {JOIN_TIMEOUT_S:.0f} s ({seen}; this run is job {launch.job!r}). Rank 0 "
-                "failed or never started (see its output), or the nodes do not share the output filesystem: -o must be "
-                "on storage every node sees")
-        time.sleep(0.2)
-
-
-def _check_same_version(staged: Path, launch: Launch, owner: dict[str, Any]) -> None:
-    """Every process of one run must run rank 0's shardkit: another release may lay out, name or
-    hash its share differently, and the one manifest rank 0 seals would then describe a mix. Refused
-    before a byte is written; the error goes to rank 0 as this process's part, so rank 0 names it too."""
-    theirs = owner.get("shardkit")
-    if theirs is None or theirs == SHARDKIT_VERSION:  # None: a release before this check, cannot tell
-        return
-    message = (f"rank {launch.rank} of {launch.world} (host {launch.host}) runs shardkit {SHARDKIT_VERSION}, rank 0 "
-               f"(host {owner.get('host')!r}) runs shardkit {theirs}: every process of one run must run the same release "
-               "(each writes a share of one checkpoint). Install the same shardkit on every node, then run again")
-    write_part(staged, launch, [], message)
-    raise CheckpointError(message)
 
 
 # --- heartbeats and parts --------------------------------------------------------------------------
@@ -320,7 +308,7 @@ def gather_parts(staged: Path, launch: Launch, started: float) -> list[FileEntry
         for rank in range(launch.world):
             if rank in got:
                 continue
-            part = _read_json(staged / _PART.format(rank=rank))
+            part = read_json(staged / _PART.format(rank=rank))
             if part is not None:
                 if part.get("error"):
                     raise CheckpointError(f"rank {rank} of {launch.world} (host {part.get('host')!r}, pid {part.get('pid')}) "
@@ -328,13 +316,13 @@ def gather_parts(staged: Path, launch: Launch, started: float) -> list[FileEntry
                 got[rank] = [FileEntry.of(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in part.get("files") or []]
                 continue
             alive = staged / _ALIVE.format(rank=rank)
-            if alive.exists() and _age(alive) > STALE_S:
+            if alive.exists() and _age(alive) > stale_s():
                 raise CheckpointError(
                     f"rank {rank} of {launch.world} stopped while writing its share: no heartbeat for {_age(alive):.0f} s "
                     f"(killed, or its node went down). Its files are incomplete; run the whole command again")
-            if not alive.exists() and time.monotonic() - started > JOIN_TIMEOUT_S:
+            if not alive.exists() and time.monotonic() - started > join_timeout_s():
                 raise CheckpointError(
-                    f"rank {rank} of {launch.world} never joined within {JOIN_TIMEOUT_S:.0f} s ({launch.launcher} job "
+                    f"rank {rank} of {launch.world} never joined within {join_timeout_s():.0f} s ({launch.launcher} job "
                     f"{launch.job!r}): it did not start, or its node does not see {staged.parent} (-o must be on storage "
                     "every node shares). Run the whole command again")
         if len(got) < launch.world:
@@ -346,7 +334,7 @@ def seal(staged: Path, root: Path, tag: str, manifest: Manifest | None) -> Path:
     """Process 0: remove the bookkeeping files, write the manifest (the completion marker) and
     publish the tag (rename into place, ``latest`` last)."""
     for p in staged.iterdir():
-        if p.name == OWNER_NAME or p.name.startswith((".shardkit-part-", ".shardkit-alive-")):
+        if p.name == OWNER_NAME or p.name.startswith(_BOOKKEEPING):
             p.unlink()
     if manifest is not None:
         write_manifest(staged, manifest)

@@ -1,7 +1,8 @@
 """One tag folder written by every launched process (reshard, convert both ways): the sequence
 around ``io.shared_save``'s pieces that each of them used to spell out.
 
-Process 0 claims ``root/.shardkit-tmp-<tag>/``, the others join it; every process writes its
+Process 0 claims ``root/.shardkit-tmp-<tag>/``, the others join it, and they agree on what they
+were asked to do before anything is written (``io.shared_meet``); every process writes its
 share of the files while it hashes its share of the source files on threads beside the writers,
 checks that no source file changed while it was read, and reports in its part file; process 0
 gathers every part (a process that failed, stopped its heartbeat or never joined fails the run,
@@ -23,16 +24,9 @@ from typing import Callable, Iterable, Mapping
 from shardkit.checkpoint.io.atomic import staging_dir
 from shardkit.checkpoint.io.manifest import FileEntry, Manifest
 from shardkit.checkpoint.io.pipeline import check_source_digests, hash_beside
-from shardkit.checkpoint.io.shared_save import (
-    Launch,
-    claim,
-    gather_parts,
-    heartbeat,
-    join,
-    remove_own_claim,
-    seal,
-    write_part,
-)
+from shardkit.checkpoint.io.request import RunRequest
+from shardkit.checkpoint.io.shared_meet import meet
+from shardkit.checkpoint.io.shared_save import Launch, gather_parts, remove_own_claim, seal, write_part
 from shardkit.core.errors import CheckpointError
 
 #: (size, mtime_ns, inode) of a source file: a rewrite or replacement changes one of them.
@@ -64,6 +58,7 @@ def write_tag_shared(
     tag: str,
     launch: Launch,
     *,
+    request: RunRequest,
     write_mine: Callable[[Path], list[FileEntry]],
     to_hash: list[tuple[Path, FileEntry]],
     hash_workers: int,
@@ -75,13 +70,13 @@ def write_tag_shared(
     """This process's share of ``root/tag``: ``write_mine(staging folder)`` writes its files (and
     returns their entries) while ``to_hash`` is hashed beside it; on process 0, every process's
     entries plus ``finish``'s are sealed under ``facts(entries)`` (None: no manifest). Returns
-    the entries this process wrote (on process 0: every file of the tag)."""
+    the entries this process wrote (on process 0: every file of the tag). ``request``: what this
+    process was asked to do; every process's must be rank 0's before anything is written."""
     started = time.monotonic()
     made_root = not os.path.lexists(root)
     try:
         # inside the try: an interrupt right as the claim returns still leaves nothing
-        staged = claim(root, tag, launch) if launch.rank == 0 else join(root, tag, launch)
-        with heartbeat(staged, launch.rank):
+        with meet(root, tag, launch, request) as staged:
             entries: list[FileEntry] = []
             error: BaseException | None = None
             try:

@@ -14,9 +14,9 @@ parameters take the torch path, which maps one rank file at a time.
 The result is byte-for-byte the file ``safetensors.torch.save_file(state_dict, metadata={"format":
 "pt"})`` writes for zero_to_fp32's state dict (tests check it).
 
-Under ``srun``/``torchrun`` the copy is split across the launched processes (``io.shared_save``,
-as reshard): process 0 claims a hidden staging folder beside the output and creates the sized
-file (header written) in it; every process copies its share of the pieces, dealt by bytes, to
+Under ``srun``/``torchrun`` the copy is split across the launched processes (``consolidate_shared``
+on ``io.shared_meet``/``io.shared_save``, as reshard): process 0 claims a hidden staging folder beside
+the output, every process agrees on the request, and process 0 creates the sized file (header written) in it; every process copies its share of the pieces, dealt by bytes, to
 their offsets in that one file (on a filesystem every node shares), hashes its share of the source
 files, fsyncs and reports; process 0 waits for every report, then renames the file into place. A
 process that fails, stops its heartbeat or never joins fails the run, named, and the staging
@@ -25,9 +25,7 @@ folder (with the partial file) is removed.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,34 +34,26 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, fsync_dir, os_errors_named, staging_dir
-from shardkit.checkpoint.io.manifest import FileEntry
+from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.checkpoint.io.pipeline import (
-    check_source_digests,
     default_workers,
-    hash_beside,
     verify_before_reading,
     warn_unverified,
 )
+from shardkit.checkpoint.io.request import RunRequest, source_of
 from shardkit.checkpoint.io.safetensors_file import TensorEntry as _Entry
 from shardkit.checkpoint.io.safetensors_file import copy_bytes as _copy_bytes
 from shardkit.checkpoint.io.safetensors_file import header_layout as _layout
 from shardkit.checkpoint.io.safetensors_file import write_header
 from shardkit.checkpoint.io.shared_save import (
-    JOIN_TIMEOUT_S,
     Launch,
-    claim,
-    gather_parts,
-    heartbeat,
-    join,
     launch_from_env,
-    remove_own_claim,
     split_by_bytes,
-    write_part,
 )
 from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX
-from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.io.torch_load import read_structure
+from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.ops.consolidate_shared import write_shared
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.gather import full_frozen_params
@@ -221,8 +211,11 @@ def consolidate_zero3(
                 for r, sl in by_rank.items():
                     _copy_rank_cast(ckpt, r, fd, targets, out_name, sl)
 
-        _write_shared(out, launch, write_small, copy_share, [(source_dir / e.path, e) for e in to_hash],
-                      workers, outcome)
+        # what every process must agree on before anything is written (io.shared_meet)
+        request = RunRequest("consolidate", source_of(source_dir), str(out.resolve()), None,
+                             {"--dtype": dtype, "--exclude-frozen": not include_frozen, "--no-verify": not verify})
+        write_shared(out, launch, request, write_small, copy_share, [(source_dir / e.path, e) for e in to_hash],
+                     workers, outcome)
         result.rank, result.processes = launch.rank, launch.world
         result.share_pieces = sum(len(sl) for sl in by_rank.values())
         return result
@@ -263,7 +256,6 @@ def _in_parallel(tasks: list[Callable[[], None]], workers: int) -> None:
         for task in tasks:
             task()
         return
-    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-consolidate") as pool:
         futures = [pool.submit(task) for task in tasks]
@@ -383,89 +375,6 @@ def _copy_rank_cast(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets: Targ
                     progress.advance(os.pwrite(dst_fd, buf, at + start * itemsize))
 
 
-def _write_shared(out: Path, launch: Launch, write_small: Callable[[int], None], copy_share: Callable[[int], None],
-                  to_hash: list[tuple[Path, FileEntry]], workers: int, outcome: str) -> None:
-    """This process's share of one output file written by every launched process (``shared_save``).
-
-    Process 0 claims ``.shardkit-tmp-<name>/`` beside ``out`` and creates the sized file in it
-    (under another name first, so the others never open it before it has its header and size);
-    every process copies its pieces into it, hashes ``to_hash``, fsyncs (on a shared filesystem a
-    writer's pages reach the server only when it flushes them) and reports; process 0 gathers the
-    reports and renames the file over ``out``. Any failure: process 0 removes the staging folder.
-    """
-    started = time.monotonic()
-    made_parent = not out.parent.exists()
-    try:
-        # inside the try: an interrupt right as the claim returns still leaves nothing
-        staged = claim(out.parent, out.name, launch, sweep=False) if launch.rank == 0 else join(out.parent, out.name, launch)
-        data = staged / out.name
-        with disk_full_named(out, outcome), heartbeat(staged, launch.rank):
-            error: BaseException | None = None
-            try:
-                fd = _create_sized(data, write_small) if launch.rank == 0 else _open_when_created(data, launch)
-                try:
-                    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(to_hash))),
-                                            thread_name_prefix="shardkit-verify") as hashers:
-                        hashed = hash_beside(hashers, to_hash)
-                        copy_share(fd)
-                        check_source_digests(hashed, "publish the consolidation of", "consolidate another tag")
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except BaseException as exc:  # noqa: BLE001 - reported to process 0 before it is raised here
-                error = exc
-            lines = str(error).strip().splitlines() if error is not None else []
-            write_part(staged, launch, [], None if error is None else f"{type(error).__name__}: {lines[0] if lines else ''}")
-            if error is not None:
-                raise error
-            if launch.rank == 0:
-                gather_parts(staged, launch, started)
-        if launch.rank == 0:
-            os.replace(data, out)
-            fsync_dir(out.parent)
-            shutil.rmtree(staged, ignore_errors=True)
-    except BaseException:
-        if launch.rank == 0:
-            remove_own_claim(staging_dir(out.parent, out.name), launch)  # found by its owner file
-            if made_parent:
-                with contextlib.suppress(OSError):
-                    out.parent.rmdir()  # the folder this run made, if nothing else was put there meanwhile
-        raise
-
-
-def _create_sized(data: Path, write_small: Callable[[int], None]) -> int:
-    """Process 0: the output file with its header, small tensors and full size, then given its name."""
-    sizing = data.with_name(f".sizing-{data.name}")
-    fd = os.open(sizing, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        write_small(fd)
-        os.rename(sizing, data)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_when_created(data: Path, launch: Launch) -> int:
-    """Processes 1..N-1: the file process 0 is creating, once it has its size (it is renamed in sized)."""
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while True:
-        try:
-            return os.open(data, os.O_WRONLY)
-        except FileNotFoundError:
-            if not data.parent.is_dir():
-                raise CheckpointError(
-                    f"rank {launch.rank} of {launch.world} ({launch.launcher}, host {launch.host}): the staging folder "
-                    f"{data.parent} was removed before the output file appeared in it: rank 0 failed (see its "
-                    "output). Run the whole command again") from None
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"rank {launch.rank} of {launch.world} ({launch.launcher}, host {launch.host}): rank 0 did not "
-                    f"create {data} within {JOIN_TIMEOUT_S:.0f} s although it claimed {data.parent}: it is stuck or "
-                    "failed (see its output). Run the whole command again") from None
-            time.sleep(0.05)
-
-
 def _small_tensors(ckpt: Zero3Checkpoint, out_name: str, include_frozen: bool) -> dict[str, "torch.Tensor"]:
     """Buffers and frozen parameters (assembled whole in memory), cast as zero_to_fp32 casts them."""
     tensors = dict(ckpt.buffers())
@@ -485,7 +394,6 @@ def remove_stale_temps(out: Path, min_age_s: float = STALE_TEMP_AGE_S) -> list[s
     the OOM killer cannot, and each is as large as the output. Only a file whose writer pid is not
     running here *and* that has not changed for ``min_age_s`` is removed (on a shared filesystem the
     pid may be another host's, whose live writer keeps changing it). Returns one note per removal."""
-    import time
 
     notes = []
     for tmp in out.parent.glob(f".{out.name}.tmp-*"):

@@ -22,7 +22,8 @@ Speed, memory, scale: nothing imports torch or unpickles a tensor. The source fi
 (blake3 by default, for the manifest) as written, fsynced by its writer (``torch_zip``). ``workers`` threads
 write at once; under ``srun``/``torchrun`` every launched process writes its share of the files
 (balanced by bytes) into one staging folder and process 0 seals one manifest
-(``shared_save``). The source's digests are checked while the output is written (each process
+(``shared_save``), once every process agreed it was asked for the same reshard (``shared_meet``).
+The source's digests are checked while the output is written (each process
 hashes its share of the source files), and nothing is published unless it matched; when neither
 the world size nor the sub-groups change, the rank files are copied byte for byte and that copy's
 hash is the check.
@@ -43,13 +44,14 @@ from shardkit.checkpoint.io.pipeline import (
     verify_before_reading,
     warn_unverified,
 )
+from shardkit.checkpoint.io.request import RunRequest, source_of
 from shardkit.checkpoint.io.shared_save import Launch, launch_from_env, outcome_unchanged, split_by_bytes
 from shardkit.checkpoint.io.shared_tag import Activity, signatures, write_tag_shared
 from shardkit.checkpoint.io.stream import WrittenFile, copy_file_hashed, write_parallel
 from shardkit.checkpoint.io.torch_zip import write_torch_zip
+from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
-from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, plan_layout
 from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
@@ -171,8 +173,13 @@ def reshard_zero3(
                                       "copied_unchanged": unchanged}},
         )
 
+    # what every process must agree on before anything is written (io.shared_meet)
+    request = RunRequest("reshard", source_of(source_dir), str(root.resolve()), tag, {
+        "--world-size": world_size, "--sub-group-size": sub_group_size, "--no-verify": not verify,
+        "--no-manifest": not manifest})
     entries = write_tag_shared(
-        root, tag, launch, write_mine=lambda staged: _write_share(staged, share, workers, outcome_unchanged(root)),
+        root, tag, launch, request=request,
+        write_mine=lambda staged: _write_share(staged, share, workers, outcome_unchanged(root)),
         to_hash=[(f, expected[f.name]) for f in to_hash], hash_workers=workers, before=before, activity=RESHARD,
         facts=facts)
     final = root / tag

@@ -68,13 +68,14 @@ from shardkit.checkpoint.io.pipeline import (
     verify_before_reading,
     warn_unverified,
 )
+from shardkit.checkpoint.io.request import RunRequest, source_of
 from shardkit.checkpoint.io.shared_save import Launch, launch_from_env, outcome_unchanged
 from shardkit.checkpoint.io.shared_tag import signatures, write_tag_shared
 from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.checkpoint.io.tags import check_tag
 from shardkit.checkpoint.io.verify import refuse_links_leaving
-from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import (
 from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import (
     check_target_config,
     decide_precision,
     plan_zero3_target,
@@ -201,6 +202,12 @@ def convert_dcp_to_zero3(
                                            "world_size": manifest.world_size if manifest else None,
                                            "verified": verified}})
     outcome = outcome_unchanged(root)
+    # what every process must agree on before anything is written (io.shared_meet): the config's
+    # digest stands for --ds-config (its content, the precision and sub-group size it decided)
+    request = RunRequest("convert --to zero3", source_of(tag_dir), str(root.resolve()), tag, {
+        "--world-size": world_size, "--sub-group-size": sub_group_size, "precision": precision,
+        "--ds-config": facts["config_digest"], "--no-verify": not verify,
+        "--name-prefix": None if name_prefix is None else name_prefix.rstrip(".") or "none"})
     mine = [r for r in range(world_size) if r % launch.world == launch.rank]
     share: list[FileEntry] = []
     with closing(src.slices):
@@ -218,7 +225,7 @@ def convert_dcp_to_zero3(
 
             distcp = sorted(expected)
             written = [e.path for e in write_tag_shared(
-                root, tag, launch, write_mine=write_mine,
+                root, tag, launch, request=request, write_mine=write_mine,
                 to_hash=[(tag_dir / n, expected[n]) for i, n in enumerate(distcp) if i % launch.world == launch.rank],
                 hash_workers=len(os.sched_getaffinity(0)),
                 before=signatures(sorted([*tag_dir.glob("*.distcp"), tag_dir / METADATA_NAME])), activity=CONVERT,

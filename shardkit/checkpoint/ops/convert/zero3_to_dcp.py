@@ -58,6 +58,7 @@ from shardkit.checkpoint.io.pipeline import (
     verify_before_reading,
     warn_unverified,
 )
+from shardkit.checkpoint.io.request import RunRequest, source_of
 from shardkit.checkpoint.io.shared_save import (
     Launch,
     launch_from_env,
@@ -66,8 +67,8 @@ from shardkit.checkpoint.io.shared_save import (
 from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.checkpoint.io.torch_load import read_structure, safe_torch_load
 from shardkit.checkpoint.io.verify import refuse_links_leaving
-from shardkit.checkpoint.ops.convert.names import MODEL_KEY, OPTIM_KEY, not_carried_lines, refuse_if_any
 from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.ops.convert.names import MODEL_KEY, OPTIM_KEY, not_carried_lines, refuse_if_any
 from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_bytes import (
     DcpItems,
@@ -170,7 +171,11 @@ def convert_zero3_to_dcp(
     expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
     share = ShareResult()
     if items is not None:
-        share = write_share(root, tag, items, facts, expected, before, workers, launch)
+        # what every process must agree on before anything is written (io.shared_meet)
+        request = RunRequest("convert --to fsdp2", source_of(source_dir), str(root.resolve()), tag,
+                             {"--no-verify": not verify,
+                              "--adam-w-mode": {None: None, True: "on", False: "off"}[adam_w_mode]})
+        share = write_share(root, tag, items, facts, expected, before, workers, launch, request)
     else:
         if expected:
             # one file per core: blake3 and hashlib release the GIL; more threads would only add read buffers

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shardkit.checkpoint.io.manifest import FileEntry, Manifest
 from shardkit.checkpoint.io.pipeline import default_workers
+from shardkit.checkpoint.io.request import RunRequest
 
 # the same balanced split of files over processes as reshard's (by bytes, largest first)
 from shardkit.checkpoint.io.shared_save import Launch, outcome_unchanged, split_by_bytes
@@ -44,9 +45,11 @@ class ShareResult:
 
 
 def write_share(root: Path, tag: str, items: DcpItems, facts: Manifest, expected: dict[str, FileEntry],
-                 before: dict[Path, Signature], workers: int | None, launch: Launch) -> ShareResult:
+                 before: dict[Path, Signature], workers: int | None, launch: Launch,
+                 request: RunRequest) -> ShareResult:
     """The torch-free route: this process's share of the tensor files (all of them alone), then on
-    process 0 the small items, ``.metadata`` and one manifest (``io.shared_save``, as reshard)."""
+    process 0 the small items, ``.metadata`` and one manifest (``io.shared_save``, as reshard), once
+    every process agreed on ``request``."""
     names = file_names(items)
     mine = [items.big[i] for i in split_by_bytes([it.nbytes for it in items.big], launch.world)[launch.rank]]
     workers = workers or default_workers(max(1, len(mine)))
@@ -54,7 +57,8 @@ def write_share(root: Path, tag: str, items: DcpItems, facts: Manifest, expected
     to_hash = [source / name for i, name in enumerate(sorted(expected)) if i % launch.world == launch.rank]
     outcome = outcome_unchanged(root)
     write_tag_shared(
-        root, tag, launch, write_mine=lambda staged: write_tensor_files(staged, mine, names, outcome, workers),
+        root, tag, launch, request=request,
+        write_mine=lambda staged: write_tensor_files(staged, mine, names, outcome, workers),
         to_hash=[(f, expected[f.name]) for f in to_hash], hash_workers=len(os.sched_getaffinity(0)), before=before,
         activity=CONVERT, facts=lambda entries: facts,
         finish=lambda staged, entries: write_small_and_metadata(staged, items, names, entries, outcome))
