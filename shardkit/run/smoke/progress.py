@@ -16,7 +16,8 @@ class _Progress:
 
     def __init__(self, show: bool, plain: bool | None = None) -> None:
         self._p = None
-        self._plain = show and (plain if plain is not None else not sys.stdout.isatty())
+        # stderr, like every progress display: stdout carries the report (and --json's result alone)
+        self._plain = show and (plain if plain is not None else not sys.stderr.isatty())
         self._said: dict[str, str] = {}
         self._start = time.monotonic()
         if show and not self._plain:
@@ -27,7 +28,7 @@ class _Progress:
                 BarColumn(bar_width=20),
                 TextColumn("{task.description}"),
                 TimeElapsedColumn(),
-                console=console(),
+                console=console(sys.stderr),
                 transient=False,
             )
 
