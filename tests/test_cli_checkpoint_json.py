@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,28 @@ def test_export_json(run_cli, source, model_config, tmp_path):
     assert e["wrote"]["bytes"] <= (tmp_path / "hf" / "model.safetensors").stat().st_size
     assert e["source_kind"] == "zero3" and e["seconds"] > 0
     assert "shardkit export: " in err and "(100%)" in err  # the total was known before the first byte
+
+
+def test_two_processes_rank_0_reports_the_job_and_says_how_it_knows(source, tmp_path):
+    """Under torchrun/srun (their variables): rank 0's progress is the whole job's, estimated from its own
+    share (and says so); rank 1 shows none; each prints its own JSON result."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
+    procs = [subprocess.Popen([sys.executable, "-m", "shardkit", "reshard", str(source), "--world-size", "3", "-o",
+                               str(tmp_path / "ws3"), "--json"],
+                              env={**env, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": "29731"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        (out0, err0), (out1, err1) = (p.communicate(timeout=300) for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, err0 + err1
+    r0, r1 = json.loads(out0), json.loads(out1)
+    assert (r0["rank"], r0["processes"], r0["launcher"]) == (0, 2, "torchrun") and r0["wrote"]["files"] == 6
+    assert r1["rank"] == 1 and r1["wrote"]["share_bytes"] > 0 and "path" not in r1["wrote"]
+    assert "estimated for 2 processes: this process's share x 2" in err0
+    assert re.search(r"shardkit reshard: \d", err0) and not re.search(r"shardkit reshard: \d", err1)  # rank 0 only
