@@ -229,6 +229,19 @@ def test_the_packed_settings_round_trip_and_never_override_a_value_already_set()
         unpack(pack({}).replace("e30=", "WyJ4Il0="))  # ["x"]
 
 
+def test_ranks_started_by_mpirun_arm_before_deepspeed_sets_rank_and_the_agents_of_srun_never_do():
+    from shardkit.autopreflight.launch_link import rank_identity
+    from shardkit.autopreflight.rank_env import enabled
+
+    on = {"SHARDKIT_AUTOPREFLIGHT": "1"}
+    # DeepSpeed's OpenMPI / MVAPICH runners: the script runs under mpirun, RANK comes later
+    assert enabled({**on, "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"})
+    assert rank_identity({"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2"})["rank"] == 1
+    assert rank_identity({"RANK": "2", "WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "0"})["world"] == 8
+    # `shardkit launch` and torchrun's agent under srun: SLURM_PROCID names the node's task, not a rank
+    assert not enabled({**on, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+
+
 def _runner_args(tmp_path: Path, launcher: str):
     from deepspeed.launcher import runner
 

@@ -26,6 +26,8 @@ import socket
 import sys
 from typing import Mapping, MutableMapping
 
+from shardkit.autopreflight.rank_env import rank_of
+
 PACKED_ENV = "PYTHON_SHARDKIT_LAUNCH"
 """The one variable carrying every SHARDKIT_* setting of the launch to the ranks on every node."""
 REPORT_ENV = "SHARDKIT_LAUNCH_REPORT"
@@ -75,15 +77,8 @@ def arrive(environ: MutableMapping[str, str] | None = None) -> list[str]:
 def rank_identity(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     """Who this rank is, as its reports name it."""
     env = os.environ if environ is None else environ
-
-    def number(name: str) -> int | None:
-        value = env.get(name, "")
-        return int(value) if value.isdigit() else None
-
-    return {
-        "rank": number("RANK"), "world": number("WORLD_SIZE"), "local_rank": number("LOCAL_RANK"),
-        "host": socket.gethostname(), "pid": os.getpid(),
-    }
+    rank, world = rank_of(dict(env)) or (None, None)
+    return {"rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid()}
 
 
 _unreachable: set[str] = set()

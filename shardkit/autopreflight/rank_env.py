@@ -39,8 +39,30 @@ def rank_env(environ: dict[str, str], config_path: str | None = None) -> dict[st
     return env
 
 
+RANK_VARS: tuple[tuple[str, str], ...] = (
+    ("RANK", "WORLD_SIZE"),
+    # DeepSpeed's OpenMPI and MVAPICH runners start the script under mpirun itself: RANK is set only
+    # later, by deepspeed.init_distributed's MPI discovery, so the rank knows itself by these at start-up
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+)
+"""(rank, world size) variable pairs that mark a training rank, first found first. Not SLURM_PROCID:
+under srun it is also set in `shardkit launch` and torchrun's agent, which must never arm."""
+
+
+def rank_of(environ: "os._Environ[str] | dict[str, str] | None" = None) -> tuple[int, int | None] | None:
+    """(rank, world size) of this training rank, from the first variable pair set; None elsewhere."""
+    env = os.environ if environ is None else environ
+    for rank_var, world_var in RANK_VARS:
+        rank = env.get(rank_var, "")
+        if rank.isdigit():
+            world = env.get(world_var, "")
+            return int(rank), int(world) if world.isdigit() else None
+    return None
+
+
 def enabled(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
     """True in a training rank started with the automatic preflight (not in the launcher itself)."""
     env = os.environ if environ is None else environ
     # RANK is set by torchrun / the deepspeed launcher for workers only, never for the agent.
-    return env.get(ENV_ENABLE) == "1" and "RANK" in env
+    return env.get(ENV_ENABLE) == "1" and rank_of(env) is not None

@@ -40,12 +40,14 @@ def _say_what_did_not_arrive(enable: str) -> None:
     import sys
 
     from shardkit.autopreflight.launch_link import PACKED_ENV
+    from shardkit.autopreflight.rank_env import rank_of
 
-    if "RANK" not in os.environ or os.environ.get(enable) == "0":
+    found = rank_of()
+    if found is None or os.environ.get(enable) == "0":
         return
     missing = PACKED_ENV if PACKED_ENV not in os.environ else enable
     print(
-        f"shardkit autopreflight: rank {os.environ['RANK']} on {socket.gethostname()}: {missing} did not arrive in "
+        f"shardkit autopreflight: rank {found[0]} on {socket.gethostname()}: {missing} did not arrive in "
         "this rank's environment, so no placement preflight runs here (the launcher passed PYTHONPATH but not "
         f"{missing}; see docs/launch.md, how each launcher reaches remote nodes)",
         file=sys.stderr, flush=True,
