@@ -62,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     f = kinds.add_parser(
         "fsdp",
+        aliases=["fsdp2"],  # the --engine vocabulary's name for it (estimate, smoke, verify)
         help="shardkit FSDP2 JSON (or an Accelerate config with --format accelerate)",
         description="Write shardkit's FSDP2 config, applied by shardkit.engines.fsdp.apply_fsdp (torch fully_shard).",
         epilog="example:\n  shardkit config fsdp --wrap LlamaDecoderLayer --mixed-precision bf16 -o fsdp.json",
@@ -90,7 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("-o", "--output", default="-", metavar="FILE", help="output file ('-' for stdout, the default)")
     add_json(f)
     add_fit_flags(f, "fsdp")
-    f.set_defaults(func=config_command, stage=None)
+    # kind="fsdp" whichever name chose it: the code asks for "fsdp"
+    f.set_defaults(func=config_command, stage=None, kind="fsdp")
 
 
 def _accelerator_flag(p: argparse.ArgumentParser) -> None:
