@@ -78,7 +78,7 @@ def test_the_last_line_passed_on_every_rank_or_names_who_never_ran_it_and_why():
                            "its hooks were armed, but the rank never reached an optimizer step"), line
     assert "rank(s) [2] of 4 (hosts b): preflight unavailable (No module named 'x')" in line
     assert (f"rank(s) [3] of 4 (hosts b): no report came from them: {PACKED_ENV} did not arrive there (the rank says so "
-            "on its stderr), or PYTHONPATH's first entry ") in line
+            "on its stderr), or shardkit's sitecustomize folder ") in line
     assert f"or {address.split('/')[0]} is not reachable from it (set SHARDKIT_LAUNCH_ADDR)" in line
     # a DeepSpeed whose runner would drop the variable: that reason, found before the launch
     why = f"{PACKED_ENV} is not passed by this DeepSpeed's runner"

@@ -233,8 +233,8 @@ def _no_report_why(expected: ExpectedRanks, address: str) -> str:
     host_port = address.split("/", 1)[0]
     if expected.remote:
         return (f"no report came from them: {PACKED_ENV} did not arrive there (the rank says so on its stderr), or "
-                f"PYTHONPATH's first entry {site_dir()} is missing on that node (install shardkit at the same path "
-                f"on every node), or {host_port} is not reachable from it (set {ENV_ADDR})")
+                f"shardkit's sitecustomize folder {site_dir()}, on their PYTHONPATH, is missing on that node (install "
+                f"shardkit at the same path on every node), or {host_port} is not reachable from it (set {ENV_ADDR})")
     return (f"no report came from them: {PACKED_ENV} and SHARDKIT_AUTOPREFLIGHT did not arrive in their environment "
             f"(the rank says so on its stderr), or shardkit's sitecustomize ({site_dir()}) did not load there "
             "(PYTHONPATH replaced, or the ranks never started)")
