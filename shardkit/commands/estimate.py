@@ -116,7 +116,13 @@ def estimate_command(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)
     model = resolve_model(args.model, args.params, args.largest_layer, args.wrap or wrap_of(cfg) or ["LlamaDecoderLayer"])
     settings = settings_from_config(cfg, model.hidden_size)
-    run = run_shape(args, args.world_size, args.micro_batch or micro_batch_of(cfg) or 1)
+    micro = args.micro_batch
+    if micro is None and micro_batch_of(cfg) is not None:  # the config's: refused naming its key, not a flag
+        from shardkit.estimate.bounds import MICRO_BATCH, check_config_number
+
+        micro = check_config_number(micro_batch_of(cfg), "train_micro_batch_size_per_gpu", MICRO_BATCH,
+                                    args.config or "the --engine config")
+    run = run_shape(args, args.world_size, micro or 1)
     est = estimate_memory(model, settings, run, gpu, host)
     if args.json or args.json_file:
         import json
@@ -166,6 +172,9 @@ def fit(args: argparse.Namespace, build: Any) -> None:
     gpu, host = limits(gpu_text, host_text or None)
     wrap = args.wrap if args.kind == "fsdp" else ["LlamaDecoderLayer"]
     model = resolve_model(args.model, args.params, args.largest_layer, wrap)
+    from shardkit.estimate.bounds import WORLD_SIZE, check_flag
+
+    check_flag(args.world_size, "--world-size", WORLD_SIZE)  # 0 was taken as 1 without a word
     world = args.world_size or 1
     run = run_shape(args, world, args.micro_batch)
 

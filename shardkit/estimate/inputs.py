@@ -25,7 +25,11 @@ def resolve_model(model: str | None, params: str | None, largest_layer: str | No
         raise UsageError(f"--largest-layer {largest_layer}: only with --params (a config.json gives every layer)")
     if params:
         layer = parse_count(largest_layer, "--largest-layer") if largest_layer else 0
-        return from_count(parse_count(params, "--params"), layer)
+        total = parse_count(params, "--params")
+        if layer > total:
+            raise UsageError(f"--largest-layer {largest_layer} is more than --params {params}: one module cannot hold "
+                             "more parameters than the whole model. Pass the parameters of its largest module")
+        return from_count(total, layer)
     return model_shape(model or "", wrap)
 
 

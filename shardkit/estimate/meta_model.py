@@ -9,6 +9,8 @@ from typing import Any, Sequence
 
 from shardkit.config.loading import load_config
 from shardkit.core.errors import ConfigError
+from shardkit.estimate.bounds import MAX_PARAM_TENSORS, MAX_PARAMS, MODEL_KEYS, check_config_number, check_model_config
+from shardkit.estimate.layers import FULL_BUILD_LAYERS, SAMPLE_LAYERS, extend_layers, layer_list_name, sample_config
 from shardkit.estimate.model import ModelShape, ParamShape
 
 
@@ -68,15 +70,24 @@ def shape_from_config_dict(data: dict[str, Any], label: str, wrap: Sequence[str]
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # deprecation chatter about config keys is not the user's problem here
+    # before transformers sees them: some configs build per-layer lists in __init__ (a 1e9-layer typo
+    # would be a list of 1e9 strings)
+    check_model_config(data, label)
     kwargs = {k: v for k, v in data.items() if k != "model_type"}
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(data["model_type"], str) or data["model_type"] not in CONFIG_MAPPING:
+        raise ConfigError(
+            f"{label}: model_type {data['model_type']!r} is unknown to transformers {transformers.__version__}. "
+            "Upgrade transformers if the model is newer, or pass --params N"
+        )
     try:
         config = AutoConfig.for_model(data["model_type"], **kwargs)
-    except ValueError as exc:
-        import transformers
-
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation, any type: one line naming it
         raise ConfigError(
-            f"{label}: model_type {data['model_type']!r} is unknown to transformers {transformers.__version__} "
-            f"({str(exc).splitlines()[0][:160]}). Upgrade transformers if the model is newer, or pass --params N"
+            f"{label}: transformers {transformers.__version__} refuses this {data['model_type']} config "
+            f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}). Fix that key, or pass --params N"
         ) from None
     return _shape_from_config(config, label, wrap)
 
@@ -85,6 +96,17 @@ def _shape_from_config(config: Any, label: str, wrap: Sequence[str]) -> ModelSha
     import torch
     from transformers import AutoModelForCausalLM
 
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key, bound in MODEL_KEYS.items():  # aliases too (GPT-2's n_layer is num_hidden_layers)
+        value = getattr(text, key, None)
+        if value is not None:
+            alias = getattr(text, "attribute_map", {}).get(key)
+            check_config_number(value, f"{alias} ({key})" if alias else key, bound, label)  # the file's own name
+    found = getattr(text, "num_hidden_layers", None)
+    layers = found if isinstance(found, int) else 0
+    sampled = layers > FULL_BUILD_LAYERS
+    if sampled:
+        sample_config(text, layers)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
@@ -107,9 +129,23 @@ def _shape_from_config(config: Any, label: str, wrap: Sequence[str]) -> ModelSha
         ParamShape(name=n, numel=p.numel(), dim0=p.shape[0] if p.dim() else 1, unit=unit_of.get(n, ""))
         for n, p in model.named_parameters() if p.requires_grad
     )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     notes = []
+    if sampled:
+        list_name = layer_list_name(model, SAMPLE_LAYERS)
+        if list_name is None:
+            raise ConfigError(f"{label}: num_hidden_layers={layers:,}: no list of decoder layers found in the model "
+                              f"built with {SAMPLE_LAYERS}, so the others cannot be counted; pass --params N")
+        params, note = extend_layers(params, list_name, layers, label)
+        notes.append(note)
+        text.num_hidden_layers = layers
+    elif len(params) > MAX_PARAM_TENSORS:
+        raise ConfigError(f"{label}: {len(params):,} parameter tensors, more than {MAX_PARAM_TENSORS:,} (about four "
+                          "times the largest published models'); pass --params N for a bare count")
+    total = sum(p.numel for p in params)
+    if total > MAX_PARAMS.high:
+        raise ConfigError(f"{label}: the config describes {total:.3g} parameters, more than {MAX_PARAMS.high:.0e} "
+                          f"({MAX_PARAMS.why}). Check its sizes (hidden_size, num_hidden_layers, vocab_size ...)")
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if dtype is not None and str(dtype).replace("torch.", "") != "float32":
         notes.append(f"the config's dtype is {str(dtype).replace('torch.', '')}; the model is taken as built in "
                      "float32 (from_config's default), which only FSDP2's shards and --whole-model-init read")
@@ -117,7 +153,7 @@ def _shape_from_config(config: Any, label: str, wrap: Sequence[str]) -> ModelSha
         notes.append(f"no module of class {', '.join(sorted(wrap_set))} in this model: FSDP2 would shard only the root")
     return ModelShape(
         source=label,
-        total_params=sum(p.numel for p in params),
+        total_params=total,
         params=params,
         largest_layer_params=largest_layer,
         model_type=getattr(config, "model_type", None),

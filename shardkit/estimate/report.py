@@ -9,6 +9,7 @@ from typing import Any, Literal, TextIO
 
 from shardkit.core.errors import UsageError
 from shardkit.core.render import console
+from shardkit.estimate.bounds import GPUS_PER_NODE, MICRO_BATCH, SEQ_LEN, WORLD_SIZE, check_flag
 from shardkit.estimate.units import human
 
 Device = Literal["gpu", "host"]
@@ -37,9 +38,9 @@ class RunShape:
     whole, in 16 bits, to the GPU before partitioning."""
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "gpus_per_node", "micro_batch", "seq_len"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
+        bounds = {"world_size": WORLD_SIZE, "gpus_per_node": GPUS_PER_NODE, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN}
+        for name, bound in bounds.items():
+            check_flag(getattr(self, name), f"--{name.replace('_', '-')}", bound)
         if self.gpus_per_node > self.world_size:
             raise UsageError(
                 f"--gpus-per-node {self.gpus_per_node} is more than --world-size {self.world_size}: a host cannot "

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardkit.config.fsdp import fsdp_config_from_dict
-from shardkit.config.view import as_int, deepspeed_view, is_auto
+from shardkit.config.view import deepspeed_view, is_auto
 from shardkit.core.errors import ConfigError
+from shardkit.estimate.bounds import ELEMENTS, Bound, check_config_number
 
 Precision = Literal["bf16", "fp16", "fp32"]
 
@@ -131,13 +132,13 @@ def _int_key(zero: dict[str, Any], key: str, hidden: int | None, filled: list[st
             return DS_DEFAULTS[key]
         filled.append(key)
         return fill
-    number = as_int(value) if not isinstance(value, float) else int(value)
-    if number is None or number < 0:
-        raise ConfigError(
-            f"zero_optimization.{found}={value!r}: not a non-negative whole number, so the memory it reserves "
-            f"cannot be computed (DeepSpeed refuses it too). Write a count of elements, e.g. {DS_DEFAULTS[key]:.0e}"
-        )
-    return number
+    # a sub-group of 0 elements would be a division by zero in DeepSpeed (and here)
+    bound = Bound(1, ELEMENTS.high, "a sub-group holds at least one element") if key == "sub_group_size" else ELEMENTS
+    try:
+        return check_config_number(value, f"zero_optimization.{found}", bound, "CONFIG")
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}: it is a count of elements, e.g. {DS_DEFAULTS[key]:.0e}, and the memory it reserves "
+                          "cannot be computed from anything else (DeepSpeed refuses it too)") from None
 
 
 def _hf_auto(key: str, hidden: int | None) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from shardkit.core.errors import UsageError
+from shardkit.estimate.bounds import MAX_PARAMS, MEMORY_BYTES
 
 # Decimal units are powers of 1000 (a "80GB" label), binary ones powers of 1024 (what nvidia-smi's
 # MiB and torch.cuda.mem_get_info count): "80GB" is 74.5 GiB, so both are accepted and kept apart.
@@ -31,8 +32,11 @@ def parse_size(text: str, flag: str) -> int:
             "units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
         )
     value = float(m.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise UsageError(f"{flag} {text!r}: a memory size must be more than 0 bytes, e.g. 80GiB")
+    if value < 1:  # 0.5B is no memory either
+        raise UsageError(f"{flag} {text!r}: a memory size must be at least 1 byte, e.g. 80GiB")
+    if not value <= MEMORY_BYTES.high:  # also inf, from a number of 309 digits
+        raise UsageError(f"{flag} {text!r}: more than {human(MEMORY_BYTES.high)} ({MEMORY_BYTES.why}); "
+                         "write the usable memory of one GPU or one host, e.g. 80GiB")
     return int(value)
 
 
@@ -44,10 +48,13 @@ def parse_count(text: str, flag: str) -> int:
             f"{flag} {text!r}: not a parameter count. Write e.g. 6.8e9, 6805M, 7B or 125000000"
         )
     scale = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}[m.group(2).upper()]
-    count = int(float(m.group(1)) * scale)
-    if count < 1:
+    value = float(m.group(1)) * scale
+    if value < 1:
         raise UsageError(f"{flag} {text!r}: a model has at least one parameter")
-    return count
+    if not value <= MAX_PARAMS.high:  # also inf (1e400): int() of it was an OverflowError traceback
+        raise UsageError(f"{flag} {text!r}: more than {MAX_PARAMS.high:.0e} parameters ({MAX_PARAMS.why}); "
+                         "write the model's count, e.g. 6.8e9 or 70B")
+    return int(value)
 
 
 def gib(n: int | float) -> str:

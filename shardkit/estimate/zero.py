@@ -12,6 +12,7 @@ the CPU-offload buffers) and ``runtime/fp16/fused_optimizer.py`` (ZeRO-0 with 16
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from shardkit.estimate.model import ModelShape
 from shardkit.estimate.report import Device, MemoryItem, RunShape
@@ -49,32 +50,61 @@ def _persistent(model: ModelShape, s: ZeroSettings) -> tuple[int, int]:
     return count, total
 
 
-def _sub_groups(partitions: list[int], sub_group_size: int) -> list[int]:
+@dataclass(frozen=True)
+class SubGroups:
+    """The optimizer sub-groups of one rank, as runs of (elements, how many groups): a bare count at a small
+    sub_group_size is millions of equal groups, counted here, never listed."""
+
+    runs: tuple[tuple[int, int], ...]
+
+    def __len__(self) -> int:
+        return sum(count for _, count in self.runs)
+
+    @property
+    def largest(self) -> int:
+        return max(size for size, _ in self.runs)
+
+    def sizes(self) -> list[int]:
+        """Every group's elements, in order (for a few groups: tests and reports)."""
+        return [size for size, count in self.runs for _ in range(count)]
+
+    def elements_from(self, first: int) -> int:
+        """Elements of the groups from index ``first`` on."""
+        total = index = 0
+        for size, count in self.runs:
+            skipped = min(count, max(0, first - index))
+            total += size * (count - skipped)
+            index += count
+        return total
+
+
+def _sub_groups(partitions: list[int], sub_group_size: int) -> SubGroups:
     """Elements of each optimizer sub-group (stage3.py ``_create_fp16_sub_groups``: a group closes once it
     reaches sub_group_size; one group when the whole partition is smaller)."""
     total = sum(partitions)
     if sub_group_size >= total:
-        return [total]
-    if len(partitions) == 1:  # a bare count: equal groups
+        return SubGroups(((total, 1),))
+    if len(partitions) == 1:  # a bare count: equal groups, the last one the remainder
         n = math.ceil(total / sub_group_size)
-        return [sub_group_size] * (n - 1) + [total - sub_group_size * (n - 1)]
+        last = total - sub_group_size * (n - 1)
+        return SubGroups(((sub_group_size, n - 1), (last, 1)) if n > 1 else ((last, 1),))
     groups, size = [], 0
     for i, n in enumerate(partitions):
         size += n
         if size >= sub_group_size or i == len(partitions) - 1:
-            groups.append(size)
+            groups.append((size, 1))
             size = 0
-    return groups
+    return SubGroups(tuple(groups))
 
 
-def _optimizer_split(groups: list[int], s: ZeroSettings) -> tuple[int, int]:
+def _optimizer_split(groups: SubGroups, s: ZeroSettings) -> tuple[int, int]:
     """(elements on the GPU, elements on the host) of the fp32 partitions: with offload_optimizer, the last
     ``ratio`` share of sub-groups goes to the CPU (stage3.py ``subgroup_to_device``)."""
-    total = sum(groups)
+    total = groups.elements_from(0)
     if s.offload_optimizer == "none":
         return total, 0
     first_cpu = int((1 - s.ratio) * len(groups))
-    host = sum(groups[first_cpu:])
+    host = groups.elements_from(first_cpu)
     return total - host, host
 
 
@@ -122,20 +152,20 @@ def zero3_items(model: ModelShape, s: ZeroSettings, run: RunShape) -> tuple[list
                                     "gradients", "gpu", gpu_opt * FP32,
                                     how=f"{gpu_opt:,} elements x 4 B; {key_o}.ratio={s.ratio}"))
     elif not opt_host:
-        largest = max(groups)
+        largest = groups.largest
         items.append(MemoryItem("z3.fp32_grads", "fp32 gradients of one sub-group at the step", "gradients", "gpu",
                                 largest * FP32, "step",
                                 how=f"largest sub-group {largest:,} elements x 4 B (sub_group_size="
                                     f"{s.sub_group_size:.0e}, {len(groups)} sub-group(s)), one at a time"))
     if s.offload_optimizer != "nvme":
         # initialize_optimizer_states: a zeroed fp32 buffer of the largest sub-group on the optimizer's device
-        largest = max(groups)
+        largest = groups.largest
         items.append(MemoryItem("z3.init_grad_buffer", "fp32 gradient buffer of initialize_optimizer_states",
                                 "gradients", grad_dev, largest * FP32, "init", how=f"{largest:,} elements x 4 B"))
     # fp32 masters: stage3.py reuses the partitions when they already are fp32 on the optimizer's device
     aliased = lp == FP32 and ((param_dev == "host") == opt_host) and s.offload_param != "nvme"
     if s.offload_optimizer == "nvme":
-        largest = max(groups)
+        largest = groups.largest
         items.append(MemoryItem("z3.nvme_swap", "optimizer swap buffers (fp32 masters and state on NVMe)",
                                 "buffers", "host", NVME_OPTIMIZER_BUFFER_COUNT * largest * FP32, pinned=True,
                                 how=f"{key_o}.buffer_count {NVME_OPTIMIZER_BUFFER_COUNT} x largest sub-group "
@@ -149,8 +179,8 @@ def zero3_items(model: ModelShape, s: ZeroSettings, run: RunShape) -> tuple[list
                                     dev, n * FP32, how=f"{n:,} elements x 4 B"))  # type: ignore[arg-type]
         # _create_fp32_partitions converts the 16-bit partition (`converted`), then keeps a .clone() of it
         items.append(MemoryItem("z3.init_fp32_copy", "fp32 conversion cloned into the masters", "fp32 masters",
-                                "host" if opt_host else "gpu", max(groups) * FP32, "init",
-                                how=f"largest sub-group {max(groups):,} elements x 4 B, until the clone"))
+                                "host" if opt_host else "gpu", groups.largest * FP32, "init",
+                                how=f"largest sub-group {groups.largest:,} elements x 4 B, until the clone"))
     if s.offload_optimizer != "nvme":
         for dev, n in (("gpu", gpu_opt), ("host", host_opt)):
             items.append(MemoryItem(f"z3.optimizer_state{'' if dev == ('host' if opt_host else 'gpu') else '_' + dev}",
