@@ -282,7 +282,8 @@ def judge(sources: Sources, kind: str, name: str, case_dir: Path, src: Path, *, 
     assert done.code in (0, 1, 2), f"exit {done.code} from {argv}:\n{text}"
     assert "Traceback" not in text, f"a traceback from {argv}:\n{text}"
     if done.code != 0:
-        return f"{label_prefix}exit {done.code}: {message_shape(done.out if done.out.lstrip().startswith("{") else done.err or done.out)}"
+        report = done.out if done.out.lstrip().startswith("{") else done.err or done.out
+        return f"{label_prefix}exit {done.code}: {message_shape(report)}"
     if output is None:
         return f"{label_prefix}exit 0 (verify passed)"
     assert output.exists(), f"exit 0 from {argv} but nothing at {output}:\n{text}"

@@ -170,4 +170,17 @@ def load_dcp_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
         ours = [(r, e) for r, (e, _tb) in sorted(exc.failures.items()) if isinstance(e, CheckpointError)]
         if ours:
             raise CheckpointError(f"rank {ours[0][0]}: {ours[0][1]}") from None
+        rank, (first, _tb) = sorted(exc.failures.items())[0]
+        if isinstance(first, (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError,
+                              RuntimeError, EOFError, OSError)):
+            # DCP's planner and reader trusting a .metadata whose chunks, sizes or storage entries
+            # do not fit together (an edited or bit-flipped file the manifest vouched for): named,
+            # not a wrapped traceback (the hostile sweep's finding)
+            detail = str(first).strip().splitlines()
+            raise CheckpointError(
+                f"{p / METADATA_NAME}: rank {rank}: torch's DCP load failed on it ({type(first).__name__}: "
+                f"{detail[0] if detail else 'no detail'}): its chunks, sizes or storage entries do not describe "
+                "the files beside it. The checkpoint is corrupted or was edited; re-copy it or resume from the "
+                "previous one"
+            ) from None
         raise

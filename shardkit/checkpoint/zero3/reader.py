@@ -36,6 +36,8 @@ from shardkit.core.errors import CheckpointError
 
 
 def _numel(t: Any) -> int:
+    if not isinstance(t, TensorRef) and not callable(getattr(t, "numel", None)):
+        raise TypeError(f"a {type(t).__name__} where a tensor belongs")
     return t.numel if isinstance(t, TensorRef) else int(t.numel())
 
 
@@ -51,6 +53,28 @@ def open_zero3_checkpoint(path: str | Path, *, torch_free: bool = False) -> Zero
         def load(f: Path) -> Any:
             return safe_torch_load(f, mmap=True)
     tag_dir, tag = resolve_tag_dir(path)
+    try:
+        return _describe(tag_dir, tag, load, torch_free)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
+        # Files that unpickle but hold values DeepSpeed never writes (an edited or bit-flipped
+        # field: a string for a shape, a dict for a tensor, a missing key) end here, named, instead
+        # of as a traceback from deep in the layout arithmetic (the hostile sweep's finding).
+        raise CheckpointError(
+            f"{tag_dir}: its rank files hold a structure DeepSpeed does not write ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}): a field of a model_states or optim_states "
+            "file is corrupted or was edited. Re-copy the checkpoint, or resume from the previous one"
+        ) from None
+
+
+def _positive_int(value: Any, field: str, where: Path) -> int:
+    """``value`` when it is a positive int (a bool, float or string is no count), else a CheckpointError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{where}: {field} is {value!r}, expected a positive int: the file is corrupted or "
+                              "was edited; re-copy it or resume from the previous checkpoint")
+    return value
+
+
+def _describe(tag_dir: Path, tag: str, load: Any, torch_free: bool) -> Zero3Checkpoint:
     model0 = tag_dir / MODEL_FILE.format(rank=0)
     if not model0.exists():
         others = sorted(f.name for f in tag_dir.iterdir())
@@ -58,23 +82,24 @@ def open_zero3_checkpoint(path: str | Path, *, torch_free: bool = False) -> Zero
     model_state = load(model0)
     if not isinstance(model_state, dict) or "param_shapes" not in model_state:
         raise CheckpointError(f"{model0}: has no param_shapes: not a DeepSpeed ZeRO-3 model-states file")
-    world = int(model_state.get("dp_world_size") or 0)
-    if world < 1:
-        raise CheckpointError(f"{model0}: dp_world_size is {model_state.get('dp_world_size')!r}, expected a positive int")
-    if int(model_state.get("mp_world_size") or 1) != 1:
+    world = _positive_int(model_state.get("dp_world_size"), "dp_world_size", model0)
+    if _positive_int(model_state.get("mp_world_size") or 1, "mp_world_size", model0) != 1:
         raise CheckpointError(
             f"{model0}: mp_world_size is {model_state['mp_world_size']}; tensor/model-parallel ZeRO-3 "
             "checkpoints are not supported (only data-parallel ranks). Use ds_to_universal for those."
         )
     prefix = "bf16_" if (tag_dir / OPTIM_FILE.format(prefix="bf16_", rank=0)).exists() else ""
+    # rank by rank, stopping at the first missing file: an edited dp_world_size (2**63) costs the
+    # files present, not a list of 2**63 paths
+    for r in range(world):
+        for f in (tag_dir / MODEL_FILE.format(rank=r), tag_dir / OPTIM_FILE.format(prefix=prefix, rank=r)):
+            if not f.exists():
+                raise CheckpointError(
+                    f"{f}: missing, but dp_world_size is {world} so every rank 0..{world - 1} must have saved one. "
+                    "A rank died during the save or the copy is partial; resume from the previous checkpoint."
+                )
     model_files = [tag_dir / MODEL_FILE.format(rank=r) for r in range(world)]
     optim_files = [tag_dir / OPTIM_FILE.format(prefix=prefix, rank=r) for r in range(world)]
-    for f in [*model_files, *optim_files]:
-        if not f.exists():
-            raise CheckpointError(
-                f"{f}: missing, but dp_world_size is {world} so every rank 0..{world - 1} must have saved one. "
-                "A rank died during the save or the copy is partial; resume from the previous checkpoint."
-            )
     extra = sorted(
         f.name for f in tag_dir.iterdir()
         if (m := RANK_FILE.match(f.name)) and int(m.group(2)) >= world
@@ -112,6 +137,9 @@ def open_zero3_checkpoint(path: str | Path, *, torch_free: bool = False) -> Zero
     for j, group_shapes in enumerate(shapes):
         offset = 0
         for name, shape in group_shapes.items():
+            if not isinstance(shape, (tuple, list)) or not all(type(d) is int and d >= 0 for d in shape):
+                raise CheckpointError(f"{model0}: param_shapes gives {name!r} the shape {shape!r}, expected "
+                                      "non-negative ints: the file is corrupted or was edited")
             numel = math.prod(shape)
             pn = partition_numel(numel, world)
             slots.append(ParamSlot(name, tuple(shape), numel, sub_group_param_group[j], j, offset, pn))
