@@ -15,6 +15,7 @@ from typing import Sequence
 import shardkit.commands as commands_pkg
 from shardkit._version import __version__
 from shardkit.commands._parser import HelpFormatter, json_results, reset_renamed_notes
+from shardkit.core.env_settings import check_all, warn_unknown
 from shardkit.core.errors import ShardkitError
 
 EPILOG = """examples:
@@ -69,8 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # every SHARDKIT_* variable judged before any work: a bad value refused naming it (exit 2),
         # not met hours later by the code that reads it; a name shardkit does not read warned about
-        from shardkit.core.env_settings import check_all, warn_unknown
-
         check_all()
         warn_unknown()
         # --json: the command's human lines go to stderr and its JSON result alone to stdout
