@@ -74,6 +74,17 @@ def test_the_mismatch_message_names_field_values_and_fix():
                               "every process of one run must run the same release")
 
 
+def test_the_launch_records_which_variables_made_it_rank_r_of_n():
+    from shardkit.checkpoint.io.shared_save import launch_from_env
+
+    pod = launch_from_env({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "23456",
+                           "HOME": "/root"})
+    assert pod.variables == (("RANK", "0"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "23456"))
+    step = launch_from_env({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"})
+    assert [k for k, _ in step.variables] == ["SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID", "SLURM_STEP_ID"]
+    assert launch_from_env({}).variables == ()
+
+
 # --- two processes meeting, on threads ---------------------------------------------------------------
 
 def _meet_both(root: Path, requests: list[RunRequest], tags: list[str] | None = None) -> list[BaseException | None]:

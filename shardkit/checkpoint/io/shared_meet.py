@@ -121,7 +121,7 @@ def join(root: Path, tag: str, launch: Launch, request: RunRequest, say: _Report
                 f"staging folder {staged} within {timeout:.0f} s ({seen}; this run is job {launch.job!r}). Rank 0 "
                 f"failed or never started (see its output), was given another -o or --tag (this process: -o "
                 f"{request.output}, --tag {shown('--tag', request.tag)}), or the nodes do not share the output "
-                f"filesystem: -o must be on storage every node sees. {_by_hand(launch)}. Nothing was written")
+                f"filesystem: -o must be on storage every node sees.{_sentence(_by_hand(launch))} Nothing was written")
         say.tick(now - started, timeout, lambda left, first: (
             f"rank {launch.rank} of {launch.world}{_why_split(launch) if first else ''}: "
             f"{'' if first else 'still '}waiting for rank 0 of this run to claim the staging folder {staged} (its "
@@ -159,9 +159,9 @@ def _agree(staged: Path, launch: Launch, request: RunRequest, say: _Reporter, st
         if now - joined_at > timeout + stale_s():
             raise CheckpointError(
                 f"rank {launch.rank} of {launch.world} ({launch.launcher}, host {launch.host}): rank 0 gave no word to "
-                f"start within {now - joined_at:.0f} s of this process joining although its heartbeat goes on (it gives it once every process "
-                "joined, or stops the run after SHARDKIT_JOIN_TIMEOUT_S): it is stuck (see its output). Nothing was "
-                "written; run the whole command again")
+                f"start within {now - joined_at:.0f} s of this process joining although its heartbeat goes on (it "
+                "gives it once every process joined, or stops the run after SHARDKIT_JOIN_TIMEOUT_S): it is stuck "
+                "(see its output). Nothing was written; run the whole command again")
         say.tick(now - started, timeout, lambda left, first: (
             f"rank {launch.rank} of {launch.world}{_why_split(launch) if first else ''}: agreed with rank 0 on what to "
             f"write; {'' if first else 'still '}waiting for its word, given once all {launch.world} processes have "
@@ -263,8 +263,8 @@ def _gather_agreement(staged: Path, launch: Launch, say: _Reporter, started: flo
             also = f" (also missing: ranks {_ranks(missing[1:])})" if len(missing) > 1 else ""
             error = (f"rank {missing[0]} of {launch.world} never joined within {timeout:.0f} s ({launch.launcher} job "
                      f"{launch.job!r}){also}: it did not start, or its node does not see {staged.parent} (-o must be on "
-                     f"storage every node shares), or it was given another -o or --tag. {_by_hand(launch)}. Nothing "
-                     "was written", "checkpoint")
+                     f"storage every node shares), or it was given another -o or --tag.{_sentence(_by_hand(launch))} "
+                     "Nothing was written", "checkpoint")
             break
         say.tick(waited, timeout, lambda left, first: (
             f"rank 0 of {launch.world}{_why_split(launch) if first else ''}: "
@@ -325,6 +325,10 @@ def _by_hand(launch: Launch, first: bool = True) -> str:
         return f"Started by hand? `unset {names}`"
     return (f"Started by hand in a shell that holds these variables (a pod's, a batch job's)? `unset {names}` and run "
             "it again as one process")
+
+
+def _sentence(text: str) -> str:
+    return f" {text}." if text else ""
 
 
 def _ranks(ranks: list[int]) -> str:

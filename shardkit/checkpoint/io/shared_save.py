@@ -275,13 +275,15 @@ def heartbeat(staged: Path, rank: int, *, alive_file: bool = True) -> Iterator[N
     block runs. ``alive_file=False``: the claim only (a save whose ranks meet in a process group)."""
     paths = ([staged / _ALIVE.format(rank=rank)] if alive_file else []) + ([staged / OWNER_NAME] if rank == 0 else [])
     stop = threading.Event()
+    # at least three beats per SHARDKIT_STALE_S, so a short one (tests set 3 s) never sees a live process as gone
+    interval = min(HEARTBEAT_S, stale_s() / 3)
 
     def beat() -> None:
         while True:
             for p in paths:
                 with contextlib.suppress(OSError):
                     p.touch()
-            if stop.wait(HEARTBEAT_S):
+            if stop.wait(interval):
                 return
 
     thread = threading.Thread(target=beat, name="shardkit-heartbeat", daemon=True)
