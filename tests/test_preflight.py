@@ -217,7 +217,7 @@ def test_cli_names_each_dead_ranks_exception_and_log_and_writes_a_failure_json(r
     code, out, err = run_cli("preflight", cfg, "--nproc", "3", "--device", "cpu", "--model", "tests._ranks_preflight:fails_to_build",
                              "--json", out_json)
     assert code == 1
-    assert "warning: --nproc 3 starts 3 CPU ranks on 1 core(s)" in err
+    assert "warning: --world-size 3 starts 3 CPU ranks on 1 core(s)" in err
     assert "3 of 3 rank(s) failed before the preflight finished:" in err
     data = json.loads(out_json.read_text())
     assert data["ok"] is False and data["world_size"] == 3 and [f["rank"] for f in data["failures"]] == [0, 1, 2]

@@ -104,9 +104,12 @@ def _placement_json(args: argparse.Namespace) -> Iterator[str | None]:
     from shardkit.commands._parser import emit_json
 
     if not args.json:
-        yield args.json_file
-        # the ranks wrote it (or the failure record): nothing to add
-        args.json_emitted = bool(args.json_file) and Path(args.json_file).is_file()
+        before = _stamp(args.json_file)
+        try:
+            yield args.json_file
+        finally:
+            # the ranks wrote it, or the failure record when they died: never replaced by a shorter one
+            args.json_emitted = _stamp(args.json_file) not in (None, before)
         return
     with tempfile.TemporaryDirectory(prefix="shardkit-preflight-json-") as tmp:
         path = Path(tmp) / "placement.json"
@@ -115,6 +118,16 @@ def _placement_json(args: argparse.Namespace) -> Iterator[str | None]:
         finally:
             if path.is_file():
                 emit_json(args, json.loads(path.read_text()))
+
+
+def _stamp(path: str | None) -> tuple[int, int] | None:
+    import os
+
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_ino) if st is not None else None
 
 
 def observed_command(args: argparse.Namespace, config: str | None) -> int:
