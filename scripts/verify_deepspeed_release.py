@@ -177,6 +177,11 @@ def verify(version: str, torch_version: str, workdir: Path, steps: int, nproc: i
         return {**row, "result": "fail", "broke": f"asked for deepspeed {version}, the venv imports {ds_seen}"}
     broke = []
     json_flag, ranks_flag = _smoke_flags(venv, env, workdir)
+    # An op build killed by an earlier run in this workdir (shardkit's 30-minute build limit, on a
+    # loaded machine) leaves its lock in the venv's own extensions folder, and the smoke then refuses
+    # to start. Only this script builds there, so its locks are this script's leftovers.
+    for lock in (venv / "torch_extensions").glob("*/lock"):
+        lock.unlink()
     kept = workdir / "kept-zero3"
     shutil.rmtree(kept, ignore_errors=True)
     for engine, config in SMOKES:
