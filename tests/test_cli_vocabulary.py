@@ -122,3 +122,17 @@ def test_launch_json_moves_the_scripts_output_to_stderr(tmp_path):
     data = json.loads(r.stdout)  # the script's line did not land on stdout
     assert data["exit_code"] == 0 and data["ok"] is True
     assert "from the script" in r.stderr
+
+
+def test_an_os_error_under_json_is_a_json_result_too(run_cli, tmp_path, monkeypatch):
+    import shardkit.checks as checks
+
+    def denied(path, **_):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(checks, "check_file", denied)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text("{}")
+    code, out, err = run_cli("check", cfg, "--json")
+    assert code == 1 and err.strip() == f"shardkit check: error: {cfg}: Permission denied"
+    assert json.loads(out) == {"command": "check", "ok": False, "exit_code": 1, "error": f"{cfg}: Permission denied"}

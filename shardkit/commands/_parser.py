@@ -205,12 +205,29 @@ def json_results(args: argparse.Namespace) -> Iterator[None]:
                 yield
         else:
             yield
-    except ShardkitError as exc:
+    except (ShardkitError, OSError, KeyboardInterrupt) as exc:
         if not getattr(args, "json_emitted", False):
-            emit_json(args, {"command": args.command, "ok": False, "exit_code": exc.exit_code, "error": str(exc)})
+            emit_json(args, {"command": args.command, "ok": False, "exit_code": _exit_code(exc), "error": _one_line(exc)})
         raise
     finally:
         _REAL_STDOUT.pop()
+
+
+def _exit_code(exc: BaseException) -> int:
+    """The code shardkit.cli.main returns for ``exc`` (130 Ctrl-C, 143 its SIGTERM exception)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 143 if type(exc).__name__ == "Terminated" else 130
+    return int(getattr(exc, "exit_code", 1))
+
+
+def _one_line(exc: BaseException) -> str:
+    """What shardkit.cli.main prints after 'error: ' for ``exc``."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "terminated (SIGTERM)" if type(exc).__name__ == "Terminated" else "interrupted"
+    if isinstance(exc, OSError) and not hasattr(exc, "exit_code"):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror or exc}"
+    return str(exc)
 
 
 def emit_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
