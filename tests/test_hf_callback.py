@@ -72,9 +72,11 @@ def test_shardkit_launch_injects_the_callback_into_an_unmodified_trainer_script(
     assert r.returncode == 0, _both(r)
     # the preflight came from the injected callback, exactly once (the torch forward/step hooks
     # stood down), over the engine the Trainer built
-    passed = [ln for ln in r.stderr.splitlines() if "placement preflight passed" in ln]
+    passed = [ln for ln in r.stderr.splitlines() if ln.startswith("shardkit autopreflight: placement preflight passed")]
     assert len(passed) == 1, _both(r)
     assert "on 2 rank(s)" in passed[0] and "HF Trainer, DeepSpeed ZeRO-3 engine + optimizer" in passed[0]
+    # and both ranks reported it to the launch, whose last line says so
+    assert r.stderr.strip().splitlines()[-1].startswith("shardkit launch: placement preflight passed on 2 of 2 rank(s)")
     assert "before the first optimizer step" in passed[0]
     # the filled config was checked (this config's one warning, printed once by rank 0)
     summary = '0 error(s), 1 warning(s) in HF Trainer DeepSpeed config ("auto" values filled by the Trainer)'
