@@ -103,13 +103,16 @@ def join(root: Path, tag: str, launch: Launch, request: RunRequest, say: _Report
     rank 0 found at another tag or output instead fails the run naming both values."""
     staged = staging_dir(root, tag)
     timeout = join_timeout_s()
-    looked_elsewhere = 0.0
+    # where else rank 0 may be is looked at once a second, from the first second on: a launched run
+    # finds its claim at once, and a thousand processes listing the output root together cost a
+    # shared filesystem more than the second they wait
+    looked_elsewhere = time.monotonic()
     while True:
         owner = read_json(staged / OWNER_NAME)
         if owner is not None and owner.get("job") == launch.job:
             return staged
         now = time.monotonic()
-        if now - looked_elsewhere > 0.5:
+        if now - looked_elsewhere > 1.0:
             looked_elsewhere = now
             found = _rank0_elsewhere(root, staged, launch)
             if found is not None:
@@ -166,7 +169,7 @@ def _agree(staged: Path, launch: Launch, request: RunRequest, say: _Reporter, st
             f"rank {launch.rank} of {launch.world}{_why_split(launch) if first else ''}: agreed with rank 0 on what to "
             f"write; {'' if first else 'still '}waiting for its word, given once all {launch.world} processes have "
             f"joined in {staged} (rank 0 stops the run if they have not in about {left:.0f} s: SHARDKIT_JOIN_TIMEOUT_S)"))
-        time.sleep(0.1)
+        time.sleep(0.2)
     if verdict.get("error"):
         with contextlib.suppress(OSError):
             (staged / SEEN.format(rank=launch.rank)).touch()
