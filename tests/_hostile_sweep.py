@@ -185,8 +185,10 @@ class Sources:
         shutil.copytree(self.root(kind), dst, symlinks=True)
         return dst
 
-    def command(self, name: str, src: Path, case_dir: Path) -> tuple[list[Any], Path | None]:
-        """argv of ``name`` on ``src`` and the output it publishes (None: verify)."""
+    def command(self, name: str, src: Path, case_dir: Path, *, ds_config: Path | None = None,
+                model_config: Path | None = None) -> tuple[list[Any], Path | None]:
+        """argv of ``name`` on ``src`` and the output it publishes (None: verify); ``ds_config`` and
+        ``model_config`` replace the session's own (a hostile config's sweep)."""
         if name == "verify":
             return ["verify", src, "--json"], None
         if name == "reshard":
@@ -196,10 +198,10 @@ class Sources:
         if name == "convert --to fsdp2":
             return ["convert", src, "--to", "fsdp2", "-o", case_dir / "out"], case_dir / "out"
         if name == "convert --to zero3":
-            return (["convert", src, "--to", "zero3", "--world-size", "2", "--ds-config", self.root("ds_config"),
+            return (["convert", src, "--to", "zero3", "--world-size", "2", "--ds-config", ds_config or self.root("ds_config"),
                      "-o", case_dir / "out"], case_dir / "out")
         if name == "export":
-            return ["export", src, "-o", case_dir / "out", "--model-config", self.root("model_config")], case_dir / "out"
+            return ["export", src, "-o", case_dir / "out", "--model-config", model_config or self.root("model_config")], case_dir / "out"
         raise KeyError(name)
 
     def reference(self, kind: str, name: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
@@ -274,9 +276,9 @@ def tensors_of(output: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
 
 
 def judge(sources: Sources, kind: str, name: str, case_dir: Path, src: Path, *, may_differ: bool,
-          label_prefix: str = "") -> str:
+          label_prefix: str = "", **configs: Path) -> str:
     """Run ``name`` on the mutated ``src`` and apply the per-case rule; returns the tally label."""
-    argv, output = sources.command(name, src, case_dir)
+    argv, output = sources.command(name, src, case_dir, **configs)
     done = run_cli(argv)
     text = done.out + done.err
     assert done.code in (0, 1, 2), f"exit {done.code} from {argv}:\n{text}"

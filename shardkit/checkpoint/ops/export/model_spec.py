@@ -72,11 +72,13 @@ def meta_model(config_dir: Path) -> Any:
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     raw = read_config(config_dir)
+    _check_layer_count(raw, config_dir / CONFIG_NAME)
     try:
         cfg = transformers.AutoConfig.from_pretrained(str(config_dir))
-    except (ValueError, KeyError, OSError) as exc:
-        raise UsageError(f"{config_dir / CONFIG_NAME}: transformers cannot build a config from it ({exc}); pass "
-                         "--model-config DIR with the config.json the model was built from") from None
+    except Exception as exc:  # transformers' own validation: ValueError, TypeError, its strict-dataclass errors
+        raise UsageError(f"{config_dir / CONFIG_NAME}: transformers cannot build a config from it "
+                         f"({type(exc).__name__}: {_first_line(exc)}); pass --model-config DIR with the config.json "
+                         "the model was built from") from None
     if get_checkpoint_conversion_mapping(cfg.model_type):
         raise CheckpointError(
             f"{config_dir / CONFIG_NAME}: model_type {cfg.model_type!r}: transformers renames or fuses this model's "
@@ -88,9 +90,28 @@ def meta_model(config_dir: Path) -> Any:
     with torch.device("meta"):
         try:
             return cls._from_config(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
-        except ValueError as exc:
-            raise UsageError(f"{config_dir / CONFIG_NAME}: no transformers model class for it ({exc}); pass "
-                             "--model-config DIR with a causal-LM config transformers knows") from None
+        except Exception as exc:  # a model class refusing its config: ValueError, TypeError, ZeroDivisionError...
+            raise UsageError(f"{config_dir / CONFIG_NAME}: transformers cannot build a model from it "
+                             f"({type(exc).__name__}: {_first_line(exc)}); pass --model-config DIR with the "
+                             "config.json of a causal LM transformers knows, the one the model was built from") from None
+
+
+# More decoder layers than any released model has by two orders of magnitude: building a typo'd
+# "num_hidden_layers": 1000000000 on the meta device would run for hours (the hostile sweep's finding).
+MAX_LAYERS = 10_000
+
+
+def _check_layer_count(raw: dict[str, Any], path: Path) -> None:
+    for where, section in (("", raw), ("text_config.", raw.get("text_config"))):
+        layers = section.get("num_hidden_layers") if isinstance(section, dict) else None
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers > MAX_LAYERS:
+            raise UsageError(f"{path}: {where}num_hidden_layers is {layers:,}, more than {MAX_LAYERS:,}: a typo? "
+                             "Pass --model-config DIR with the config.json the model was built from")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else "no detail"
 
 
 def model_spec(config_dir: Path) -> ModelSpec:
