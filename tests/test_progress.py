@@ -99,3 +99,33 @@ def test_the_hashing_writer_reports_every_byte_it_writes(tmp_path):
         w.write(b"a" * 1000)
         w.write(memoryview(bytearray(24)))
     assert meter._done == 1024 == (tmp_path / "f").stat().st_size
+
+
+def test_rank_0_adds_up_the_other_processes_heartbeats_or_scales_what_it_heard():
+    clock = _Clock()
+    meter = progress.ByteProgress("shardkit reshard", processes=3, clock=clock)
+    meter.expect(100)
+    meter.advance(50)
+    clock.now += 1.0
+    meter.peers = lambda: [(20, 100)]  # one of the two others has beaten
+    assert meter.job() == (105, 300, " (estimated for 3 processes: the 2 processes heard from so far, scaled to 3)")
+    meter.peers, meter._peers_read = (lambda: [(20, 100), (100, 100)]), None
+    assert meter.job() == (170, 300, " (all 3 processes, from their heartbeat files)")
+    assert meter.line().startswith("shardkit reshard: 170 B of 300 B (57%), 170 B/s")
+
+
+def test_the_heartbeat_carries_the_counts_to_rank_0(tmp_path):
+    from shardkit.checkpoint.io.shared_save import heartbeat
+
+    with progress.reporting("x", quiet=True, rank=1, processes=2):
+        progress.expect(1000)
+        progress.advance(400)
+        with heartbeat(tmp_path, 1):
+            pass
+    assert (tmp_path / ".shardkit-alive-1").read_text().split() == ["400", "1000"]
+    with progress.reporting("x", quiet=True, rank=0, processes=2) as meter:
+        progress.expect(1000)
+        progress.advance(1000)
+        with heartbeat(tmp_path, 0):
+            assert meter.job()[:2] == (1400, 2000)
+        assert meter.job()[:2] == (1400, 2000)  # what the peers last said is kept once the heartbeat ends

@@ -9,8 +9,11 @@ option threaded through them.
 A command turns reporting on around its work with :func:`reporting`: a live rich bar on a terminal,
 a plain line every ``interval`` seconds otherwise (a Slurm log, a pipe), one closing line, nothing
 with ``quiet``. Always on stderr: stdout carries ``--json``. Under srun/torchrun only the process
-with rank 0 reports, for the whole job, as its own share times the number of processes (the shares
-are split by bytes, so they advance at about the same pace); the line says so.
+with rank 0 reports, for the whole job: the other processes' counts come from the heartbeat files
+the shared save already writes (``shared_save.heartbeat`` puts :func:`counts` in them, rank 0's
+heartbeat registers their reader with :func:`watch_peers`); until every process has beaten once, or
+where there are no heartbeat files, rank 0's own share times the number of processes stands in (the
+shares are split by bytes, so they advance at about the same pace). The line says which.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class ByteProgress:
         self.started = clock()
         self._done, self._total = 0, 0
         self._lock = threading.Lock()
+        self.peers: Callable[[], list[tuple[int, int]]] | None = None
+        """The other processes' (bytes written, bytes expected), as their heartbeat files last said."""
+        self._peers_read: tuple[float, list[tuple[int, int]]] | None = None
 
     def advance(self, nbytes: int) -> None:
         with self._lock:
@@ -44,17 +50,43 @@ class ByteProgress:
 
     @property
     def done(self) -> int:
-        """Bytes of the whole job (this process's share times the processes under a launcher)."""
-        return self._done * self.processes
+        """Bytes of the whole job written so far (see ``job``)."""
+        return self.job()[0]
 
     @property
     def total(self) -> int | None:
-        return self._total * self.processes if self._total else None
+        return self.job()[1] or None
+
+    def job(self) -> tuple[int, int, str]:
+        """(done, expected, how it is known) for the whole job: this process's own counts alone; under
+        a launcher, summed with every other process's heartbeat, or scaled up from the processes heard so far."""
+        if self.processes == 1:
+            return self._done, self._total, ""
+        peers = self._peer_counts()
+        heard = 1 + len(peers)
+        done, total = self._done + sum(d for d, _ in peers), self._total + sum(t for _, t in peers)
+        if heard >= self.processes:
+            return done, total, f" (all {self.processes} processes, from their heartbeat files)"
+        scale = self.processes / heard
+        how = (f"this process's share x {self.processes}" if heard == 1 else
+               f"the {heard} processes heard from so far, scaled to {self.processes}")
+        return int(done * scale), int(total * scale), f" (estimated for {self.processes} processes: {how})"
+
+    def _peer_counts(self) -> list[tuple[int, int]]:
+        # read at most every 2 s: the live bar asks 5 times a second, and a thousand heartbeat files on
+        # a shared filesystem are not free
+        if self.peers is None:
+            return []
+        now = self.clock()
+        if self._peers_read is None or now - self._peers_read[0] >= 2.0:
+            self._peers_read = (now, self.peers())
+        return self._peers_read[1]
 
     def line(self) -> str:
         """``label: 1.2 GiB of 4.0 GiB (30%), 310 MiB/s, 9 s left``: what a plain progress line says."""
         elapsed = max(self.clock() - self.started, 1e-9)
-        done, total = self.done, self.total
+        done, expected, how = self.job()
+        total = expected or None
         rate = done / elapsed
         text = f"{self.label}: {format_bytes(done)}"
         if total:
@@ -62,9 +94,7 @@ class ByteProgress:
         text += f", {format_bytes(rate)}/s"
         if total and rate > 0:
             text += f", {_duration(max(0.0, (total - done) / rate))} left"
-        if self.processes > 1:
-            text += f" (estimated for {self.processes} processes: this process's share x {self.processes})"
-        return text
+        return text + how
 
 
 _ACTIVE: ByteProgress | None = None
@@ -82,6 +112,19 @@ def expect(nbytes: int) -> None:
     active = _ACTIVE
     if active is not None:
         active.expect(nbytes)
+
+
+def counts() -> tuple[int, int]:
+    """This process's (bytes written, bytes expected) in the command now reporting; (0, 0) when none."""
+    active = _ACTIVE
+    return (active._done, active._total) if active is not None else (0, 0)
+
+
+def watch_peers(read: Callable[[], list[tuple[int, int]]] | None) -> None:
+    """Rank 0 of a split command: where the other processes' counts are read (None: no longer)."""
+    active = _ACTIVE
+    if active is not None:
+        active.peers, active._peers_read = read, None
 
 
 @contextmanager

@@ -37,6 +37,7 @@ from typing import Any, Iterator, Mapping
 from shardkit.checkpoint.io.atomic import atomic_write_text, publish_tag, remove_stale_saves, staging_dir
 from shardkit.checkpoint.io.manifest import FileEntry, Manifest, write_manifest
 from shardkit.checkpoint.io.tags import LATEST_NAME
+from shardkit.core import progress
 from shardkit.core.env_settings import read_seconds
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import SHARDKIT_VERSION
@@ -272,8 +273,12 @@ def _interrupts_held() -> Iterator[None]:
 @contextlib.contextmanager
 def heartbeat(staged: Path, rank: int, *, alive_file: bool = True) -> Iterator[None]:
     """Touch this process's alive file (and, for rank 0, the claim) every ``HEARTBEAT_S`` while the
-    block runs. ``alive_file=False``: the claim only (a save whose ranks meet in a process group)."""
-    paths = ([staged / _ALIVE.format(rank=rank)] if alive_file else []) + ([staged / OWNER_NAME] if rank == 0 else [])
+    block runs. ``alive_file=False``: the claim only (a save whose ranks meet in a process group).
+
+    The alive file holds this process's bytes written and expected (``core.progress.counts``), so
+    rank 0's progress line adds up the whole job (``progress.watch_peers``) without a message."""
+    own = staged / _ALIVE.format(rank=rank) if alive_file else None
+    paths = ([own] if own is not None else []) + ([staged / OWNER_NAME] if rank == 0 else [])
     stop = threading.Event()
     # at least three beats per SHARDKIT_STALE_S, so a short one (tests set 3 s) never sees a live process as gone
     interval = min(HEARTBEAT_S, stale_s() / 3)
@@ -282,17 +287,43 @@ def heartbeat(staged: Path, rank: int, *, alive_file: bool = True) -> Iterator[N
         while True:
             for p in paths:
                 with contextlib.suppress(OSError):
-                    p.touch()
+                    if p == own:
+                        p.write_text("%d %d\n" % progress.counts())
+                    else:
+                        p.touch()
             if stop.wait(interval):
                 return
 
     thread = threading.Thread(target=beat, name="shardkit-heartbeat", daemon=True)
     thread.start()
+    if rank == 0 and own is not None:
+        progress.watch_peers(lambda: _peer_counts(staged, own))
     try:
         yield
     finally:
         stop.set()
         thread.join()
+        if own is not None and rank != 0:
+            with contextlib.suppress(OSError):
+                own.write_text("%d %d\n" % progress.counts())  # the final count, for rank 0's closing line
+        if rank == 0 and own is not None:
+            final = _peer_counts(staged, own)
+            progress.watch_peers(lambda: final)  # the staging folder is sealed next: keep what it last said
+
+
+def _peer_counts(staged: Path, own: Path) -> list[tuple[int, int]]:
+    """(bytes written, expected) from every other process's alive file that holds them yet."""
+    found = []
+    for path in staged.glob(_ALIVE.format(rank="*")):
+        if path == own:
+            continue
+        try:
+            done, expected = (int(x) for x in path.read_text().split())
+        except (OSError, ValueError):  # not written yet, or caught mid-write: next time
+            continue
+        if expected > 0:  # a process that has not planned its share yet says nothing about the job
+            found.append((done, expected))
+    return found
 
 
 def write_part(staged: Path, launch: Launch, files: list[FileEntry], error: str | None) -> None:
