@@ -97,6 +97,10 @@ def test_the_reported_cases_are_refused_at_once_naming_the_value_and_the_range(c
     code, _, err, _ = _run(capsys, ["config", "zero3", "--fit", "80GiB", "--params", "7B", "--world-size", "0",
                                     "--no-accelerator"])
     assert code == 2 and "--world-size 0: out of range" in err
+    code, _, err, _ = _run(capsys, ["config", "zero3", "--fit", ",512GiB", "--params", "7B", "--no-accelerator"])
+    assert code == 2 and "--fit ',512GiB': no GPU memory before the comma" in err  # was: no GPU limit at all
+    code, _, err, _ = _run(capsys, ["config", "zero3", "--fit", "80GiB,2PB", "--params", "7B", "--no-accelerator"])
+    assert code == 2 and "--fit HOST_MEM '2PB'" in err
     code, _, err, _ = _run(capsys, ["estimate", "--params", "7B", "--largest-layer", "8B"])
     assert code == 2 and "--largest-layer 8B is more than --params 7B" in err
     cfg = tmp_path / "ds.json"

@@ -79,10 +79,11 @@ def run_shape(args: argparse.Namespace, world_size: int, micro_batch: int) -> An
                     activation_checkpointing=args.activation_checkpointing, whole_model_init=args.whole_model_init)
 
 
-def limits(gpu: str | None, host: str | None) -> tuple[int | None, int | None]:
+def limits(gpu: str | None, host: str | None, flags: tuple[str, str] = ("--gpu-memory", "--host-memory")
+           ) -> tuple[int | None, int | None]:
     from shardkit.estimate.units import parse_size
 
-    return (parse_size(gpu, "--gpu-memory") if gpu else None, parse_size(host, "--host-memory") if host else None)
+    return (parse_size(gpu, flags[0]) if gpu else None, parse_size(host, flags[1]) if host else None)
 
 
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,7 +170,9 @@ def fit(args: argparse.Namespace, build: Any) -> None:
         raise UsageError(f"--fit chooses the offload itself: drop {' and '.join(chosen_flags)} (or drop --fit to "
                          "write exactly what you asked for)")
     gpu_text, _, host_text = args.fit.partition(",")
-    gpu, host = limits(gpu_text, host_text or None)
+    if not gpu_text.strip():
+        raise UsageError(f"--fit {args.fit!r}: no GPU memory before the comma. Write GPU_MEM[,HOST_MEM], e.g. 80GiB,512GiB")
+    gpu, host = limits(gpu_text, host_text or None, ("--fit GPU_MEM", "--fit HOST_MEM"))
     wrap = args.wrap if args.kind == "fsdp" else ["LlamaDecoderLayer"]
     model = resolve_model(args.model, args.params, args.largest_layer, wrap)
     from shardkit.estimate.bounds import WORLD_SIZE, check_flag
