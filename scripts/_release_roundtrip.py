@@ -6,7 +6,7 @@ Python of the venv under test (its torch and its installed shardkit), never with
 
 ``compare`` prints one JSON line {"ok", "files", "tensors", "first_difference"}: every *.pt file of
 the original has a namesake in the round trip, every tensor equal in dtype, shape and bits, every
-other entry equal in repr (what tests/test_convert_fsdp_to_zero3.py checks for the round trip).
+other entry equal in repr (a list and a tuple of equal items alike) (what tests/test_convert_fsdp_to_zero3.py checks for the round trip).
 ``ds-config`` writes the DeepSpeed config the checkpoint recorded (what `convert --to zero3` needs
 to write the same file layout back).
 """
@@ -27,6 +27,14 @@ def _leaves(obj: Any, path: str = "") -> dict[str, Any]:
     if isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, torch.Tensor)) for v in obj):
         return {k: v for i, value in enumerate(obj) for k, v in _leaves(value, f"{path}[{i}]").items()}
     return {path: obj}
+
+
+def _plain(value: Any) -> str:
+    """repr with lists and tuples alike: a JSON config gives Adam's betas as a list, torch's
+    optimizers and the converters write a tuple, and an optimizer reads both the same way."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_plain(v) for v in value) + "]"
+    return repr(value)
 
 
 def _first_difference(original: Path, round_trip: Path) -> tuple[str | None, int, int]:
@@ -52,7 +60,7 @@ def _first_difference(original: Path, round_trip: Path) -> tuple[str | None, int
                     torch.equal(va.view(torch.uint8), vb.view(torch.uint8)) if va.numel() else True)
                 if not same:
                     return f"{name}{key}: tensor differs", len(names), tensors
-            elif repr(va) != repr(vb):
+            elif _plain(va) != _plain(vb):
                 return f"{name}{key}: {va!r} != {vb!r}", len(names), tensors
     return None, len(names), tensors
 

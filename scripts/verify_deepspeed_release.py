@@ -87,6 +87,8 @@ def _round_trips(venv: Path, kept: Path, workdir: Path, log: Path, env: dict[str
         ],
     }
     results = {"reshard 2 -> 1 -> 2 ranks": workdir / "rt-reshard-2", "convert zero3 -> fsdp2 -> zero3 at 2 ranks": workdir / "rt-zero3"}
+    for name in ("rt-reshard-1", "rt-reshard-2", "rt-dcp", "rt-zero3"):  # a rerun's outputs start empty
+        shutil.rmtree(workdir / name, ignore_errors=True)
     out = []
     for name, commands in plans.items():
         t0 = time.monotonic()
