@@ -216,6 +216,16 @@ class Sources:
         return self._references[key]
 
 
+_SOURCES: dict[Path, Sources] = {}
+
+
+def sources_for(base: Path) -> Sources:
+    """One Sources per base folder for the whole session (every sweep module's fixture shares it)."""
+    if base not in _SOURCES:
+        _SOURCES[base] = Sources(base)
+    return _SOURCES[base]
+
+
 @contextlib.contextmanager
 def case_folder(base: Path) -> Any:
     base.mkdir(parents=True, exist_ok=True)

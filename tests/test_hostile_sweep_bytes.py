@@ -19,13 +19,13 @@ pytestmark = pytest.mark.slow
 
 # No shrinking (phases): the first failing case is reported as drawn; shrinking reruns whole
 # commands for minutes. derandomize: CI draws the same cases every run, so a failure reproduces.
-SWEEP = settings(phases=[Phase.explicit, Phase.generate], max_examples=int(__import__("os").environ.get("HOSTILE_SWEEP_EXAMPLES", "60")), deadline=None,
+SWEEP = settings(phases=[Phase.explicit, Phase.generate], max_examples=int(__import__("os").environ.get("HOSTILE_SWEEP_EXAMPLES", "50")), deadline=None,
                  derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="session")
 def sweep_sources(tmp_path_factory) -> H.Sources:
-    return H.Sources(tmp_path_factory.getbasetemp())
+    return H.sources_for(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -27,14 +27,14 @@ pytestmark = pytest.mark.slow
 
 # No shrinking: the first failing case is reported as drawn; derandomize: the same cases every run.
 SWEEP = settings(phases=[Phase.explicit, Phase.generate], deadline=None, derandomize=True, database=None,
-                 max_examples=int(__import__("os").environ.get("HOSTILE_SWEEP_EXAMPLES", "60")),
+                 max_examples=int(__import__("os").environ.get("HOSTILE_SWEEP_EXAMPLES", "50")),
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 DELETE = object()
 
 
 @pytest.fixture(scope="session")
 def sweep_sources(tmp_path_factory) -> H.Sources:
-    return H.Sources(tmp_path_factory.getbasetemp())
+    return H.sources_for(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -27,14 +27,14 @@ from tests.test_hostile_sweep_fields import DELETE, HOSTILE, paths, replaced
 pytestmark = pytest.mark.slow
 
 SWEEP = settings(phases=[Phase.explicit, Phase.generate], deadline=None, derandomize=True, database=None,
-                 max_examples=int(__import__("os").environ.get("HOSTILE_SWEEP_EXAMPLES", "60")),
+                 max_examples=int(__import__("os").environ.get("HOSTILE_SWEEP_EXAMPLES", "50")),
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 READER_TIMEOUT_S = 20
 
 
 @pytest.fixture(scope="session")
 def sweep_sources(tmp_path_factory) -> H.Sources:
-    return H.Sources(tmp_path_factory.getbasetemp())
+    return H.sources_for(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="module", autouse=True)
