@@ -131,10 +131,10 @@ def reshard_zero3(
         raise UsageError(f"workers={workers}: must be at least 1 (threads writing rank files at once)")
     launch = launch or launch_from_env()
     warn = warn or warn_unverified
+    refuse_unsupported(checkpoint, "reshard")  # a layout nothing converts correctly: refused before anything is read
     source_dir, source_tag = resolve_tag_dir(checkpoint)
     tag = output_tag(tag, checkpoint, source_dir, source_tag)
     root = Path(output)
-    refuse_unsupported(checkpoint, "reshard")  # a layout nothing converts correctly: refused before anything is read
     if launch.rank == 0:
         # the others write into the staging folder rank 0 claims after this check (by the time
         # they run it, that folder may already be in ``root``)

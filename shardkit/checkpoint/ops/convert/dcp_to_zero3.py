@@ -149,8 +149,8 @@ def convert_dcp_to_zero3(
                          "the training job")
     launch = launch or launch_from_env()
     warn = warn or warn_unverified
-    tag_dir = resolve_dcp_tag_dir(source)
     refuse_unsupported(source, "convert --to zero3")  # a layout nothing converts correctly: refused before anything is read
+    tag_dir = resolve_dcp_tag_dir(source)
     tag = check_tag(tag) if tag is not None else check_tag(tag_dir.name, "source tag (the source folder's name; no --tag given)")
     root = Path(output)
     if launch.rank == 0:

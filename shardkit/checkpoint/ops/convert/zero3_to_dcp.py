@@ -116,8 +116,8 @@ def convert_zero3_to_dcp(
         raise UsageError(f"workers={workers}: must be at least 1 (files written at once)")
     launch = launch or launch_from_env()
     warn = warn or warn_unverified
-    source_dir, source_tag = resolve_tag_dir(source)
     refuse_unsupported(source, "convert --to fsdp2")  # a layout nothing converts correctly: refused before anything is read
+    source_dir, source_tag = resolve_tag_dir(source)
     refuse_if_any(layout_refusals(source_dir), source_dir, "fsdp2")
     tag = output_tag(tag, source, source_dir, source_tag)
     root = Path(output)
