@@ -7,6 +7,7 @@ tests/_hostile_sweep.py; the tally goes to docs/reliability.md (scripts/hostile_
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 # No shrinking (phases): the first failing case is reported as drawn; shrinking reruns whole
 # commands for minutes. derandomize: CI draws the same cases every run, so a failure reproduces.
-SWEEP = settings(phases=[Phase.explicit, Phase.generate], max_examples=int(__import__("os").environ.get("HOSTILE_SWEEP_EXAMPLES", "50")), deadline=None,
+SWEEP = settings(phases=[Phase.explicit, Phase.generate], max_examples=int(os.environ.get("HOSTILE_SWEEP_EXAMPLES", "50")), deadline=None,
                  derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 

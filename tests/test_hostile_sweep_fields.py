@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 # No shrinking: the first failing case is reported as drawn; derandomize: the same cases every run.
 SWEEP = settings(phases=[Phase.explicit, Phase.generate], deadline=None, derandomize=True, database=None,
-                 max_examples=int(__import__("os").environ.get("HOSTILE_SWEEP_EXAMPLES", "50")),
+                 max_examples=int(os.environ.get("HOSTILE_SWEEP_EXAMPLES", "50")),
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 DELETE = object()
 

@@ -10,6 +10,7 @@ Regression tests for the reader fixes the sweep led to are at the end.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -27,7 +28,7 @@ from tests.test_hostile_sweep_fields import DELETE, HOSTILE, paths, replaced
 pytestmark = pytest.mark.slow
 
 SWEEP = settings(phases=[Phase.explicit, Phase.generate], deadline=None, derandomize=True, database=None,
-                 max_examples=int(__import__("os").environ.get("HOSTILE_SWEEP_EXAMPLES", "50")),
+                 max_examples=int(os.environ.get("HOSTILE_SWEEP_EXAMPLES", "50")),
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 READER_TIMEOUT_S = 20
 
