@@ -53,3 +53,20 @@ def test_apply_fsdp_shards_each_decoder_layer_and_trains_on_two_gloo_ranks():
     # every parameter moved by the step, identically on both ranks (same full tensors after gather)
     assert r0["changed"] == r0["n_params"] and r0["norm"] == r1["norm"]
     assert r0["param_dtype"] == "torch.float32"  # masters stay fp32 under bf16 compute
+
+
+def test_the_fsdp2_root_gets_reshard_true_on_torch_2_6_which_refuses_none(monkeypatch):
+    # torch 2.6's fully_shard refuses reshard_after_forward=None (the release verifier's 2.6 FSDP2 smoke
+    # failed on it); 2.7 and later take None for the root
+    import torch
+
+    import shardkit.engines.fsdp as engine
+    from shardkit.platform import versions
+
+    seen: list[object] = []
+    monkeypatch.setattr("torch.distributed.fsdp.fully_shard", lambda module, **kw: seen.append(kw["reshard_after_forward"]))
+    for installed, root in (("2.6.0+cpu", True), ("2.7.0", None), ("2.13.0+cpu", None)):
+        monkeypatch.setattr(versions, "package_version", lambda name, **_: installed)
+        seen.clear()
+        engine.apply_fsdp(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"fsdp": {"wrap": []}})
+        assert seen[-1] is root, (installed, seen)

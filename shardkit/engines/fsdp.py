@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from shardkit.config.fsdp import FSDPConfig, fsdp_config_from_dict
 from shardkit.core.errors import ConfigError
 from shardkit.platform.device_rules import accelerator_device
+from shardkit.platform.versions import fsdp2_root_reshard_none_supported
 
 if TYPE_CHECKING:
     import torch
@@ -85,8 +86,10 @@ def apply_fsdp(model: "torch.nn.Module", cfg: FSDPConfig | dict[str, Any], mesh:
         if module is not model and type(module).__name__ in wrap:
             fully_shard(module, reshard_after_forward=opts.reshard_after_forward, **kwargs)
     # Root: None lets torch keep it unsharded after forward (backward needs it first) when
-    # resharding is on; False keeps SHARD_GRAD_OP semantics for everything.
-    fully_shard(model, reshard_after_forward=None if opts.reshard_after_forward else False, **kwargs)
+    # resharding is on (torch >= 2.7; 2.6 takes only a bool, and True is its default); False keeps
+    # SHARD_GRAD_OP semantics for everything.
+    root_reshard: bool | None = (None if fsdp2_root_reshard_none_supported() else True) if opts.reshard_after_forward else False
+    fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
     return model
 
 

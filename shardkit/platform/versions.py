@@ -31,6 +31,18 @@ PIN_MEMORY_DEFAULT_TRUE_SINCE = Version("0.19.5")
 
 PACKAGES = ("torch", "deepspeed", "transformers")
 
+#: torch 2.7 added ``reshard_after_forward=None`` to ``fully_shard`` (the root stays unsharded after
+#: forward, since backward needs it first); torch 2.6 refuses None ("reshard_after_forward should be a
+#: bool or an int"), so an FSDP2 root there gets True, 2.6's own default (the release verifier's
+#: torch 2.6 run failed its FSDP2 smoke on this, docs/versions.md).
+FSDP2_ROOT_NONE_SINCE = Version("2.7")
+
+
+def fsdp2_root_reshard_none_supported() -> bool:
+    """Whether the installed torch's ``fully_shard`` takes ``reshard_after_forward=None``."""
+    installed = package_version("torch")
+    return installed is None or Version(Version(installed).base_version) >= FSDP2_ROOT_NONE_SINCE
+
 
 def package_version(name: str, *, imported_first: bool = False) -> str | None:
     """The one version reader: a distribution's version from package metadata (no heavy imports),
