@@ -48,6 +48,7 @@ from shardkit.checkpoint.io.request import RunRequest, source_of
 from shardkit.checkpoint.io.shared_save import Launch, launch_from_env, outcome_unchanged, split_by_bytes
 from shardkit.checkpoint.io.shared_tag import Activity, signatures, write_tag_shared
 from shardkit.checkpoint.io.stream import WrittenFile, copy_file_hashed, write_parallel
+from shardkit.checkpoint.io.torch_load import read_structure
 from shardkit.checkpoint.io.torch_zip import write_torch_zip
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
@@ -228,6 +229,10 @@ def _copy_jobs(ckpt: Zero3Checkpoint, expected: dict[str, FileEntry]) -> list[_J
     # without reflinks (ext4).
     def copy(src: Path) -> Callable[[Path], WrittenFile]:
         def write(out: Path) -> WrittenFile:
+            # a copy carries whatever the file's pickle holds: parse it through the allow-list first
+            # (the pickle only, not the tensor records), so a rank file no reader parses (model states
+            # of rank > 0) cannot carry a code-running global into a sealed output DeepSpeed would load
+            read_structure(src)
             want = expected.get(src.name)
             # hashed with the source manifest's algorithm: the copy's digest is the check of the source as well
             digest = copy_file_hashed(src, out, algorithm=want.algorithm if want is not None else None)
