@@ -359,3 +359,26 @@ def test_files_named_for_another_precision_than_the_resuming_run_are_named_befor
         check_resumable(tmp_path, bf16=True)
     # shardkit's own loader (allow_reshard) reads either naming: no error there
     assert verify_checkpoint(tmp_path, bf16=True, allow_reshard=True).ok
+
+
+def test_a_dcp_shard_the_manifest_does_not_list_fails_verify_naming_it(tmp_path):
+    # found by the hostile sweep: a manifest with a .distcp entry dropped verified, and the converts
+    # then read that shard unchecked; a data file the loaders read must be vouched for
+    import json
+
+    d = tmp_path / "step5"
+    d.mkdir()
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
+        (d / name).write_bytes(name.encode() * 10)
+    seal(d, engine="fsdp2", world_size=2, step=5)
+    write_latest(tmp_path, "step5")
+    assert verify_checkpoint(tmp_path).ok
+    data = json.loads((d / MANIFEST_NAME).read_text())
+    data["files"] = [f for f in data["files"] if f["path"] != "__1_0.distcp"]
+    (d / MANIFEST_NAME).write_text(json.dumps(data))
+    rep = verify_checkpoint(tmp_path)
+    unlisted = [f for f in rep.errors if f.rule == "ckpt.file.unlisted"]
+    assert not rep.ok and [f.key for f in unlisted] == ["__1_0.distcp"], rep.findings
+    assert "it would be read unverified" in unlisted[0].message and "restore the manifest" in unlisted[0].fix
+    (d / "notes.txt").write_text("a user's note")  # any other file stays a warning
+    assert "ckpt.file.extra" in [f.rule for f in verify_checkpoint(tmp_path).warnings]

@@ -23,6 +23,7 @@ from shardkit.checkpoint.io.manifest import (
     file_digest,
     read_manifest,
 )
+from shardkit.checkpoint.io.rank_coverage import RANK_NAME, missing_rank_files, rank_pattern
 from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX, latest_tag, read_latest
 from shardkit.core.errors import CheckpointError
 from shardkit.core.findings import Finding, Report, Severity
@@ -211,7 +212,7 @@ def precision_naming_problem(tag_dir: Path, bf16: bool) -> tuple[str, str] | Non
     other (``DeepSpeedEngine._get_all_zero_checkpoints``, with the warning "Loading bf16 zero
     checkpoints into fp16 training engine") runs only when ``_get_all_zero_checkpoint_names`` returns
     None, which it never does. The user meets ``FileNotFoundError: ...bf16_zero_pp_rank_0_...``."""
-    files = sorted(f.name for f in tag_dir.iterdir() if (m := _RANK_NAME.match(f.name)) and m.group(2) == "optim")
+    files = sorted(f.name for f in tag_dir.iterdir() if (m := RANK_NAME.match(f.name)) and m.group(2) == "optim")
     if not files:
         return None
     bf16_files = [f for f in files if f.startswith("bf16_")]
@@ -230,43 +231,6 @@ def precision_naming_problem(tag_dir: Path, bf16: bool) -> tuple[str, str] | Non
            "naming (the fp32 masters are the same); for a `shardkit convert --to zero3` output, convert again with "
            "--ds-config set to this run's config")
     return message, fix
-
-
-_RANK_NAME = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d{1,9})_mp_rank_\d+_(optim|model)_states\.pt$")
-#: Missing ranks named one by one; beyond that one finding counts the rest.
-_MISSING_RANKS_SHOWN = 5
-
-
-def _rank_pattern(kind: str, rank: int) -> str:
-    return rf"^{'(bf16_)?' if kind == 'optim' else ''}zero_pp_rank_{rank}_mp_rank_\d+_{kind}_states\.pt$"
-
-
-def _missing_rank_files(m: Manifest) -> list[tuple[str, int, list[int]]]:
-    """(kind, how many ranks lack a ``kind`` states file, the first few of them) for the per-rank
-    DeepSpeed files the manifest's world size needs. One pass over the listed files: the cost
-    follows what the manifest lists, never the world size it claims."""
-    if m.engine != "deepspeed" or not m.zero_stage:
-        return []
-    kinds = ("optim", "model") if m.zero_stage == 3 else ("optim",)
-    present: dict[str, set[int]] = {k: set() for k in kinds}
-    for entry in m.files:
-        match = _RANK_NAME.match(entry.path.rsplit("/", 1)[-1])
-        if match and match.group(2) in present and int(match.group(1)) < m.world_size:
-            present[match.group(2)].add(int(match.group(1)))
-    out = []
-    for kind in kinds:
-        have = present[kind]
-        count = m.world_size - len(have)
-        if count == 0:
-            continue
-        first: list[int] = []
-        r = 0
-        while len(first) < _MISSING_RANKS_SHOWN and r < m.world_size:  # <= len(have) + shown steps
-            if r not in have:
-                first.append(r)
-            r += 1
-        out.append((kind, count, first))
-    return out
 
 
 @os_errors_named("verifying the checkpoint")
@@ -340,9 +304,9 @@ def verify_checkpoint(
             report.add(_err(entry.path, f"{entry.algorithm} mismatch", f"{f}: content differs from the manifest "
                             f"({entry.algorithm} mismatch): the file is corrupted or was modified after the save",
                             "restore the file from a good copy or resume from another tag", "ckpt.file.checksum"))
-    for kind, count, first in _missing_rank_files(m):
+    for kind, count, first in missing_rank_files(m):
         for r in first:
-            report.add(_err(f"rank {r}", None, f"{tag_dir}: no file for rank {r} matching {_rank_pattern(kind, r)} "
+            report.add(_err(f"rank {r}", None, f"{tag_dir}: no file for rank {r} matching {rank_pattern(kind, r)} "
                             f"although the checkpoint records world_size={m.world_size}",
                             "the save is incomplete; resume from another tag", "ckpt.rank_file.missing"))
         if count > len(first):
@@ -351,7 +315,16 @@ def verify_checkpoint(
                             f"lists {len(m.files)} files)", "the save is incomplete, or its manifest was edited; "
                             "resume from another tag", "ckpt.rank_file.missing"))
     for rel in checkpoint_files(tag_dir):
-        if rel not in listed:
+        if rel in listed:
+            continue
+        if _ENGINE_MARKERS.search(rel.rsplit("/", 1)[-1]):
+            # a data file the loaders read (a DCP shard, its .metadata, a DeepSpeed rank file) that the
+            # manifest does not vouch for would be read unverified: found by the hostile sweep, where a
+            # dropped .distcp entry verified and the converts read the file unchecked
+            report.add(_err(rel, None, f"{tag_dir / rel}: a checkpoint data file the manifest does not list (an entry "
+                            "dropped from the manifest, or the file added after the save): it would be read unverified",
+                            "restore the manifest from a good copy, or re-save the checkpoint", "ckpt.file.unlisted"))
+        else:
             report.add(Finding(Severity.WARNING, rel, None, f"{tag_dir / rel}: file not listed in the manifest "
                                "(added after the save)", "remove it, or re-save the checkpoint", "ckpt.file.extra"))
     if bf16 is not None and m.engine == "deepspeed" and not allow_reshard:
@@ -447,3 +420,4 @@ def check_resumable_distributed(
         raise CheckpointError(f"cannot resume from {path}: [{key}] {message}. Fix: {fix}{more}")
     assert report is not None  # no problems means verify_checkpoint returned
     return report
+
