@@ -288,13 +288,9 @@ def test_zero3_at_another_world_size_names_the_per_rank_values_it_cannot_keep(ze
     """Rank values a 2-rank save cannot hand to 1 rank: numbers are taken from rank 0 with a warning
     naming each key and both ranks' values; partition-sized state (prodigy-plus's sliced p0/s) is refused."""
     from shardkit.checkpoint.io.torch_load import safe_torch_load
+    from shardkit.checkpoint.zero3.rank_values import PerRankValuesWarning, check_rank_values
     from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
-    from shardkit.checkpoint.zero3.repartition import (
-        PerRankValuesWarning,
-        check_rank_values,
-        optim_state_for_rank,
-        plan_layout,
-    )
+    from shardkit.checkpoint.zero3.repartition import optim_state_for_rank, plan_layout
     from shardkit.core.errors import CheckpointError
 
     ckpt = open_zero3_checkpoint(zero3[0][name]["root"])
@@ -399,14 +395,14 @@ def test_zero3_ranks_differing_in_a_non_number_are_refused_at_another_world_size
     another world size is refused, naming the entry, each rank's value and the world size to use."""
     from types import SimpleNamespace
 
-    from shardkit.checkpoint.zero3 import repartition
+    from shardkit.checkpoint.zero3 import rank_values
 
     ckpt = SimpleNamespace(world_size=2, tag_dir="ckpt/global_step6")
-    monkeypatch.setattr(repartition, "rank_local_values", lambda _: [
+    monkeypatch.setattr(rank_values, "rank_local_values", lambda _: [
         {"param_groups[0].lr": 1.0, "param_groups[0].train_mode": True},
         {"param_groups[0].lr": 1.0, "param_groups[0].train_mode": False}])
     with pytest.raises(CheckpointError, match=r"ckpt/global_step6: the 2 saved ranks hold different optimizer values "
                        r"that are not numbers: param_groups\[0\]\.train_mode \(rank 0: True, rank 1: False\)\. At world "
                        r"size 3 every rank would take rank 0's.*Resume at the saved world size 2"):
-        repartition.check_rank_values(ckpt, 3)
-    assert repartition.check_rank_values(ckpt, 2) is None  # the saved world size: each rank reads its own file
+        rank_values.check_rank_values(ckpt, 3)
+    assert rank_values.check_rank_values(ckpt, 2) is None  # the saved world size: each rank reads its own file

@@ -17,7 +17,7 @@ preflight (``shardkit.preflight``) checks every tensor is where the config says.
 
 Param groups and non-partition optimizer state come from each rank's own file at the saved world
 size; at another, from rank 0's, with a ``PerRankValuesWarning`` naming what the saved ranks did
-not share (``repartition.check_rank_values``).
+not share (``rank_values.check_rank_values``).
 
 For runs that keep DeepSpeed's own ``engine.load_checkpoint``, ``guard_plain_loads(engine)`` wraps
 that one engine's method: a checkpoint whose optimizer files are named for another precision is
@@ -49,10 +49,10 @@ from shardkit.checkpoint.io.verify import (
 from shardkit.checkpoint.ops.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_numel
+from shardkit.checkpoint.zero3.rank_values import check_rank_values
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import (
     TargetLayout,
-    check_rank_values,
     client_state_note,
     layout_from_names,
     model_state_for_rank,
