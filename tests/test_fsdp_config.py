@@ -65,6 +65,8 @@ def test_the_fsdp2_root_gets_reshard_true_on_torch_2_6_which_refuses_none(monkey
 
     seen: list[object] = []
     monkeypatch.setattr("torch.distributed.fsdp.fully_shard", lambda module, **kw: seen.append(kw["reshard_after_forward"]))
+    # accelerator ranks: on CPU ranks torch 2.6 refuses resharding altogether (tests/test_torch26_compat.py)
+    monkeypatch.setattr(engine, "_has_accelerator", lambda: True)
     for installed, root in (("2.6.0+cpu", True), ("2.7.0", None), ("2.13.0+cpu", None)):
         monkeypatch.setattr(versions, "package_version", lambda name, **_: installed)
         seen.clear()

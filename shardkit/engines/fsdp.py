@@ -10,8 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.config.fsdp import FSDPConfig, fsdp_config_from_dict
 from shardkit.core.errors import ConfigError
+from shardkit.platform import versions
 from shardkit.platform.device_rules import accelerator_device
-from shardkit.platform.versions import fsdp2_root_reshard_none_supported
+from shardkit.platform.versions import (
+    cpu_stream_events_supported,
+    fsdp2_cpu_reshard_supported,
+    fsdp2_root_reshard_none_supported,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +57,24 @@ def _has_accelerator() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _no_cpu_event(stream: object, event: object = None) -> None:
+    """CPU work runs in program order: there is no event to record or wait for."""
+
+
+def backport_cpu_stream_events() -> None:
+    """On torch < 2.7, give ``torch.cpu.Stream`` the no-op ``record_event``/``wait_event`` that 2.7
+    added (pytorch PR #145935) and FSDP2's collectives call on CPU ranks. The methods 2.7 ships are
+    these same no-ops (record_event returns None, and FSDP2 treats a None event as nothing to wait
+    for), so a 2.6 run takes the code path a 2.7 run does. A method torch already has is kept."""
+    if cpu_stream_events_supported():
+        return
+    import torch.cpu
+
+    for name in ("record_event", "wait_event"):
+        if not hasattr(torch.cpu.Stream, name):
+            setattr(torch.cpu.Stream, name, _no_cpu_event)
+
+
 def apply_fsdp(model: "torch.nn.Module", cfg: FSDPConfig | dict[str, Any], mesh: "DeviceMesh | None" = None) -> "torch.nn.Module":
     """Shard ``model`` in place: fully_shard on every module whose class is in ``cfg.fsdp.wrap``
     (bottom-up), then on the root. Returns the same module (now an FSDPModule).
@@ -69,6 +92,16 @@ def apply_fsdp(model: "torch.nn.Module", cfg: FSDPConfig | dict[str, Any], mesh:
             "fsdp.pin_memory=true with fsdp.cpu_offload=true, but this process has no accelerator: pinned "
             "host memory needs one (CPUOffloadPolicy would fail). Set fsdp.pin_memory to false."
         )
+    # without a mesh fully_shard shards on the current accelerator, or on CPU when there is none
+    cpu_ranks = mesh.device_type == "cpu" if mesh is not None else not _has_accelerator()
+    if opts.reshard_after_forward and cpu_ranks and not fsdp2_cpu_reshard_supported():
+        raise ConfigError(
+            f"fsdp.reshard_after_forward=true on CPU ranks with torch {versions.package_version('torch')}: torch 2.6's FSDP2 "
+            "re-gathers resharded parameters for backward with a copy that, on CPU, bumps the autograd version of "
+            "the tensors forward saved (pytorch issue #132014), so the first backward would fail with 'modified by an "
+            "inplace operation'. Set fsdp.reshard_after_forward to false for CPU runs on this torch, or upgrade torch "
+            "(2.13 is verified, docs/versions.md)."
+        )
     present = {type(m).__name__ for m in model.modules()}
     missing = [name for name in opts.wrap if name not in present]
     if missing:
@@ -76,6 +109,7 @@ def apply_fsdp(model: "torch.nn.Module", cfg: FSDPConfig | dict[str, Any], mesh:
             f"fsdp.wrap={opts.wrap!r}: {missing} not found in {type(model).__name__}. Classes in the model: "
             f"{', '.join(sorted(present))}. Put the transformer block class there (e.g. LlamaDecoderLayer)."
         )
+    backport_cpu_stream_events()
     kwargs: dict[str, Any] = {"mp_policy": mixed_precision_policy(cfg), "offload_policy": offload_policy(cfg)}
     if mesh is not None:
         kwargs["mesh"] = mesh

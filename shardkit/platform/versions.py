@@ -38,10 +38,38 @@ PACKAGES = ("torch", "deepspeed", "transformers")
 FSDP2_ROOT_NONE_SINCE = Version("2.7")
 
 
+def _torch_at_least(since: Version) -> bool:
+    """The installed torch's release is ``since`` or later (True without torch: nothing to gate)."""
+    installed = package_version("torch")
+    return installed is None or Version(Version(installed).base_version) >= since
+
+
 def fsdp2_root_reshard_none_supported() -> bool:
     """Whether the installed torch's ``fully_shard`` takes ``reshard_after_forward=None``."""
-    installed = package_version("torch")
-    return installed is None or Version(Version(installed).base_version) >= FSDP2_ROOT_NONE_SINCE
+    return _torch_at_least(FSDP2_ROOT_NONE_SINCE)
+
+
+#: torch 2.7 gave ``torch.cpu.Stream`` the no-ops ``record_event``/``wait_event`` (pytorch PR #145935)
+#: that FSDP2's collectives call: without them 2.6 fails the first CPU forward ("'Stream' object has
+#: no attribute 'record_event'"); shardkit.engines.fsdp gives 2.6 the same no-ops.
+CPU_STREAM_EVENTS_SINCE = Version("2.7")
+
+
+def cpu_stream_events_supported() -> bool:
+    """Whether the installed torch's ``torch.cpu.Stream`` has ``record_event``/``wait_event``."""
+    return _torch_at_least(CPU_STREAM_EVENTS_SINCE)
+
+
+#: torch 2.6's FSDP2 re-gathers resharded parameters for backward with a copy that on CPU (not CUDA)
+#: bumps the autograd version of what forward saved (pytorch #132014): backward fails. Later torch hides
+#: the bump (pytorch PR #146709 refines that, 2025-02, before 2.7 branched; 2.7-2.12 not run, 2.13 is);
+#: reshard_after_forward=false never re-gathers and resumes bit-exact on 2.6 CPU ranks (smoke, 2026-11-26).
+FSDP2_CPU_RESHARD_SINCE = Version("2.7")
+
+
+def fsdp2_cpu_reshard_supported() -> bool:
+    """Whether the installed torch's FSDP2 can reshard after forward on CPU ranks."""
+    return _torch_at_least(FSDP2_CPU_RESHARD_SINCE)
 
 
 def package_version(name: str, *, imported_first: bool = False) -> str | None:

@@ -109,7 +109,9 @@ def _reader_class() -> type:
         """FileSystemReader whose ``read_metadata`` uses the restricted unpickler."""
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            path = self._get_metadata_path(kwargs.get("rank"))
+            # torch 2.6's reader has no _get_metadata_path (nor per-rank metadata): its file is .metadata
+            has_rank_paths = hasattr(self, "_get_metadata_path")
+            path = self._get_metadata_path(kwargs.get("rank")) if has_rank_paths else self.fs.concat_path(self.path, ".metadata")
             md = read_dcp_metadata(path)
             # what FileSystemReader.read_metadata does after unpickling
             if getattr(md, "storage_meta", None) is None:
