@@ -72,8 +72,11 @@ def test_deepspeed_saves_are_described(layouts, run_cli, tiny_counts, label):
     if label == "zero3":
         assert applies == {"reshard": True, "convert --to fsdp2": True, "convert --to zero3": False,
                            "consolidate": True, "export": True}
-    else:
+    elif label == "universal":
         assert not any(applies.values())
+    else:  # ZeRO-1/2: reshard alone takes it
+        assert applies == {"reshard": True, "convert --to fsdp2": False, "convert --to zero3": False,
+                           "consolidate": False, "export": False}
 
 
 def test_text_output_says_what_it_is_and_where_to_go(layouts, run_cli):
@@ -83,7 +86,7 @@ def test_text_output_says_what_it_is_and_where_to_go(layouts, run_cli):
     assert lines[1].split(None, 1) == ["layout", "DeepSpeed ZeRO-2"]
     assert "world size  2" in stdout and "precision   bf16" in stdout
     assert "optimizer   AdamW (state: exp_avg, exp_avg_sq, step)" in stdout
-    assert "commands: none takes it today: a DeepSpeed ZeRO-2 checkpoint" in stdout and "zero_to_fp32.py" in stdout
+    assert "  yes  reshard" in stdout and "a DeepSpeed ZeRO-2 checkpoint" in stdout and "zero_to_fp32.py" in stdout
     code, stdout, _ = run_cli("inspect", layouts["zero3"])
     assert code == 0 and "  yes  reshard" in stdout and "  no   convert --to zero3  it is ZeRO-3 already" in stdout
 

@@ -4,7 +4,7 @@ commands themselves, called by each operation's entry point before anything is r
 
 ``refuse_unsupported`` raises for the layouts no command converts correctly (``Refusal`` markers:
 AutoEP, native MoE experts, tensor/pipeline parallel ranks, NVMe-swapped optimizer state), for
-ZeRO-0/1/2 and for universal checkpoints. The other layouts a command does not take (an FSDP
+ZeRO-0/1/2 (reshard takes ZeRO-1/2) and for universal checkpoints. The other layouts a command does not take (an FSDP
 FULL_STATE_DICT folder given to ``export``, a DCP folder given to ``reshard``) keep the command's
 own refusal, which already says what the folder is and what to do. A path this module cannot
 describe is left to the command, whose reader names the problem.
@@ -36,12 +36,18 @@ class Verdict:
 
 def _zero12_why(desc: CheckpointDescription) -> str:
     root = Path(desc.folder).parent
-    return (f"a DeepSpeed ZeRO-{desc.stage} checkpoint ({desc.stage_source}): shardkit's commands read ZeRO-3 "
-            "partitions only today. For "
+    return (f"a DeepSpeed ZeRO-{desc.stage} checkpoint ({desc.stage_source}): shardkit reshard takes it (new rank files "
+            "for another world size); the other commands read ZeRO-3 partitions only today. For "
             f"the full weights, run the zero_to_fp32.py DeepSpeed saved beside it (python {root}/zero_to_fp32.py "
-            f"{root} OUT_DIR --safe_serialization); to resume at another world size, convert it with "
-            f"DeepSpeed's ds_to_universal (python -m deepspeed.checkpoint.ds_to_universal --input_folder {desc.folder} "
-            "--output_folder UNIVERSAL --inject_missing_state) and resume with checkpoint.load_universal: true")
+            f"{root} OUT_DIR --safe_serialization); for a universal checkpoint, DeepSpeed's ds_to_universal "
+            f"(python -m deepspeed.checkpoint.ds_to_universal --input_folder {desc.folder} "
+            "--output_folder UNIVERSAL --inject_missing_state) and checkpoint.load_universal: true")
+
+
+def _reshard_takes(desc: CheckpointDescription, command: str) -> bool:
+    """ZeRO-1/2 without a refusal marker: reshard writes its rank files for another world size
+    (``checkpoint.zero12``); the other commands still refuse it."""
+    return command == "reshard" and desc.format == "deepspeed" and desc.stage in (1, 2) and not desc.refusals
 
 
 def _universal_why(desc: CheckpointDescription) -> str:
@@ -96,7 +102,8 @@ def verdicts(desc: CheckpointDescription) -> list[Verdict]:
     """What each checkpoint command does with ``desc`` today, or why it refuses it."""
     blocked = blocking_reason(desc)
     if blocked is not None:
-        return [Verdict(c, False, blocked) for c in COMMANDS]
+        return [Verdict(c, True, "new per-rank ZeRO-1/2 files for another world size, loaded by DeepSpeed's plain "
+                        "load_checkpoint") if _reshard_takes(desc, c) else Verdict(c, False, blocked) for c in COMMANDS]
     table = _per_format(desc)
     return [Verdict(c, *table[c]) for c in COMMANDS]
 
@@ -118,5 +125,5 @@ def refuse_unsupported(path: str | Path, command: str) -> None:
     except (CheckpointError, OSError):
         return  # not a layout this module knows, or unreadable: the command's own reader names the problem
     blocked = blocking_reason(desc)
-    if blocked is not None:
+    if blocked is not None and not _reshard_takes(desc, command):
         raise CheckpointError(f"shardkit {command} refuses {path}: {blocked}. Nothing was written")

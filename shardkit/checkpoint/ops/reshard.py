@@ -1,4 +1,4 @@
-"""Repartition a ZeRO-3 checkpoint for a new data-parallel world size, in DeepSpeed's own format.
+"""Repartition a ZeRO-3 (or ZeRO-1/2) checkpoint for a new data-parallel world size, in DeepSpeed's own format.
 
 DeepSpeed's ``engine.load_checkpoint`` refuses a checkpoint saved at another world size
 ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is not
@@ -27,6 +27,10 @@ The source's digests are checked while the output is written (each process
 hashes its share of the source files), and nothing is published unless it matched; when neither
 the world size nor the sub-groups change, the rank files are copied byte for byte and that copy's
 hash is the check.
+
+ZeRO-1/2 sources (``checkpoint.zero12``) go through the same steps; their new rank files are written
+from memory-mapped source tensors, one new partition of one state at a time (``zero12.repartition``),
+rather than as byte ranges.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, plan_layout
 from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
+from shardkit.checkpoint.zero12.reader import Zero12Checkpoint, is_zero12_folder, open_zero12_checkpoint
+from shardkit.checkpoint.zero12.repartition import plan_files
 from shardkit.config.loading import config_digest
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
@@ -149,10 +155,21 @@ def reshard_zero3(
             warn(note)
     verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
     expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
-    ckpt = open_zero3_checkpoint(source_dir, torch_free=True)
-    layout = plan_layout(ckpt, world_size, sub_group_size)
-    unchanged = _layout_unchanged(ckpt, layout)
-    jobs = _copy_jobs(ckpt, expected) if unchanged else _reshard_jobs(ckpt, layout)
+    ckpt: Zero3Checkpoint | Zero12Checkpoint
+    if is_zero12_folder(source_dir):
+        # ZeRO-1/2 (checkpoint.zero12): one partition per rank and parameter group, no sub-groups
+        if sub_group_size is not None:
+            raise UsageError(f"--sub-group-size {sub_group_size}: a ZeRO-3 setting, and {source_dir} is a ZeRO-1/2 "
+                             "checkpoint (no sub-groups). Leave the flag out")
+        ckpt = open_zero12_checkpoint(source_dir)
+        unchanged = world_size == ckpt.world_size
+        jobs = (_copy_jobs(ckpt, expected) if unchanged
+                else [_Job(f.name, f.nbytes, f.write) for f in plan_files(ckpt, world_size)])
+    else:
+        ckpt = open_zero3_checkpoint(source_dir, torch_free=True)
+        layout = plan_layout(ckpt, world_size, sub_group_size)
+        unchanged = _layout_unchanged(ckpt, layout)
+        jobs = _copy_jobs(ckpt, expected) if unchanged else _reshard_jobs(ckpt, layout)
     mine = split_by_bytes([j.nbytes for j in jobs], launch.world)[launch.rank]
     share = [jobs[i] for i in mine]
     sources = [*ckpt.optim_files, *ckpt.model_files]
@@ -167,7 +184,8 @@ def reshard_zero3(
         if not manifest:
             return None
         return Manifest(
-            engine="deepspeed", tag=tag, world_size=world_size, step=ckpt.model_state.get("global_steps"), zero_stage=3,
+            engine="deepspeed", tag=tag, world_size=world_size, step=ckpt.model_state.get("global_steps"),
+            zero_stage=ckpt.stage if isinstance(ckpt, Zero12Checkpoint) else 3,
             dtype=ckpt.precision, versions=library_versions(), config_digest=config_digest(ckpt.ds_config or None),
             extra={"resharded_from": {"path": str(ckpt.tag_dir), "world_size": ckpt.world_size,
                                       "ds_version": ckpt.ds_version, "verified": verified,
@@ -192,7 +210,7 @@ def reshard_zero3(
         files=[final / j.name for j in jobs],
         bytes=sum(e.size for e in entries) if launch.rank == 0 else 0,
         manifest=final / MANIFEST_NAME if manifest else None,
-        notes=[n for n in (client_state_note(ckpt, world_size),) if n],
+        notes=[n for n in (client_state_note(ckpt, world_size),) if n] if isinstance(ckpt, Zero3Checkpoint) else [],
         verified=verified,
         copied_unchanged=unchanged,
         rank=launch.rank,
@@ -221,7 +239,7 @@ def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
     return new == [(s.sub_group, s.name, s.offset) for s in ckpt.slots]
 
 
-def _copy_jobs(ckpt: Zero3Checkpoint, expected: dict[str, FileEntry]) -> list[_Job]:
+def _copy_jobs(ckpt: Zero3Checkpoint | Zero12Checkpoint, expected: dict[str, FileEntry]) -> list[_Job]:
     # Copies, never hard links: DeepSpeed's torch.save opens a rank file with O_TRUNC and rewrites it
     # in place when a run saves the same tag again, so a link would let the source run change the
     # resharded checkpoint under its manifest (and the other way round). The bytes are read anyway

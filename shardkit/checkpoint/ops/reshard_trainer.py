@@ -32,6 +32,7 @@ from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+from shardkit.checkpoint.zero12.reader import is_zero12_folder, open_zero12_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
 
 
@@ -120,7 +121,7 @@ def _copy_trainer_files(src: Path, staged: Path, tags: set[str], rng: RngPlan) -
 
 def _batch_note(tag_dir: Path, source_world: int, world_size: int) -> str | None:
     """The global batch at the new world size when the Trainer keeps its per-device settings."""
-    cfg = open_zero3_checkpoint(tag_dir, torch_free=True).ds_config
+    cfg = (open_zero12_checkpoint(tag_dir) if is_zero12_folder(tag_dir) else open_zero3_checkpoint(tag_dir, torch_free=True)).ds_config
     micro, accum = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")
     if not isinstance(micro, int) or not isinstance(accum, int) or source_world == world_size:
         return None

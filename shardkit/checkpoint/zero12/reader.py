@@ -1,0 +1,118 @@
+"""Open a DeepSpeed ZeRO-1/2 tag folder: its rank files, and the small facts a repartition plans from.
+
+What DeepSpeed 0.19 writes (``runtime/zero/stage_1_and_2.py``, ``state_dict``): per rank, under
+``optimizer_state_dict``, ``single_partition_of_fp32_groups`` (that rank's slice of each param group's
+flat fp32 masters, *without* its alignment padding: ``_get_groups_without_padding``), ``group_paddings``
+(how much of that rank's partition was padding), ``base_optimizer_state`` (torch's ``optimizer.state_dict()``
+of the flat partitions, moments *with* their padding, one flat parameter per group), ``partition_count``,
+``param_alignment_paddings``, ``param_slice_mappings`` and the scalars (``loss_scaler``, ``clip_grad``...).
+A group's flat buffer is its parameters in order (``round_robin_gradients`` off), each followed by its
+``param_alignment_paddings`` entry, then zero padding up to a multiple of ``2 * world_size``
+(``nccl_start_alignment_factor``), cut into ``world_size`` equal partitions (``get_data_parallel_partitions``).
+So the old ranks' unpadded slices, concatenated, are the world-size-free part of the buffer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardkit.checkpoint.io.torch_load import safe_torch_load
+from shardkit.core.errors import CheckpointError
+
+OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+MODEL_FILE = "mp_rank_00_model_states.pt"
+OPTIMIZER_KEY = "optimizer_state_dict"
+
+
+@dataclass
+class Zero12Checkpoint:
+    """One ZeRO-1/2 tag folder, its rank files opened memory-mapped (tensor bytes are read only when used)."""
+
+    tag_dir: Path
+    stage: int
+    world_size: int
+    """Data-parallel ranks that wrote it (one optimizer file each)."""
+    prefix: str
+    """``bf16_`` when DeepSpeed named the optimizer files for bf16, else empty."""
+    optim_files: list[Path]
+    model_files: list[Path]
+    optim_states: list[dict[str, Any]]
+    """Each rank's whole optimizer file (``optimizer_state_dict``, ``ds_config``, ``ds_version``), mmap'd."""
+    model_state: dict[str, Any]
+    """The model-states file (module weights mmap'd, ``param_shapes``, ``dp_world_size``...)."""
+    ds_config: dict[str, Any] = field(default_factory=dict)
+    ds_version: str | None = None
+    precision: str = "fp32"
+
+
+def is_zero12_folder(tag_dir: Path) -> bool:
+    """True when ``tag_dir`` holds a ZeRO-1/2 layout: rank optimizer files and one ``mp_rank_00`` model file."""
+    return (tag_dir / MODEL_FILE).is_file() and any(OPTIM_FILE.match(p.name) for p in tag_dir.iterdir())
+
+
+def _precision(config: dict[str, Any]) -> str:
+    for key in ("bf16", "fp16"):
+        section = config.get(key)
+        if isinstance(section, dict) and section.get("enabled"):
+            return key
+    return "fp32"
+
+
+def open_zero12_checkpoint(tag_dir: Path) -> Zero12Checkpoint:
+    """Open ``tag_dir`` (a ZeRO-1/2 tag folder); raises CheckpointError naming the file for a missing rank,
+    a stage other than 1/2, ranks that disagree, or a layout the repartition cannot move
+    (``round_robin_gradients``, an elastic optimizer state)."""
+    found: dict[int, Path] = {}
+    prefixes = set()
+    for p in tag_dir.iterdir():
+        m = OPTIM_FILE.match(p.name)
+        if m:
+            found[int(m.group(2))] = p
+            prefixes.add(m.group(1) or "")
+    world = len(found)
+    if world == 0 or sorted(found) != list(range(world)) or len(prefixes) != 1:
+        raise CheckpointError(
+            f"{tag_dir}: optimizer files for ranks {sorted(found)} (prefixes {sorted(prefixes)}), expected ranks 0..N-1 "
+            "with one naming: a rank's file is missing or two saves were mixed in one folder. Re-copy the tag folder")
+    optim_files = [found[r] for r in range(world)]
+    states = [safe_torch_load(p, mmap=True) for p in optim_files]
+    model_state = safe_torch_load(tag_dir / MODEL_FILE, mmap=True)
+    ckpt = Zero12Checkpoint(tag_dir=tag_dir, stage=0, world_size=world, prefix=prefixes.pop(), optim_files=optim_files,
+                            model_files=[tag_dir / MODEL_FILE], optim_states=states, model_state=model_state,
+                            ds_config=dict(model_state.get("ds_config") or {}), ds_version=model_state.get("ds_version"))
+    ckpt.precision = _precision(ckpt.ds_config)
+    ckpt.stage = _check_ranks(ckpt)
+    return ckpt
+
+
+def _check_ranks(ckpt: Zero12Checkpoint) -> int:
+    stages: set[object] = set()
+    for path, state in zip(ckpt.optim_files, ckpt.optim_states):
+        sd = state.get(OPTIMIZER_KEY) if isinstance(state, dict) else None
+        if not isinstance(sd, dict) or "single_partition_of_fp32_groups" not in sd:
+            raise CheckpointError(f"{path}: no optimizer_state_dict.single_partition_of_fp32_groups: not a ZeRO-1/2 "
+                                  "optimizer file (a ZeRO-3 or a damaged file?). Give reshard the tag folder DeepSpeed saved")
+        stage = getattr(sd.get("zero_stage"), "value", sd.get("zero_stage"))
+        stages.add(stage)
+        counts = sd.get("partition_count")
+        if list(counts or []) != [ckpt.world_size] * len(sd["single_partition_of_fp32_groups"]):
+            raise CheckpointError(f"{path}: partition_count is {counts}, but the folder holds {ckpt.world_size} rank "
+                                  "files: ranks of different saves were mixed, or a rank file is missing")
+        if not isinstance(sd.get("base_optimizer_state"), dict):
+            raise CheckpointError(
+                f"{path}: base_optimizer_state is a per-group list (an elastic_checkpoint save), which the repartition "
+                "does not move. Convert it with DeepSpeed's ds_to_universal and resume with checkpoint.load_universal")
+    only = next(iter(stages)) if len(stages) == 1 else None
+    if not isinstance(only, int) or only not in (1, 2):
+        raise CheckpointError(f"{ckpt.tag_dir}: zero_stage is {sorted(map(str, stages))} across the rank files, expected "
+                              "one of 1 or 2 for this reader")
+    zero = ckpt.ds_config.get("zero_optimization") or {}
+    if zero.get("round_robin_gradients"):
+        raise CheckpointError(
+            f"{ckpt.tag_dir}: saved with zero_optimization.round_robin_gradients: true, whose parameter order inside "
+            "the flat groups depends on the world size; shardkit does not move that order. Convert it with DeepSpeed's "
+            "ds_to_universal and resume with checkpoint.load_universal")
+    return only

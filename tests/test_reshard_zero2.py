@@ -1,0 +1,237 @@
+"""``shardkit reshard`` of a ZeRO-2 (and ZeRO-1) checkpoint saved at 2 ranks, resumed at 1 and 3 ranks by
+DeepSpeed's plain ``engine.load_checkpoint`` on real engines (CPU, gloo).
+
+DeepSpeed alone refuses that load ("Automatic adjustment of ZeRO's optimizer state partitioning with a new
+world size is not currently supported"). After the reshard, the fp32 masters and both Adam moments,
+gathered by parameter name (``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``), must be bit-equal
+to the 2-rank run's at its save, and the next steps' losses must follow the 2-rank run's own continuation:
+every global batch is the same rows at any world size, so only the gradient all-reduce's summation order
+differs (close, not bit-equal: asserted to 1e-5 relative in fp32). Written at the source's own world size,
+the writer's files hold exactly the source's values (the bit-equal reference).
+
+Three spawns in all (saves at 2 ranks; loads at 1; loads at 3), each running its engines one after another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardkit.checkpoint.io.manifest import MANIFEST_NAME
+from shardkit.checkpoint.io.torch_load import safe_torch_load
+
+pytestmark = pytest.mark.slow
+GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
+SEQ_LEN = 8
+SAVE_STEPS, RESUME_STEPS = 2, 2
+
+
+#: label -> (ZeRO stage, precision, offload_optimizer to CPU): the sources, saved at 2 ranks in one spawn.
+SOURCES = {"zero2_fp32": (2, "fp32", False), "zero2_bf16": (2, "bf16", False), "zero1_fp32": (1, "fp32", False),
+           "zero2_offload": (2, "fp32", True)}
+#: new world size -> the sources resumed there (offload kept as saved).
+LOADS = {1: ["zero2_fp32", "zero1_fp32", "zero2_offload"], 3: ["zero2_fp32", "zero2_bf16"]}
+
+
+def _config(stage: int, dtype: str, offload: bool, world: int) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    cfg: dict[str, Any] = {
+        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 10_000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _engine(label: str):
+    from shardkit.engines.deepspeed import initialize
+    from shardkit.engines.model_factory import tiny_llama
+
+    return initialize(tiny_llama("tiny", seed=0), _config(*SOURCES[label], dist.get_world_size()))
+
+
+def _step(engine, step: int) -> float:
+    from shardkit.engines.deepspeed import train_step
+    from shardkit.engines.model_factory import synthetic_batch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = synthetic_batch(engine.module.config.vocab_size, GLOBAL_BATCH, SEQ_LEN, step, rank=0)
+    per = GLOBAL_BATCH // world
+    t = torch.tensor([train_step(engine, rows[rank * per:(rank + 1) * per])], dtype=torch.float32)
+    dist.all_reduce(t)
+    return float(t.item()) / world
+
+
+def _full_states(engine) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's full fp32 master and Adam moments, by name (collectives: every rank calls it)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    # DeepSpeed links the moment views of each parameter at its first step (stage_1_and_2.py
+    # _lazy_init_hp_params_optimizer_state); right after load_checkpoint they are not linked yet
+    engine.optimizer._lazy_init_hp_params_optimizer_state()
+    out: dict[str, dict[str, torch.Tensor]] = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, p in engine.module.named_parameters():
+        out["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key][name] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+    return out
+
+
+def save_and_continue(base: str) -> dict[str, Any]:
+    """Rank target: per source, SAVE_STEPS steps, save, the full states at the save, RESUME_STEPS more steps."""
+    out = {}
+    for label in SOURCES:
+        engine = _engine(label)
+        for s in range(SAVE_STEPS):
+            _step(engine, s)
+        engine.save_checkpoint(f"{base}/{label}", tag=f"global_step{SAVE_STEPS}")
+        states = _full_states(engine)
+        out[label] = {"states": states,
+                      "losses": [_step(engine, s) for s in range(SAVE_STEPS, SAVE_STEPS + RESUME_STEPS)]}
+    return out
+
+
+def load_all(plans: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank target: per plan, DeepSpeed's plain load_checkpoint at this world size (or its refusal), the full
+    states and the next losses."""
+    out: dict[str, Any] = {}
+    for plan in plans:
+        engine = _engine(plan["source"])
+        if plan.get("refuse"):
+            try:
+                engine.load_checkpoint(plan["ckpt"])
+                out["refused"] = None
+            except Exception as exc:  # DeepSpeed's ZeRORuntimeException
+                out["refused"] = str(exc)
+            continue
+        path, _ = engine.load_checkpoint(plan["ckpt"])
+        if path is None:
+            raise RuntimeError(f"engine.load_checkpoint({plan['ckpt']!r}) loaded nothing")
+        states = _full_states(engine)
+        out[plan["source"]] = {"states": states, "global_steps": engine.global_steps,
+                               "losses": [_step(engine, s) for s in range(SAVE_STEPS, SAVE_STEPS + RESUME_STEPS)]}
+    return out
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    from shardkit.run.spawn.process import run_ranks
+
+    base = tmp_path_factory.getbasetemp() / "zero12"
+    return base, run_ranks(save_and_continue, 2, args=(str(base),), timeout=300, device="cpu")[0].value
+
+
+@pytest.fixture(scope="session")
+def resumed(sources, tmp_path_factory) -> dict[int, dict[str, Any]]:
+    """world -> what the loads there saw; each source resharded by the Python API first."""
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.run.spawn.process import run_ranks
+
+    base, _ = sources
+    out = tmp_path_factory.getbasetemp() / "zero12_resharded"
+    results = {}
+    for world, labels in LOADS.items():
+        plans: list[dict[str, Any]] = []
+        if world == 1:
+            plans.append({"source": "zero2_fp32", "refuse": True, "ckpt": str(base / "zero2_fp32")})
+        for label in labels:
+            # DeepSpeed's own saves carry no manifest: the reshard says so, which is expected here
+            reshard_zero3(base / label, out / f"{label}_ws{world}", world, warn=lambda note: None)
+            plans.append({"source": label, "ckpt": str(out / f"{label}_ws{world}")})
+        results[world] = run_ranks(load_all, world, args=(plans,), timeout=300, device="cpu")[0].value
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_alone_refuses_another_world_size(resumed):
+    refused = resumed[1]["refused"]
+    assert refused and "Automatic adjustment of ZeRO's optimizer state partitioning" in refused
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,label", [(w, label) for w, labels in LOADS.items() for label in labels])
+def test_resharded_checkpoint_resumes_bit_equal_at_new_world_size(sources, resumed, world, label):
+    _, saved = sources
+    got = resumed[world][label]
+    assert got["global_steps"] == SAVE_STEPS
+    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+        want = saved[label]["states"][kind]
+        assert got["states"][kind].keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(got["states"][kind][name], tensor), f"{label} at {world} ranks: {kind} of {name} differs"
+    # the same global batches as the 2-rank run's continuation: only the all-reduce's summation order differs
+    assert got["losses"] == pytest.approx(saved[label]["losses"], rel=1e-5 if SOURCES[label][1] == "fp32" else 1e-2)
+
+
+def _values_equal(a: Any, b: Any, where: str) -> None:
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            _values_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, type(a)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _values_equal(x, y, f"{where}[{i}]")
+    elif hasattr(a, "deepspeed_name"):  # DeepSpeed objects read as stand-ins: same class, same state
+        assert (a.deepspeed_name, a.args, vars(a)) == (b.deepspeed_name, b.args, vars(b)), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("label", sorted(SOURCES))
+def test_writer_at_the_source_world_size_reproduces_every_value(sources, tmp_path, label):
+    """The bit-equal reference: planned for 2 ranks, the new files hold the source's own values, key for key
+    (fp32 partitions, moments with their padding, group_paddings, param_slice_mappings, dp_world_size)."""
+    from shardkit.checkpoint.zero12.reader import open_zero12_checkpoint
+    from shardkit.checkpoint.zero12.repartition import plan_files
+
+    tag_dir = sources[0] / label / f"global_step{SAVE_STEPS}"
+    files = plan_files(open_zero12_checkpoint(tag_dir), 2)
+    assert len(files) == 3
+    for f in files:
+        f.write(tmp_path / f.name)
+        _values_equal(safe_torch_load(tag_dir / f.name), safe_torch_load(tmp_path / f.name), f.name)
+
+
+@pytest.mark.timeout(600)
+def test_cli_reshard_writes_a_verified_checkpoint(sources, tmp_path, run_cli):
+    root = sources[0] / "zero2_bf16"
+    out = tmp_path / "ws3"
+    code, _, err = run_cli("reshard", root, "--world-size", "3", "-o", out)
+    assert code == 0, err
+    names = sorted(p.name for p in (out / f"global_step{SAVE_STEPS}").iterdir())
+    assert names == sorted([MANIFEST_NAME, "mp_rank_00_model_states.pt",
+                            *(f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3))])
+    code, _, err = run_cli("verify", out)
+    assert code == 0, err
+    code, _, err = run_cli("reshard", root, "--world-size", "1", "--sub-group-size", "1000", "-o", tmp_path / "o")
+    assert code == 2 and "--sub-group-size 1000: a ZeRO-3 setting" in err
+    assert not (tmp_path / "o" / f"global_step{SAVE_STEPS}").exists()
+
+
+@pytest.mark.timeout(600)
+def test_trainer_checkpoint_of_zero2_is_resharded_with_its_files(sources, tmp_path, run_cli):
+    import shutil
+
+    trainer = tmp_path / "checkpoint-4"
+    shutil.copytree(sources[0] / "zero2_fp32", trainer)
+    (trainer / "trainer_state.json").write_text('{"global_step": 4}')
+    out = tmp_path / "checkpoint-4-ws3"
+    code, stdout, err = run_cli("reshard", trainer, "--world-size", "3", "-o", out)
+    assert code == 0, err
+    assert "world size 2 -> 3" in stdout and (out / "trainer_state.json").is_file()
+    assert (out / "latest").read_text().strip() == f"global_step{SAVE_STEPS}"
+    assert sorted(p.name for p in (out / f"global_step{SAVE_STEPS}").glob("*_optim_states.pt")) == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
