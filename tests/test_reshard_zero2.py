@@ -235,3 +235,29 @@ def test_trainer_checkpoint_of_zero2_is_resharded_with_its_files(sources, tmp_pa
     assert (out / "latest").read_text().strip() == f"global_step{SAVE_STEPS}"
     assert sorted(p.name for p in (out / f"global_step{SAVE_STEPS}").glob("*_optim_states.pt")) == [
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from shardkit.checkpoint.io.manifest import read_manifest
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
+    src = sources[0] / "zero2_bf16"
+
+    def digests(out: Path) -> dict[str, tuple[int, str]]:
+        return {e.path: (e.size, e.digest) for e in read_manifest(out / f"global_step{SAVE_STEPS}").files}
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = subprocess.run([sys.executable, "-m", "shardkit", "reshard", str(src), "--world-size", "3", "-o", str(one)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                           "shardkit", "reshard", str(src), "--world-size", "3", "-o", str(two), "--workers", "1"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "by 2 processes (torchrun): 4 files" in done.stdout, done.stdout
+    assert digests(two) == digests(one)  # same names, sizes and digests: byte-identical files
