@@ -10,6 +10,9 @@ runners started for real, with the automatic preflight on every rank.
 - MPICH (Hydra) on localhost with two slots: DeepSpeed starts its launcher_helper under mpirun,
   which maps PMI_RANK to RANK and starts the script. That helper ends with status 0 whatever the
   script's status, so the launch's exit 3 comes from the ranks' reports alone.
+- DeepSpeed's slurm runner (`--launcher slurm --launcher_args=--mpi=pmix`) on the local one-node
+  cluster of tests/test_slurm.py: srun runs the script itself, so a rank has no RANK until
+  deepspeed.initialize's MPI discovery; the launch tells the ranks to know themselves by PMIX_RANK.
 
 Each case skips with the reason where its MPI (or mpi4py, or namespaces) is not installed here:
 `apt-get install openmpi-bin libopenmpi-dev mpich` and `pip install mpi4py` give all of them.
@@ -21,6 +24,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +32,11 @@ from pathlib import Path
 import pytest
 
 from shardkit.autopreflight import EXIT_CODE
+from shardkit.autopreflight.rank_env import ENV_RANK_FROM, enabled, rank_of
+from shardkit.run.launch_reports import outcome_line
+from shardkit.run.launcher import build_launch, expected_ranks
 from tests.test_launch_pdsh import DS_TRAIN, NODES, STAND_IN, _can_make_nodes
+from tests.test_slurm import cluster  # noqa: F401  (the module-scoped local Slurm cluster fixture)
 
 JOB_TIMEOUT_S = 240  # 50-75 s each on 2 busy cores (DeepSpeed's import in the launch and both ranks)
 SENTINEL = "SKMPI_LAUNCH_SHELL_ONLY"
@@ -165,3 +173,85 @@ def test_mpich_a_module_replaced_after_initialize_exits_3_although_deepspeeds_he
     assert _last_launch_line(r.stdout).startswith(
         "shardkit launch: placement preflight failed on rank(s) [0, 1] of 2 before the first optimizer step: "
         "placement preflight (deepspeed-zero3, 2 rank(s)"), r.stdout[-3000:]
+
+
+@pytest.fixture
+def slurm_host(cluster: dict[str, str], tmp_path: Path) -> dict[str, str]:  # noqa: F811
+    """The local one-node cluster, this host with two slots in the hostfile, srun able to start PMIx ranks."""
+    why = _why_no_openmpi()
+    if why:
+        pytest.skip(why)
+    kinds = subprocess.run(["srun", "--mpi=list"], env=cluster, capture_output=True, text=True, timeout=60)
+    if "pmix" not in kinds.stdout + kinds.stderr:
+        pytest.skip(f"this Slurm has no PMIx plugin (srun --mpi=list: {(kinds.stdout + kinds.stderr).strip()[:200]!r})")
+    env = _job_folder(tmp_path, f"{socket.gethostname()} slots=2\n")
+    return {**env, "SLURM_CONF": cluster["SLURM_CONF"]}
+
+
+def _slurm_args(port: int) -> list[str]:
+    # =: DeepSpeed's argparse takes a separate "--mpi=pmix" for an option of its own
+    return ["--launcher", "slurm", "--force_multi", "--master_addr", "127.0.0.1", "--master_port", str(port),
+            "--launcher_args=--mpi=pmix"]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+def test_deepspeeds_slurm_runner_a_clean_job_passes_the_preflight_on_every_rank(slurm_host, tmp_path):
+    r = _launch(slurm_host, tmp_path, _slurm_args(29595))
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "cmd = srun -n 2 --mpi=pmix --export=ALL," in r.stdout, r.stdout[-4000:]
+    assert "rank 0 trained on" in r.stdout and "rank 1 trained on" in r.stdout, r.stdout[-4000:]
+    assert _last_launch_line(r.stdout) == (
+        f"shardkit launch: placement preflight passed on 2 of 2 rank(s) (hosts: {socket.gethostname()})"), r.stdout[-3000:]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+def test_deepspeeds_slurm_runner_a_module_replaced_after_initialize_stops_every_rank_named(slurm_host, tmp_path):
+    r = _launch(slurm_host, tmp_path, _slurm_args(29596), "--replace-head")
+    assert r.returncode == EXIT_CODE, r.stdout[-4000:]
+    assert "ds_active_sub_modules" not in r.stdout and "trained on" not in r.stdout, r.stdout[-4000:]
+    assert "module.out_head.weight" in r.stdout
+    assert _last_launch_line(r.stdout).startswith(
+        "shardkit launch: placement preflight failed on rank(s) [0, 1] of 2 before the first optimizer step: "
+        "placement preflight (deepspeed-zero3, 2 rank(s)"), r.stdout[-3000:]
+
+
+# ---------------------------------------------------------------- no processes
+
+
+def test_a_rank_of_deepspeeds_slurm_runner_arms_by_pmix_rank_only_where_the_launch_says_so():
+    on = {"SHARDKIT_AUTOPREFLIGHT": "1"}
+    # srun --mpi=pmix starts the script itself: no RANK until deepspeed.initialize's MPI discovery
+    assert rank_of({**on, ENV_RANK_FROM: "pmi", "PMIX_RANK": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}) == (1, 2)
+    assert rank_of({**on, ENV_RANK_FROM: "pmi", "PMI_RANK": "3", "PMI_SIZE": "4"}) == (3, 4)
+    # once DeepSpeed set RANK, RANK names the rank (its reports use it)
+    assert rank_of({ENV_RANK_FROM: "pmi", "PMIX_RANK": "1", "RANK": "5", "WORLD_SIZE": "8"}) == (5, 8)
+    # without the launch's word: MPICH's launcher_helper (PMI_RANK set) starts the rank and must not arm
+    assert not enabled({**on, "PMI_RANK": "0", "PMI_SIZE": "2"})
+    assert not enabled({**on, "PMIX_RANK": "0", "SLURM_NTASKS": "2"})
+
+
+def test_the_launch_tells_ranks_of_the_slurm_runner_to_use_pmi_and_names_a_missing_mpi_plugin(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hostfile").write_text("sknodeA slots=2\n")
+    args = ["--hostfile", "hostfile", "--force_multi", "--master_addr", "127.0.0.1", "train.py"]
+    slurm = expected_ranks(build_launch(["--launcher", "slurm", *args], "deepspeed", environ={}))
+    assert slurm.rank_from == "pmi" and slurm.remote and slurm.count == 2
+    assert expected_ranks(build_launch(["--launcher", "openmpi", *args], "deepspeed", environ={})).rank_from is None
+    line = outcome_line({}, slurm, "127.0.0.1:4242/abc", None, 0)
+    assert line.startswith("shardkit launch: warning: the placement preflight never ran on rank(s) [0, 1] of 2 "
+                           "(hosts sknodeA): no report came from them: under DeepSpeed's slurm runner"), line
+    assert "--launcher_args=--mpi=pmix" in line
+
+
+def test_deepspeeds_own_usage_error_is_printed_once_not_also_by_the_launchs_rank_count(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hostfile").write_text("sknodeA slots=2\n")
+    # argparse takes "--mpi=pmix" after --launcher_args for an option: DeepSpeed refuses it when it runs
+    plan = build_launch(["--hostfile", "hostfile", "--launcher", "slurm", "--launcher_args", "--mpi=pmix", "train.py"],
+                        "deepspeed", environ={})
+    assert expected_ranks(plan).count is None
+    assert "usage:" not in capsys.readouterr().err

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from shardkit.core.env_settings import read_choice
+
 ENV_ENABLE = "SHARDKIT_AUTOPREFLIGHT"
 """Set to "1" by `shardkit launch` unless --no-preflight."""
 ENV_CONFIG = "SHARDKIT_AUTOPREFLIGHT_CONFIG"
@@ -14,6 +16,11 @@ ENV_TIMEOUT = "SHARDKIT_AUTOPREFLIGHT_TIMEOUT"
 """Seconds the preflight waits for every rank (default 120: ranks reach their first step at different times)."""
 ENV_JSON = "SHARDKIT_AUTOPREFLIGHT_JSON"
 """Optional path where rank 0 writes the preflight report as JSON."""
+ENV_RANK_FROM = "SHARDKIT_AUTOPREFLIGHT_RANK_FROM"
+"""Set to "pmi" by `shardkit launch` when DeepSpeed's slurm runner starts the ranks: srun runs the
+script itself, so RANK comes only later (deepspeed.initialize's MPI discovery) and PMIX_RANK / PMI_RANK
+is what a rank knows itself by at start-up. Only then: under MPICH's mpirun, PMI_RANK is also set in
+DeepSpeed's launcher_helper, which starts the rank and must never arm."""
 EXIT_CODE = 3
 """Exit status of a rank whose placement preflight failed (the launcher then stops the others)."""
 
@@ -50,10 +57,18 @@ RANK_VARS: tuple[tuple[str, str], ...] = (
 under srun it is also set in `shardkit launch` and torchrun's agent, which must never arm."""
 
 
+PMI_RANK_VARS: tuple[tuple[str, str], ...] = (("PMIX_RANK", "SLURM_NTASKS"), ("PMI_RANK", "PMI_SIZE"))
+"""The pairs a rank of DeepSpeed's slurm runner has at start-up (srun --mpi=pmix, --mpi=pmi2), read
+only where the launch set ENV_RANK_FROM."""
+
+
 def rank_of(environ: "os._Environ[str] | dict[str, str] | None" = None) -> tuple[int, int | None] | None:
     """(rank, world size) of this training rank, from the first variable pair set; None elsewhere."""
     env = os.environ if environ is None else environ
-    for rank_var, world_var in RANK_VARS:
+    pairs = RANK_VARS
+    if read_choice(ENV_RANK_FROM, "", env, during_run=True) == "pmi":
+        pairs += PMI_RANK_VARS
+    for rank_var, world_var in pairs:
         rank = env.get(rank_var, "")
         if rank.isdigit():
             world = env.get(world_var, "")

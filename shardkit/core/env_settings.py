@@ -68,6 +68,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "the config the launch found, for the ranks' expected devices", internal=True),
     Setting("SHARDKIT_LAUNCH_REPORT", "text", "(set by shardkit launch)", "host:port/token",
             "where each rank of `shardkit launch` reports its preflight (armed, passed, failed, skipped)", internal=True),
+    Setting("SHARDKIT_AUTOPREFLIGHT_RANK_FROM", "choice", "(set by shardkit launch)", "pmi",
+            "a rank started with no RANK yet (DeepSpeed's slurm runner: srun runs the script) knows itself by "
+            "PMIX_RANK or PMI_RANK", choices=("pmi",), internal=True),
 )}
 
 

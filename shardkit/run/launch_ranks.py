@@ -17,6 +17,8 @@ reach them: what the launch's closing line compares the ranks' reports against.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,9 @@ class ExpectedRanks:
     unreachable: str | None = None
     """Why the launch's settings cannot reach the remote ranks, found before the launch (a runner
     whose exports would drop the packed variable, a .deepspeed_env that replaces PYTHONPATH)."""
+    rank_from: str | None = None
+    """How the ranks know their number at start-up where the launcher sets no RANK ("pmi": DeepSpeed's
+    slurm runner, whose srun runs the script itself); travels to them as SHARDKIT_AUTOPREFLIGHT_RANK_FROM."""
 
 
 def expected_ranks(plan: LaunchPlan) -> ExpectedRanks:
@@ -88,7 +93,9 @@ def _deepspeed(plan: LaunchPlan) -> ExpectedRanks:
     try:
         # with -m/--module the launcher arguments already end with the module's name
         script = [] if plan.is_module else [plan.script]
-        args = runner.parse_args([*plan.launcher_args, *script, *plan.script_args])
+        # DeepSpeed prints its own usage error when it runs: the same one printed here first is noise
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = runner.parse_args([*plan.launcher_args, *script, *plan.script_args])
         pool = runner.fetch_hostfile(args.hostfile)
         active = runner.parse_inclusion_exclusion(pool, args.include, args.exclude)
         active = runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus)
@@ -105,7 +112,8 @@ def _deepspeed(plan: LaunchPlan) -> ExpectedRanks:
         return ExpectedRanks(len(hosts), hosts=hosts)
     route = args.master_addr or next(iter(active), None)
     return ExpectedRanks(len(hosts), hosts=hosts, remote=True, route_host=route,
-                         unreachable=_why_settings_stay_here(runner, plan.env))
+                         unreachable=_why_settings_stay_here(runner, plan.env),
+                         rank_from="pmi" if str(args.launcher).lower() == "slurm" else None)
 
 
 def _rank_hosts(active: dict[str, Any]) -> dict[int, str]:

@@ -231,6 +231,12 @@ def _no_report_why(expected: ExpectedRanks, address: str) -> str:
     if expected.unreachable:
         return expected.unreachable
     host_port = address.split("/", 1)[0]
+    if expected.rank_from == "pmi":
+        return ("no report came from them: under DeepSpeed's slurm runner a rank knows its number at start-up only "
+                "from PMIx/PMI (PMIX_RANK, PMI_RANK), which srun sets with --mpi=pmix or --mpi=pmi2; pass "
+                "--launcher_args=--mpi=pmix (DeepSpeed's MPI discovery through mpi4py needs it too, unless the cluster's "
+                f"MpiDefault is pmix), or see whether {PACKED_ENV} arrived (the rank says so on its stderr) and "
+                f"{host_port} is reachable from the nodes (set {ENV_ADDR})")
     if expected.remote:
         return (f"no report came from them: {PACKED_ENV} did not arrive there (the rank says so on its stderr), or "
                 f"shardkit's sitecustomize folder {site_dir()}, on their PYTHONPATH, is missing on that node (install "

@@ -13,6 +13,7 @@ import threading
 
 from shardkit.autopreflight import EXIT_CODE
 from shardkit.autopreflight.launch_link import PACKED_ENV, REPORT_ENV, pack
+from shardkit.autopreflight.rank_env import ENV_RANK_FROM
 from shardkit.core.errors import UsageError
 from shardkit.run.launch_plan import LaunchPlan
 from shardkit.run.launch_ranks import ExpectedRanks, expected_ranks
@@ -38,6 +39,8 @@ def run_launch(plan: LaunchPlan, expected: ExpectedRanks | None = None) -> int:
     host, port = listen_address(expected, plan.env)
     reports = RankReports(host, port)
     env = {**plan.env, REPORT_ENV: reports.address}
+    if expected.rank_from:
+        env[ENV_RANK_FROM] = expected.rank_from
     env[PACKED_ENV] = pack(env)
     try:
         code = _run_argv(plan, env, reports)
