@@ -50,12 +50,17 @@ ENV_PROBE = f'\nimport os\nprint(f"rank {{engine.global_rank}} sentinel={{os.env
 def _why_no_openmpi() -> str | None:
     if not shutil.which("ompi_info"):
         return "OpenMPI is not installed (apt-get install openmpi-bin libopenmpi-dev)"
-    version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True, timeout=30).stdout
-    if "Open MPI" not in version:
-        return f"mpirun on PATH is not OpenMPI's ({version.strip()[:80]!r}); DeepSpeed's openmpi runner calls `mpirun`"
+    version = subprocess.run([_openmpi_run(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    if "Open MPI" not in version and "OpenRTE" not in version:  # OpenRTE: started as mpirun.openmpi
+        return f"{_openmpi_run()} is not OpenMPI's ({version.strip()[:80]!r}); DeepSpeed's openmpi runner calls `mpirun`"
     if importlib.util.find_spec("mpi4py") is None:
         return "mpi4py is not installed (pip install mpi4py): DeepSpeed's MPI discovery needs it under OpenMPI"
     return None
+
+
+def _openmpi_run() -> str:
+    """OpenMPI's mpirun: Debian's `mpirun` alternative points at MPICH's where mpich was installed first."""
+    return shutil.which("mpirun.openmpi") or "mpirun"
 
 
 def _hydra() -> str | None:
@@ -86,7 +91,9 @@ def openmpi_nodes(tmp_path: Path) -> dict[str, str]:
         pytest.skip(why)
     env = _job_folder(tmp_path, "".join(f"{name} slots=1\n" for name in NODES))
     (tmp_path / "bin" / "ssh").write_text(STAND_IN)
-    (tmp_path / "bin" / "ssh").chmod(0o755)
+    (tmp_path / "bin" / "mpirun").write_text(f'#!/bin/sh\nexec {shutil.which(_openmpi_run())} "$@"\n')
+    for name in ("ssh", "mpirun"):
+        (tmp_path / "bin" / name).chmod(0o755)
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in NODES.items()))
     return {**env, "SKPDSH_HOSTS": str(hosts)}
