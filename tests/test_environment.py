@@ -371,7 +371,7 @@ def test_smoke_stops_before_any_rank_with_one_line(run_cli, clean_env, tmp_path)
     clean_env.setattr(env_fp16, "probe_cpu_fp16", lambda: False)
     cfg = tmp_path / "fp16.json"
     cfg.write_text(json.dumps(FP16))
-    code, out, err = run_cli("smoke", "--engine", "zero3", "--config", cfg, "--nproc", "1", "--steps", "2", "--quiet",
+    code, out, err = run_cli("smoke", "--engine", "zero3", "--config", cfg, "--world-size", "1", "--steps", "2", "--quiet",
                              "--device", "cpu")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 1 and len(lines) == 1, err

@@ -253,8 +253,8 @@ def test_record_never_replaces_a_config_or_a_non_file(run_cli, tmp_path):
 
 
 def test_observed_refuses_live_only_flags(run_cli):
-    code, _, err = run_cli("preflight", "--observed", DATA / "z3_bf16.json", "--nproc", "2", "--record", "x.json")
-    assert code == 2 and "--nproc, --record would be ignored" in err
+    code, _, err = run_cli("preflight", "--observed", DATA / "z3_bf16.json", "--world-size", "2", "--record", "x.json")
+    assert code == 2 and "--world-size, --record would be ignored" in err
 
 
 def test_a_new_run_never_joins_another_runs_snapshot(tmp_path):
