@@ -215,6 +215,9 @@ def test_convert_processes_given_another_option_all_fail(sources, tmp_path):
 
 # --- launcher variables without a launcher: never a silent wait -------------------------------------------
 
+_JOIN_S = 20
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_shell_holding_a_pods_variables_says_at_once_why_it_waits_and_stops_with_the_fix(sources, tmp_path, rank):
@@ -226,7 +229,7 @@ def test_a_shell_holding_a_pods_variables_says_at_once_why_it_waits_and_stops_wi
 
     out = tmp_path / "out"
     env = _env(RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR="10.9.8.7", MASTER_PORT="29599",
-               SHARDKIT_JOIN_TIMEOUT_S="8", SHARDKIT_SILENCE_S="2")
+               SHARDKIT_JOIN_TIMEOUT_S=str(_JOIN_S), SHARDKIT_SILENCE_S="2")
     src = sources["fp32"]  # built on first use: before the clock starts
     started = time.monotonic()
     proc = subprocess.Popen(_cli("reshard", src, "--world-size", "3", "-o", out), env=env,
@@ -246,14 +249,16 @@ def test_a_shell_holding_a_pods_variables_says_at_once_why_it_waits_and_stops_wi
     first_at, first = waiting[0]
     # said within seconds of starting to wait, long before the stop (a loaded machine may take its
     # time to start Python: the clock that counts is the wait's)
-    assert re.search(r"giving up in [5-8] s", first) and lines[-1][0] - first_at >= 4, lines
+    # (20 s of join timeout: under a whole-suite run on 2 cores an 8 s one left too little to measure)
+    left = re.search(r"giving up in (\d+) s", first)
+    assert left and 5 <= int(left.group(1)) <= _JOIN_S and lines[-1][0] - first_at >= 4, lines
     assert f"rank {rank} of 4 (made so by RANK={rank} WORLD_SIZE=4 MASTER_ADDR=10.9.8.7 MASTER_PORT=29599)" in first
     assert ("rank 0 of this run to claim the staging folder" if rank else "the other 3 process(es)") in first
     assert "`unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT` and run it again as one process" in first
     assert any("still waiting" in text for _, text in waiting[1:]), lines  # repeated while it waits
     assert proc.returncode == 1, lines
     error = lines[-1][1]
-    assert error.startswith("shardkit reshard: error: ") and "within 8 s" in error, lines
+    assert error.startswith("shardkit reshard: error: ") and f"within {_JOIN_S} s" in error, lines
     assert "`unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`" in error and "Nothing was written" in error, error
-    assert ended < 8 + 30, ended
+    assert ended < _JOIN_S + 30, ended
     assert not out.exists()
