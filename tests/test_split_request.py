@@ -164,8 +164,11 @@ def test_torchrun_processes_given_different_world_sizes_all_fail_and_publish_not
            "sh", "-c", script, sys.executable]
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode != 0, done.stdout + done.stderr
-    # torchrun reports the first failed rank; every rank's own line is in the shared stderr
-    assert len(re.findall(r"--world-size: 3 on rank 1, 2 on rank 0", done.stderr)) >= 2, done.stderr
+    # the first rank to see the difference names it and exits 2; torchrun then stops the other with
+    # SIGTERM, which may land before that one printed its own line (seen under a whole-suite run):
+    # the named difference once, and every process gone without publishing, is what holds
+    assert len(re.findall(r"--world-size: 3 on rank 1, 2 on rank 0", done.stderr)) >= 1, done.stderr
+    assert "exitcode  : 0" not in done.stderr, done.stderr
     assert not out.exists(), list(out.iterdir())
 
 
