@@ -319,4 +319,3 @@ def has_manifest(sources: Sources, kind: str) -> bool:
     """Whether the source has a shardkit manifest (a changed byte of a listed file must then be caught)."""
     return any(sources.root(kind).glob(f"*/{MANIFEST}"))
 
-

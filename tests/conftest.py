@@ -98,3 +98,20 @@ def run_cli(capsys):
 @pytest.fixture
 def python_exe() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def sweep_sources(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The hostile sweep's four real sources, built once per session (tests/_hostile_sweep.py)."""
+    from tests import _hostile_sweep
+
+    return _hostile_sweep.sources_for(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def sweep_tally() -> Any:
+    """A hostile-sweep module adds its cases to the tally file when it ends (its pytestmark uses this)."""
+    yield
+    from tests import _hostile_sweep
+
+    _hostile_sweep.write_tally()

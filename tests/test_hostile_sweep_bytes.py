@@ -16,23 +16,12 @@ from hypothesis import strategies as st
 
 from tests import _hostile_sweep as H
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("sweep_tally")]
 
 # No shrinking (phases): the first failing case is reported as drawn; shrinking reruns whole
 # commands for minutes. derandomize: CI draws the same cases every run, so a failure reproduces.
 SWEEP = settings(phases=[Phase.explicit, Phase.generate], max_examples=int(os.environ.get("HOSTILE_SWEEP_EXAMPLES", "50")), deadline=None,
                  derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(scope="session")
-def sweep_sources(tmp_path_factory) -> H.Sources:
-    return H.sources_for(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tally():
-    yield
-    H.write_tally()
 
 
 def truncate(f: Path, at: float) -> None:

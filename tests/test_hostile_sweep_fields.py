@@ -24,24 +24,13 @@ from hypothesis import strategies as st
 
 from tests import _hostile_sweep as H
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("sweep_tally")]
 
 # No shrinking: the first failing case is reported as drawn; derandomize: the same cases every run.
 SWEEP = settings(phases=[Phase.explicit, Phase.generate], deadline=None, derandomize=True, database=None,
                  max_examples=int(os.environ.get("HOSTILE_SWEEP_EXAMPLES", "50")),
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 DELETE = object()
-
-
-@pytest.fixture(scope="session")
-def sweep_sources(tmp_path_factory) -> H.Sources:
-    return H.sources_for(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tally():
-    yield
-    H.write_tally()
 
 
 def _hostile_scalars() -> st.SearchStrategy[Any]:

@@ -25,23 +25,12 @@ from tests import _hostile_sweep as H
 from tests.test_hostile_sweep_bytes import MUTATIONS
 from tests.test_hostile_sweep_fields import DELETE, HOSTILE, paths, replaced
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("sweep_tally")]
 
 SWEEP = settings(phases=[Phase.explicit, Phase.generate], deadline=None, derandomize=True, database=None,
                  max_examples=int(os.environ.get("HOSTILE_SWEEP_EXAMPLES", "50")),
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 READER_TIMEOUT_S = 20
-
-
-@pytest.fixture(scope="session")
-def sweep_sources(tmp_path_factory) -> H.Sources:
-    return H.sources_for(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tally():
-    yield
-    H.write_tally()
 
 
 def _readers(src: Path, rel: str) -> dict[str, Any]:
@@ -229,7 +218,6 @@ def test_a_dcp_metadata_whose_chunks_do_not_fit_is_named(sweep_sources, tmp_path
     with pytest.raises(CheckpointError, match=r"\.metadata: rank 0: torch's DCP load failed on it \(IndexError: .*\): "
                                               r"its chunks, sizes or storage entries do not describe the files"):
         load_dcp_state(state, tag)
-
 
 
 @pytest.mark.parametrize("field, value, message", [
