@@ -24,7 +24,7 @@ from shardkit.placement.preflight import exchange  # noqa: E402
 from shardkit.placement.summary import summarize  # noqa: E402
 
 
-def _run(world: int, reports: dict[int, Any], timeout: float = 30.0) -> tuple[dict[int, Any], int]:
+def _run(world: int, reports: dict[int, Any], timeout: float = 30.0, show: Any = None) -> tuple[dict[int, Any], int]:
     from torch.distributed import TCPStore
 
     server = TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
@@ -34,7 +34,8 @@ def _run(world: int, reports: dict[int, Any], timeout: float = 30.0) -> tuple[di
 
     def rank(r: int) -> None:
         try:
-            out[r] = exchange(clients[r], reports[r], world, timeout, "shardkit/preflight/0")
+            out[r] = exchange(clients[r], reports[r], world, timeout, "shardkit/preflight/0",
+                              show=(lambda rep, v: show(clients[r], rep, v)) if show and r == 0 else None)
         except Exception as exc:  # recorded, asserted by the caller
             out[r] = exc
 
@@ -61,6 +62,21 @@ def test_faults_are_named_the_same_on_every_rank_and_no_key_is_left():
     assert [s.rank for s in report0.summaries] == list(range(world))
     assert [rep.rank for rep in report0.ranks] == [0]  # rank 0 never holds a peer's records
     assert left == 0, f"{left} store key(s) left behind"
+
+
+def test_rank_0_shows_a_failed_table_before_any_other_rank_can_read_the_verdict():
+    """The other ranks exit the moment they read a failed verdict and their launcher (torchrun's
+    agent) then SIGTERMs rank 0: a table printed after publishing was lost on two Slurm nodes."""
+    world = 4
+    reports = {r: llama70b_report(r, world, misplaced=r == 3) for r in range(world)}
+    shown: list[tuple[bool, bool]] = []
+
+    def show(store: Any, report: Any, verdict: Any) -> None:
+        shown.append((verdict.ok, store.check(["shardkit/preflight/0/verdict"])))
+
+    out, left = _run(world, reports, show=show)
+    assert shown == [(False, False)], shown  # shown once, while the verdict was not yet readable
+    assert all(not v.ok for _, v in out.values()) and left == 0
 
 
 def test_healthy_ranks_ship_a_summary_and_pass():

@@ -22,6 +22,7 @@ from shardkit.checkpoint.io.shared_meet import meet
 from shardkit.checkpoint.io.shared_save import Launch
 from shardkit.core.errors import CheckpointError, UsageError
 from tests import test_reshard_parallel as reshard_tests
+from tests._slurm_jobs import free_port
 from tests.test_reshard_parallel import TIMEOUT_S, _cli, _env, _nothing_published
 
 sources = reshard_tests.sources
@@ -231,7 +232,10 @@ def test_a_shell_holding_a_pods_variables_says_at_once_why_it_waits_and_stops_wi
     import time
 
     out = tmp_path / "out"
-    env = _env(RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR="10.9.8.7", MASTER_PORT="29599",
+    # a port of its own: with one fixed port the two cases, run side by side by two test workers,
+    # met (rank 1 reached rank 0's store: a machine may route any address to itself, as CI's does)
+    port = free_port()
+    env = _env(RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR="10.9.8.7", MASTER_PORT=str(port),
                SHARDKIT_JOIN_TIMEOUT_S=str(_JOIN_S), SHARDKIT_SILENCE_S="2")
     src = sources["fp32"]  # built on first use: before the clock starts
     started = time.monotonic()
@@ -255,7 +259,7 @@ def test_a_shell_holding_a_pods_variables_says_at_once_why_it_waits_and_stops_wi
     # (20 s of join timeout: under a whole-suite run on 2 cores an 8 s one left too little to measure)
     left = re.search(r"giving up in (\d+) s", first)
     assert left and 5 <= int(left.group(1)) <= _JOIN_S and lines[-1][0] - first_at >= 4, lines
-    assert f"rank {rank} of 4 (made so by RANK={rank} WORLD_SIZE=4 MASTER_ADDR=10.9.8.7 MASTER_PORT=29599)" in first
+    assert f"rank {rank} of 4 (made so by RANK={rank} WORLD_SIZE=4 MASTER_ADDR=10.9.8.7 MASTER_PORT={port})" in first
     assert ("rank 0 of this run to claim the staging folder" if rank else "the other 3 process(es)") in first
     assert "`unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT` and run it again as one process" in first
     assert any("still waiting" in text for _, text in waiting[1:]), lines  # repeated while it waits

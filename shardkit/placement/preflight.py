@@ -26,7 +26,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from shardkit.core.errors import PreflightError
 from shardkit.core.render import write_json
@@ -76,16 +76,22 @@ def preflight(
     import torch.distributed as dist
 
     local = collect_records(engine, model=model, optimizer=optimizer, scaler=scaler, lr_scheduler=lr_scheduler, config=config, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        report, verdict = _collective(local, timeout)
-    else:
-        report = judge([local])
-        verdict = _Verdict(report.ok, _text(report, 1, timeout), [])
-    if local.rank == 0:
+
+    def show(report: PlacementReport, verdict: _Verdict) -> None:
+        # Rank 0 shows the table (and writes the JSON) before any other rank can read a failed
+        # verdict: those ranks then exit at once and their launcher (torchrun's agent) SIGTERMs
+        # rank 0, which lost the table under load when it printed afterwards (seen on two Slurm nodes).
         if json_path:
             write_json(report.to_dict(), json_path)
         if not verdict.ok:
             print(verdict.text, file=sys.stdout, flush=True)
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        report, verdict = _collective(local, timeout, show if local.rank == 0 else None)
+    else:
+        report = judge([local])
+        verdict = _Verdict(report.ok, _text(report, 1, timeout), [])
+        show(report, verdict)
     if not verdict.ok:
         raise PreflightError(verdict.text)
     return report
@@ -159,7 +165,11 @@ def _ranks_text(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 16 else f"[{', '.join(map(str, ranks[:16]))}, ... ({len(ranks)} ranks)]"
 
 
-def _collective(local: RankReport, timeout: float) -> tuple[PlacementReport, _Verdict]:
+_Show = Callable[[PlacementReport, "_Verdict"], None]
+"""Rank 0's way to show a verdict (table, JSON file), called before the other ranks can read it."""
+
+
+def _collective(local: RankReport, timeout: float, show: _Show | None = None) -> tuple[PlacementReport, _Verdict]:
     """Rank 0 judges every rank's summary; the others get its verdict. Returns (report, verdict)."""
     import torch.distributed as dist
 
@@ -170,13 +180,13 @@ def _collective(local: RankReport, timeout: float) -> tuple[PlacementReport, _Ve
         store.compare_set
         store.delete_key
     except (AttributeError, RuntimeError, ValueError):
-        return _gather_fallback(local, world, timeout)
+        return _gather_fallback(local, world, timeout, show)
     round_ = next(_ROUND)
-    return exchange(store, local, world, timeout, f"{_KEY}/{round_}", calls=(_CALLS, round_ + 1))
+    return exchange(store, local, world, timeout, f"{_KEY}/{round_}", calls=(_CALLS, round_ + 1), show=show)
 
 
 def exchange(store: Any, local: RankReport, world: int, timeout: float, base: str,
-             calls: tuple[str, int] | None = None) -> tuple[PlacementReport, _Verdict]:
+             calls: tuple[str, int] | None = None, show: _Show | None = None) -> tuple[PlacementReport, _Verdict]:
     """One preflight round over a c10d store (a TCPStore client per rank), keys under ``base``.
 
     Every rank writes its summary (a few hundred bytes); rank 0 reads them all, compares digests and
@@ -184,7 +194,7 @@ def exchange(store: Any, local: RankReport, world: int, timeout: float, base: st
     ranks write their detail; rank 0 judges and writes the verdict. Rank 0's report holds every
     summary and its own full report; another rank's holds its own only. ``calls``: (key prefix,
     this rank's call count): the count is kept under ``<prefix>/rank<N>``, and a timeout's message
-    names every rank's count.
+    names every rank's count. ``show`` (rank 0): called with the verdict before it is published.
     """
     keys = [f"{base}/rank{r}" for r in range(world)]
     request_key, verdict_key, done_key = f"{base}/request", f"{base}/verdict", f"{base}/done"
@@ -194,7 +204,7 @@ def exchange(store: Any, local: RankReport, world: int, timeout: float, base: st
     mine = summarize(local)
     store.set(keys[local.rank], mine.encode())
     if local.rank == 0:
-        report, verdict = _rank0_decides(store, local, mine, keys, base, world, timeout, counted)
+        report, verdict = _rank0_decides(store, local, mine, keys, base, world, timeout, counted, show)
     else:
         report, verdict = _read_verdict(store, local, keys, base, world, timeout, counted)
     # Nobody reads a summary or a detail once the verdict exists (rank 0 read them before writing
@@ -226,13 +236,17 @@ def _wait_until_read(store: Any, done_key: str, timeout: float) -> None:
 
 
 def _rank0_decides(store: Any, local: RankReport, mine: RankSummary, keys: list[str], base: str, world: int,
-                   timeout: float, counted: str | None = None) -> tuple[PlacementReport, _Verdict]:
+                   timeout: float, counted: str | None = None,
+                   show: _Show | None = None) -> tuple[PlacementReport, _Verdict]:
     verdict_key, request_key = f"{base}/verdict", f"{base}/request"
     if store.check([verdict_key]):
         # The other ranks gave up on rank 0 before it arrived: adopt their verdict (same failure everywhere).
         verdict = _Verdict.decode(store.get(verdict_key))
         store.set(request_key, json.dumps([]))  # nobody waits on it, but the cleanup deletes it
-        return PlacementReport(ranks=[local], missing_ranks=verdict.missing), verdict
+        adopted = PlacementReport(ranks=[local], missing_ranks=verdict.missing)
+        if show is not None:
+            show(adopted, verdict)
+        return adopted, verdict
     missing = _wait_for(store, [keys[r] for r in range(1, world)], timeout, offset=1)
     present = [r for r in range(1, world) if r not in missing]
     raw = store.multi_get([keys[r] for r in present]) if present else []
@@ -251,12 +265,20 @@ def _rank0_decides(store: Any, local: RankReport, mine: RankSummary, keys: list[
     counts = _call_counts(store, counted, world) if report.missing_ranks else None
     proposal = _Verdict(report.ok, _text(report, world, timeout, counts), report.missing_ranks)
     blob = proposal.encode()
-    current = store.compare_set(verdict_key, "", blob)
-    if current == blob:
-        return report, proposal
+    if show is not None and store.check([verdict_key]):
+        current = store.get(verdict_key)  # another rank decided first: show that one, below
+    else:
+        if show is not None:
+            show(report, proposal)
+        current = store.compare_set(verdict_key, "", blob)
+        if current == blob:
+            return report, proposal
     # Another rank decided first (it gave up on rank 0 just before rank 0 arrived): follow it.
     decided = _Verdict.decode(current)
-    return PlacementReport(ranks=report.ranks, summaries=report.summaries, missing_ranks=decided.missing), decided
+    followed = PlacementReport(ranks=report.ranks, summaries=report.summaries, missing_ranks=decided.missing)
+    if show is not None:
+        show(followed, decided)
+    return followed, decided
 
 
 def _wait_for(store: Any, keys: list[str], timeout: float, offset: int, ranks: list[int] | None = None) -> list[int]:
@@ -292,7 +314,8 @@ def _read_verdict(store: Any, local: RankReport, keys: list[str], base: str, wor
     return PlacementReport(ranks=[local], missing_ranks=verdict.missing), verdict
 
 
-def _gather_fallback(local: RankReport, world: int, timeout: float) -> tuple[PlacementReport, _Verdict]:
+def _gather_fallback(local: RankReport, world: int, timeout: float,
+                     show: _Show | None = None) -> tuple[PlacementReport, _Verdict]:
     """No usable store: gather to rank 0, broadcast its verdict. A missing rank then shows up as the
     process group's own timeout, not by name."""
     import torch.distributed as dist
@@ -301,7 +324,10 @@ def _gather_fallback(local: RankReport, world: int, timeout: float) -> tuple[Pla
     dist.gather_object(encode(local), gathered if local.rank == 0 else None, dst=0)
     if local.rank == 0:
         report = judge([decode(b) for b in gathered])
-        box: list[Any] = [_Verdict(report.ok, _text(report, world, timeout), []).encode()]
+        verdict = _Verdict(report.ok, _text(report, world, timeout), [])
+        if show is not None:
+            show(report, verdict)
+        box: list[Any] = [verdict.encode()]
     else:
         report, box = PlacementReport(ranks=[local]), [None]
     dist.broadcast_object_list(box, src=0)
