@@ -19,12 +19,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.manifest import seal
-from shardkit.checkpoint.io.torch_load import _ITEMSIZE, TensorRef, TorchSize, read_structure
-from shardkit.checkpoint.io.torch_pickle import NewTensor, pickle_structure
-from shardkit.checkpoint.io.torch_zip import Segment, write_torch_zip
 from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+from shardkit.storage.manifest import seal
+from shardkit.storage.torch_load import _ITEMSIZE, TensorRef, TorchSize, read_structure
+from shardkit.storage.torch_pickle import NewTensor, pickle_structure
+from shardkit.storage.torch_zip import Segment, write_torch_zip
 
 
 def _repeat(ref: TensorRef, numel: int) -> NewTensor:

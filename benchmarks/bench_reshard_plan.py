@@ -28,12 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._llama_reports import llama70b_params  # noqa: E402
-from shardkit.checkpoint.io.torch_load import DeepSpeedObjectStub, TensorRef, TorchSize  # noqa: E402
 from shardkit.checkpoint.ops.reshard import split_by_bytes  # noqa: E402
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot, Zero3Checkpoint  # noqa: E402
 from shardkit.checkpoint.zero3.layout import DEFAULT_SUB_GROUP_SIZE, partition_numel  # noqa: E402
 from shardkit.checkpoint.zero3.repartition import plan_layout  # noqa: E402
 from shardkit.checkpoint.zero3.reshard_plan import ReshardPlan  # noqa: E402
+from shardkit.storage.torch_load import DeepSpeedObjectStub, TensorRef, TorchSize  # noqa: E402
 
 GPUS_PER_NODE = 8
 

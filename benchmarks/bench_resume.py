@@ -368,7 +368,7 @@ def sha256_twin(ckpt: Path, workdir: Path) -> Path:
         subprocess.run(["cp", "-al", str(ckpt), str(twin)], check=True)
         (twin / tag / "shardkit_manifest.json").unlink()
         sys.path.insert(0, str(REPO))
-        from shardkit.checkpoint.io.manifest import seal
+        from shardkit.storage.manifest import seal
 
         os.environ["SHARDKIT_HASH"] = "sha256"
         try:
@@ -418,7 +418,7 @@ def run(workdir: Path) -> dict[str, Any]:
     if not (tag_dir / "shardkit_manifest.json").exists():
         # as a run saving through shardkit has it: every shardkit row below verifies the source's
         # digests (DeepSpeed's tools read it unverified); the --no-verify row shows that cost
-        from shardkit.checkpoint.io.manifest import seal
+        from shardkit.storage.manifest import seal
 
         seal(tag_dir, engine="deepspeed", world_size=SAVE_WORLD, zero_stage=3, dtype="bf16")
     optim_files = sorted(tag_dir.glob("*optim_states.pt"))

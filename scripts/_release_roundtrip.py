@@ -40,7 +40,7 @@ def _plain(value: Any) -> str:
 def _first_difference(original: Path, round_trip: Path) -> tuple[str | None, int, int]:
     import torch
 
-    from shardkit.checkpoint.io.torch_load import safe_torch_load
+    from shardkit.storage.torch_load import safe_torch_load
 
     names = sorted(p.name for p in original.glob("*.pt"))
     theirs = sorted(p.name for p in round_trip.glob("*.pt"))
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"ok": diff is None, "files": files, "tensors": tensors, "first_difference": diff}))
         return 0 if diff is None else 1
     if len(argv) == 3 and argv[0] == "ds-config":
-        from shardkit.checkpoint.io.torch_load import safe_torch_load
+        from shardkit.storage.torch_load import safe_torch_load
 
         states = safe_torch_load(Path(argv[1]) / "zero_pp_rank_0_mp_rank_00_model_states.pt")
         Path(argv[2]).write_text(json.dumps(states["ds_config"]))

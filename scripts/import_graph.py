@@ -38,11 +38,16 @@ LAYERS: list[tuple[str, ...]] = [
     # what the machine and its software are: versions, environment probes, device rules, dist; and what a
     # run will need of it (the memory estimate)
     ("shardkit.platform", "shardkit.estimate"),
-    # checkpoint plumbing (atomic files, manifest, verify, streaming) and engine glue
-    ("shardkit.checkpoint.io", "shardkit.engines"),
+    # byte-level storage every floor above uses: atomic files, manifests, digests, streaming, torch's zip
+    # and pickle read without torch, split-run meeting (shardkit/storage: no checkpoint format in it)
+    ("shardkit.storage",),
+    # the format-neutral checkpoint model (a tensor as byte-range pieces of source files); engine glue
+    ("shardkit.checkpoint.model", "shardkit.engines"),
     # config rules; placement records and verdicts; what each engine writes and how to read it
-    ("shardkit.checks", "shardkit.placement", "shardkit.checkpoint.zero3", "shardkit.checkpoint.dcp",
-     "shardkit.checkpoint.hf_trainer", "shardkit.checkpoint.layout", "shardkit.checkpoint"),
+    ("shardkit.checks", "shardkit.placement", "shardkit.checkpoint.zero3", "shardkit.checkpoint.zero12",
+     "shardkit.checkpoint.dcp", "shardkit.checkpoint.hf_trainer", "shardkit.checkpoint.layout", "shardkit.checkpoint"),
+    # one reader per checkpoint format (each produces the checkpoint model), one writer per format
+    ("shardkit.checkpoint.readers", "shardkit.checkpoint.writers"),
     # checkpoint operations users run: save/resume, reshard, convert, consolidate
     ("shardkit.checkpoint.ops",),
     # the rank side of runs: spawning local ranks, the code they run, the automatic preflight
@@ -78,7 +83,7 @@ LAZY_BOUNDARIES: dict[str, str] = {
 LAZY_COMMENT = re.compile(r"#\s*lazy:\s*\S")
 
 # A package is a module's first PACKAGE_DEPTH dotted components (shardkit.run, shardkit.integrations);
-# checkpoint/ is a house of its own, so its packages are one level deeper (shardkit.checkpoint.io).
+# checkpoint/ is a house of its own, so its packages are one level deeper (shardkit.checkpoint.zero3).
 PACKAGE_DEPTH = 2
 DEEPER_PACKAGES = {"shardkit.checkpoint": 3}
 

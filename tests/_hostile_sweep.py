@@ -273,7 +273,7 @@ def tensors_of(output: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
                 _flatten(_load_state_dict_from_keys(checkpoint_id=str(tag)), "", found)
         for f in sorted(tag.iterdir()):
             if f.suffix == ".pt":
-                from shardkit.checkpoint.io.torch_load import safe_torch_load
+                from shardkit.storage.torch_load import safe_torch_load
 
                 _flatten(safe_torch_load(f), f.name, found)
             elif f.suffix == ".safetensors":

@@ -78,7 +78,7 @@ def save_then_die_in_second_save(root: str, record_dir: str, kill_rank: int) -> 
 
 def load_and_fingerprint(root: str) -> dict[str, Any]:
     """check_resumable, then DeepSpeed's own load_checkpoint on the root; train one more step."""
-    from shardkit.checkpoint.io.verify import check_resumable
+    from shardkit.storage.verify import check_resumable
 
     report = check_resumable(root, world_size=dist.get_world_size(), engine="deepspeed")
     engine = _engine()

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.io.manifest import read_manifest
 from shardkit.core.errors import PreflightError
+from shardkit.storage.manifest import read_manifest
 
 SAVE_AT = 6
 CONTINUE = 3

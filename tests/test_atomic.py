@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from shardkit.checkpoint.io.atomic import (
+from shardkit.storage.atomic import (
     atomic_open,
     atomic_save,
     atomic_write_text,
@@ -13,7 +13,7 @@ from shardkit.checkpoint.io.atomic import (
     staging_dir,
     write_latest,
 )
-from shardkit.checkpoint.io.tags import read_latest
+from shardkit.storage.tags import read_latest
 
 
 def test_failed_write_leaves_the_old_file_and_no_temporaries(tmp_path):
@@ -59,9 +59,9 @@ def test_sigkill_during_save_training_keeps_previous_checkpoint(tmp_path):
     checkpoint are untouched and resume works; the half-written save never becomes a tag."""
     import torch
 
-    from shardkit.checkpoint.io.verify import verify_checkpoint
     from shardkit.checkpoint.ops.torch_training import resume_training
     from shardkit.run.spawn.process import run_ranks
+    from shardkit.storage.verify import verify_checkpoint
     from tests import _ranks_ckpt as targets
 
     root = tmp_path / "root"
@@ -107,10 +107,10 @@ def test_crash_between_the_two_renames_of_a_resave_leaves_latest_loadable(tmp_pa
     the new one was renamed into place leaves 'latest' naming a complete copy of the old one."""
     import torch
 
-    import shardkit.checkpoint.io.atomic as atomic
-    from shardkit.checkpoint.io.verify import verify_checkpoint
+    import shardkit.storage.atomic as atomic
     from shardkit.checkpoint.ops.torch_training import resume_training, save_training
     from shardkit.core.errors import CheckpointError
+    from shardkit.storage.verify import verify_checkpoint
 
     root = tmp_path / "root"
     model, opt = _linear_and_adam(0)
@@ -191,7 +191,7 @@ def test_latest_that_is_not_text_names_the_file_and_the_fix(tmp_path):
 
 
 def test_crash_while_resaving_an_older_tag_keeps_it_and_the_next_save_restores_it(tmp_path, monkeypatch):
-    import shardkit.checkpoint.io.atomic as atomic
+    import shardkit.storage.atomic as atomic
     from shardkit.checkpoint.ops.torch_training import resume_training, save_training
     from shardkit.core.errors import CheckpointError
 
@@ -246,8 +246,8 @@ def _enospc(path):
 
 
 def test_disk_full_while_writing_says_where_and_how_much_is_free_and_leaves_nothing(tmp_path):
-    from shardkit.checkpoint.io.staged_save import atomic_checkpoint
     from shardkit.core.errors import CheckpointError
+    from shardkit.storage.staged_save import atomic_checkpoint
 
     root = tmp_path / "root"
     with atomic_checkpoint(root, "a", engine="torch") as save:
@@ -265,7 +265,7 @@ def test_torch_short_write_error_is_recognised_as_a_full_disk(tmp_path):
     pos': produced here for real by writing to /dev/full."""
     import torch
 
-    from shardkit.checkpoint.io.atomic import is_disk_full
+    from shardkit.storage.atomic import is_disk_full
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
@@ -277,7 +277,7 @@ def test_torch_short_write_error_is_recognised_as_a_full_disk(tmp_path):
 
 
 def test_disk_full_while_writing_the_manifest_removes_the_staging(tmp_path, monkeypatch):
-    import shardkit.checkpoint.io.manifest as manifest
+    import shardkit.storage.manifest as manifest
     from shardkit.checkpoint.ops.torch_training import save_training
     from shardkit.core.errors import CheckpointError
 
@@ -339,9 +339,9 @@ def test_read_regular_file_refuses_what_is_not_a_regular_file_and_caps_the_bytes
 
 @pytest.mark.parametrize("content", ["/etc", "../x", "", ".", "a/b", ".shardkit-tmp-step1"])
 def test_latest_naming_no_folder_inside_the_root_is_refused_with_the_pointer_file(tmp_path, content):
-    from shardkit.checkpoint.io.tags import latest_tag
     from shardkit.checkpoint.zero3.files import resolve_tag_dir
     from shardkit.core.errors import CheckpointError
+    from shardkit.storage.tags import latest_tag
 
     root = tmp_path / "root"
     root.mkdir()

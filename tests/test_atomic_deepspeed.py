@@ -7,9 +7,9 @@ import shutil
 import pytest
 
 import shardkit.run.spawn.process as spawn
-from shardkit.checkpoint.io.verify import check_resumable, verify_checkpoint
 from shardkit.core.errors import CheckpointError
 from shardkit.run.spawn.process import run_ranks
+from shardkit.storage.verify import check_resumable, verify_checkpoint
 from tests import _ranks_ckpt as targets
 
 pytestmark = pytest.mark.slow

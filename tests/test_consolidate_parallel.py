@@ -16,9 +16,9 @@ import pytest
 
 from benchmarks._scale_zero3 import scale_checkpoint
 from shardkit._version import __version__ as shardkit_version_string
-from shardkit.checkpoint.io.shared_save import launch_from_env
-from shardkit.checkpoint.io.tags import STAGING_PREFIX
 from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+from shardkit.storage.shared_save import launch_from_env
+from shardkit.storage.tags import STAGING_PREFIX
 from tests import test_reshard_parallel as reshard_tests
 from tests.test_reshard_parallel import (
     TIMEOUT_S,

@@ -15,8 +15,6 @@ import pytest
 import torch
 
 from shardkit.checkpoint.dcp.reader import read_dcp_metadata
-from shardkit.checkpoint.io.torch_load import TensorRef
-from shardkit.checkpoint.io.torch_zip import Segment, SegmentedRecord
 from shardkit.checkpoint.ops.convert.dcp_format import (
     Stored,
     TensorItem,
@@ -27,6 +25,8 @@ from shardkit.checkpoint.ops.convert.dcp_format import (
     write_tensor_file,
 )
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_bytes import steps_not_plain
+from shardkit.storage.torch_load import TensorRef
+from shardkit.storage.torch_zip import Segment, SegmentedRecord
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
 

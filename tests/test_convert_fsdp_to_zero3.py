@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
 from shardkit.core.errors import CheckpointError, ConfigError, UsageError
+from shardkit.storage.torch_load import safe_torch_load
 from tests import _ranks_ckpt as C
 from tests import _ranks_convert as N
 from tests import _ranks_convert_back as B
@@ -167,7 +167,7 @@ def test_tied_frozen_and_param_groups_load_bit_for_bit(runs):
 
 
 def test_result_manifest_and_verify(runs):
-    from shardkit.checkpoint.io.verify import check_resumable
+    from shardkit.storage.verify import check_resumable
 
     for n in WORLDS:
         r = runs["result"][n]
@@ -413,7 +413,7 @@ def test_two_processes_under_torchrun_write_what_one_process_writes(runs, tmp_pa
     import subprocess
     import sys
 
-    from shardkit.checkpoint.io.manifest import read_manifest
+    from shardkit.storage.manifest import read_manifest
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(B.ds_config(3, OFFLOAD[3])))
@@ -464,7 +464,7 @@ def test_a_failed_process_or_a_corrupted_source_share_fails_the_run_naming_it(ru
     published either way."""
     import json
 
-    from shardkit.checkpoint.io.manifest import read_manifest
+    from shardkit.storage.manifest import read_manifest
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(B.ds_config(3, OFFLOAD[3])))
@@ -522,7 +522,7 @@ def test_a_source_needing_dcp_load_is_refused_under_a_launcher(runs, tmp_path, m
     """Tensors the slice reader cannot take are loaded through DCP, in one process only: under a
     launcher that is refused before anything is claimed, naming the folder, why and the fix."""
     from shardkit.checkpoint.dcp import slices as dcp_slices
-    from shardkit.checkpoint.io.shared_save import Launch
+    from shardkit.storage.shared_save import Launch
 
     monkeypatch.setattr(dcp_slices.DcpSlices, "chunks", lambda self, key: None)
     with pytest.raises(UsageError, match=r"some tensors of this checkpoint are not plain float32 byte ranges \(model\.[\w.]+'s "

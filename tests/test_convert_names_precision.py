@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.checkpoint.io.manifest import Manifest
-from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import source_precision, target_names
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import SourcePlan
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.manifest import Manifest
+from shardkit.storage.torch_load import safe_torch_load
 
 pytestmark = pytest.mark.slow
 

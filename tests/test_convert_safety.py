@@ -43,7 +43,7 @@ def plain(built, tmp_path) -> Path:
 
 @pytest.fixture
 def sealed(plain) -> Path:
-    from shardkit.checkpoint.io.manifest import seal
+    from shardkit.storage.manifest import seal
 
     seal(plain / TAG, engine="deepspeed", world_size=2, zero_stage=3, step=R.SAVE_STEPS)
     return plain
@@ -150,7 +150,7 @@ def test_a_truncated_source_is_refused_even_with_no_verify(sealed, tmp_path, run
 
 
 def test_a_source_without_manifest_is_read_with_a_warning_and_recorded_as_unverified(plain, tmp_path, run_cli):
-    from shardkit.checkpoint.io.manifest import read_manifest
+    from shardkit.storage.manifest import read_manifest
 
     code, stdout, err = run_cli("reshard", plain, "--world-size", "3", "-o", tmp_path / "ws3")
     assert code == 0, err
@@ -163,8 +163,8 @@ def test_a_source_without_manifest_is_read_with_a_warning_and_recorded_as_unveri
 
 
 def test_library_callers_get_a_python_warning(plain, tmp_path):
-    from shardkit.checkpoint.io.pipeline import UnverifiedCheckpointWarning
     from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+    from shardkit.storage.pipeline import UnverifiedCheckpointWarning
 
     with pytest.warns(UnverifiedCheckpointWarning, match="cannot be verified"):
         result = consolidate_zero3(plain, tmp_path / "m.safetensors")
@@ -177,7 +177,7 @@ def test_library_callers_get_a_python_warning(plain, tmp_path):
 def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
     """A concurrent save that lands right after the source was verified: a new tag (a copy with one
     byte flipped, no manifest: never verified) and 'latest' moved to it. Returns the verified folders."""
-    import shardkit.checkpoint.io.pipeline as pipeline
+    import shardkit.storage.pipeline as pipeline
 
     real, checked = pipeline.verify_before_reading, []
 
@@ -199,8 +199,8 @@ def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
 
 
 def test_reshard_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp_path, monkeypatch):
-    from shardkit.checkpoint.io.manifest import read_manifest
     from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.storage.manifest import read_manifest
 
     checked = _save_lands_after_verification(monkeypatch, sealed)
     result = reshard_zero3(sealed, tmp_path / "ws3", 3)
@@ -223,7 +223,7 @@ def test_consolidate_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed,
 def test_reshard_names_where_an_unusable_source_tag_came_from(sealed, tmp_path, run_cli):
     """'latest' names a set-aside copy (what it does while a tag is being saved again): that name
     cannot be reused, and the user, who never passed --tag, is told where it came from."""
-    from shardkit.checkpoint.io.tags import REPLACED_MARK
+    from shardkit.storage.tags import REPLACED_MARK
 
     copy = f"{TAG}{REPLACED_MARK}0123abcd"
     (sealed / TAG).rename(sealed / copy)

@@ -378,9 +378,9 @@ def test_round_trip_with_frozen_tied_and_two_groups_is_tensor_equal(source, conv
     -> ZeRO-3 at the source's world size: every tensor in every rank file equal in bits. The DCP was
     written by one process, so the frozen norm is one unsplit tensor like a buffer: the manifest's
     buffer names are what keep it a frozen parameter (without them it came back as a buffer)."""
-    from shardkit.checkpoint.io.manifest import read_manifest
-    from shardkit.checkpoint.io.torch_load import safe_torch_load
     from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
+    from shardkit.storage.manifest import read_manifest
+    from shardkit.storage.torch_load import safe_torch_load
 
     out, _, _ = converted
     assert read_manifest(out / TAG).extra["converted_from"]["buffer_names"] == []
@@ -524,8 +524,8 @@ def test_a_source_file_rewritten_during_the_copy_is_refused(source, tmp_path, mo
 
 
 def test_a_source_needing_the_torch_route_is_refused_under_a_launcher(source, tmp_path, monkeypatch):
-    from shardkit.checkpoint.io.shared_save import Launch
     from shardkit.core.errors import UsageError
+    from shardkit.storage.shared_save import Launch
 
     _force_torch_route(monkeypatch)
     with pytest.raises(UsageError, match=r"needs the torch route \(forced by the test\), which runs in one process "
@@ -557,7 +557,7 @@ def test_two_processes_under_torchrun_write_what_one_process_writes(source, tmp_
     import sys
 
     from shardkit.checkpoint.dcp.reader import read_dcp_metadata
-    from shardkit.checkpoint.io.manifest import read_manifest
+    from shardkit.storage.manifest import read_manifest
 
     one, two = tmp_path / "one", tmp_path / "two"
     done = subprocess.run(_convert_cli(source[0], one), env=_env(), capture_output=True, text=True, timeout=180)

@@ -88,7 +88,7 @@ def test_during_a_run_a_bad_value_is_warned_about_once_and_the_default_used(caps
 
 
 def test_choices_and_check_all():
-    from shardkit.checkpoint.io.digest import default_algorithm
+    from shardkit.storage.digest import default_algorithm
 
     assert read_choice("SHARDKIT_HASH", "blake3", {"SHARDKIT_HASH": "SHA256"}) == "sha256"
     with pytest.raises(UsageError, match=r"SHARDKIT_HASH='md5' is not one of blake3, sha256: expected blake3 or sha256"):

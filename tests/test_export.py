@@ -420,13 +420,13 @@ def test_zero3_frozen_parameters_are_read_from_every_ranks_fragments(tmp_path):
 
     from shardkit.checkpoint.ops.export.shard_plan import Shard
     from shardkit.checkpoint.ops.export.writer import ShardJob, write_shard
-    from shardkit.checkpoint.ops.export.zero3_pieces import zero3_tensors
+    from shardkit.checkpoint.readers.zero3 import read_zero3
 
     root = tmp_path / "ckpt"
     run_ranks(zero3_lora_train_save, 2, args=(str(root),), timeout=300, device="cpu")
-    z = zero3_tensors(root / "global_step2")
+    z = read_zero3(root / "global_step2")
     base = tied_llama().state_dict()
-    frozen = {n.removeprefix("base_model.model.").replace(".base_layer", ""): t for n, t in z.tensors.items()
+    frozen = {n.removeprefix("base_model.model.").replace(".base_layer", ""): t for n, t in z.weights.items()
               if "lora_" not in n}
     assert sorted(frozen) == sorted(k for k in base if k != "lm_head.weight")
     assert all(len(t.pieces) == 2 for t in frozen.values())  # one fragment per rank

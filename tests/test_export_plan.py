@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.ops.export.match import match, normalize
 from shardkit.checkpoint.ops.export.model_spec import ModelSpec
-from shardkit.checkpoint.ops.export.pieces import Piece, SourceTensor
 from shardkit.checkpoint.ops.export.shard_plan import parse_shard_size, plan_shards
 from shardkit.core.errors import CheckpointError, UsageError
 

@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from shardkit.checkpoint.io.verify import check_resumable
 from shardkit.core.errors import CheckpointError
 from shardkit.run.spawn.process import run_ranks
+from shardkit.storage.verify import check_resumable
 from tests import _ranks_ckpt as targets
 
 pytestmark = pytest.mark.slow

@@ -196,9 +196,9 @@ def test_an_output_folder_removed_mid_write_fails_and_publishes_nothing(sources,
 def test_a_staging_folder_left_by_a_save_killed_on_every_rank_is_noted_never_loaded(src, tmp_path):
     """SIGKILL on every rank leaves the staging folder (nobody survives to remove it): verify names
     it as a leftover, loaders refuse it, and a reshard of that root reads the complete tag."""
-    from shardkit.checkpoint.io.manifest import seal
-    from shardkit.checkpoint.io.verify import check_resumable, verify_checkpoint
     from shardkit.core.errors import CheckpointError
+    from shardkit.storage.manifest import seal
+    from shardkit.storage.verify import check_resumable, verify_checkpoint
 
     seal(src / TAG, engine="deepspeed", world_size=2, zero_stage=3)
     staged = src / ".shardkit-tmp-global_step4"

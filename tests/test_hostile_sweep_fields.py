@@ -104,7 +104,7 @@ def replaced(obj: Any, path: tuple[Any, ...], value: Any) -> Any:
 
 def reseal(src: Path, rel: str) -> None:
     """Write ``rel``'s new size and digest into its manifest (the edit then passes verification)."""
-    from shardkit.checkpoint.io.manifest import file_digest
+    from shardkit.storage.manifest import file_digest
 
     tag, name = rel.split("/", 1)
     manifest = src / tag / H.MANIFEST

@@ -37,10 +37,10 @@ def _readers(src: Path, rel: str) -> dict[str, Any]:
     """The readers that take the file ``rel`` of the checkpoint ``src``, by name."""
     from shardkit.checkpoint.dcp.plain_metadata import read_plain_metadata
     from shardkit.checkpoint.dcp.slices import DcpSlices
-    from shardkit.checkpoint.io.manifest import read_manifest
-    from shardkit.checkpoint.io.torch_load import read_structure, safe_torch_load
-    from shardkit.checkpoint.io.verify import verify_checkpoint
     from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+    from shardkit.storage.manifest import read_manifest
+    from shardkit.storage.torch_load import read_structure, safe_torch_load
+    from shardkit.storage.verify import verify_checkpoint
 
     f, tag = src / rel, src / rel.split("/")[0]
 

@@ -108,8 +108,8 @@ def test_packages_importing_each_other_are_found():
     assert graph.package("shardkit.checkpoint.zero3.reader") == "shardkit.checkpoint.zero3"
     assert graph.package("shardkit.cli") == "shardkit.cli"
     edges = {
-        "shardkit.placement.snapshot": {"shardkit.checkpoint.io.atomic"},
-        "shardkit.checkpoint.io.atomic": {"shardkit.checkpoint.zero3.reader"},  # io -> zero3 only: fine
+        "shardkit.placement.snapshot": {"shardkit.storage.atomic"},
+        "shardkit.storage.atomic": {"shardkit.checkpoint.zero3.reader"},  # io -> zero3 only: fine
         "shardkit.checkpoint.zero3.reader": {"shardkit.placement.preflight"},
         "shardkit.checkpoint.ops.reshard": {"shardkit.placement.preflight"},
         "shardkit.placement.preflight": {"shardkit.checkpoint.ops.reshard"},

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from shardkit.checkpoint.io.manifest import (
+from shardkit.config.loading import config_digest
+from shardkit.core.errors import CheckpointError
+from shardkit.storage.manifest import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
@@ -13,8 +15,6 @@ from shardkit.checkpoint.io.manifest import (
     read_manifest,
     seal,
 )
-from shardkit.config.loading import config_digest
-from shardkit.core.errors import CheckpointError
 
 
 def test_digests_stream_in_chunks(tmp_path):
@@ -30,7 +30,7 @@ def test_new_manifests_use_blake3_and_sha256_ones_still_verify(tmp_path, monkeyp
     """blake3 by default (format_version 2, each file naming its algorithm); SHARDKIT_HASH=sha256
     writes what shardkit wrote before (format_version 1, readable by older releases); both verify,
     and a changed byte fails either with the algorithm named."""
-    from shardkit.checkpoint.io.verify import verify_checkpoint
+    from shardkit.storage.verify import verify_checkpoint
 
     for algorithm, version in (("blake3", 2), ("sha256", 1)):
         tag = tmp_path / algorithm / "step1"

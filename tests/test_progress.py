@@ -92,7 +92,7 @@ def test_writer_threads_advance_one_meter_and_nothing_counts_outside_a_command()
 
 
 def test_the_hashing_writer_reports_every_byte_it_writes(tmp_path):
-    from shardkit.checkpoint.io.torch_zip import HashingWriter
+    from shardkit.storage.torch_zip import HashingWriter
 
     with progress.reporting("x", quiet=True) as meter, open(tmp_path / "f", "wb") as fh:
         w = HashingWriter(fh)
@@ -115,7 +115,7 @@ def test_rank_0_adds_up_the_other_processes_heartbeats_or_scales_what_it_heard()
 
 
 def test_the_heartbeat_carries_the_counts_to_rank_0(tmp_path):
-    from shardkit.checkpoint.io.shared_save import heartbeat
+    from shardkit.storage.shared_save import heartbeat
 
     with progress.reporting("x", quiet=True, rank=1, processes=2):
         progress.expect(1000)

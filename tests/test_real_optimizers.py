@@ -287,11 +287,11 @@ def test_zero3_shardkit_loader_replaces_optimizer_tensors_before_its_preflight(z
 def test_zero3_at_another_world_size_names_the_per_rank_values_it_cannot_keep(zero3, name):
     """Rank values a 2-rank save cannot hand to 1 rank: numbers are taken from rank 0 with a warning
     naming each key and both ranks' values; partition-sized state (prodigy-plus's sliced p0/s) is refused."""
-    from shardkit.checkpoint.io.torch_load import safe_torch_load
     from shardkit.checkpoint.zero3.rank_values import PerRankValuesWarning, check_rank_values
     from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
     from shardkit.checkpoint.zero3.repartition import optim_state_for_rank, plan_layout
     from shardkit.core.errors import CheckpointError
+    from shardkit.storage.torch_load import safe_torch_load
 
     ckpt = open_zero3_checkpoint(zero3[0][name]["root"])
     assert check_rank_values(ckpt, 2) is None  # the saved world size: each rank reads its own file

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.ops.reshard import reshard_zero3
 from shardkit.checkpoint.zero3.gather import gather_param
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import layout_from_names, plan_layout
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.torch_load import safe_torch_load
 from tests import _ranks_zero3 as R
 
 pytestmark = pytest.mark.slow
@@ -175,7 +175,7 @@ def test_each_rank_keeps_its_own_client_state_at_the_same_world_size(sources, tm
 def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(sources, tmp_path):
     """Nothing changes, so nothing is rebuilt: fresh copies (never links: a run re-saving the
     source tag rewrites its files in place), hashed while copied."""
-    from shardkit.checkpoint.io.manifest import file_digest, read_manifest
+    from shardkit.storage.manifest import file_digest, read_manifest
 
     src = open_zero3_checkpoint(sources["fp32"])
     same = reshard_zero3(sources["fp32"], tmp_path / "ws2", 2, workers=3)
@@ -191,7 +191,7 @@ def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(source
 
 
 def test_default_workers_follow_the_cores_and_the_files():
-    from shardkit.checkpoint.io.pipeline import default_workers
+    from shardkit.storage.pipeline import default_workers
 
     assert default_workers(1) == 1 and default_workers(3) == 3  # one per rank file, even on 2 cores
     assert default_workers(100) == max(8, len(os.sched_getaffinity(0)))
@@ -206,8 +206,8 @@ def test_reshard_imports_no_torch_and_writes_what_the_in_process_resume_builds(s
     import subprocess
     import sys
 
-    from shardkit.checkpoint.io.stream import materialize
     from shardkit.checkpoint.zero3.repartition import optim_state_for_rank
+    from shardkit.storage.stream import materialize
 
     out = tmp_path / "ws3"
     code = (f"import sys; from shardkit.checkpoint.ops.reshard import reshard_zero3; "
@@ -235,7 +235,7 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
     import shutil
 
     import shardkit.checkpoint.ops.reshard as reshard
-    from shardkit.checkpoint.io.manifest import file_digest, read_manifest, seal
+    from shardkit.storage.manifest import file_digest, read_manifest, seal
     from tests._corrupt import flip_a_byte
 
     root = tmp_path / "src"

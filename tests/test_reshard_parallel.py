@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks._scale_zero3 import scale_checkpoint
-from shardkit.checkpoint.io.manifest import read_manifest
-from shardkit.checkpoint.io.shared_save import launch_from_env
-from shardkit.checkpoint.io.tags import STAGING_PREFIX
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.manifest import read_manifest
+from shardkit.storage.shared_save import launch_from_env
+from shardkit.storage.tags import STAGING_PREFIX
 from tests import _ranks_zero3 as R
 
 pytestmark = pytest.mark.slow

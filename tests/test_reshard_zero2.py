@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME
-from shardkit.checkpoint.io.torch_load import safe_torch_load
+from shardkit.storage.manifest import MANIFEST_NAME
+from shardkit.storage.torch_load import safe_torch_load
 
 pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
@@ -243,7 +243,7 @@ def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources
     import subprocess
     import sys
 
-    from shardkit.checkpoint.io.manifest import read_manifest
+    from shardkit.storage.manifest import read_manifest
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
     src = sources[0] / "zero2_bf16"

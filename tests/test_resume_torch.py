@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from shardkit.checkpoint.io.manifest import seal
 from shardkit.checkpoint.ops.torch_training import ResumeOverrideWarning, resume_training, save_training
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.replace import replace_optimizer_state
+from shardkit.storage.manifest import seal
 
 
 def _build(fused=True, lr=1e-2):
@@ -143,7 +143,7 @@ def test_damaged_unsafe_or_mismatched_checkpoints_are_refused_clearly(tmp_path):
     assert not marker.exists()
 
     with pytest.raises(CheckpointError, match=r"\[engine\] checkpoint was written by engine 'torch'"):
-        from shardkit.checkpoint.io.verify import check_resumable
+        from shardkit.storage.verify import check_resumable
 
         check_resumable(evil, engine="deepspeed")
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.io.torch_load import (
+from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import (
     DEEPSPEED_SAFE_GLOBALS,
     DeepSpeedObjectStub,
     read_structure,
     safe_torch_load,
 )
-from shardkit.core.errors import CheckpointError
 from tests import _ranks_zero3 as R
 
 
@@ -80,7 +80,7 @@ def test_allow_list_is_exactly_what_deepspeed_zero3_checkpoints_hold(sources):
 def test_reading_never_imports_deepspeed_unless_real_objects_are_asked_for(sources, python_exe):
     optim = sorted(Path(sources["fp16"]).glob("*/*optim_states.pt"))[0]
     code = (
-        "import sys; from shardkit.checkpoint.io.torch_load import safe_torch_load\n"
+        "import sys; from shardkit.storage.torch_load import safe_torch_load\n"
         f"sd = safe_torch_load({str(optim)!r}, mmap=True)['optimizer_state_dict']\n"
         "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'\n"
         "print(sd['zero_stage'].value, sd['loss_scaler'].cur_scale)\n"

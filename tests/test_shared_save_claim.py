@@ -1,4 +1,4 @@
-"""The claim on an output's staging folder (shardkit/checkpoint/io/shared_save.py): a fresh folder
+"""The claim on an output's staging folder (shardkit/storage/shared_save.py): a fresh folder
 without an owner file is another run's claim under way, refused by name; an old one is a killed
 save's leftover, removed and claimed; a failure after the claim removes this run's claim only."""
 
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from shardkit.checkpoint.io.atomic import staging_dir
-from shardkit.checkpoint.io.shared_save import CLAIM_GRACE_S, OWNER_NAME, Launch, claim, remove_own_claim
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.atomic import staging_dir
+from shardkit.storage.shared_save import CLAIM_GRACE_S, OWNER_NAME, Launch, claim, remove_own_claim
 
 LAUNCH = Launch(0, 1, "job-a", "single process", "host")
 
@@ -53,10 +53,10 @@ def test_the_output_check_looks_again_when_another_writer_publishes_while_it_loo
     'not a shardkit checkpoint folder' because the entry it listed vanished."""
     from pathlib import Path
 
-    from shardkit.checkpoint.io.manifest import MANIFEST_NAME
-    from shardkit.checkpoint.io.pipeline import check_output_root
-    from shardkit.checkpoint.io.tags import STAGING_PREFIX
     from shardkit.core.errors import UsageError
+    from shardkit.storage.manifest import MANIFEST_NAME
+    from shardkit.storage.pipeline import check_output_root
+    from shardkit.storage.tags import STAGING_PREFIX
 
     source = tmp_path / "src" / "step1"
     source.mkdir(parents=True)

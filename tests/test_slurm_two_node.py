@@ -449,7 +449,7 @@ def test_the_two_node_checkpoint_converted_to_fsdp2_and_back_by_both_nodes(
     # moments of every rank come back bit for bit
     import torch
 
-    from shardkit.checkpoint.io.torch_load import safe_torch_load
+    from shardkit.storage.torch_load import safe_torch_load
 
     src = _saved_checkpoint(zero3_job)
     dcp, back = tmp_path / "dcp", tmp_path / "back"

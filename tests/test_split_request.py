@@ -1,5 +1,5 @@
 """A split run's processes agree on what they were asked to do before anything is written
-(shardkit/checkpoint/io/request.py, shared_meet.py): the request's comparison in one process (the
+(shardkit/storage/request.py, shared_meet.py): the request's comparison in one process (the
 digest, the fields named only on a mismatch), two processes meeting on threads, and the CLI under
 torchrun and its stand-in (RANK/WORLD_SIZE set per process) with another --world-size, -o, --tag,
 --dtype or --no-verify on one process: every process fails naming the field and both values, and
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.checkpoint.io.atomic import staging_dir
-from shardkit.checkpoint.io.request import RELEASE, RunRequest, differences, mismatch_message
-from shardkit.checkpoint.io.shared_meet import meet
-from shardkit.checkpoint.io.shared_save import Launch
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.atomic import staging_dir
+from shardkit.storage.request import RELEASE, RunRequest, differences, mismatch_message
+from shardkit.storage.shared_meet import meet
+from shardkit.storage.shared_save import Launch
 from tests import test_reshard_parallel as reshard_tests
 from tests._slurm_jobs import free_port
 from tests.test_reshard_parallel import TIMEOUT_S, _cli, _env, _nothing_published
@@ -76,7 +76,7 @@ def test_the_mismatch_message_names_field_values_and_fix():
 
 
 def test_the_launch_records_which_variables_made_it_rank_r_of_n():
-    from shardkit.checkpoint.io.shared_save import launch_from_env
+    from shardkit.storage.shared_save import launch_from_env
 
     pod = launch_from_env({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "23456",
                            "HOME": "/root"})

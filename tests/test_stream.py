@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.io.stream import LazyTensor, Segment, copy_file_hashed, stream_save
+from shardkit.storage.stream import LazyTensor, Segment, copy_file_hashed, stream_save
 
 SID = ".data/serialization_id"  # random per save in torch too
 
@@ -114,7 +114,7 @@ def test_deepspeed_stand_ins_are_written_back_under_deepspeeds_names(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from shardkit.checkpoint.io.torch_load import DeepSpeedObjectStub, safe_torch_load
+    from shardkit.storage.torch_load import DeepSpeedObjectStub, safe_torch_load
 
     real = {"zero_stage": ZeroStageEnum(3), "loss_scaler": LossScaler(scale=4.0), "t": torch.ones(2)}
     (tmp_path / "a").mkdir()
@@ -135,7 +135,7 @@ def test_zip64_records_and_offsets_are_read_by_torch_and_zipfile(tmp_path, monke
     central directory sentinel + extra, end record)."""
     import struct
 
-    import shardkit.checkpoint.io.torch_zip as torch_zip
+    import shardkit.storage.torch_zip as torch_zip
 
     monkeypatch.setattr(torch_zip, "ZIP64_AT", 1000)
     src = torch.randn(600)
@@ -172,8 +172,8 @@ def test_write_parallel_fsyncs_each_file_keeps_order_and_cancels_after_the_first
     import threading
     import time
 
-    import shardkit.checkpoint.io.stream as stream
-    from shardkit.checkpoint.io.stream import write_parallel
+    import shardkit.storage.stream as stream
+    from shardkit.storage.stream import write_parallel
 
     synced: list[Path] = []
     real_fsync = stream.fsync_file
@@ -208,9 +208,9 @@ def test_a_failed_write_without_a_file_name_is_named_by_its_file(tmp_path, worke
     sees must still say which file (os_errors_named turns it into one CheckpointError line)."""
     import errno
 
-    from shardkit.checkpoint.io.atomic import os_errors_named
-    from shardkit.checkpoint.io.stream import write_parallel
     from shardkit.core.errors import CheckpointError
+    from shardkit.storage.atomic import os_errors_named
+    from shardkit.storage.stream import write_parallel
 
     def broken(p: Path):
         raise OSError(errno.EIO, "Input/output error")
@@ -230,7 +230,7 @@ def test_the_fast_crc32_is_zlib_s_crc32():
     import os
     import zlib
 
-    from shardkit.checkpoint.io import torch_zip
+    from shardkit.storage import torch_zip
 
     data = memoryview(os.urandom(3 * (1 << 20) + 12345))
     for cut in (1, 4096, 1 << 20, 777_777):
@@ -245,8 +245,8 @@ def test_several_produced_tensors_in_one_file_pickle_as_torch_save_does(tmp_path
     """LazyTensors (stream_save) and NewTensors (torch_pickle, the torch-free writers) in one file:
     each gets its own size and stride tuples, as torch's do. A shared ``(1,)`` constant was memoized
     and written as a back-reference torch.save never writes (loaded the same, but not its bytes)."""
-    from shardkit.checkpoint.io.torch_pickle import NewTensor, pickle_structure
-    from shardkit.checkpoint.io.torch_zip import write_torch_zip
+    from shardkit.storage.torch_pickle import NewTensor, pickle_structure
+    from shardkit.storage.torch_zip import write_torch_zip
 
     tensors = [torch.arange(4.0), torch.arange(3.0), torch.empty(0), torch.ones(2)]
     raw = tmp_path / "raw.bin"

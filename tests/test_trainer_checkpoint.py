@@ -358,8 +358,8 @@ def test_a_stray_one_process_rng_file_gets_its_own_note():
 
 
 def test_staging_folders_of_killed_reshards_are_removed_and_live_ones_kept(tmp_path):
-    from shardkit.checkpoint.io.sibling_staging import remove_stale_staging
-    from shardkit.checkpoint.io.sibling_staging import staging_folder as _staging_folder
+    from shardkit.storage.sibling_staging import remove_stale_staging
+    from shardkit.storage.sibling_staging import staging_folder as _staging_folder
 
     final = tmp_path / "run" / "checkpoint-2"
     final.parent.mkdir()

@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from shardkit.checkpoint.io.atomic import staging_dir, write_latest
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, seal
-from shardkit.checkpoint.io.verify import check_resumable, verify_checkpoint
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.atomic import staging_dir, write_latest
+from shardkit.storage.manifest import MANIFEST_NAME, seal
+from shardkit.storage.verify import check_resumable, verify_checkpoint
 
 
 def _ckpt(root, tag="step5", world_size=2, engine="deepspeed"):
@@ -316,7 +316,7 @@ def test_a_link_inside_the_tag_is_read_and_a_manifest_linked_from_outside_is_not
 
 
 def test_the_hash_never_follows_a_link_swapped_in_after_the_path_was_checked(tmp_path):
-    from shardkit.checkpoint.io.manifest import file_digest
+    from shardkit.storage.manifest import file_digest
 
     tag = _ckpt(tmp_path)
     f = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
@@ -329,7 +329,7 @@ def test_the_hash_never_follows_a_link_swapped_in_after_the_path_was_checked(tmp
 
 
 def test_readers_of_a_folder_without_manifest_refuse_links_leaving_it(tmp_path):
-    from shardkit.checkpoint.io.verify import refuse_links_leaving
+    from shardkit.storage.verify import refuse_links_leaving
 
     tag = tmp_path / "global_step1"
     tag.mkdir()

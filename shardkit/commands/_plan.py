@@ -19,8 +19,8 @@ def source_tag_dir(path: str | Path) -> tuple[Path, str]:
     """The folder whose files an operation reads: a Trainer output_dir's newest checkpoint-N, a root's
     ``latest`` tag, a tag folder itself, or a rank file's folder; and that folder's tag."""
     from shardkit.checkpoint.hf_trainer.folder import resolve_source
-    from shardkit.checkpoint.io.tags import latest_tag
     from shardkit.core.errors import CheckpointError
+    from shardkit.storage.tags import latest_tag
 
     p = resolve_source(path, lambda _note: None)
     if not p.exists():
@@ -49,7 +49,7 @@ def listing(folder: Path) -> tuple[int, int]:
 
 def launch_summary() -> dict[str, Any]:
     """How many processes would share the work (srun/torchrun variables, else one)."""
-    from shardkit.checkpoint.io.shared_save import launch_from_env
+    from shardkit.storage.shared_save import launch_from_env
 
     launch = launch_from_env()
     return {"processes": launch.world, "launcher": launch.launcher, "rank": launch.rank}

@@ -47,11 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def consolidate_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import resolve_source
-    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.consolidate import consolidate_zero3
     from shardkit.commands._parser import Stopwatch, emit_json
     from shardkit.commands._plan import byte_progress, result_base
     from shardkit.core.errors import UsageError
+    from shardkit.storage.pipeline import CHECKED_LEVELS
 
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers {args.workers}: must be at least 1 (rank files copied at once)")

@@ -65,12 +65,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def convert_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import locate_trainer_checkpoint, trainer_files_not_converted
-    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
     from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
     from shardkit.commands._parser import Stopwatch
     from shardkit.commands._plan import byte_progress
     from shardkit.core.errors import UsageError
+    from shardkit.storage.pipeline import CHECKED_LEVELS
 
     clock = Stopwatch()
 
@@ -142,10 +142,10 @@ def _dry_run(args: argparse.Namespace) -> int:
     """--dry-run: what would be read and written, the output folder checked as the real run checks it."""
     from pathlib import Path
 
-    from shardkit.checkpoint.io.atomic import staging_dir
-    from shardkit.checkpoint.io.pipeline import check_output_root
     from shardkit.commands._parser import emit_json
     from shardkit.commands._plan import plan_of, print_plan, source_tag_dir
+    from shardkit.storage.atomic import staging_dir
+    from shardkit.storage.pipeline import check_output_root
 
     out = Path(args.output)
     tag_dir, source_tag = source_tag_dir(args.source)
@@ -163,9 +163,9 @@ def _emit_result(args: argparse.Namespace, r: "ConvertResult", seconds: float) -
     """--json / --json-file: what was read, written, carried and checked, and how long it took."""
     if not (args.json or args.json_file):
         return
-    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.commands._parser import emit_json
     from shardkit.commands._plan import result_base
+    from shardkit.storage.pipeline import CHECKED_LEVELS
 
     data = result_base("convert", args.source, seconds, rank=r.rank, processes=r.processes, launcher=r.launcher)
     if r.rank != 0:

@@ -48,10 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.export.export_hf import export_hf_folder
     from shardkit.commands._parser import Stopwatch, emit_json
     from shardkit.commands._plan import byte_progress, result_base
+    from shardkit.storage.pipeline import CHECKED_LEVELS
 
     if args.dry_run:
         return _dry_run(args)

@@ -56,11 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def reshard_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import locate_trainer_checkpoint, trainer_folder_of_tag
-    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.checkpoint.ops.reshard import reshard_zero3
     from shardkit.commands._parser import Stopwatch
     from shardkit.commands._plan import byte_progress
     from shardkit.core.errors import UsageError
+    from shardkit.storage.pipeline import CHECKED_LEVELS
 
     if args.world_size < 1:
         raise UsageError(f"--world-size {args.world_size}: must be at least 1")
@@ -104,10 +104,10 @@ def reshard_command(args: argparse.Namespace) -> int:
 
 def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint", clock: "Stopwatch") -> int:
     """A Hugging Face Trainer checkpoint-N (or output_dir): -o is the new checkpoint-N folder."""
-    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
-    from shardkit.checkpoint.io.shared_save import launch_from_env
     from shardkit.checkpoint.ops.reshard_trainer import reshard_trainer_checkpoint
     from shardkit.core.errors import UsageError
+    from shardkit.storage.pipeline import CHECKED_LEVELS
+    from shardkit.storage.shared_save import launch_from_env
 
     launch = launch_from_env()
     if launch.distributed:
@@ -143,10 +143,10 @@ def _dry_run(args: argparse.Namespace, trainer: bool) -> int:
     """--dry-run: what would be read and written, the output folder checked as the real run checks it."""
     from pathlib import Path
 
-    from shardkit.checkpoint.io.atomic import staging_dir
-    from shardkit.checkpoint.io.pipeline import check_output_root
     from shardkit.commands._parser import emit_json
     from shardkit.commands._plan import plan_of, print_plan, source_tag_dir
+    from shardkit.storage.atomic import staging_dir
+    from shardkit.storage.pipeline import check_output_root
 
     out = Path(args.output)
     if trainer:  # the new checkpoint-N folder is staged beside itself
@@ -168,9 +168,9 @@ def _emit_result(args: argparse.Namespace, r: "ReshardResult", seconds: float, w
     """--json / --json-file: what was read, written and checked, and how long it took."""
     if not (args.json or args.json_file):
         return
-    from shardkit.checkpoint.io.pipeline import CHECKED_LEVELS
     from shardkit.commands._parser import emit_json
     from shardkit.commands._plan import result_base
+    from shardkit.storage.pipeline import CHECKED_LEVELS
 
     data = result_base("reshard", args.checkpoint, seconds, rank=r.rank, processes=r.processes, launcher=r.launcher)
     if r.rank != 0:

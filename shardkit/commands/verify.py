@@ -33,10 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import verify_trainer_checkpoint
-    from shardkit.checkpoint.io.verify import verify_checkpoint
     from shardkit.commands._parser import Stopwatch, emit_json
     from shardkit.core.errors import UsageError
     from shardkit.core.render import print_report
+    from shardkit.storage.verify import verify_checkpoint
 
     if args.world_size is not None and args.world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {args.world_size}")

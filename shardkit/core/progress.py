@@ -1,6 +1,6 @@
 """Bytes done of the total, the rate and the time left, for every command that moves checkpoint bytes.
 
-The byte loops (``checkpoint.io``'s hashing writer, ``copy_bytes``, the export and consolidate cast
+The byte loops (``storage``'s hashing writer, ``copy_bytes``, the export and consolidate cast
 writes) call one function, :func:`advance`, with the bytes they just wrote; the operations say how
 many they plan to write with :func:`expect` once they know. Both cost one attribute read when no
 command is reporting (a library call, a test, a rank of a training run), so the writers need no

@@ -21,13 +21,13 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from shardkit.checkpoint.io.atomic import atomic_open
 from shardkit.core.errors import UsageError
 from shardkit.core.files import FileReadError, read_regular_file
 from shardkit.placement.collect import collect_records
 from shardkit.placement.deepspeed import engine_config
 from shardkit.placement.fsdp import is_fsdp2, module_offloads
 from shardkit.platform.versions import runtime_versions
+from shardkit.storage.atomic import atomic_open
 
 if TYPE_CHECKING:
     import torch

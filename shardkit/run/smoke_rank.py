@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.verify import check_resumable
 from shardkit.checkpoint.ops.fsdp_checkpoint import load_fsdp_checkpoint, save_fsdp_checkpoint
 from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
 from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
@@ -23,6 +22,7 @@ from shardkit.engines.model_factory import synthetic_batch, tiny_llama
 from shardkit.placement.preflight import preflight
 from shardkit.platform.device_rules import accelerator_device
 from shardkit.run.spawn.process import redirect_output
+from shardkit.storage.verify import check_resumable
 
 
 @dataclass

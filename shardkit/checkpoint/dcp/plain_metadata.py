@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.torch_load import _Dtype
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import _Dtype
 
 _MD = "torch.distributed.checkpoint.metadata"
 #: The allow-list, shared with ``reader`` (which resolves the same names to torch's classes).

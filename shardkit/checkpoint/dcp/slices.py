@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, StorageInfo, read_plain_metadata
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
-from shardkit.checkpoint.io.torch_load import _ITEMSIZE, _STORAGE_DTYPES, TensorRef
-from shardkit.checkpoint.io.torch_zip import pread_exact
+from shardkit.storage.torch_load import _ITEMSIZE, _STORAGE_DTYPES, TensorRef
+from shardkit.storage.torch_zip import pread_exact
 
 if TYPE_CHECKING:
     import torch

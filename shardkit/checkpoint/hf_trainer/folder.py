@@ -26,11 +26,11 @@ from typing import Callable
 
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, fsdp_refusal
 from shardkit.checkpoint.hf_trainer.rng_files import RNG_RANK_FILE, RNG_SINGLE_FILE, plan_rng_files
-from shardkit.checkpoint.io.atomic import os_errors_named
-from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX, read_latest
-from shardkit.checkpoint.io.verify import CheckpointReport, verify_checkpoint
 from shardkit.core.errors import CheckpointError
 from shardkit.core.findings import Finding, Severity
+from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, read_latest
+from shardkit.storage.verify import CheckpointReport, verify_checkpoint
 
 #: ``transformers.trainer_utils._re_checkpoint``: the folders ``get_last_checkpoint`` considers.
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")

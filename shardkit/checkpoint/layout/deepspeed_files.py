@@ -31,10 +31,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.torch_load import TensorRef, read_structure
 from shardkit.checkpoint.layout.description import CheckpointDescription, Refusal
 from shardkit.checkpoint.zero3.files import RANK_FILE
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import TensorRef, read_structure
 
 _MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _EXPERT_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

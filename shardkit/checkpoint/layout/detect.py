@@ -14,9 +14,6 @@ from typing import Callable
 
 from shardkit.checkpoint.hf_trainer.folder import CHECKPOINT_DIR, DEEPSPEED_TAG_PREFIX, TRAINER_STATE, checkpoint_dirs
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME
-from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX, read_latest
-from shardkit.checkpoint.io.verify import verify_checkpoint
 from shardkit.checkpoint.layout.deepspeed_files import describe_deepspeed, is_deepspeed_folder
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.checkpoint.layout.torch_files import (
@@ -27,6 +24,9 @@ from shardkit.checkpoint.layout.torch_files import (
     describe_hf_model,
 )
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.manifest import MANIFEST_NAME
+from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, read_latest
+from shardkit.storage.verify import verify_checkpoint
 
 #: The pointer ds_to_universal's users write beside ``latest`` (DeepSpeed's load_universal reads it).
 LATEST_UNIVERSAL = "latest_universal"

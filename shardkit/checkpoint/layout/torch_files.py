@@ -13,9 +13,9 @@ from pathlib import Path
 
 from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, read_plain_metadata
 from shardkit.checkpoint.hf_trainer.fsdp_files import FsdpLayout
-from shardkit.checkpoint.io.torch_load import TensorRef, read_structure
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import TensorRef, read_structure
 
 METADATA_NAME = ".metadata"
 #: Weight files of a folder from_pretrained loads as it is.

@@ -34,24 +34,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from shardkit.checkpoint.io.atomic import atomic_open, disk_full_named, os_errors_named
-from shardkit.checkpoint.io.pipeline import (
-    default_workers,
-    verify_before_reading,
-    warn_unverified,
-)
-from shardkit.checkpoint.io.request import RunRequest, source_of
-from shardkit.checkpoint.io.safetensors_file import TensorEntry as _Entry
-from shardkit.checkpoint.io.safetensors_file import copy_bytes as _copy_bytes
-from shardkit.checkpoint.io.safetensors_file import header_layout as _layout
-from shardkit.checkpoint.io.safetensors_file import write_header
-from shardkit.checkpoint.io.shared_save import (
-    Launch,
-    launch_from_env,
-    split_by_bytes,
-)
-from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX
-from shardkit.checkpoint.io.torch_load import read_structure
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.consolidate_shared import write_shared
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
@@ -61,6 +43,24 @@ from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.files import file_kind
+from shardkit.storage.atomic import atomic_open, disk_full_named, os_errors_named
+from shardkit.storage.pipeline import (
+    default_workers,
+    verify_before_reading,
+    warn_unverified,
+)
+from shardkit.storage.request import RunRequest, source_of
+from shardkit.storage.safetensors_file import TensorEntry as _Entry
+from shardkit.storage.safetensors_file import copy_bytes as _copy_bytes
+from shardkit.storage.safetensors_file import header_layout as _layout
+from shardkit.storage.safetensors_file import write_header
+from shardkit.storage.shared_save import (
+    Launch,
+    launch_from_env,
+    split_by_bytes,
+)
+from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX
+from shardkit.storage.torch_load import read_structure
 
 if TYPE_CHECKING:
     import torch

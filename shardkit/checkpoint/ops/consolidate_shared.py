@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from shardkit.checkpoint.io.atomic import disk_full_named, fsync_dir, staging_dir
-from shardkit.checkpoint.io.manifest import FileEntry
-from shardkit.checkpoint.io.pipeline import check_source_digests, hash_beside
-from shardkit.checkpoint.io.request import RunRequest
-from shardkit.checkpoint.io.shared_meet import meet
-from shardkit.checkpoint.io.shared_save import Launch, gather_parts, join_timeout_s, remove_own_claim, write_part
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.atomic import disk_full_named, fsync_dir, staging_dir
+from shardkit.storage.manifest import FileEntry
+from shardkit.storage.pipeline import check_source_digests, hash_beside
+from shardkit.storage.request import RunRequest
+from shardkit.storage.shared_meet import meet
+from shardkit.storage.shared_save import Launch, gather_parts, join_timeout_s, remove_own_claim, write_part
 
 
 def write_shared(out: Path, launch: Launch, request: RunRequest, write_small: Callable[[int], None],

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state, read_dcp_metadata
-from shardkit.checkpoint.io.atomic import atomic_open
-from shardkit.checkpoint.io.staged_save import atomic_checkpoint
-from shardkit.checkpoint.io.verify import CheckpointReport, check_resumable_distributed
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError
 from shardkit.platform.dist import all_gather_object, barrier, rank_world
+from shardkit.storage.atomic import atomic_open
+from shardkit.storage.staged_save import atomic_checkpoint
+from shardkit.storage.verify import CheckpointReport, check_resumable_distributed
 
 if TYPE_CHECKING:
     import torch

@@ -39,21 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shardkit.checkpoint.io.atomic import os_errors_named
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest
-from shardkit.checkpoint.io.pipeline import (
-    check_output_root,
-    default_workers,
-    output_tag,
-    verify_before_reading,
-    warn_unverified,
-)
-from shardkit.checkpoint.io.request import RunRequest, source_of
-from shardkit.checkpoint.io.shared_save import Launch, launch_from_env, outcome_unchanged, split_by_bytes
-from shardkit.checkpoint.io.shared_tag import Activity, signatures, write_tag_shared
-from shardkit.checkpoint.io.stream import WrittenFile, copy_file_hashed, write_parallel
-from shardkit.checkpoint.io.torch_load import read_structure
-from shardkit.checkpoint.io.torch_zip import write_torch_zip
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
@@ -66,6 +51,21 @@ from shardkit.config.loading import config_digest
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import library_versions
+from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.manifest import MANIFEST_NAME, FileEntry, Manifest
+from shardkit.storage.pipeline import (
+    check_output_root,
+    default_workers,
+    output_tag,
+    verify_before_reading,
+    warn_unverified,
+)
+from shardkit.storage.request import RunRequest, source_of
+from shardkit.storage.shared_save import Launch, launch_from_env, outcome_unchanged, split_by_bytes
+from shardkit.storage.shared_tag import Activity, signatures, write_tag_shared
+from shardkit.storage.stream import WrittenFile, copy_file_hashed, write_parallel
+from shardkit.storage.torch_load import read_structure
+from shardkit.storage.torch_zip import write_torch_zip
 
 RESHARD = Activity("the reshard", "re-run the reshard", "publish the reshard of", "reshard another tag")
 

@@ -23,17 +23,17 @@ from shardkit.checkpoint.hf_trainer.folder import (
     checkpoint_dirs,
 )
 from shardkit.checkpoint.hf_trainer.rng_files import RngPlan, plan_rng_files
-from shardkit.checkpoint.io.atomic import os_errors_named, publish_dir
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME
-from shardkit.checkpoint.io.shared_save import launch_from_env
-from shardkit.checkpoint.io.sibling_staging import remove_stale_staging, staging_folder
-from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, read_latest
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero12.reader import is_zero12_folder, open_zero12_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.atomic import os_errors_named, publish_dir
+from shardkit.storage.manifest import MANIFEST_NAME
+from shardkit.storage.shared_save import launch_from_env
+from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
+from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, read_latest
 
 
 @dataclass

@@ -37,15 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME
-from shardkit.checkpoint.io.stream import materialize
-from shardkit.checkpoint.io.tags import LATEST_NAME, read_latest
-from shardkit.checkpoint.io.torch_load import safe_torch_load
-from shardkit.checkpoint.io.verify import (
-    check_resumable_distributed,
-    precision_naming_problem,
-    refuse_links_leaving,
-)
 from shardkit.checkpoint.ops.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_numel
@@ -61,6 +52,15 @@ from shardkit.checkpoint.zero3.repartition import (
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.preflight import preflight as placement_preflight
 from shardkit.placement.replace import Move, replace_optimizer_state, summarize_moves
+from shardkit.storage.manifest import MANIFEST_NAME
+from shardkit.storage.stream import materialize
+from shardkit.storage.tags import LATEST_NAME, read_latest
+from shardkit.storage.torch_load import safe_torch_load
+from shardkit.storage.verify import (
+    check_resumable_distributed,
+    precision_naming_problem,
+    refuse_links_leaving,
+)
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine

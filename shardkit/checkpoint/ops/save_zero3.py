@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.io.staged_save import atomic_checkpoint
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.staged_save import atomic_checkpoint
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from shardkit.checkpoint.io.atomic import atomic_save
-from shardkit.checkpoint.io.staged_save import atomic_checkpoint
-from shardkit.checkpoint.io.torch_load import safe_torch_load
-from shardkit.checkpoint.io.verify import check_resumable_distributed
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.replace import DeviceFor, ExtraState, Move, replace_optimizer_state, summarize_moves
 from shardkit.platform.dist import rank_world
+from shardkit.storage.atomic import atomic_save
+from shardkit.storage.staged_save import atomic_checkpoint
+from shardkit.storage.torch_load import safe_torch_load
+from shardkit.storage.verify import check_resumable_distributed
 
 if TYPE_CHECKING:
     import torch

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import safe_torch_load
 
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 MODEL_FILE = "mp_rank_00_model_states.pt"

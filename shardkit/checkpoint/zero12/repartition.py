@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from shardkit.checkpoint.io.stream import LazyTensor, WrittenFile, stream_save
-from shardkit.checkpoint.io.torch_load import deepspeed_stub
 from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, Zero12Checkpoint
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.stream import LazyTensor, WrittenFile, stream_save
+from shardkit.storage.torch_load import deepspeed_stub
 
 if TYPE_CHECKING:
     import torch

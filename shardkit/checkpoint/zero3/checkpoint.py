@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.zero3.file_offsets import FileOffsets, torch_uint8
 from shardkit.checkpoint.zero3.layout import rank_range
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import safe_torch_load
 
 if TYPE_CHECKING:
     import torch

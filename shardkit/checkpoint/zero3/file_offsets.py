@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.io.torch_load import iter_leaves
+from shardkit.storage.torch_load import iter_leaves
 
 if TYPE_CHECKING:
     import torch

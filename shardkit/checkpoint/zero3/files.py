@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, latest_tag
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, latest_tag
 
 MODEL_FILE = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 OPTIM_FILE = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"

@@ -9,10 +9,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint, zero3_optimizer_sd
 from shardkit.core.errors import CheckpointError
 from shardkit.platform.dist import all_gather_object, rank_world
+from shardkit.storage.torch_load import safe_torch_load
 
 
 class PerRankValuesWarning(UserWarning):

@@ -27,12 +27,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.torch_load import TensorRef, read_structure, safe_torch_load
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot, Zero3Checkpoint, zero3_optimizer_sd
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE, resolve_tag_dir
 from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.config.view import deepspeed_view
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import TensorRef, read_structure, safe_torch_load
 
 
 def _numel(t: Any) -> int:

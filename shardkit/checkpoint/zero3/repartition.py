@@ -15,8 +15,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from shardkit.checkpoint.io.stream import LazyTensor, Segment
-from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.gather import full_frozen_params
 from shardkit.checkpoint.zero3.layout import (
@@ -27,6 +25,8 @@ from shardkit.checkpoint.zero3.layout import (
 )
 from shardkit.config.paths import get
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.stream import LazyTensor, Segment
+from shardkit.storage.torch_load import safe_torch_load
 
 if TYPE_CHECKING:
     import torch

@@ -20,14 +20,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shardkit.checkpoint.io.torch_load import _ITEMSIZE, TensorRef, TorchSize, read_structure
-from shardkit.checkpoint.io.torch_pickle import NewTensor, pickle_structure
-from shardkit.checkpoint.io.torch_zip import RecordData, Segment
 from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint, zero3_optimizer_sd
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.repartition import TargetLayout, optim_dict
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import _ITEMSIZE, TensorRef, TorchSize, read_structure
+from shardkit.storage.torch_pickle import NewTensor, pickle_structure
+from shardkit.storage.torch_zip import RecordData, Segment
 
 #: What a worker writes for one output file: ``data.pkl`` and the storage records, in order.
 Built = tuple[bytes, list[tuple[str, RecordData]]]

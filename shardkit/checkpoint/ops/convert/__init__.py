@@ -2,7 +2,7 @@
 
 Each direction is an entry point plus one module per step: reading the source, planning the
 target, writing it (the steps every operation shares, verify the source, reuse its tag, check the
-output folder, stage and seal, come from ``checkpoint.io.pipeline`` and ``staged_save``):
+output folder, stage and seal, come from ``storage.pipeline`` and ``staged_save``):
 
 - ``zero3_to_dcp``: DeepSpeed ZeRO-3 -> a DCP checkpoint shardkit's FSDP2 resume loads at any world
   size (``convert_zero3_to_dcp``); ``zero3_to_dcp_plan`` (names, torch param groups, what is

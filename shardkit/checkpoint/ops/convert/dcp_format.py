@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from shardkit.checkpoint.io.torch_load import _ITEMSIZE, TorchSize, _Dtype
-from shardkit.checkpoint.io.torch_pickle import STORAGE_TYPE, StubPickler, torch_global
-from shardkit.checkpoint.io.torch_zip import (
+from shardkit.storage.torch_load import _ITEMSIZE, TorchSize, _Dtype
+from shardkit.storage.torch_pickle import STORAGE_TYPE, StubPickler, torch_global
+from shardkit.storage.torch_zip import (
     RecordData,
     WrittenFile,
     write_torch_zip_to,

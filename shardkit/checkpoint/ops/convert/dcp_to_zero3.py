@@ -59,21 +59,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
-from shardkit.checkpoint.io.atomic import os_errors_named
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
-from shardkit.checkpoint.io.pipeline import (
-    check_output_root,
-    check_source_digests,
-    hash_beside,
-    verify_before_reading,
-    warn_unverified,
-)
-from shardkit.checkpoint.io.request import RunRequest, source_of
-from shardkit.checkpoint.io.shared_save import Launch, launch_from_env, outcome_unchanged
-from shardkit.checkpoint.io.shared_tag import signatures, write_tag_shared
-from shardkit.checkpoint.io.staged_save import atomic_checkpoint
-from shardkit.checkpoint.io.tags import check_tag
-from shardkit.checkpoint.io.verify import refuse_links_leaving
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import (
     check_target_config,
@@ -91,6 +76,21 @@ from shardkit.config.loading import config_digest
 from shardkit.core.errors import UsageError
 from shardkit.platform.dist import process_group_active
 from shardkit.platform.versions import library_versions
+from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
+from shardkit.storage.pipeline import (
+    check_output_root,
+    check_source_digests,
+    hash_beside,
+    verify_before_reading,
+    warn_unverified,
+)
+from shardkit.storage.request import RunRequest, source_of
+from shardkit.storage.shared_save import Launch, launch_from_env, outcome_unchanged
+from shardkit.storage.shared_tag import signatures, write_tag_shared
+from shardkit.storage.staged_save import atomic_checkpoint
+from shardkit.storage.tags import check_tag
+from shardkit.storage.verify import refuse_links_leaving
 
 MAX_WORLD_SIZE = 2**20
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from shardkit.checkpoint.io.manifest import Manifest
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import SourcePlan, StepValue
 from shardkit.checkpoint.ops.convert.names import ADAM_TYPES, DEEPSPEED_PREFIX
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot
@@ -23,6 +22,7 @@ from shardkit.checkpoint.zero3.repartition import TargetLayout, plan_layout
 from shardkit.config.loading import load_config
 from shardkit.config.paths import get
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.manifest import Manifest
 
 #: Param-group keys of the optimizer DeepSpeed builds from a config ``optimizer`` block (0.19.8,
 #: ``DeepSpeedEngine.get_optimizer_configuration``), with their constructor defaults.

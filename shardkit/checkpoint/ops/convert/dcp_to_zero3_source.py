@@ -19,11 +19,11 @@ from typing import Any
 from shardkit.checkpoint.dcp.plain_metadata import TensorMeta, read_plain_metadata
 from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state
 from shardkit.checkpoint.dcp.slices import DcpSlices
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME
-from shardkit.checkpoint.io.tags import LATEST_NAME, latest_tag
-from shardkit.checkpoint.io.torch_load import TensorRef
 from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, MODEL_KEY, OPTIM_KEY
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.manifest import MANIFEST_NAME
+from shardkit.storage.tags import LATEST_NAME, latest_tag
+from shardkit.storage.torch_load import TensorRef
 
 
 def resolve_dcp_tag_dir(path: str | os.PathLike[str]) -> Path:

@@ -23,12 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from shardkit.checkpoint.dcp.plain_metadata import TensorMeta
-from shardkit.checkpoint.io.manifest import FileEntry
-from shardkit.checkpoint.io.pipeline import default_workers
-from shardkit.checkpoint.io.stream import LazyTensor, Segment, WrittenFile, stream_save, write_parallel
-from shardkit.checkpoint.io.torch_load import TensorRef, TorchSize, deepspeed_stub
-from shardkit.checkpoint.io.torch_pickle import NewTensor, pickle_structure
-from shardkit.checkpoint.io.torch_zip import write_torch_zip
 from shardkit.checkpoint.ops.convert.dcp_format import is_plain
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import TargetOptimizer
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, SourcePlan, StepValue
@@ -38,6 +32,12 @@ from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.repartition import TargetLayout
 from shardkit.core.errors import UsageError
 from shardkit.platform.versions import package_version
+from shardkit.storage.manifest import FileEntry
+from shardkit.storage.pipeline import default_workers
+from shardkit.storage.stream import LazyTensor, Segment, WrittenFile, stream_save, write_parallel
+from shardkit.storage.torch_load import TensorRef, TorchSize, deepspeed_stub
+from shardkit.storage.torch_pickle import NewTensor, pickle_structure
+from shardkit.storage.torch_zip import write_torch_zip
 
 if TYPE_CHECKING:
     import torch

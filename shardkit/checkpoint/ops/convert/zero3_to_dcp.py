@@ -50,23 +50,6 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-from shardkit.checkpoint.io.atomic import os_errors_named
-from shardkit.checkpoint.io.manifest import Manifest
-from shardkit.checkpoint.io.pipeline import (
-    check_output_root,
-    output_tag,
-    verify_before_reading,
-    warn_unverified,
-)
-from shardkit.checkpoint.io.request import RunRequest, source_of
-from shardkit.checkpoint.io.shared_save import (
-    Launch,
-    launch_from_env,
-    outcome_unchanged,
-)
-from shardkit.checkpoint.io.staged_save import atomic_checkpoint
-from shardkit.checkpoint.io.torch_load import read_structure, safe_torch_load
-from shardkit.checkpoint.io.verify import refuse_links_leaving
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.convert.names import MODEL_KEY, OPTIM_KEY, not_carried_lines, refuse_if_any
 from shardkit.checkpoint.ops.convert.result import ConvertResult
@@ -85,6 +68,23 @@ from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import UsageError
 from shardkit.platform.versions import library_versions
+from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.manifest import Manifest
+from shardkit.storage.pipeline import (
+    check_output_root,
+    output_tag,
+    verify_before_reading,
+    warn_unverified,
+)
+from shardkit.storage.request import RunRequest, source_of
+from shardkit.storage.shared_save import (
+    Launch,
+    launch_from_env,
+    outcome_unchanged,
+)
+from shardkit.storage.staged_save import atomic_checkpoint
+from shardkit.storage.torch_load import read_structure, safe_torch_load
+from shardkit.storage.verify import refuse_links_leaving
 
 
 @os_errors_named("converting the checkpoint")

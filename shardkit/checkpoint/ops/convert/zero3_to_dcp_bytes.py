@@ -29,12 +29,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
-from shardkit.checkpoint.io.atomic import disk_full_named
-from shardkit.checkpoint.io.digest import default_algorithm, new_hasher
-from shardkit.checkpoint.io.manifest import FileEntry
-from shardkit.checkpoint.io.stream import FileJob, write_parallel
-from shardkit.checkpoint.io.torch_load import TensorRef, read_structure
-from shardkit.checkpoint.io.torch_zip import Segment, SegmentedRecord
 from shardkit.checkpoint.ops.convert.dcp_format import (
     Stored,
     TensorItem,
@@ -49,6 +43,12 @@ from shardkit.checkpoint.ops.convert.zero3_to_dcp_plan import DcpTarget
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint, zero3_optimizer_sd
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.core import progress
+from shardkit.storage.atomic import disk_full_named
+from shardkit.storage.digest import default_algorithm, new_hasher
+from shardkit.storage.manifest import FileEntry
+from shardkit.storage.stream import FileJob, write_parallel
+from shardkit.storage.torch_load import TensorRef, read_structure
+from shardkit.storage.torch_zip import Segment, SegmentedRecord
 
 #: The file holding the small items (the name DCP's writer gives rank 0's first file).
 SMALL_FILE = "__0_0.distcp"

@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardkit.checkpoint.io.torch_load import TensorRef
 from shardkit.checkpoint.ops.convert.names import (
     ADAM_STATE_KEYS,
     ADAM_TYPES,
@@ -22,6 +21,7 @@ from shardkit.checkpoint.ops.convert.names import (
 )
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import client_state_keys
+from shardkit.storage.torch_load import TensorRef
 
 _GROUP_KEYS_WITHOUT_TORCH_MEANING = {
     "step": "the optimizer's group-level step counter (FusedAdam/CPUAdam); torch keeps step per parameter, "

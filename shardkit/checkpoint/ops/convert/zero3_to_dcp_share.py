@@ -13,19 +13,19 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.checkpoint.io.manifest import FileEntry, Manifest
-from shardkit.checkpoint.io.pipeline import default_workers
-from shardkit.checkpoint.io.request import RunRequest
-
-# the same balanced split of files over processes as reshard's (by bytes, largest first)
-from shardkit.checkpoint.io.shared_save import Launch, outcome_unchanged, split_by_bytes
-from shardkit.checkpoint.io.shared_tag import Activity, Signature, signatures, write_tag_shared
 from shardkit.checkpoint.ops.convert.zero3_to_dcp_bytes import (
     DcpItems,
     file_names,
     write_small_and_metadata,
     write_tensor_files,
 )
+from shardkit.storage.manifest import FileEntry, Manifest
+from shardkit.storage.pipeline import default_workers
+from shardkit.storage.request import RunRequest
+
+# the same balanced split of files over processes as reshard's (by bytes, largest first)
+from shardkit.storage.shared_save import Launch, outcome_unchanged, split_by_bytes
+from shardkit.storage.shared_tag import Activity, Signature, signatures, write_tag_shared
 
 CONVERT = Activity("the conversion", "convert again", "convert", "convert the previous checkpoint")
 

@@ -15,8 +15,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
-from shardkit.checkpoint.io.stream import LazyTensor, Segment
-from shardkit.checkpoint.io.torch_load import safe_torch_load
 from shardkit.checkpoint.ops.convert.names import (
     ADAM_STATE_KEYS,
     MODEL_KEY,
@@ -29,6 +27,8 @@ from shardkit.checkpoint.ops.convert.zero3_to_dcp_plan import DcpTarget
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, RankPartitions, Zero3Checkpoint
 from shardkit.checkpoint.zero3.file_offsets import FileOffsets
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
+from shardkit.storage.stream import LazyTensor, Segment
+from shardkit.storage.torch_load import safe_torch_load
 
 if TYPE_CHECKING:
     import torch

@@ -13,11 +13,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.atomic import disk_full_named
-from shardkit.checkpoint.io.manifest import FileEntry
-from shardkit.checkpoint.io.pipeline import default_workers
-from shardkit.checkpoint.io.stream import FileJob, LazyTensor, WrittenFile, stream_save, write_parallel
 from shardkit.core import progress
+from shardkit.storage.atomic import disk_full_named
+from shardkit.storage.manifest import FileEntry
+from shardkit.storage.pipeline import default_workers
+from shardkit.storage.stream import FileJob, LazyTensor, WrittenFile, stream_save, write_parallel
 
 
 def write_dcp_files(path: Path, state: dict[str, Any], lazy: dict[str, LazyTensor], outcome: str,

@@ -9,5 +9,5 @@ would not load faithfully (``adapter_spec`` does the same for a PEFT adapter, as
 ``shard_plan`` splits the tensors into shards as ``save_pretrained``
 does; ``writer`` writes each shard, streaming piece by piece (cast per chunk), one thread per
 shard; ``output`` stages, seals (shardkit manifest) and publishes the folder; ``export_hf`` ties
-them together. ``checkpoint.io.safetensors_file`` (header layout, file-to-file copy) is shared with ``consolidate``.
+them together. ``storage.safetensors_file`` (header layout, file-to-file copy) is shared with ``consolidate``.
 """

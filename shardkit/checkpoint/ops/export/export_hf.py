@@ -20,17 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shardkit.checkpoint.io.atomic import atomic_write_text, disk_full_named, os_errors_named, publish_dir
-from shardkit.checkpoint.io.pipeline import default_workers, verify_before_reading, warn_unverified
-from shardkit.checkpoint.io.sibling_staging import remove_stale_staging, staging_folder
-from shardkit.checkpoint.io.torch_load import _ITEMSIZE
 from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.ops.export.adapter_spec import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_spec
-from shardkit.checkpoint.ops.export.dcp_pieces import dcp_tensors
 from shardkit.checkpoint.ops.export.match import adapter_names, match, normalize
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME, model_spec, read_config
 from shardkit.checkpoint.ops.export.output import check_output_dir, remove_staging, seal_export
-from shardkit.checkpoint.ops.export.pieces import SourceTensor
 from shardkit.checkpoint.ops.export.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_FILE,
@@ -40,8 +35,12 @@ from shardkit.checkpoint.ops.export.shard_plan import (
 )
 from shardkit.checkpoint.ops.export.sources import COMPANION_FILES, Source, find_config_dir, resolve_source
 from shardkit.checkpoint.ops.export.writer import ShardJob, entry_dtype, write_shards
-from shardkit.checkpoint.ops.export.zero3_pieces import zero3_tensors
+from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.atomic import atomic_write_text, disk_full_named, os_errors_named, publish_dir
+from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
+from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
+from shardkit.storage.torch_load import _ITEMSIZE
 
 OUTPUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -81,14 +80,6 @@ class Plan:
     notes: list[str]
 
 
-def _source_tensors(src: Source) -> tuple[dict[str, SourceTensor], dict[str, str], list[str]]:
-    if src.kind == "zero3":
-        z = zero3_tensors(src.tag_dir)
-        return z.tensors, z.aliases, [f"ZeRO-3 checkpoint {src.tag_dir} (tag {z.tag!r}, saved by {z.world_size} "
-                                      f"rank(s), {z.precision} training): fp32 masters exported"]
-    return dcp_tensors(src.tag_dir), {}, [f"FSDP2/DCP checkpoint {src.tag_dir}"]
-
-
 @os_errors_named("exporting the checkpoint")
 def export_hf_folder(
     source: str | Path,
@@ -126,8 +117,8 @@ def export_hf_folder(
     for note in checked.warnings:
         (warn or warn_unverified)(note)
 
-    tensors, aliases, notes = _source_tensors(src)
-    notes = [*src.notes, *notes]
+    ckpt = read_checkpoint(src.kind, src.tag_dir)
+    tensors, aliases, notes = ckpt.weights, ckpt.aliases, [*src.notes, *ckpt.notes]
     tensors, aliases, name_notes = normalize(tensors, aliases)
     notes += name_notes
     lora = adapter_names(list(tensors))

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.ops.export.model_spec import ModelSpec
-from shardkit.checkpoint.ops.export.pieces import SourceTensor
 from shardkit.core.errors import CheckpointError
 
 DEEPSPEED_PREFIX = "module."

@@ -14,9 +14,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, read_manifest, seal
-from shardkit.checkpoint.io.tags import tag_problem
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.manifest import MANIFEST_NAME, read_manifest, seal
+from shardkit.storage.tags import tag_problem
 
 #: ``extra["kind"]`` of an export's manifest: what makes a folder one shardkit may replace.
 EXPORT_KIND = "hf_export"

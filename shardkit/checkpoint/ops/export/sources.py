@@ -18,10 +18,10 @@ from pathlib import Path
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.hf_trainer.folder import checkpoint_dirs
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout
-from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX, latest_tag
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_tag_dir
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, latest_tag
 
 #: Files ``save_pretrained`` and tokenizers write beside the weights, copied when present.
 COMPANION_FILES = (

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardkit.checkpoint.io.safetensors_file import TensorEntry, copy_bytes, header_layout, write_header
-from shardkit.checkpoint.io.torch_load import _ITEMSIZE
-from shardkit.checkpoint.ops.export.pieces import SourceTensor
+from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.ops.export.shard_plan import Shard
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.safetensors_file import TensorEntry, copy_bytes, header_layout, write_header
+from shardkit.storage.torch_load import _ITEMSIZE
 
 if TYPE_CHECKING:
     import torch

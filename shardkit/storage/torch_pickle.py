@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from shardkit.checkpoint.io.torch_load import (
+from shardkit.storage.torch_load import (
     _ITEMSIZE,
     _STORAGE_DTYPES,
     DeepSpeedObjectStub,
@@ -29,7 +29,7 @@ from shardkit.checkpoint.io.torch_load import (
     TorchSize,
     _Dtype,
 )
-from shardkit.checkpoint.io.torch_zip import RecordData, Segment, SegmentedRecord
+from shardkit.storage.torch_zip import RecordData, Segment, SegmentedRecord
 
 #: ``float32`` -> ``FloatStorage``: the storage class torch.save names for each element type.
 STORAGE_TYPE = {dtype: name for name, dtype in _STORAGE_DTYPES.items()}

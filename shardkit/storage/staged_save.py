@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from shardkit.checkpoint.io.atomic import disk_full_error, is_disk_full, publish_tag, staging_dir
-from shardkit.checkpoint.io.manifest import Manifest, describe_files_distributed, write_manifest
-from shardkit.checkpoint.io.shared_save import OWNER_NAME, Launch, claim, heartbeat
-from shardkit.checkpoint.io.tags import LATEST_NAME, check_tag
 from shardkit.core.errors import CheckpointError
 from shardkit.platform.dist import all_gather_object, barrier, broadcast_object, rank_world
 from shardkit.platform.versions import library_versions
+from shardkit.storage.atomic import disk_full_error, is_disk_full, publish_tag, staging_dir
+from shardkit.storage.manifest import Manifest, describe_files_distributed, write_manifest
+from shardkit.storage.shared_save import OWNER_NAME, Launch, claim, heartbeat
+from shardkit.storage.tags import LATEST_NAME, check_tag
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""An FSDP2 / torch.distributed.checkpoint (DCP) checkpoint's model tensors as ``Piece``s.
+"""The DCP reader: an FSDP2 / torch.distributed.checkpoint checkpoint's model tensors as ``Piece``s.
 
 The ``.metadata`` is read with the restricted, torch-free unpickler (``dcp.plain_metadata``), and each
 tensor's stored chunks are located with ``dcp.slices.DcpSlices`` (dim-0 slabs in plain zip
@@ -17,13 +17,19 @@ from typing import TYPE_CHECKING, Any
 from shardkit.checkpoint.dcp.plain_metadata import read_plain_metadata
 from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state
 from shardkit.checkpoint.dcp.slices import DcpSlices
-from shardkit.checkpoint.ops.export.pieces import Piece, SourceTensor
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.core.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
 
 MODEL_PREFIX = "model."
+
+
+def read_dcp(tag_dir: Path) -> TrainingCheckpoint:
+    """The DCP folder ``tag_dir`` as the checkpoint model (weights only, for now)."""
+    return TrainingCheckpoint("dcp", tag_dir, dcp_tensors(tag_dir), notes=[f"FSDP2/DCP checkpoint {tag_dir}"])
 
 
 def dcp_tensors(tag_dir: Path) -> dict[str, SourceTensor]:

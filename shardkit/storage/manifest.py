@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from shardkit.checkpoint.io.atomic import atomic_write_text
-from shardkit.checkpoint.io.digest import ALGORITHMS, default_algorithm, new_hasher
-from shardkit.checkpoint.io.tags import STAGING_PREFIX, tag_problem
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import FileReadError, read_regular_file
 from shardkit.platform.dist import all_gather_object, broadcast_object, rank_world
 from shardkit.platform.versions import library_versions
+from shardkit.storage.atomic import atomic_write_text
+from shardkit.storage.digest import ALGORITHMS, default_algorithm, new_hasher
+from shardkit.storage.tags import STAGING_PREFIX, tag_problem
 
 MANIFEST_NAME = "shardkit_manifest.json"
 #: 2: files may carry a ``blake3`` digest instead of ``sha256`` (a manifest is written as 1 when none does).

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.atomic import os_errors_named
-from shardkit.checkpoint.io.manifest import (
+from shardkit.core.errors import CheckpointError
+from shardkit.core.findings import Finding, Report, Severity
+from shardkit.platform.dist import all_gather_object, rank_world
+from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.manifest import (
     ENGINES,
     MANIFEST_NAME,
     Manifest,
@@ -23,11 +26,8 @@ from shardkit.checkpoint.io.manifest import (
     file_digest,
     read_manifest,
 )
-from shardkit.checkpoint.io.rank_coverage import RANK_NAME, missing_rank_files, rank_pattern
-from shardkit.checkpoint.io.tags import LATEST_NAME, STAGING_PREFIX, latest_tag, read_latest
-from shardkit.core.errors import CheckpointError
-from shardkit.core.findings import Finding, Report, Severity
-from shardkit.platform.dist import all_gather_object, rank_world
+from shardkit.storage.rank_coverage import RANK_NAME, missing_rank_files, rank_pattern
+from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, latest_tag, read_latest
 
 # Files that mark a directory as one checkpoint of some engine even without a shardkit manifest.
 _ENGINE_MARKERS = re.compile(r"(_model_states\.pt|_optim_states\.pt|^\.metadata|\.distcp)$")

@@ -20,9 +20,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from shardkit.checkpoint.io.atomic import disk_full_named, fsync_file
-from shardkit.checkpoint.io.torch_pickle import StubPickler
-from shardkit.checkpoint.io.torch_zip import (
+from shardkit.storage.atomic import disk_full_named, fsync_file
+from shardkit.storage.torch_pickle import StubPickler
+from shardkit.storage.torch_zip import (
     CHUNK_BYTES,
     HashingWriter,
     RecordData,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from shardkit.checkpoint.io.manifest import Manifest
+from shardkit.storage.manifest import Manifest
 
 RANK_NAME = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d{1,9})_mp_rank_\d+_(optim|model)_states\.pt$")
 #: Missing ranks named one by one; beyond that one finding counts the rest.

@@ -17,8 +17,8 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
-from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, read_latest
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, read_latest
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -13,9 +13,9 @@ import os
 import struct
 from dataclasses import dataclass
 
-from shardkit.checkpoint.io.torch_load import _ITEMSIZE
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import _ITEMSIZE
 
 #: torch dtype name (without ``torch.``) -> safetensors dtype code.
 ST_DTYPE = {

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from shardkit.checkpoint.io.atomic import staging_dir
-from shardkit.checkpoint.io.manifest import FileEntry, Manifest
-from shardkit.checkpoint.io.pipeline import check_source_digests, hash_beside
-from shardkit.checkpoint.io.request import RunRequest
-from shardkit.checkpoint.io.shared_meet import meet
-from shardkit.checkpoint.io.shared_save import Launch, gather_parts, remove_own_claim, seal, write_part
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.atomic import staging_dir
+from shardkit.storage.manifest import FileEntry, Manifest
+from shardkit.storage.pipeline import check_source_digests, hash_beside
+from shardkit.storage.request import RunRequest
+from shardkit.storage.shared_meet import meet
+from shardkit.storage.shared_save import Launch, gather_parts, remove_own_claim, seal, write_part
 
 #: (size, mtime_ns, inode) of a source file: a rewrite or replacement changes one of them.
 Signature = tuple[int, int, int]

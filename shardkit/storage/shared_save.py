@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from shardkit.checkpoint.io.atomic import atomic_write_text, publish_tag, remove_stale_saves, staging_dir
-from shardkit.checkpoint.io.manifest import FileEntry, Manifest, write_manifest
-from shardkit.checkpoint.io.tags import LATEST_NAME
 from shardkit.core import progress
 from shardkit.core.env_settings import read_seconds
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import SHARDKIT_VERSION
+from shardkit.storage.atomic import atomic_write_text, publish_tag, remove_stale_saves, staging_dir
+from shardkit.storage.manifest import FileEntry, Manifest, write_manifest
+from shardkit.storage.tags import LATEST_NAME
 
 OWNER_NAME = ".shardkit-owner.json"
 _PART = ".shardkit-part-{rank}.json"

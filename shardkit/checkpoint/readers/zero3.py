@@ -1,4 +1,4 @@
-"""A ZeRO-3 checkpoint's tensors as ``Piece``s: where each rank's unpadded share of every parameter,
+"""The ZeRO-3 reader: a ZeRO-3 checkpoint's tensors as ``Piece``s: where each rank's unpadded share of every parameter,
 frozen parameter and buffer lies in the rank files.
 
 The files are parsed with ``read_structure`` (no ``torch.load``, no tensor data read): trainable
@@ -12,36 +12,24 @@ padded), buffers rank 0's ``module`` entries. Tied parameters are stored once an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.io.torch_load import TensorRef, read_structure
-from shardkit.checkpoint.ops.export.pieces import Piece, SourceTensor
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import TensorRef, read_structure
 
 #: File names DeepSpeed MoE writes beside the ZeRO files (``expp_rank_*``, ``layer_*_expert_*``):
 #: expert-parallel weights that the data-parallel rank files do not hold.
 _MOE_MARKERS = ("expp_rank_", "_expert_")
 
 
-@dataclass
-class Zero3Tensors:
-    """Every tensor of a ZeRO-3 checkpoint, with the facts the export reports."""
-
-    tensors: dict[str, SourceTensor]
-    aliases: dict[str, str]
-    """Tied names not stored: ``{alias: name holding the data}``."""
-    world_size: int
-    tag: str
-    precision: str
-
-
-def zero3_tensors(tag_dir: Path) -> Zero3Tensors:
-    """Describe the tensors of the ZeRO-3 tag folder ``tag_dir`` (already verified by the caller)."""
+def read_zero3(tag_dir: Path) -> TrainingCheckpoint:
+    """Describe the weights of the ZeRO-3 tag folder ``tag_dir`` (already verified by the caller)."""
     moe = sorted(f.name for f in tag_dir.iterdir() if any(m in f.name for m in _MOE_MARKERS))
     if moe:
         raise CheckpointError(
@@ -62,11 +50,17 @@ def zero3_tensors(tag_dir: Path) -> Zero3Tensors:
                     Piece(ckpt.optim_files[rank], _offset(ref) + slot.offset * 4, start, stop - start))
     _add_frozen(ckpt, tensors)
     module = ckpt.model_state.get("module") or {}
+    buffers = set()
     for name in ckpt.model_state.get("buffer_names") or []:
         buf = module.get(name)
         if isinstance(buf, TensorRef):
             tensors[name] = SourceTensor(name, buf.dtype, buf.shape, [Piece(ckpt.model_files[0], _offset(buf), 0, buf.numel)])
-    return Zero3Tensors(tensors, dict(ckpt.shared_params), ckpt.world_size, ckpt.tag, ckpt.precision)
+            buffers.add(name)
+    return TrainingCheckpoint(
+        "zero3", tag_dir, tensors, world_size=ckpt.world_size, tag=ckpt.tag, precision=ckpt.precision,
+        aliases=dict(ckpt.shared_params), frozen=set(ckpt.frozen_param_shapes or {}), buffers=buffers,
+        notes=[f"ZeRO-3 checkpoint {tag_dir} (tag {ckpt.tag!r}, saved by {ckpt.world_size} rank(s), {ckpt.precision} "
+               "training): fp32 masters exported"])
 
 
 def _offset(ref: TensorRef) -> int:

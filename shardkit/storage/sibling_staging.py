@@ -15,7 +15,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from shardkit.checkpoint.io.tags import STAGING_PREFIX
+from shardkit.storage.tags import STAGING_PREFIX
 
 #: what follows ``<STAGING_PREFIX><name>-`` in a staging folder's name: the writer's pid@host and a nonce
 _STAGING_OWNER = re.compile(r"^(\d+)@(.+)-[0-9a-f]{8}$")

@@ -14,11 +14,11 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.checkpoint.io.manifest import MANIFEST_NAME, FileEntry, Manifest, file_digest
-from shardkit.checkpoint.io.shared_save import owner_alive
-from shardkit.checkpoint.io.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, tag_problem
-from shardkit.checkpoint.io.verify import refuse_links_leaving, verify_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.manifest import MANIFEST_NAME, FileEntry, Manifest, file_digest
+from shardkit.storage.shared_save import owner_alive
+from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, tag_problem
+from shardkit.storage.verify import refuse_links_leaving, verify_checkpoint
 
 
 class UnverifiedCheckpointWarning(UserWarning):

@@ -38,9 +38,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from shardkit.checkpoint.io.atomic import atomic_write_text, staging_dir
-from shardkit.checkpoint.io.request import RELEASE, RunRequest, differences, mismatch_message, shown
-from shardkit.checkpoint.io.shared_save import (
+from shardkit.core.env_settings import read_seconds
+from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.atomic import atomic_write_text, staging_dir
+from shardkit.storage.request import RELEASE, RunRequest, differences, mismatch_message, shown
+from shardkit.storage.shared_save import (
     OWNER_NAME,
     Launch,
     claim,
@@ -50,9 +52,7 @@ from shardkit.checkpoint.io.shared_save import (
     read_json,
     stale_s,
 )
-from shardkit.checkpoint.io.tags import STAGING_PREFIX
-from shardkit.core.env_settings import read_seconds
-from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.tags import STAGING_PREFIX
 
 JOINED = ".shardkit-joined-{rank}.json"
 VERDICT = ".shardkit-verdict.json"

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Sequence, Union
 
-from shardkit.checkpoint.io.digest import default_algorithm, new_hasher
 from shardkit.core import progress
+from shardkit.storage.digest import default_algorithm, new_hasher
 
 try:
     # ISA-L's crc32 (CRC-32/ISO-HDLC, zlib's polynomial, same values) folds with PCLMULQDQ/PMULL:

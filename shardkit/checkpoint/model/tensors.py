@@ -1,5 +1,5 @@
-"""Where a source tensor's bytes are, without reading them: the common form every source reader
-(``zero3_pieces``, ``dcp_pieces``) produces and ``writer`` consumes.
+"""Where a checkpoint tensor's bytes are, without reading them: the unit of the checkpoint model
+(``model.checkpoint``), produced by every reader (``checkpoint.readers``) and consumed by every writer.
 
 A tensor is a list of ``Piece``s, each a contiguous run of its row-major flattened elements stored
 contiguously in one file (a ZeRO-3 rank's unpadded partition, a DCP chunk). Where a layout cannot be

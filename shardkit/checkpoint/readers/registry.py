@@ -1,0 +1,28 @@
+"""Which reader reads which source kind: the one table an operation consults, so a new format is one
+reader module and one line here (the kinds are ``export.sources.Source.kind``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.readers.dcp import read_dcp
+from shardkit.checkpoint.readers.zero3 import read_zero3
+from shardkit.core.errors import CheckpointError
+
+Reader = Callable[[Path], TrainingCheckpoint]
+
+READERS: dict[str, Reader] = {
+    "zero3": read_zero3,
+    "dcp": read_dcp,
+}
+
+
+def read_checkpoint(kind: str, folder: Path) -> TrainingCheckpoint:
+    """The checkpoint at ``folder`` (a resolved source of ``kind``) as the checkpoint model."""
+    reader = READERS.get(kind)
+    if reader is None:
+        raise CheckpointError(f"{folder}: no reader for a {kind!r} checkpoint (shardkit reads {sorted(READERS)}); "
+                              "`shardkit inspect` says which commands take it")
+    return reader(folder)
