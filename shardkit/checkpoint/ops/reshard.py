@@ -28,9 +28,10 @@ hashes its share of the source files), and nothing is published unless it matche
 the world size nor the sub-groups change, the rank files are copied byte for byte and that copy's
 hash is the check.
 
-ZeRO-1/2 sources (``checkpoint.zero12``) go through the same steps; their new rank files are written
-from memory-mapped source tensors, one new partition of one state at a time (``zero12.repartition``),
-rather than as byte ranges.
+ZeRO-1/2 sources (``checkpoint.zero12``) go through the same steps, torch-free as well: each new rank
+file is a pickle plus byte ranges of the old ranks' files and zero runs (``zero12.reshard_plan``). A
+source the byte ranges cannot express is written from memory-mapped tensors with torch instead
+(``zero12.repartition``), and the result's notes say why.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, plan_layout
 from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
-from shardkit.checkpoint.zero12.reader import Zero12Checkpoint, is_zero12_folder, open_zero12_checkpoint
-from shardkit.checkpoint.zero12.repartition import plan_files
+from shardkit.checkpoint.zero12.reader import Zero12Checkpoint, is_zero12_folder
+from shardkit.checkpoint.zero12.reshard_plan import plan_zero12_reshard
 from shardkit.config.loading import config_digest
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
@@ -156,15 +157,16 @@ def reshard_zero3(
     verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
     expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
     ckpt: Zero3Checkpoint | Zero12Checkpoint
+    zero12_notes: list[str] = []
     if is_zero12_folder(source_dir):
         # ZeRO-1/2 (checkpoint.zero12): one partition per rank and parameter group, no sub-groups
         if sub_group_size is not None:
             raise UsageError(f"--sub-group-size {sub_group_size}: a ZeRO-3 setting, and {source_dir} is a ZeRO-1/2 "
                              "checkpoint (no sub-groups). Leave the flag out")
-        ckpt = open_zero12_checkpoint(source_dir)
-        unchanged = world_size == ckpt.world_size
-        jobs = (_copy_jobs(ckpt, expected) if unchanged
-                else [_Job(f.name, f.nbytes, f.write) for f in plan_files(ckpt, world_size)])
+        zero12 = plan_zero12_reshard(source_dir, world_size)
+        ckpt, unchanged = zero12.ckpt, world_size == zero12.ckpt.world_size
+        jobs = _copy_jobs(ckpt, expected) if unchanged else [_Job(f.name, f.nbytes, f.write) for f in zero12.files]
+        zero12_notes = [zero12.torch_route] if zero12.torch_route and not unchanged else []
     else:
         ckpt = open_zero3_checkpoint(source_dir, torch_free=True)
         layout = plan_layout(ckpt, world_size, sub_group_size)
@@ -210,7 +212,7 @@ def reshard_zero3(
         files=[final / j.name for j in jobs],
         bytes=sum(e.size for e in entries) if launch.rank == 0 else 0,
         manifest=final / MANIFEST_NAME if manifest else None,
-        notes=[n for n in (client_state_note(ckpt, world_size),) if n] if isinstance(ckpt, Zero3Checkpoint) else [],
+        notes=[n for n in (client_state_note(ckpt, world_size),) if n] if isinstance(ckpt, Zero3Checkpoint) else zero12_notes,
         verified=verified,
         copied_unchanged=unchanged,
         rank=launch.rank,

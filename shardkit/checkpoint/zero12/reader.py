@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import safe_torch_load
+from shardkit.storage.torch_load import read_structure, safe_torch_load
 
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -40,9 +40,12 @@ class Zero12Checkpoint:
     optim_files: list[Path]
     model_files: list[Path]
     optim_states: list[dict[str, Any]]
-    """Each rank's whole optimizer file (``optimizer_state_dict``, ``ds_config``, ``ds_version``), mmap'd."""
+    """Each rank's whole optimizer file (``optimizer_state_dict``, ``ds_config``, ``ds_version``), mmap'd
+    (``torch_free``: its structure, every tensor a ``TensorRef``)."""
     model_state: dict[str, Any]
     """The model-states file (module weights mmap'd, ``param_shapes``, ``dp_world_size``...)."""
+    torch_free: bool = False
+    """Read by ``read_structure`` (no torch import; tensors are ``TensorRef``s, their bytes never read)."""
     ds_config: dict[str, Any] = field(default_factory=dict)
     ds_version: str | None = None
     precision: str = "fp32"
@@ -61,10 +64,11 @@ def _precision(config: dict[str, Any]) -> str:
     return "fp32"
 
 
-def open_zero12_checkpoint(tag_dir: Path) -> Zero12Checkpoint:
+def open_zero12_checkpoint(tag_dir: Path, *, torch_free: bool = False) -> Zero12Checkpoint:
     """Open ``tag_dir`` (a ZeRO-1/2 tag folder); raises CheckpointError naming the file for a missing rank,
     a stage other than 1/2, ranks that disagree, or a layout the repartition cannot move
-    (``round_robin_gradients``, an elastic optimizer state)."""
+    (``round_robin_gradients``, an elastic optimizer state). ``torch_free``: parse the pickles only
+    (``read_structure``), for the byte-range reshard (``zero12.reshard_plan``)."""
     found: dict[int, Path] = {}
     prefixes = set()
     for p in tag_dir.iterdir():
@@ -78,11 +82,13 @@ def open_zero12_checkpoint(tag_dir: Path) -> Zero12Checkpoint:
             f"{tag_dir}: optimizer files for ranks {sorted(found)} (prefixes {sorted(prefixes)}), expected ranks 0..N-1 "
             "with one naming: a rank's file is missing or two saves were mixed in one folder. Re-copy the tag folder")
     optim_files = [found[r] for r in range(world)]
-    states = [safe_torch_load(p, mmap=True) for p in optim_files]
-    model_state = safe_torch_load(tag_dir / MODEL_FILE, mmap=True)
+    load = read_structure if torch_free else (lambda p: safe_torch_load(p, mmap=True))
+    states = [load(p) for p in optim_files]
+    model_state = load(tag_dir / MODEL_FILE)
     ckpt = Zero12Checkpoint(tag_dir=tag_dir, stage=0, world_size=world, prefix=prefixes.pop(), optim_files=optim_files,
                             model_files=[tag_dir / MODEL_FILE], optim_states=states, model_state=model_state,
-                            ds_config=dict(model_state.get("ds_config") or {}), ds_version=model_state.get("ds_version"))
+                            torch_free=torch_free, ds_config=dict(model_state.get("ds_config") or {}),
+                            ds_version=model_state.get("ds_version"))
     ckpt.precision = _precision(ckpt.ds_config)
     ckpt.stage = _check_ranks(ckpt)
     return ckpt

@@ -58,6 +58,12 @@ class GroupLayout:
         return start, min(start + size, self.numel)
 
 
+def element_count(tensor: Any) -> int:
+    """Elements of a torch tensor or of a ``read_structure`` ``TensorRef`` (a method on one, a property on the other)."""
+    numel = tensor.numel
+    return int(numel() if callable(numel) else numel)
+
+
 def group_layouts(ckpt: Zero12Checkpoint) -> list[GroupLayout]:
     """Each param group's layout, from the rank files and the model states' ``param_shapes``; raises
     CheckpointError when the two disagree (a layout this module does not know must not be moved)."""
@@ -69,7 +75,7 @@ def group_layouts(ckpt: Zero12Checkpoint) -> list[GroupLayout]:
                               f"{groups}: the model states and optimizer files are of different saves")
     layouts = []
     for g in range(groups):
-        sizes = [int(s[OPTIMIZER_KEY]["single_partition_of_fp32_groups"][g].numel()) for s in ckpt.optim_states]
+        sizes = [element_count(s[OPTIMIZER_KEY]["single_partition_of_fp32_groups"][g]) for s in ckpt.optim_states]
         paddings = [int(s[OPTIMIZER_KEY]["group_paddings"][g]) for s in ckpt.optim_states]
         partitions = {size + pad for size, pad in zip(sizes, paddings)}
         param_pads = list((rank0.get("param_alignment_paddings") or [[]] * groups)[g]) or [0] * len(shapes[g])
