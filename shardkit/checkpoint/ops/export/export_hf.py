@@ -23,6 +23,7 @@ from typing import Callable
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.ops.export.adapter_spec import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_spec
+from shardkit.checkpoint.ops.export.conversion import apply_conversion
 from shardkit.checkpoint.ops.export.match import adapter_names, match, normalize
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME, model_spec, read_config
 from shardkit.checkpoint.ops.export.output import check_output_dir, remove_staging, seal_export
@@ -168,12 +169,15 @@ def _model_plan(tensors: dict[str, SourceTensor], aliases: dict[str, str], src: 
     spec = model_spec(config_dir)
     matched = match(tensors, aliases, spec, src.tag_dir)
     _check_covered(matched.tensors, src)
+    written, notes = matched.tensors, list(matched.notes)
+    if spec.conversion is not None:  # fused in memory, split on disk (MoE experts): as save_pretrained writes them
+        written, converted = apply_conversion(spec.conversion, written)
+        notes += converted
     out_dtype = dtype or spec.config_dtype or "fp32"
-    notes = list(matched.notes)
     if dtype is None:
         notes.append(f"dtype {out_dtype} ({'the config says so' if spec.config_dtype else 'the config names none'}; "
                      "--dtype chooses)")
-    return Plan(matched.tensors, out_dtype, spec.class_name, spec.total_parameters, None, notes)
+    return Plan(written, out_dtype, spec.class_name, spec.total_parameters, None, notes)
 
 
 def _adapter_plan(tensors: dict[str, SourceTensor], lora: list[str], src: Source, config_dir: Path,

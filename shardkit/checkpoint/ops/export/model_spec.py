@@ -8,9 +8,10 @@ built on the meta device (no memory, no weights) and asked the questions ``save_
 - tensor order: the state dict's, which ``save_pretrained``'s shard split follows;
 - ``total_parameters``: ``model.num_parameters()``, as the index records it.
 
-Model classes whose ``save_pretrained`` renames or fuses weights on the way out (transformers'
-checkpoint conversion mappings: MoE experts, for one) are refused: their files are not the module's
-state dict, and writing the state dict would not load back faithfully.
+Model classes whose ``save_pretrained`` renames or splits weights on the way out (transformers'
+checkpoint conversion mappings: MoE experts fused in memory, for one) carry that conversion
+(``conversion.save_conversion``): ``shapes`` stays the module state dict the checkpoint holds, and
+``conversion`` says what is written from it, in save_pretrained's order.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.errors import UsageError
+
+if TYPE_CHECKING:
+    from shardkit.checkpoint.ops.export.conversion import SaveConversion
 
 CONFIG_NAME = "config.json"
 
@@ -44,6 +48,8 @@ class ModelSpec:
     total_parameters: int = 0
     config_dtype: str | None = None
     """``fp32``/``bf16``/``fp16`` from the config's ``dtype`` (or ``torch_dtype``), None when absent."""
+    conversion: SaveConversion | None = None
+    """What save_pretrained writes instead of the state dict (fused MoE experts split...); None: the state dict."""
 
 
 def read_config(config_dir: Path) -> dict[str, Any]:
@@ -69,7 +75,6 @@ def meta_model(config_dir: Path) -> Any:
     the meta device; refuses model types whose save format is not their state dict."""
     import torch
     import transformers
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     raw = read_config(config_dir)
     _check_layer_count(raw, config_dir / CONFIG_NAME)
@@ -79,12 +84,6 @@ def meta_model(config_dir: Path) -> Any:
         raise UsageError(f"{config_dir / CONFIG_NAME}: transformers cannot build a config from it "
                          f"({type(exc).__name__}: {_first_line(exc)}); pass --model-config DIR with the config.json "
                          "the model was built from") from None
-    if get_checkpoint_conversion_mapping(cfg.model_type):
-        raise CheckpointError(
-            f"{config_dir / CONFIG_NAME}: model_type {cfg.model_type!r}: transformers renames or fuses this model's "
-            "weights when it saves and loads (a checkpoint conversion mapping, e.g. MoE experts), so its module state "
-            "dict is not its file format; shardkit export refuses rather than write files from_pretrained would "
-            "misread. Load the checkpoint into the model and call save_pretrained")
     arch = (raw.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     with torch.device("meta"):
@@ -118,6 +117,8 @@ def model_spec(config_dir: Path) -> ModelSpec:
     """Build the config's model class on the meta device and read off what it expects."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+    from shardkit.checkpoint.ops.export.conversion import save_conversion
+
     model = meta_model(config_dir)
     state = model.state_dict()
     kept = remove_tied_weights_from_state_dict(dict(state), model)
@@ -133,4 +134,5 @@ def model_spec(config_dir: Path) -> ModelSpec:
         non_persistent=buffers - set(state),
         total_parameters=model.num_parameters(),
         config_dtype=config_dtype(read_config(config_dir)),
+        conversion=save_conversion(model, kept),
     )
