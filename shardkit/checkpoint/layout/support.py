@@ -4,7 +4,7 @@ commands themselves, called by each operation's entry point before anything is r
 
 ``refuse_unsupported`` raises for the layouts no command converts correctly (``Refusal`` markers:
 AutoEP, native MoE experts, tensor/pipeline parallel ranks, NVMe-swapped optimizer state), for
-ZeRO-0/1/2 (reshard takes ZeRO-1/2) and for universal checkpoints. The other layouts a command does not take (an FSDP
+ZeRO-0/1/2 (reshard, consolidate and export take ZeRO-1/2) and for universal checkpoints. The other layouts a command does not take (an FSDP
 FULL_STATE_DICT folder given to ``export``, a DCP folder given to ``reshard``) keep the command's
 own refusal, which already says what the folder is and what to do. A path this module cannot
 describe is left to the command, whose reader names the problem.
@@ -36,18 +36,26 @@ class Verdict:
 
 def _zero12_why(desc: CheckpointDescription) -> str:
     root = Path(desc.folder).parent
-    return (f"a DeepSpeed ZeRO-{desc.stage} checkpoint ({desc.stage_source}): shardkit reshard takes it (new rank files "
-            "for another world size); the other commands read ZeRO-3 partitions only today. For "
+    return (f"a DeepSpeed ZeRO-{desc.stage} checkpoint ({desc.stage_source}): shardkit reshard, consolidate and export "
+            "take it; convert reads ZeRO-3 partitions only today. For "
             f"the full weights, run the zero_to_fp32.py DeepSpeed saved beside it (python {root}/zero_to_fp32.py "
             f"{root} OUT_DIR --safe_serialization); for a universal checkpoint, DeepSpeed's ds_to_universal "
             f"(python -m deepspeed.checkpoint.ds_to_universal --input_folder {desc.folder} "
             "--output_folder UNIVERSAL --inject_missing_state) and checkpoint.load_universal: true")
 
 
+#: What each command that takes a ZeRO-1/2 checkpoint (without a refusal marker) does with it.
+_ZERO12_TAKEN = {
+    "reshard": "new per-rank ZeRO-1/2 files for another world size, loaded by DeepSpeed's plain load_checkpoint",
+    "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
+    "export": "a from_pretrained folder (needs the model's config.json)",
+}
+
+
 def _reshard_takes(desc: CheckpointDescription, command: str) -> bool:
     """ZeRO-1/2 without a refusal marker: reshard writes its rank files for another world size
-    (``checkpoint.zero12``); the other commands still refuse it."""
-    return command == "reshard" and desc.format == "deepspeed" and desc.stage in (1, 2) and not desc.refusals
+    (``checkpoint.zero12``), consolidate and export read it (``readers.zero12``)."""
+    return command in _ZERO12_TAKEN and desc.format == "deepspeed" and desc.stage in (1, 2) and not desc.refusals
 
 
 def _universal_why(desc: CheckpointDescription) -> str:
@@ -102,8 +110,8 @@ def verdicts(desc: CheckpointDescription) -> list[Verdict]:
     """What each checkpoint command does with ``desc`` today, or why it refuses it."""
     blocked = blocking_reason(desc)
     if blocked is not None:
-        return [Verdict(c, True, "new per-rank ZeRO-1/2 files for another world size, loaded by DeepSpeed's plain "
-                        "load_checkpoint") if _reshard_takes(desc, c) else Verdict(c, False, blocked) for c in COMMANDS]
+        return [Verdict(c, True, _ZERO12_TAKEN[c]) if _reshard_takes(desc, c) else Verdict(c, False, blocked)
+                for c in COMMANDS]
     table = _per_format(desc)
     return [Verdict(c, *table[c]) for c in COMMANDS]
 

@@ -138,6 +138,12 @@ def consolidate_zero3(
         raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
     out_name = _OUT_NAMES[dtype]
     refuse_unsupported(checkpoint, "consolidate")  # a layout nothing converts correctly: refused before anything is read
+    from shardkit.checkpoint.ops.consolidate_model import consolidate_model, model_source  # it imports this module
+
+    routed = model_source(checkpoint)  # ZeRO-1/2 and other readers' kinds: the checkpoint model's path
+    if routed is not None:
+        return consolidate_model(routed, output, dtype=dtype, include_frozen=include_frozen, force=force,
+                                 verify=verify, warn=warn, workers=workers, launch=launch)
     source_dir, _ = resolve_tag_dir(checkpoint)
     launch = launch or launch_from_env()
     # every process resolves -o the same way: the staging folder is named after the file

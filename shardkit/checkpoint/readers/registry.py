@@ -9,6 +9,7 @@ from typing import Callable
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.readers.dcp import read_dcp
 from shardkit.checkpoint.readers.zero3 import read_zero3
+from shardkit.checkpoint.readers.zero12 import read_zero12
 from shardkit.core.errors import CheckpointError
 
 Reader = Callable[[Path], TrainingCheckpoint]
@@ -16,6 +17,7 @@ Reader = Callable[[Path], TrainingCheckpoint]
 READERS: dict[str, Reader] = {
     "zero3": read_zero3,
     "dcp": read_dcp,
+    "zero12": read_zero12,
 }
 
 

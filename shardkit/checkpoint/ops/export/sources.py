@@ -20,6 +20,7 @@ from shardkit.checkpoint.hf_trainer.folder import checkpoint_dirs
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_tag_dir
+from shardkit.checkpoint.zero12.reader import is_zero12_folder
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, latest_tag
 
@@ -39,7 +40,7 @@ class Source:
     """A resolved ``SRC``."""
 
     kind: str
-    """``zero3`` or ``dcp``."""
+    """``zero3``, ``zero12`` or ``dcp`` (a key of ``readers.registry.READERS``)."""
     tag_dir: Path
     """The folder holding the tensors (ZeRO-3 tag folder, or DCP folder with ``.metadata``)."""
     folder: Path
@@ -90,6 +91,8 @@ def resolve_source(path: str | Path) -> Source:
         raise UsageError(f"{p}: holds full weights already ({', '.join(full)}: a save_pretrained folder, or a Trainer "
                          "checkpoint saved without DeepSpeed or sharded FSDP): from_pretrained loads it as it is; "
                          "there is nothing to export")
+    if is_zero12_folder(p / tag if tag is not None else p):  # ZeRO-1/2: a root, a Trainer checkpoint-N, a tag
+        return Source("zero12", p / tag if tag is not None else p, p, notes)
     tag_dir, _ = resolve_tag_dir(p)  # ZeRO-3, or one CheckpointError saying what the folder is not
     return Source("zero3", tag_dir, p, notes)
 

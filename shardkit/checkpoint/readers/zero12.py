@@ -1,0 +1,282 @@
+"""The ZeRO-1/2 reader: a DeepSpeed ZeRO-1 or ZeRO-2 tag folder as the checkpoint model, torch-free.
+
+The rank files are parsed with ``read_structure`` (no ``torch.load``, no tensor data read except
+the steps' few bytes). Scalars follow ``readers.deepspeed_scalars``. The layout (``zero12.reader``'s module doc, and DeepSpeed's
+``zero_to_fp32._zero2_merge_trainable_params``): per param group, a flat buffer holds the
+parameters of ``param_shapes[g]`` in order, each followed by its ``param_alignment_paddings[g]``
+entry, then tail padding; it is cut into ``world_size`` partitions of P elements. Rank r holds
+buffer elements ``[r * P, r * P + P)``:
+
+- ``single_partition_of_fp32_groups[g]``: its fp32 masters *without* the tail padding
+  (``_get_groups_without_padding``: ``P - group_paddings[g]`` elements);
+- ``base_optimizer_state["state"][param id of group g]``: torch's per-element states (``exp_avg``,
+  ``exp_avg_sq``) of the whole partition, padding included (P elements).
+
+So a parameter at buffer offset o with n elements is, on rank r, elements ``[max(o, rP), min(o+n,
+rP+P))`` at ``(that - rP)`` of either tensor. Frozen parameters (ZeRO-2 only: DeepSpeed records them
+when gradients are partitioned) are whole tensors in ``frozen_param_fragments`` of the model-states
+file; under ZeRO-1 they are read from its ``module`` (the training dtype's value, which is never
+updated). Buffers are ``module`` entries named in ``buffer_names``; tied parameters are stored once
+(``shared_params``: ``{alias: holder}``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import Piece, SourceTensor
+from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
+from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIM_FILE, OPTIMIZER_KEY
+from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import TensorRef, read_structure
+
+#: ZeRO-3's per-rank model-states files: beside ZeRO-1/2 files they mean two saves in one folder.
+_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
+#: DeepSpeed MoE expert files: expert-parallel weights outside the data-parallel rank files.
+_MOE_MARKERS = ("expp_rank_", "_expert_")
+
+
+@dataclass(frozen=True)
+class _Rank:
+    path: Path
+    fp32: list[TensorRef]
+    """``single_partition_of_fp32_groups``: the unpadded fp32 slice of each group."""
+    states: list[dict[str, Any]]
+    """Each group's ``base_optimizer_state`` entry (``exp_avg``... over the padded partition)."""
+    paddings: list[int]
+    """``group_paddings``: the tail padding cut from each group's fp32 slice on this rank."""
+
+
+def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
+    """Describe the ZeRO-1/2 tag folder ``tag_dir`` (already verified by the caller): weights, Adam
+    moments per trainable parameter, scalars. Raises CheckpointError, naming the file and the key, for
+    a layout it would read wrongly (round_robin_gradients, an elastic save, a BF16_Optimizer save, ranks
+    that disagree, ZeRO-3 files beside, MoE expert files); nothing is read beyond small pickles then."""
+    optim_files = _optim_files(tag_dir)
+    model_path = tag_dir / MODEL_FILE
+    model: Any = read_structure(model_path)
+    if not isinstance(model, dict) or "param_shapes" not in model:
+        raise CheckpointError(f"{model_path}: no param_shapes: not a DeepSpeed ZeRO-1/2 model-states file. Pass the tag "
+                              "folder a ZeRO-1/2 engine.save_checkpoint wrote")
+    config = _dict(model.get("ds_config"))
+    zero = _dict(config.get("zero_optimization"))
+    if zero.get("round_robin_gradients"):
+        raise CheckpointError(
+            f"{model_path}: saved with zero_optimization.round_robin_gradients: true, whose parameter order inside the "
+            "flat groups depends on the world size and is not recorded; reading it would put values under the wrong "
+            "names. Convert it with DeepSpeed's ds_to_universal instead")
+    optims = [read_structure(p) for p in optim_files]
+    stage = _check_ranks(tag_dir, optim_files, optims)
+    world = len(optim_files)
+    ranks = [_Rank(p, o[OPTIMIZER_KEY]["single_partition_of_fp32_groups"], _group_states(p, o[OPTIMIZER_KEY]),
+                   [int(x) for x in o[OPTIMIZER_KEY].get("group_paddings") or []]) for p, o in zip(optim_files, optims)]
+    shapes: list[dict[str, Any]] = list(model["param_shapes"] or [])
+    rank0 = optims[0][OPTIMIZER_KEY]
+    if len(shapes) != len(ranks[0].fp32):
+        raise CheckpointError(f"{model_path}: param_shapes has {len(shapes)} groups, {optim_files[0].name} "
+                              f"{len(ranks[0].fp32)}: the model states and optimizer files are of different saves")
+
+    weights: dict[str, SourceTensor] = {}
+    optimizer: dict[str, dict[str, SourceTensor]] = {}
+    frozen, buffers = _add_frozen_and_buffers(model, model_path, stage, shapes, weights)
+    paddings = rank0.get("param_alignment_paddings")
+    for g, group in enumerate(shapes):
+        pads = [int(x) for x in (paddings[g] if paddings is not None else [0] * len(group))]
+        partition = _partition(tag_dir, g, ranks)
+        params, offset = [], 0
+        for (name, shape), pad in zip(group.items(), pads):
+            params.append((name, tuple(int(d) for d in shape), offset))
+            offset += math.prod(shape) + pad
+        held = sum(r.fp32[g].numel for r in ranks)
+        if len(pads) != len(group) or offset != held:
+            raise CheckpointError(
+                f"{tag_dir}: param group {g}: the ranks hold {held} fp32 elements, param_shapes and "
+                f"param_alignment_paddings say {offset}: a layout this reader does not know; nothing was written")
+        for name, shape, at in params:
+            weights[name] = _tensor(name, "float32", shape, at, partition, [(r.path, r.fp32[g]) for r in ranks])
+            optimizer[name] = {
+                key: _tensor(name, ref.dtype, shape, at, partition, [(r.path, r.states[g].get(key)) for r in ranks])
+                for key, ref in ranks[0].states[g].items()
+                if isinstance(ref, TensorRef) and ref.shape == (partition,)}
+    precision = _precision(config)
+    aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
+    return TrainingCheckpoint(
+        f"zero{stage}", tag_dir, _model_order(model, weights), world_size=world, tag=tag_dir.name, precision=precision,
+        aliases=aliases, frozen=frozen, buffers=buffers, optimizer=optimizer, optimizer_described=True,
+        scalars=_scalars(model, config, stage, precision, rank0, ranks[0], shapes),
+        notes=[f"ZeRO-{stage} checkpoint {tag_dir} (saved by {world} rank(s), {precision} training): fp32 masters read"])
+
+
+def _optim_files(tag_dir: Path) -> list[Path]:
+    found: dict[int, Path] = {}
+    prefixes, other = set(), []
+    for p in tag_dir.iterdir():
+        m = OPTIM_FILE.match(p.name)
+        if m:
+            found[int(m.group(2))] = p
+            prefixes.add(m.group(1) or "")
+        elif _ZERO3_MODEL_FILE.match(p.name) or any(k in p.name for k in _MOE_MARKERS):
+            other.append(p.name)
+    if other:
+        raise CheckpointError(
+            f"{tag_dir}: holds {', '.join(sorted(other)[:3])} beside the ZeRO-1/2 files: ZeRO-3 rank files (two saves "
+            "of different stages mixed in one folder) or DeepSpeed MoE expert files (weights the data-parallel rank "
+            "files do not hold). Nothing was read; pass a folder one ZeRO-1/2 save wrote")
+    world = len(found)
+    if world == 0 or sorted(found) != list(range(world)) or len(prefixes) != 1:
+        raise CheckpointError(
+            f"{tag_dir}: optimizer files for ranks {sorted(found)} (prefixes {sorted(prefixes)}), expected ranks 0..N-1 "
+            "with one naming: a rank's file is missing or two saves were mixed in one folder. Re-copy the tag folder")
+    return [found[r] for r in range(world)]
+
+
+def _check_ranks(tag_dir: Path, files: list[Path], optims: list[Any]) -> int:
+    """The one ZeRO stage every rank file records; CheckpointError naming the file otherwise."""
+    stages: set[object] = set()
+    for path, state in zip(files, optims):
+        sd = state.get(OPTIMIZER_KEY) if isinstance(state, dict) else None
+        if not isinstance(sd, dict) or not isinstance(sd.get("single_partition_of_fp32_groups"), list):
+            raise CheckpointError(f"{path}: no optimizer_state_dict.single_partition_of_fp32_groups: not a ZeRO-1/2 "
+                                  "optimizer file (a ZeRO-3 or a damaged file?). Pass the tag folder DeepSpeed saved")
+        if "zero_stage" not in sd:
+            raise CheckpointError(
+                f"{path}: no optimizer_state_dict.zero_stage: a BF16_Optimizer save (ZeRO-1 with bf16 and no offload), "
+                "whose flat groups are laid out without the records this reader uses. Convert it with DeepSpeed's "
+                "ds_to_universal, or save with ZeRO-2")
+        stages.add(getattr(sd["zero_stage"], "value", sd["zero_stage"]))
+        counts = sd.get("partition_count")
+        if list(counts or []) != [len(files)] * len(sd["single_partition_of_fp32_groups"]):
+            raise CheckpointError(f"{path}: partition_count is {counts}, but the folder holds {len(files)} rank files: "
+                                  "ranks of different saves were mixed, or a rank file is missing")
+        if not isinstance(sd.get("base_optimizer_state"), dict):
+            raise CheckpointError(
+                f"{path}: base_optimizer_state is a per-group list (an elastic_checkpoint save, padding removed per "
+                "rank), which this reader does not lay out. Convert it with DeepSpeed's ds_to_universal instead")
+    only = next(iter(stages)) if len(stages) == 1 else None
+    if not isinstance(only, int) or only not in (1, 2):
+        raise CheckpointError(f"{tag_dir}: zero_stage is {sorted(map(str, stages))} across the rank files, expected one "
+                              "of 1 or 2 (ranks of saves at different stages mixed in one folder?); nothing was read")
+    return only
+
+
+def _group_states(path: Path, sd: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each param group's optimizer state (by the group's one flat parameter id)."""
+    base = sd["base_optimizer_state"]
+    groups, state = base.get("param_groups") or [], base.get("state") or {}
+    out = []
+    for g, group in enumerate(groups):
+        ids = group.get("params") or []
+        entry = state.get(ids[0]) if len(ids) == 1 else None
+        if len(ids) != 1:
+            raise CheckpointError(f"{path}: base_optimizer_state param group {g} has {len(ids)} parameters, expected the "
+                                  "one flat partition DeepSpeed gives each group; the file is not a ZeRO-1/2 save")
+        out.append(dict(entry) if isinstance(entry, dict) else {})
+    if len(out) != len(sd["single_partition_of_fp32_groups"]):
+        raise CheckpointError(f"{path}: base_optimizer_state has {len(out)} param groups, single_partition_of_fp32_groups "
+                              f"{len(sd['single_partition_of_fp32_groups'])}: the file is damaged")
+    return out
+
+
+def _partition(tag_dir: Path, g: int, ranks: list[_Rank]) -> int:
+    """Group ``g``'s partition size P (unpadded slice + its padding, the same on every rank)."""
+    sizes = set()
+    for rank in ranks:
+        ref = rank.fp32[g]
+        if not isinstance(ref, TensorRef) or ref.dtype != "float32" or len(rank.paddings) <= g:
+            raise CheckpointError(f"{rank.path}: single_partition_of_fp32_groups[{g}] is {ref!r} with group_paddings "
+                                  f"{rank.paddings}, expected a float32 tensor and its padding: the file is damaged or "
+                                  "not a ZeRO-1/2 save")
+        sizes.add(ref.numel + rank.paddings[g])
+    if len(sizes) != 1:
+        raise CheckpointError(f"{tag_dir}: param group {g}: the ranks' partitions are {sorted(sizes)} elements (slice + "
+                              "group_paddings), expected one size: rank files of different saves were mixed")
+    return sizes.pop()
+
+
+def _tensor(name: str, dtype: str, shape: tuple[int, ...], at: int, partition: int,
+            refs: list[tuple[Path, Any]]) -> SourceTensor:
+    """The parameter at buffer offset ``at`` as pieces of the ranks' tensors (rank r: buffer [rP, rP + P))."""
+    numel = math.prod(shape)
+    t = SourceTensor(name, dtype, shape)
+    for r, (path, ref) in enumerate(refs):
+        lo, hi = max(at, r * partition), min(at + numel, (r + 1) * partition)
+        if lo >= hi:
+            continue
+        if not isinstance(ref, TensorRef) or ref.dtype != dtype or ref.numel < hi - r * partition:
+            raise CheckpointError(f"{path}: the tensor holding {name!r} here is {ref!r}, expected {dtype} with at least "
+                                  f"{hi - r * partition} elements: rank files of different saves, or a damaged file")
+        t.pieces.append(Piece(path, _offset(ref) + (lo - r * partition) * ref.itemsize, lo - at, hi - lo))
+    return t
+
+
+def _offset(ref: TensorRef) -> int:
+    if ref.file_offset is None or not ref.is_contiguous():
+        raise CheckpointError(f"{ref.path}: tensor {ref!r} is not stored contiguously; not a layout DeepSpeed writes")
+    return ref.file_offset
+
+
+def _add_frozen_and_buffers(model: dict[str, Any], path: Path, stage: int, shapes: list[dict[str, Any]],
+                            weights: dict[str, SourceTensor]) -> tuple[set[str], set[str]]:
+    """Frozen parameters and buffers into ``weights``; returns their names."""
+    module = _dict(model.get("module"))
+    fragments = model.get("frozen_param_fragments") or {}
+    trainable = {n for group in shapes for n in group}
+    aliases = set((model.get("shared_params") or {}).keys())
+    buffer_names = list(model.get("buffer_names") or [])
+    if model.get("frozen_param_shapes") is not None:
+        frozen_refs = dict(fragments)
+    else:  # ZeRO-1 records none: the module's parameters the optimizer does not hold
+        frozen_refs = {n: v for n, v in module.items()
+                       if n not in trainable and n not in buffer_names and n not in aliases and isinstance(v, TensorRef)}
+    for name, ref in frozen_refs.items():
+        if not isinstance(ref, TensorRef):
+            raise CheckpointError(f"{path}: frozen parameter {name!r} is {type(ref).__name__}, not a tensor: damaged file")
+        weights[name] = SourceTensor(name, ref.dtype, ref.shape, [Piece(path, _offset(ref), 0, ref.numel)])
+    buffers = set()
+    for name in buffer_names:
+        ref = module.get(name)
+        if isinstance(ref, TensorRef):
+            weights[name] = SourceTensor(name, ref.dtype, ref.shape, [Piece(path, _offset(ref), 0, ref.numel)])
+            buffers.add(name)
+    return set(frozen_refs), buffers
+
+
+def _model_order(model: dict[str, Any], weights: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
+    """``weights`` in the module's state-dict order (then anything the module does not list)."""
+    module = _dict(model.get("module"))
+    ordered = {n: weights[n] for n in module if n in weights}
+    ordered.update({n: t for n, t in weights.items() if n not in ordered})
+    return ordered
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _precision(config: dict[str, Any]) -> str:
+    for key in ("bf16", "fp16"):
+        section = config.get(key)
+        if isinstance(section, dict) and section.get("enabled"):
+            return key
+    return "fp32"
+
+
+def _scalars(model: dict[str, Any], config: dict[str, Any], stage: int, precision: str, sd: dict[str, Any],
+             rank0: _Rank, shapes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The scalars in ``readers.deepspeed_scalars``' words: ``step`` per parameter (from its param group),
+    the param groups with their parameters' names, the loss scaler, and rank 0's run values."""
+    steps = [step_value(state.get("step", 0), f"{rank0.path}: param group {g}") for g, state in enumerate(rank0.states)]
+    names = [list(group) for group in shapes]
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names[g]}
+              for g, group in enumerate(sd["base_optimizer_state"].get("param_groups") or [])]
+    out = run_scalars(model, config, zero_stage=stage, ds_version=model.get("ds_version"))
+    out.update(step=per_parameter_steps(names, steps), param_groups=groups, clip_grad=sd.get("clip_grad"))
+    scaler = loss_scaler(sd, precision)
+    if scaler is not None:
+        out["loss_scaler"] = scaler
+    return out
