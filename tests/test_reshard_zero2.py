@@ -145,7 +145,8 @@ def resumed(sources, tmp_path_factory) -> dict[int, dict[str, Any]]:
             plans.append({"source": "zero2_fp32", "refuse": True, "ckpt": str(base / "zero2_fp32")})
         for label in labels:
             # DeepSpeed's own saves carry no manifest: the reshard says so, which is expected here
-            reshard_zero3(base / label, out / f"{label}_ws{world}", world, warn=lambda note: None)
+            result = reshard_zero3(base / label, out / f"{label}_ws{world}", world, warn=lambda note: None)
+            assert result.notes == [], result.notes  # the byte-range route (a torch-route fallback says why in a note)
             plans.append({"source": label, "ckpt": str(out / f"{label}_ws{world}")})
         results[world] = run_ranks(load_all, world, args=(plans,), timeout=300, device="cpu")[0].value
     return results
@@ -261,3 +262,92 @@ def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources
     assert done.returncode == 0, done.stderr + done.stdout
     assert "by 2 processes (torchrun): 4 files" in done.stdout, done.stdout
     assert digests(two) == digests(one)  # same names, sizes and digests: byte-identical files
+
+
+# --- the torch-free byte-range route (zero12.reshard_plan) against the torch route (zero12.repartition) ----
+
+
+def _write_both(tag_dir: Path, world: int, out: Path) -> list[str]:
+    """Every new file of ``tag_dir`` at ``world`` ranks, written by the byte route into ``out/bytes`` and by the
+    torch route into ``out/torch``; returns the file names."""
+    from shardkit.checkpoint.zero12.reader import open_zero12_checkpoint
+    from shardkit.checkpoint.zero12.repartition import plan_files
+    from shardkit.checkpoint.zero12.reshard_plan import plan_zero12_reshard
+
+    planned = plan_zero12_reshard(tag_dir, world)
+    assert planned.torch_route is None and planned.ckpt.torch_free
+    (out / "bytes").mkdir(parents=True)
+    (out / "torch").mkdir()
+    for f in planned.files:
+        f.write(out / "bytes" / f.name)
+    for f in plan_files(open_zero12_checkpoint(tag_dir), world):
+        f.write(out / "torch" / f.name)
+    return [f.name for f in planned.files]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("label", sorted(SOURCES))
+def test_byte_route_files_load_equal_to_the_torch_routes(sources, tmp_path, label):
+    """torch.load of each new file: every tensor (dtype, shape, values) and every scalar equal, key order
+    included, at fewer, the same and more ranks than saved."""
+    tag_dir = sources[0] / label / f"global_step{SAVE_STEPS}"
+    for world in (1, 2, 3):
+        names = _write_both(tag_dir, world, tmp_path / f"ws{world}")
+        assert len(names) == world + 1
+        for name in names:
+            _values_equal(safe_torch_load(tmp_path / f"ws{world}" / "torch" / name),
+                          safe_torch_load(tmp_path / f"ws{world}" / "bytes" / name), f"{label} at {world}: {name}")
+
+
+@pytest.mark.timeout(300)
+def test_reshard_there_and_back_restores_every_value_without_importing_torch(sources, tmp_path):
+    """2 -> 3 -> 2 ranks by the byte route in a fresh interpreter that never imports torch: the files hold the
+    saved files' values again (the padding moved to the new last rank and back)."""
+    import subprocess
+    import sys
+
+    src = sources[0] / "zero2_bf16"
+    script = (
+        "import sys\n"
+        "from shardkit.checkpoint.ops.reshard import reshard_zero3\n"
+        f"for s, d, w in [({str(src)!r}, {str(tmp_path / 'ws3')!r}, 3), ({str(tmp_path / 'ws3')!r}, {str(tmp_path / 'ws2')!r}, 2)]:\n"
+        "    r = reshard_zero3(s, d, w, warn=lambda note: None)\n"
+        "    assert r.notes == [], r.notes\n"
+        "assert 'torch' not in sys.modules, 'the byte route imported torch'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    tag = f"global_step{SAVE_STEPS}"
+    names = sorted(p.name for p in (src / tag).iterdir())
+    assert sorted(p.name for p in (tmp_path / "ws2" / tag).iterdir() if p.name != MANIFEST_NAME) == names
+    for name in names:
+        _values_equal(safe_torch_load(src / tag / name), safe_torch_load(tmp_path / "ws2" / tag / name), name)
+
+
+@pytest.mark.timeout(300)
+def test_source_the_byte_route_cannot_express_takes_the_torch_route_and_says_why(sources, tmp_path):
+    """A rank file whose fp32 slice is a strided view (not a contiguous run of its file: no DeepSpeed save
+    writes one, another tool might): the reshard builds the files with torch instead, the note names the
+    tensor, and the values are those the byte route writes for the original."""
+    import shutil
+
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+
+    tag = f"global_step{SAVE_STEPS}"
+    odd = tmp_path / "odd"
+    shutil.copytree(sources[0] / "zero2_fp32", odd)
+    rank1 = odd / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    sd = safe_torch_load(rank1, real_deepspeed_objects=True)
+    flat = sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    wide = torch.zeros(2 * flat.numel(), dtype=flat.dtype)
+    wide[::2] = flat
+    sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0] = wide[::2]
+    torch.save(sd, rank1)
+    result = reshard_zero3(odd, tmp_path / "via_torch", 3, warn=lambda note: None)
+    assert len(result.notes) == 1 and "built in memory with torch" in result.notes[0]
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: single_partition_of_fp32_groups[0] is not a contiguous" \
+        in result.notes[0]
+    plain = reshard_zero3(sources[0] / "zero2_fp32", tmp_path / "via_bytes", 3, warn=lambda note: None)
+    assert plain.notes == []
+    for f in plain.files:
+        _values_equal(safe_torch_load(f), safe_torch_load(tmp_path / "via_torch" / tag / f.name), f.name)

@@ -1,0 +1,323 @@
+"""`shardkit reshard` of ZeRO-2 checkpoints against `cp -r` + fsync, side by side, over a size series.
+
+A real ZeRO-2 save (DeepSpeed 0.19, bf16, AdamW, a tiny Llama at 2 ranks, one step) is scaled to each size
+of the series (``scale_zero2``): every parameter's first dimension times a factor, each rank's fp32 slice and
+Adam moments the source's bytes repeated, the partitions, ``group_paddings`` and ``param_slice_mappings``
+computed as DeepSpeed lays out a flat group (padded to a multiple of 2 x world size, cut in equal
+partitions), at 2 and at 4 ranks. The files are written through shardkit's torch-free writer at disk speed;
+the module weights in the model-states file are the source's bytes repeated, as 1-D tensors (the reshard
+copies that file's records whole; no load here needs their shapes). Each checkpoint is sealed with a
+manifest, so the reshard verifies the source's digests, as it does for a checkpoint shardkit wrote.
+
+Per size, each step a child process (wall time; peak RSS: ``ru_maxrss`` of the child and its waited-for
+descendants, through GNU time), the source read once before each so every step starts from a warm page cache:
+
+- ``cp -r`` of the tag folder + ``sync`` of every copied file (the floor for a copy that survives a crash,
+  as the reshard's output does);
+- ``shardkit reshard`` 2 -> 4 and 4 -> 2 (byte ranges, the default route; the source's digests verified),
+  and 2 -> 4 with ``--no-verify`` (sizes checked, digests not: what the verification costs);
+- ``shardkit reshard`` 2 -> 4 through the torch route (``repartition.plan_files``, what every ZeRO-1/2
+  reshard did before the byte route; forced here by making the byte plan refuse), unless ``--no-torch``.
+
+Prints one table (median of ``--repeat`` runs) and the ratios to the copy; ``--json FILE`` keeps the numbers.
+
+    python benchmarks/bench_reshard_zero2.py [--sizes 0.25 0.5 1 2] [--repeat 3] [--workdir DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TAG = "global_step1"
+SAVE_WORLD = 2
+TIME = "/usr/bin/time"  # GNU time: the peak RSS of each measured child (apt-get install time)
+RSS_MARK = "[bench-maxrss-kib] "
+
+
+# --- the small real save (spawned ranks) ---------------------------------------------------------
+
+
+def _config(world: int) -> dict[str, Any]:
+    return {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True}, "steps_per_print": 10_000, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+
+
+def rank_save(out: str) -> None:
+    import torch.distributed as dist
+
+    from shardkit.engines.deepspeed import initialize, train_step
+    from shardkit.engines.model_factory import synthetic_batch, tiny_llama
+
+    engine = initialize(tiny_llama("tiny", seed=0), _config(dist.get_world_size()))
+    train_step(engine, synthetic_batch(engine.module.config.vocab_size, 2, 16, 0, dist.get_rank()))
+    engine.save_checkpoint(out, tag=TAG)
+
+
+def small_save(out: Path) -> Path:
+    from shardkit.run.spawn.process import run_ranks
+
+    if not (out / TAG).is_dir():
+        run_ranks(rank_save, SAVE_WORLD, args=(str(out),), timeout=600, device="cpu")
+    return out / TAG
+
+
+# --- scaling a ZeRO-2 checkpoint (torch-free) ------------------------------------------------------
+
+
+def scale_zero2(src_tag: Path, dst: Path, factor: int, world: int) -> Path:
+    """``src_tag`` (a ZeRO-1/2 tag folder) with every parameter ``factor`` times larger, laid out for
+    ``world`` ranks, written as ``dst/<tag>`` + ``dst/latest`` and sealed with a manifest."""
+    from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, open_zero12_checkpoint
+    from shardkit.checkpoint.zero12.repartition import ALIGNMENT_FACTOR, FRAGMENT_ADDRESS
+    from shardkit.storage.manifest import seal
+    from shardkit.storage.torch_load import TensorRef, TorchSize, deepspeed_stub
+    from shardkit.storage.torch_pickle import NewTensor, pickle_structure
+    from shardkit.storage.torch_zip import Segment, write_torch_zip
+
+    ckpt = open_zero12_checkpoint(src_tag, torch_free=True)
+    rank0 = ckpt.optim_states[0]
+    osd = rank0[OPTIMIZER_KEY]
+    if any(any(pads) for pads in osd.get("param_alignment_paddings") or []):
+        raise SystemExit(f"{src_tag}: parameters with alignment padding; scaling them is not implemented")
+
+    def repeat(ref: TensorRef, numel: int) -> NewTensor:
+        """``numel`` elements of ``ref``'s bytes over and over."""
+        assert ref.path is not None and ref.file_offset is not None
+        segs = [Segment(ref.path, ref.file_offset, min(ref.numel, numel - at) * ref.itemsize)
+                for at in range(0, numel, ref.numel)]
+        return NewTensor(ref.dtype, numel, segs)
+
+    def cyclic(refs: list[TensorRef], sizes: list[int], start: int, end: int, total: int) -> NewTensor:
+        """[start, end) of the scaled flat buffer, whose element i is element i mod N of the small one
+        (the small ranks' unpadded slices ``refs[:sizes]``, concatenated), then zeros up to ``total``: the same
+        values at every world size, so a reshard of the 2-rank copy equals the 4-rank copy."""
+        small, itemsize = sum(sizes), refs[0].itemsize
+        segs, at = [], start
+        while at < end:
+            pos, base = at % small, 0
+            for ref, size in zip(refs, sizes):
+                if pos < base + size:
+                    n = min(base + size - pos, end - at)
+                    assert ref.path is not None and ref.file_offset is not None
+                    segs.append(Segment(ref.path, ref.file_offset + (pos - base) * itemsize, n * itemsize))
+                    at += n
+                    break
+                base += size
+        if total > end - start:
+            segs.append(Segment(None, 0, (total - (end - start)) * itemsize))
+        return NewTensor(refs[0].dtype, total, segs)
+
+    shapes = [OrderedDict((name, TorchSize((shape[0] * factor, *shape[1:]) if shape else (factor,)))
+                          for name, shape in group.items()) for group in ckpt.model_state["param_shapes"]]
+    out = dst / TAG
+    shutil.rmtree(dst, ignore_errors=True)
+    out.mkdir(parents=True)
+    base = osd["base_optimizer_state"]
+    small = [s[OPTIMIZER_KEY] for s in ckpt.optim_states]
+    for r in range(world):
+        sd = dict(osd)
+        fp32, paddings, mappings, states = [], [], [], {}
+        for g, group in enumerate(shapes):
+            numel = sum(math.prod(s) for s in group.values())
+            align = ALIGNMENT_FACTOR * world
+            part = math.ceil(numel / align) * align // world
+            start, end = min(r * part, numel), min((r + 1) * part, numel)
+            fp32_refs = [o["single_partition_of_fp32_groups"][g] for o in small]
+            sizes = [ref.numel for ref in fp32_refs]
+            fp32.append(cyclic(fp32_refs, sizes, start, end, end - start))
+            paddings.append(part - (end - start))
+            mapping, offset = OrderedDict(), 0
+            for name, shape in group.items():
+                lo, hi = max(start, offset), min(end, offset + math.prod(shape))
+                if lo < hi:
+                    mapping[name] = deepspeed_stub(FRAGMENT_ADDRESS, numel=hi - lo, start=lo - start)
+                offset += math.prod(shape)
+            mappings.append(mapping)
+            pid = base["param_groups"][g]["params"][0]
+            states[pid] = {k: cyclic([o["base_optimizer_state"]["state"][pid][k] for o in small], sizes, start, end, part)
+                           if isinstance(v, TensorRef) and len(v.shape) == 1 and v.numel > 1 else v
+                           for k, v in base["state"].get(pid, {}).items()}
+        sd.update({"base_optimizer_state": {"state": states, "param_groups": base["param_groups"]},
+                   "single_partition_of_fp32_groups": fp32, "group_paddings": paddings,
+                   "partition_count": [world] * len(shapes), "param_slice_mappings": mappings})
+        write_torch_zip(out / f"{ckpt.prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                        *pickle_structure({**rank0, OPTIMIZER_KEY: sd}), fsync=True)
+    model = dict(ckpt.model_state)
+    model["module"] = OrderedDict((k, repeat(v, v.numel * factor) if isinstance(v, TensorRef) else v)
+                                  for k, v in model["module"].items())
+    model["param_shapes"], model["dp_world_size"] = shapes, world
+    write_torch_zip(out / MODEL_FILE, *pickle_structure(model), fsync=True)
+    (dst / "latest").write_text(TAG)
+    seal(out, engine="deepspeed", world_size=world, zero_stage=ckpt.stage, dtype=ckpt.precision)
+    return out
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    wall_s: float
+    """Median wall time of the runs."""
+    peak_rss_mib: float
+    """Largest ru_maxrss of the runs (the child and its waited-for descendants)."""
+    walls: list[float]
+
+
+def _warm(path: Path) -> None:
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(1 << 24):
+                pass
+
+
+def _run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB) of ``argv``. GNU time reports ``ru_maxrss`` of its child (and that
+    child's waited-for descendants: cp, sync): started from this process directly, a child's ru_maxrss would
+    start at this process's own RSS, which exec records as the child's high-water mark."""
+    t0 = time.perf_counter()
+    done = subprocess.run([TIME, "-f", f"{RSS_MARK}%M", *argv], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        sys.stdout.write(done.stdout[-4000:])
+        raise SystemExit(f"[bench] {' '.join(argv)} failed with exit code {done.returncode}")
+    kib = [int(line[len(RSS_MARK):]) for line in done.stdout.splitlines() if line.startswith(RSS_MARK)]
+    return wall, kib[-1] / 1024
+
+
+def measure(name: str, argv: list[str], source: Path, output: Path, repeat: int, env: dict[str, str]) -> Measured:
+    walls, peaks = [], []
+    for _ in range(repeat):
+        shutil.rmtree(output, ignore_errors=True)
+        _warm(source)
+        wall, peak = _run(argv, env)
+        walls.append(wall)
+        peaks.append(peak)
+    shutil.rmtree(output, ignore_errors=True)
+    m = Measured(sorted(walls)[len(walls) // 2], max(peaks), walls)
+    print(f"[bench] {name}: {m.wall_s:.2f} s (runs {', '.join(f'{w:.2f}' for w in walls)}), peak RSS "
+          f"{m.peak_rss_mib:,.0f} MiB", flush=True)
+    return m
+
+
+def _reshard(src: Path, world: int, out: Path, torch_route: bool, *extra: str) -> list[str]:
+    if torch_route:
+        return [sys.executable, __file__, "--child-torch-route", str(src), str(world), str(out)]
+    return [sys.executable, "-m", "shardkit", "reshard", str(src), "--world-size", str(world), "-o", str(out), *extra]
+
+
+def child_torch_route(src: str, world: str, out: str) -> None:
+    """The reshard with the byte plan refusing: every file built with torch, as before the byte route."""
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.zero12 import reshard_plan
+
+    class _Refuse(reshard_plan.Zero12ReshardPlan):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise reshard_plan.NotByteCopyable("the benchmark's torch-route row")
+
+    reshard_plan.Zero12ReshardPlan = _Refuse  # type: ignore[misc]
+    result = reshard_zero3(src, out, int(world))
+    assert result.notes and "torch" in result.notes[0], result.notes
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def run(sizes: list[float], repeat: int, workdir: Path, torch_route: bool) -> list[dict[str, Any]]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    small = small_save(workdir / "small")
+    unit = _dir_bytes(small)
+    rows = []
+    for gb in sizes:
+        factor = max(1, round(gb * 1e9 / unit))
+        src2 = workdir / f"src_{gb}_ws2"
+        src4 = workdir / f"src_{gb}_ws4"
+        t0 = time.perf_counter()
+        scale_zero2(small, src2, factor, 2)
+        scale_zero2(small, src4, factor, 4)
+        size = _dir_bytes(src2 / TAG)
+        print(f"[bench] {gb} GB: x{factor}, {size / 1e9:.2f} GB at 2 ranks, generated in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        copy, out = workdir / "copy", workdir / "out"
+        row: dict[str, Any] = {"size_gb": gb, "bytes": size, "factor": factor}
+        row["copy_fsync"] = measure("cp -r + sync", ["sh", "-c", f'cp -r "{src2 / TAG}" "{copy}" && '
+                                                           f'find "{copy}" -type f -exec sync {{}} +'],
+                                    src2, copy, repeat, env)
+        row["reshard_2to4"] = measure("shardkit reshard 2 -> 4", _reshard(src2, 4, out, False), src2, out, repeat, env)
+        row["reshard_2to4_no_verify"] = measure("shardkit reshard 2 -> 4 --no-verify",
+                                                _reshard(src2, 4, out, False, "--no-verify"), src2, out, repeat, env)
+        row["reshard_4to2"] = measure("shardkit reshard 4 -> 2", _reshard(src4, 2, out, False), src4, out, repeat, env)
+        if torch_route:
+            row["torch_2to4"] = measure("torch route 2 -> 4", _reshard(src2, 4, out, True), src2, out, repeat, env)
+        rows.append({k: asdict(v) if isinstance(v, Measured) else v for k, v in row.items()})
+        shutil.rmtree(src2, ignore_errors=True)
+        shutil.rmtree(src4, ignore_errors=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| checkpoint | `cp -r` + sync (s) | reshard 2 -> 4 (s) | ratio | 2 -> 4 --no-verify (s) | ratio | "
+             "reshard 4 -> 2 (s) | ratio | torch route 2 -> 4 (s) | ratio | peak RSS cp / 2->4 / no-verify / 4->2 / torch "
+             "(MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cp = r["copy_fsync"]["wall_s"]
+        t = r.get("torch_2to4")
+        cells = [f"{r['bytes'] / 1e9:.2f} GB", f"{cp:.2f}"]
+        for key in ("reshard_2to4", "reshard_2to4_no_verify", "reshard_4to2"):
+            cells += [f"{r[key]['wall_s']:.2f}", f"{r[key]['wall_s'] / cp:.2f}x"]
+        cells += [f"{t['wall_s']:.2f}", f"{t['wall_s'] / cp:.2f}x"] if t else ["-", "-"]
+        peaks = [r[k]["peak_rss_mib"] for k in ("copy_fsync", "reshard_2to4", "reshard_2to4_no_verify", "reshard_4to2",
+                                                "torch_2to4") if k in r]
+        cells.append(" / ".join(f"{p:,.0f}" for p in peaks))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="checkpoint sizes, GB")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per step (the median is reported)")
+    parser.add_argument("--workdir", type=Path, help="where the checkpoints go (default: a temporary folder)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch-route rows")
+    parser.add_argument("--json", type=Path, help="write the numbers here")
+    parser.add_argument("--child-torch-route", nargs=3, metavar=("SRC", "WORLD", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child_torch_route:
+        child_torch_route(*args.child_torch_route)
+        return 0
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_reshard_zero2_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        rows = run(args.sizes, args.repeat, workdir, not args.no_torch)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\n{os.cpu_count()} CPU cores; medians of {args.repeat} runs\n")
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
