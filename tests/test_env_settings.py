@@ -92,7 +92,7 @@ def test_choices_and_check_all():
 
     assert read_choice("SHARDKIT_HASH", "blake3", {"SHARDKIT_HASH": "SHA256"}) == "sha256"
     with pytest.raises(UsageError, match=r"SHARDKIT_HASH='md5' is not one of blake3, sha256: expected blake3 or sha256"):
-        default_algorithm({"SHARDKIT_HASH": "md5"})
+        default_algorithm({"SHARDKIT_HASH": "md5"}, during_run=False)
     assert default_algorithm({"SHARDKIT_HASH": "sha256"}) == "sha256"
     check_all({"SHARDKIT_SILENCE_S": "30", "SHARDKIT_HASH": "blake3", "SHARDKIT_AUTOPREFLIGHT_JSON": "any text"})
     with pytest.raises(UsageError, match="SHARDKIT_JOIN_TIMEOUT_S='soon'"):
@@ -125,10 +125,45 @@ def test_every_command_refuses_a_bad_value_before_it_works(tmp_path):
             in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
-    r = _cli(["versions"], tmp_path, SHARDKIT_HASH="md5")
-    assert r.returncode == 2 and "SHARDKIT_HASH='md5' is not one of blake3, sha256" in r.stderr, r.stderr
+    # the commands that write manifests refuse it too, although a library save only warns (below)
+    for args in (["versions"], ["convert", "src", "--to", "zero3", "-o", "out"]):
+        r = _cli(args, tmp_path, SHARDKIT_HASH="md5")
+        assert r.returncode == 2 and "SHARDKIT_HASH='md5' is not one of blake3, sha256" in r.stderr, (args, r.stderr)
+        assert "using blake3 for this run" not in r.stderr
+    assert not (tmp_path / "out").exists()
     cfg = tmp_path / "ds.json"
     cfg.write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1}')
     r = _cli(["check", str(cfg), "--no-accelerator"], tmp_path, SHARDKIT_SILENSE_S="5")
     assert r.returncode == 0, r.stderr
     assert "SHARDKIT_SILENSE_S is set, but shardkit reads no such variable" in r.stderr
+
+
+# A training loop that saves twice with a bad SHARDKIT_HASH: the saves must not raise (that would lose
+# the run's steps since the last checkpoint), the warning comes once, and the manifests use the default.
+_SAVE_TWICE = """
+import json, sys
+import torch
+from shardkit.checkpoint.ops.torch_training import save_training
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in (1, 2):
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    save_training(sys.argv[1], model=model, optimizer=opt, step=step)
+for step in (1, 2):
+    manifest = json.load(open(f"{sys.argv[1]}/step{step}/shardkit_manifest.json"))
+    print(step, sorted({k for entry in manifest["files"] for k in entry if k in ("blake3", "sha256")}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_bad_shardkit_hash_at_a_save_inside_a_training_run_is_warned_once_and_the_default_used(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDKIT_")}
+    r = subprocess.run([sys.executable, "-c", _SAVE_TWICE, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                       env={**env, "SHARDKIT_HASH": "md5"}, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    warning = ("shardkit: warning: SHARDKIT_HASH='md5' is not one of blake3, sha256: expected blake3 or sha256 "
+               "(the content digest new manifests use")
+    assert r.stderr.count(warning) == 1, r.stderr[-3000:]
+    assert "using blake3 for this run" in r.stderr, r.stderr[-3000:]
+    assert r.stdout.split("\n")[:2] == ["1 ['blake3']", "2 ['blake3']"], r.stdout

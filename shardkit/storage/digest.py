@@ -40,18 +40,21 @@ def blake3_available() -> bool:
     return True
 
 
-def default_algorithm(environ: Mapping[str, str] | None = None) -> str:
+def default_algorithm(environ: Mapping[str, str] | None = None, *, during_run: bool = True) -> str:
     """The algorithm new manifests use: ``SHARDKIT_HASH`` when set, else blake3 where its package is
-    installed (a dependency of shardkit; a platform without its wheel falls back to sha256)."""
+    installed (a dependency of shardkit; a platform without its wheel falls back to sha256).
+
+    A value that is not one of the choices is, ``during_run`` (the default: a library save reads
+    this mid-run, inside someone's training loop, where an exception would lose the steps since the
+    last checkpoint), warned about once on stderr and the default used; with ``during_run=False``
+    refused (``UsageError`` naming the variable, the value and the choices). The CLI refuses it at
+    start either way (``env_settings.check_all``), before any work."""
     fallback = "blake3" if blake3_available() else "sha256"
-    # refused (UsageError naming the variable, the value and the choices) when it is not one of them
-    chosen = read_choice(HASH_ENV, "", environ)
-    if chosen:
-        if chosen == "blake3" and not blake3_available():
-            raise UsageError(f"{HASH_ENV}=blake3 but the blake3 package is not installed: pip install blake3, or set "
-                             f"{HASH_ENV}=sha256")
-        return chosen
-    return fallback
+    chosen = read_choice(HASH_ENV, fallback, environ, during_run=during_run)
+    if chosen == "blake3" and not blake3_available():
+        raise UsageError(f"{HASH_ENV}=blake3 but the blake3 package is not installed: pip install blake3, or set "
+                         f"{HASH_ENV}=sha256")
+    return chosen
 
 
 def new_hasher(algorithm: str) -> Hasher:
