@@ -8,6 +8,7 @@ from typing import Callable
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.readers.dcp import read_dcp
+from shardkit.checkpoint.readers.fsdp1 import read_fsdp1_full, read_fsdp1_sharded
 from shardkit.checkpoint.readers.zero3 import read_zero3
 from shardkit.checkpoint.readers.zero12 import read_zero12
 from shardkit.core.errors import CheckpointError
@@ -18,6 +19,8 @@ READERS: dict[str, Reader] = {
     "zero3": read_zero3,
     "dcp": read_dcp,
     "zero12": read_zero12,
+    "fsdp1-sharded": read_fsdp1_sharded,
+    "fsdp1-full": read_fsdp1_full,
 }
 
 

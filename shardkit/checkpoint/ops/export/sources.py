@@ -19,6 +19,7 @@ from shardkit.checkpoint.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.hf_trainer.folder import checkpoint_dirs
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME
+from shardkit.checkpoint.readers.fsdp1 import MODEL_FILE as FSDP_FULL_MODEL
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_tag_dir
 from shardkit.checkpoint.zero12.reader import is_zero12_folder
 from shardkit.core.errors import CheckpointError, UsageError
@@ -73,15 +74,14 @@ def resolve_source(path: str | Path) -> Source:
         return Source("dcp", p, p, notes)
     fsdp = fsdp_layout(p)
     if fsdp is not None:
-        if fsdp.state_dict_type == "SHARDED_STATE_DICT":
-            return Source("dcp", p / fsdp.model[0].rstrip("/"), p, notes)
-        if fsdp.state_dict_type == "FULL_STATE_DICT":
-            raise UsageError(f"{p}: an FSDP Trainer checkpoint saved with FULL_STATE_DICT ({', '.join(fsdp.model)}): it "
-                             "already holds the full weights, and from_pretrained loads model.safetensors from that "
-                             "folder as it is; there is nothing to export")
+        if fsdp.state_dict_type == "SHARDED_STATE_DICT":  # model DCP + optimizer_0/ (readers.fsdp1)
+            return Source("fsdp1-sharded", p / fsdp.model[0].rstrip("/"), p, notes)
+        if fsdp.state_dict_type == "FULL_STATE_DICT" and (p / FSDP_FULL_MODEL).is_file():
+            return Source("fsdp1-full", p, p, notes)  # pytorch_model_fsdp.bin (+ optimizer.bin): readers.fsdp1
         raise CheckpointError(f"{p}: an FSDP Trainer checkpoint saved with {fsdp.state_dict_type} ({', '.join(fsdp.model)}): "
                               "one torch.save file per rank, in FSDP's flat-parameter layout that only the same ranks "
-                              "load; export reads DCP folders (fsdp_state_dict_type SHARDED_STATE_DICT, the default). "
+                              "load, without the names and shapes of the parameters inside it; export reads "
+                              "fsdp_state_dict_type SHARDED_STATE_DICT (DCP folders, the default) and FULL_STATE_DICT. "
                               "Resume it at the same world size and save with SHARDED_STATE_DICT")
     tag = latest_tag(p) if (p / LATEST_NAME).exists() else None
     if tag is not None and (p / tag / METADATA_NAME).is_file():

@@ -1,0 +1,205 @@
+"""FSDP1 checkpoints the Trainer and Accelerate write, read as sources (issue 27): real FSDP1 saves by
+accelerate's own ``save_fsdp_model``/``save_fsdp_optimizer`` on 2 gloo ranks, exported and compared
+with the model's and the optimizer's state at save time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+#: label: (fsdp_state_dict_type, use_orig_params, how the optimizer is saved: "accelerate" or "ids"
+#: (torch's own optimizer.state_dict(), keyed by parameter ids, as a hand-written save does)).
+FSDP1_SAVES = {
+    "sharded": ("SHARDED_STATE_DICT", True, "accelerate"),
+    "sharded_flat": ("SHARDED_STATE_DICT", False, "accelerate"),
+    "full": ("FULL_STATE_DICT", False, "accelerate"),
+    "local": ("LOCAL_STATE_DICT", False, "accelerate"),
+    "sharded_ids": ("SHARDED_STATE_DICT", True, "ids"),
+    "full_ids": ("FULL_STATE_DICT", True, "ids"),
+}
+EXPECTED = "expected_at_save.pt"
+
+
+def save_fsdp1_checkpoints(base: str) -> dict[str, list[str]]:
+    """Rank target: a tiny LlamaForCausalLM under FSDP1 (one unit per decoder layer, as accelerate's
+    TRANSFORMER_BASED_WRAP wraps it), two AdamW steps, saved into ``base/<label>/checkpoint-2`` by
+    accelerate's ``save_fsdp_model``/``save_fsdp_optimizer``, with the config the Trainer saves beside
+    it and, by rank 0, ``expected_at_save.pt``: the full model state dict and the full, name-keyed
+    optimizer state at save time (FSDP's FULL_STATE_DICT gathers), outside the checkpoint."""
+    import functools
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dist_cp
+    from accelerate import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model, save_fsdp_optimizer
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from shardkit.engines.model_factory import synthetic_batch, tiny_llama
+
+    rank = dist.get_rank()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(dist.get_world_size()))
+    state = PartialState(cpu=True)
+    out = {}
+    for label, (kind, orig_params, optim_save) in FSDP1_SAVES.items():
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type=kind, cpu_ram_efficient_loading=False)
+        saver: Any = state
+        if kind == "FULL_STATE_DICT":
+            # FSDP1's full gather with offload_to_cpu (what accelerate sets for more than one process)
+            # fails on CPU ranks (the unsharded storage it copies from is the one it frees); gathering on
+            # every rank without offload writes the same file. accelerate overrides the gather config
+            # when it sees several processes, so it is shown one with this rank's index.
+            plugin.state_dict_config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+            plugin.optim_state_dict_config = FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False)
+            saver = SimpleNamespace(num_processes=1, process_index=rank)
+        model = tiny_llama("tiny", seed=0)
+        config = model.config
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+        model = FSDP(model, use_orig_params=orig_params, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(2):
+            ids = synthetic_batch(config.vocab_size, 2, 8, step, rank)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        folder = Path(base) / label / "checkpoint-2"
+        save_fsdp_model(plugin, saver, model, str(folder))
+        if optim_save == "accelerate":
+            save_fsdp_optimizer(plugin, saver, opt, model, str(folder))
+        elif kind == "FULL_STATE_DICT":
+            if rank == 0:
+                torch.save(opt.state_dict(), folder / "optimizer.bin")
+        else:
+            dist_cp.save({"optimizer": opt.state_dict()}, storage_writer=dist_cp.FileSystemWriter(folder / "optimizer_0"))
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                                  FullOptimStateDictConfig(rank0_only=False)):
+            weights = model.state_dict()
+            optim = FSDP.optim_state_dict(model, opt)
+        if rank == 0:
+            config.save_pretrained(folder)
+            torch.save({"weights": weights, "optimizer": optim}, Path(base) / label / EXPECTED)
+        dist.barrier()
+        out[label] = sorted(e.name + ("/" if e.is_dir() else "") for e in folder.iterdir())
+    return out
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory) -> Path:
+    from shardkit.run.spawn.process import run_ranks
+
+    base = tmp_path_factory.mktemp("fsdp1")
+    run_ranks(save_fsdp1_checkpoints, 2, args=(str(base),), timeout=400, device="cpu")
+    return base
+
+
+def _expected(saves: Path, label: str) -> dict[str, Any]:
+    return torch.load(saves / label / EXPECTED, weights_only=True)
+
+
+def _tree(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
+
+
+def _materialize(t: Any) -> torch.Tensor:
+    """A SourceTensor's value from the byte ranges its reader named (or its loader)."""
+    if t.load is not None:
+        return t.load()
+    dtype = getattr(torch, t.dtype)
+    flat = torch.empty(t.numel, dtype=dtype)
+    itemsize = flat.element_size()
+    for p in t.pieces:
+        with open(p.file, "rb") as fh:
+            fh.seek(p.offset)
+            raw = bytearray(fh.read(p.numel * itemsize))
+        flat[p.start:p.start + p.numel] = torch.frombuffer(raw, dtype=dtype)
+    return flat.reshape(t.shape)
+
+
+@pytest.mark.parametrize("label", ["sharded", "sharded_flat", "full"])
+def test_export_equals_the_model_at_save_time(saves, tmp_path, run_cli, label):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ckpt = saves / label / "checkpoint-2"
+    before = _tree(ckpt)
+    out = tmp_path / "hf"
+    code, stdout, err = run_cli("export", ckpt, "-o", out)
+    assert code == 0, err
+    kind = "FULL_STATE_DICT" if label == "full" else "SHARDED_STATE_DICT"
+    assert f"accelerate FSDP checkpoint {ckpt} saved with {kind}" in stdout
+    assert f"source (fsdp1-{'full' if label == 'full' else 'sharded'})" in stdout
+    expected = _expected(saves, label)["weights"]
+    written = load_file(out / "model.safetensors")
+    assert written.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(written[name], value), name
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert _tree(ckpt) == before  # the source is only read
+
+
+@pytest.mark.parametrize("label", ["sharded", "sharded_flat", "full"])
+def test_the_optimizer_state_described_is_torchs(saves, tmp_path, label):
+    from shardkit.checkpoint.ops.export.sources import resolve_source
+    from shardkit.checkpoint.readers.registry import read_checkpoint
+
+    src = resolve_source(saves / label / "checkpoint-2")
+    ckpt = read_checkpoint(src.kind, src.tag_dir)
+    expected = _expected(saves, label)
+    # FSDP1's full optimizer gather with use_orig_params=True on CPU ranks (torch 2.13) returns every exp_avg
+    # equal to exp_avg_sq, so that save's moments are held against the same training with flat parameters
+    moments = _expected(saves, "sharded_flat" if label == "sharded" else label)["optimizer"]["state"]
+    if label == "full":
+        truth = torch.load(saves / label / "checkpoint-2" / "optimizer.bin", weights_only=True)
+    else:  # torch's own reading of the optimizer folder
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(saves / label / "checkpoint-2" / "optimizer_0", tmp_path / "optim.pt")
+        truth = torch.load(tmp_path / "optim.pt", weights_only=True)["optimizer"]
+    assert ckpt.optimizer_described and ckpt.uncovered() == []
+    assert set(ckpt.optimizer) == set(truth["state"]) == set(moments) == set(ckpt.weights)
+    for name, states in ckpt.optimizer.items():
+        assert set(states) == {"exp_avg", "exp_avg_sq"}, name
+        for key, t in states.items():
+            got = _materialize(t)
+            assert torch.equal(got, truth["state"][name][key]), (name, key)
+            torch.testing.assert_close(got, moments[name][key], rtol=1e-6, atol=0, msg=f"{name} {key}")
+    assert ckpt.scalars["step"] == {n: 2.0 for n in ckpt.weights}
+    [group] = ckpt.scalars["param_groups"]
+    [want] = expected["optimizer"]["param_groups"]
+    assert group["params"] == want["params"] and (group["lr"], group["weight_decay"]) == (0.01, 0.1)
+    assert tuple(group["betas"]) == tuple(want["betas"])
+    for name, t in ckpt.weights.items():
+        assert torch.equal(_materialize(t), expected["weights"][name]), name
+
+
+@pytest.mark.parametrize("label", ["sharded_ids", "full_ids"])
+def test_an_optimizer_keyed_by_ids_is_refused_by_name(saves, tmp_path, run_cli, label):
+    ckpt = saves / label / "checkpoint-2"
+    where = ckpt / ("optimizer_0" if label == "sharded_ids" else "optimizer.bin")
+    code, _, err = run_cli("export", ckpt, "-o", tmp_path / "hf")
+    assert code == 1
+    assert f"{where}: the optimizer state is keyed by parameter ids (0, 1, 2, 3, ...), not by parameter names" in err
+    assert "FSDP.optim_state_dict(model, optimizer)" in err and "Nothing was written" in err
+    assert not (tmp_path / "hf").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_local_state_dict_is_refused_naming_the_fix(saves, tmp_path, run_cli):
+    ckpt = saves / "local" / "checkpoint-2"
+    code, _, err = run_cli("export", ckpt, "-o", tmp_path / "hf")
+    assert code == 1
+    assert f"{ckpt}: an FSDP Trainer checkpoint saved with LOCAL_STATE_DICT (pytorch_model_fsdp_rank0.bin" in err
+    assert "without the names and shapes of the parameters inside it" in err
+    assert "Resume it at the same world size and save with SHARDED_STATE_DICT" in err
+    assert list(tmp_path.iterdir()) == []
