@@ -568,7 +568,7 @@ def scaling_table(r: dict[str, Any]) -> str:
 def _have_convert() -> bool:
     import importlib.util
 
-    return all(importlib.util.find_spec(f"shardkit.checkpoint.ops.convert.{m}") is not None for m in ("zero3_to_dcp", "dcp_to_zero3"))
+    return all(importlib.util.find_spec(f"shardkit.checkpoint.ops.convert.{m}") is not None for m in ("to_dcp", "dcp_to_zero3"))
 
 
 def convert_rows(workdir: Path, ckpt: Path, env: dict[str, str], resume: Any) -> dict[str, Any]:

@@ -156,9 +156,9 @@ class Sources:
 
             reshard_zero3(self.root("zero3"), out, 3)
         elif kind == "fsdp2_converted":
-            from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
+            from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
 
-            convert_zero3_to_dcp(self.root("zero3"), out, warn=lambda _: None)
+            convert_to_dcp(self.root("zero3"), out, warn=lambda _: None)
         elif kind == "fsdp2":
             from shardkit.run.spawn.process import run_ranks
             from tests import _ranks_ckpt

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from shardkit.checkpoint.dcp.reader import read_dcp_metadata
-from shardkit.checkpoint.ops.convert.dcp_format import (
+from shardkit.checkpoint.readers.deepspeed_scalars import step_value
+from shardkit.checkpoint.writers.dcp_format import (
     Stored,
     TensorItem,
     ValueItem,
@@ -24,7 +25,7 @@ from shardkit.checkpoint.ops.convert.dcp_format import (
     metadata_pickle,
     write_tensor_file,
 )
-from shardkit.checkpoint.ops.convert.zero3_to_dcp_bytes import steps_not_plain
+from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef
 from shardkit.storage.torch_zip import Segment, SegmentedRecord
 
@@ -133,10 +134,15 @@ def test_an_item_zip_holds_the_records_torch_save_writes_into_a_stream():
     assert torch.equal(torch.load(io.BytesIO(ours.getvalue()), weights_only=True), t)
 
 
-def test_only_plain_values_and_number_steps_take_the_byte_route():
+def test_only_plain_values_are_byte_items_and_a_tensor_step_is_read_from_its_bytes(tmp_path):
     assert is_plain([1, 2.5, "a", None, True, (0.9, 0.999)])
     assert not is_plain({"a": 1}) and not is_plain(object()) and not is_plain([1, b"x"])
-    optim0 = {"optimizer_state_dict": {"state": {0: {"step": 4}, 1: {"step": 2.0}}}}
-    assert steps_not_plain(optim0) is None
-    optim0["optimizer_state_dict"]["state"][1]["step"] = TensorRef("0", "float32", 0, (), ())
-    assert steps_not_plain(optim0) == "sub-group 1's step is a TensorRef, not a number"
+    assert step_value(4, "sub-group 0") == 4.0 and step_value(2.0, "sub-group 1") == 2.0
+    # a tensor step (torch's optimizers keep a float32 one) is read from the file without torch
+    path = tmp_path / "step.pt"
+    torch.save({"step": torch.tensor(7.0)}, path)
+    from shardkit.storage.torch_load import read_structure
+
+    assert step_value(read_structure(path)["step"], "sub-group 0") == 7.0
+    with pytest.raises(CheckpointError, match=r"sub-group 1: step is a TensorRef .* not a number or a one-element"):
+        step_value(TensorRef("0", "float32", 0, (2,), (1,)), "sub-group 1")

@@ -202,12 +202,12 @@ def _leaves(obj: Any, path: str = "") -> dict[str, Any]:
 def test_round_trip_zero3_fsdp2_zero3_is_tensor_equal(runs, tmp_path):
     """DeepSpeed's own save at 3 ranks (offload) -> FSDP2 (DCP) -> ZeRO-3 at 3 ranks: every tensor of
     every file equal in bits, and every other entry equal too."""
-    from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
+    from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
 
     first = runs["base"] / "saved_ws3"
     tag = "global_step4"
     ds_cfg = safe_torch_load(first / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")["ds_config"]
-    convert_zero3_to_dcp(first, tmp_path / "dcp")
+    convert_to_dcp(first, tmp_path / "dcp")
     r = convert_dcp_to_zero3(tmp_path / "dcp", tmp_path / "back", world_size=3, ds_config=ds_cfg)
     assert r.tag == tag
     names = sorted(p.name for p in (first / tag).glob("*.pt"))

@@ -298,7 +298,7 @@ def test_a_mostly_frozen_model_converts_at_the_peak_memory_of_a_fully_trained_on
         peaks[f"to_zero3_{label}"] = _peak_mib("dcp_to_zero3", "convert_dcp_to_zero3", tmp_path / f"dcp_{label}",
                                                tmp_path / f"z3_{label}", {"world_size": 2, "ds_config": _ds_config(2)})
         run_ranks(zero3_save, 2, args=(str(tmp_path / f"ds_{label}"), frozen), timeout=300, device="cpu")
-        peaks[f"to_fsdp2_{label}"] = _peak_mib("zero3_to_dcp", "convert_zero3_to_dcp", tmp_path / f"ds_{label}",
+        peaks[f"to_fsdp2_{label}"] = _peak_mib("to_dcp", "convert_to_dcp", tmp_path / f"ds_{label}",
                                                tmp_path / f"fsdp_{label}", {})
     print(f"peak RSS, MiB: {peaks}")  # -s shows the numbers the docs quote
     frozen_mib = BIG * BIG * 4 * BIG_LAYERS >> 20

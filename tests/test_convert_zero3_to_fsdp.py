@@ -24,7 +24,7 @@ import torch
 
 from shardkit.checkpoint.dcp.reader import load_dcp_state
 from shardkit.checkpoint.ops.convert.names import build_name_map
-from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
+from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
 from shardkit.core.errors import CheckpointError
 from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_convert as C
@@ -45,7 +45,7 @@ def source(tmp_path_factory) -> tuple[Path, dict]:
 def converted(source, tmp_path_factory):
     out = tmp_path_factory.mktemp("convert_out") / "fsdp"
     warnings: list[str] = []
-    result = convert_zero3_to_dcp(source[0], out, warn=warnings.append)
+    result = convert_to_dcp(source[0], out, warn=warnings.append)
     return out, result, warnings
 
 
@@ -125,7 +125,7 @@ def test_written_like_dcp_save_and_read_straight_from_the_files(converted, tmp_p
 
     from shardkit.checkpoint.dcp.reader import read_dcp_metadata
     from shardkit.checkpoint.dcp.slices import DcpSlices
-    from shardkit.checkpoint.ops.convert.zero3_to_dcp_plan import ADAMW_GROUP_DEFAULTS
+    from shardkit.checkpoint.ops.convert.to_dcp_plan import ADAMW_GROUP_DEFAULTS
     from tests.test_dcp_plain_metadata import assert_same_as_torch
 
     out, _, _ = converted
@@ -158,62 +158,6 @@ def test_written_like_dcp_save_and_read_straight_from_the_files(converted, tmp_p
         slices.close()
     # the group defaults are written out (the converter never imports torch): the installed torch's
     assert ADAMW_GROUP_DEFAULTS == dict(torch.optim.AdamW([torch.zeros(1)]).defaults)
-
-
-def _force_torch_route(monkeypatch) -> None:
-    """What byte ranges cannot express goes through torch: pretend that is everything."""
-    from shardkit.checkpoint.ops.convert import zero3_to_dcp
-
-    monkeypatch.setattr(zero3_to_dcp, "dcp_items", lambda *a: "forced by the test")
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_rank_files_with_unknown_offsets_are_gathered_instead(source, converted, tmp_path, monkeypatch):
-    """On the torch route, where a rank file's data offsets are unknown (no byte ranges to copy),
-    each tensor is gathered in memory and written whole: the same values as the byte-range copies."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
-    from shardkit.checkpoint.zero3.checkpoint import RankPartitions
-
-    _force_torch_route(monkeypatch)
-    monkeypatch.setattr(RankPartitions, "byte_offset", lambda self, slot, key: None)
-    out = tmp_path / "gathered"
-    assert convert_zero3_to_dcp(source[0], out).route == "torch"
-
-    def tensors(tag_dir: Path) -> dict:
-        md = read_dcp_metadata(tag_dir / ".metadata")
-        state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-                 if isinstance(m, TensorStorageMetadata)}
-        load_dcp_state(state, tag_dir)
-        return state
-
-    a, b = tensors(converted[0] / TAG), tensors(out / TAG)
-    assert a.keys() == b.keys() and len(a) > 20
-    for key, value in a.items():
-        assert torch.equal(value.view(-1).view(torch.uint8), b[key].view(-1).view(torch.uint8)), key
-
-
-def test_a_failed_tensor_write_names_the_file_and_leaves_nothing(source, tmp_path, monkeypatch):
-    """On the torch route, a write failing on a writer thread (a full disk here) is raised as itself, not inside DCP's
-    CheckpointException (a BaseException atomic_checkpoint would not see): the error names the
-    file, the staging folder is removed and nothing is published."""
-    import errno
-
-    from shardkit.checkpoint.ops.convert import zero3_to_dcp_source
-    from shardkit.checkpoint.zero3.checkpoint import RankPartitions
-
-    def full(*_: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    _force_torch_route(monkeypatch)
-    monkeypatch.setattr(RankPartitions, "byte_offset", lambda self, slot, key: None)
-    monkeypatch.setattr(zero3_to_dcp_source, "_gather", full)
-    out = tmp_path / "full"
-    with pytest.raises(CheckpointError, match=r"disk full at .*__0_\d+\.distcp.*nothing written: the staging folder "
-                                              r"was removed"):
-        convert_zero3_to_dcp(source[0], out)
-    assert sorted(p.name for p in out.iterdir()) == []
 
 
 # --- the CLI -------------------------------------------------------------------------------------
@@ -274,7 +218,7 @@ def test_tensor_parallel_and_moe_checkpoints_are_refused_by_name(source, tmp_pat
     with pytest.raises(CheckpointError, match=r"convert --to fsdp2 refuses .*tensor/model-parallel ranks \(mp_world_size "
                        r"1, files zero_pp_rank_0_mp_rank_01_model_states.pt\).*ds_to_universal.*; and .*native DeepSpeed "
                        r"MoE expert files \(expp_rank_0_mp_rank_00_optim_states.pt\).*Nothing was written"):
-        convert_zero3_to_dcp(src, tmp_path / "out", warn=lambda m: None)
+        convert_to_dcp(src, tmp_path / "out", warn=lambda m: None)
     assert not (tmp_path / "out").exists()
 
 
@@ -284,13 +228,13 @@ def test_other_optimizers_and_amsgrad_are_refused_by_name(source, tmp_path):
     _edit(model0, lambda sd: sd["ds_config"].update(optimizer={"type": "Lamb", "params": {"lr": 1e-3}}))
     with pytest.raises(CheckpointError, match=r"optimizer.type \('Lamb'\): only Adam/AdamW state .* Fix: train with "
                        r"optimizer.type Adam or AdamW"):
-        convert_zero3_to_dcp(src, tmp_path / "out", warn=lambda m: None)
+        convert_to_dcp(src, tmp_path / "out", warn=lambda m: None)
     _edit(model0, lambda sd: sd["ds_config"].update(optimizer={"type": "AdamW", "params": {"lr": 1e-3}}))
     optim0 = src / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     _edit(optim0, lambda sd: sd["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][1].update(amsgrad=True))
     with pytest.raises(CheckpointError, match=r"param_groups\[1\].amsgrad \(True\): the checkpoint has no "
                        r"max_exp_avg_sq state to carry. Fix: convert a run with amsgrad off"):
-        convert_zero3_to_dcp(src, tmp_path / "out", warn=lambda m: None)
+        convert_to_dcp(src, tmp_path / "out", warn=lambda m: None)
 
 
 def test_state_that_is_not_adams_is_refused_by_name(source, tmp_path):
@@ -304,7 +248,7 @@ def test_state_that_is_not_adams_is_refused_by_name(source, tmp_path):
     _edit(src / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt", momentum_only)
     with pytest.raises(CheckpointError, match=r"optimizer.state \(per-element keys \['exp_avg'\]\): Adam/AdamW keeps "
                        r"exactly \['exp_avg', 'exp_avg_sq'\]. Fix: convert a checkpoint saved after at least one step"):
-        convert_zero3_to_dcp(src, tmp_path / "out", warn=lambda m: None)
+        convert_to_dcp(src, tmp_path / "out", warn=lambda m: None)
 
 
 def test_client_optimizer_with_weight_decay_needs_adam_w_mode(source, tmp_path, run_cli):
@@ -313,7 +257,7 @@ def test_client_optimizer_with_weight_decay_needs_adam_w_mode(source, tmp_path, 
     code, _, err = run_cli("convert", src, "--to", "fsdp2", "-o", tmp_path / "out")
     assert code == 1 and "param_groups[0].weight_decay (0.01): the client optimizer is not named in ds_config" in err
     assert "Fix: pass --adam-w-mode on (AdamW) or off (Adam)" in err and "warning:" in err  # unverified copy
-    r = convert_zero3_to_dcp(src, tmp_path / "out", adam_w_mode=False, warn=lambda m: None)
+    r = convert_to_dcp(src, tmp_path / "out", adam_w_mode=False, warn=lambda m: None)
     assert any("client optimizer" in n for n in r.notes)
     written = {"optim": {"param_groups": [{"decoupled_weight_decay": None, "weight_decay": None}]}}
     load_dcp_state(written, tmp_path / "out" / TAG)
@@ -335,7 +279,7 @@ def test_loss_scaler_scheduler_and_non_json_client_state_are_reported_by_name(so
     _edit(src / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt", fp16_scaler)
     _edit(src / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt", scheduler_and_rng)
     warnings: list[str] = []
-    r = convert_zero3_to_dcp(src, tmp_path / "out", warn=warnings.append)
+    r = convert_to_dcp(src, tmp_path / "out", warn=warnings.append)
     assert r.verified == "none" and "has no shardkit_manifest.json" in warnings[0]
     lines = "\n".join(r.not_carried)
     assert "loss_scaler (cur_scale=65536.0, dynamic=True)" in lines and "GradScaler(init_scale=65536.0)" in lines
@@ -433,33 +377,31 @@ def _assert_same_items(a: dict, b: dict) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_converts_without_importing_torch_and_equals_the_torch_route(source, tmp_path, monkeypatch):
-    """The usual route parses the rank files with read_structure and copies byte ranges: torch is
-    never imported by the converting process. What it writes equals, item for item and bit for bit
-    (fp32 masters, exp_avg, exp_avg_sq, step, frozen and tied weights, both param groups' values),
-    what the torch route (dcp.save of the lazy state dict) writes, read back by torch's own reader,
-    and its .metadata holds the same entries."""
+def test_converts_without_importing_torch_and_equals_the_source(source, tmp_path):
+    """The reader parses the rank files with read_structure and the DCP writer copies byte ranges:
+    torch is never imported by the converting process. What it writes, read back by torch's own
+    reader, equals the source bit for bit by parameter name (fp32 masters, exp_avg, exp_avg_sq,
+    step, frozen and tied weights), and shardkit verify accepts it."""
     import subprocess
     import sys
 
-    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
-
     out = tmp_path / "bytes"
-    code = ("import sys; from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp; "
-            f"r = convert_zero3_to_dcp({str(source[0])!r}, {str(out)!r}, warn=lambda m: None); "
+    code = ("import sys; from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp; "
+            f"r = convert_to_dcp({str(source[0])!r}, {str(out)!r}, warn=lambda m: None); "
             "print(r.route, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'numpy')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "bytes []"
-    _force_torch_route(monkeypatch)
-    ref = convert_zero3_to_dcp(source[0], tmp_path / "torch")
-    assert ref.route == "torch" and "written through torch (one process, slower, more memory): forced by the test" in ref.notes
-    ours, theirs = _everything(out / TAG), _everything(tmp_path / "torch" / TAG)
-    assert any(k.endswith(".exp_avg_sq") for k in ours) and any(k.startswith("optim.param_groups.1.") for k in ours)
-    _assert_same_items(ours, theirs)
-    a, b = read_dcp_metadata(out / TAG / ".metadata"), read_dcp_metadata(tmp_path / "torch" / TAG / ".metadata")
-    assert a.state_dict_metadata == b.state_dict_metadata and a.planner_data == b.planner_data
-    assert set(a.storage_data) == set(b.storage_data) and a.version == b.version
+    ours, ref = _everything(out / TAG), source[1]["state"]
+    assert any(k.startswith("optim.param_groups.1.") for k in ours)
+    for name, master in ref["fp32"].items():
+        assert torch.equal(ours[f"model.{name}"].view(torch.uint8), master.view(torch.uint8)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[f"optim.state.{name}.{key}"].view(torch.uint8), ref[key][name].view(torch.uint8))
+        assert float(ours[f"optim.state.{name}.step"]) == C.SAVE_STEPS
+    alias, owner = C.TIED
+    assert torch.equal(ours[f"model.{alias}"], ref["fp32"][owner])
+    assert torch.equal(ours[f"model.{C.FROZEN}"], ref["frozen"][C.FROZEN])
     verify = subprocess.run([sys.executable, "-m", "shardkit", "verify", str(out)], capture_output=True, text=True,
                             timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
@@ -468,16 +410,16 @@ def test_converts_without_importing_torch_and_equals_the_torch_route(source, tmp
 def test_a_failed_write_on_the_byte_route_names_the_file_and_leaves_nothing(source, tmp_path, monkeypatch):
     import errno
 
-    from shardkit.checkpoint.ops.convert import zero3_to_dcp_bytes
+    from shardkit.checkpoint.writers import dcp_files
 
     def full(*_: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(zero3_to_dcp_bytes, "write_tensor_file", full)
+    monkeypatch.setattr(dcp_files, "write_tensor_file", full)
     out = tmp_path / "full"
     with pytest.raises(CheckpointError, match=r"disk full at .*__0_\d+\.distcp.*nothing written: the staging folder "
                                               r"was removed"):
-        convert_zero3_to_dcp(source[0], out)
+        convert_to_dcp(source[0], out)
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
 
 
@@ -493,7 +435,7 @@ def test_a_corrupted_source_is_refused_before_anything_is_published(source, tmp_
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match=rf"refusing to convert .*{victim.name} fails verification: its blake3 is "
                                               r"[0-9a-f]{64}, its manifest says"):
-        convert_zero3_to_dcp(src, out)
+        convert_to_dcp(src, out)
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
 
 
@@ -503,35 +445,24 @@ def test_a_source_file_rewritten_during_the_copy_is_refused(source, tmp_path, mo
     nothing is published."""
     import os
 
-    from shardkit.checkpoint.ops.convert import zero3_to_dcp_share
+    from shardkit.checkpoint.writers import dcp_files
 
     src = tmp_path / "src"
     shutil.copytree(source[0], src)
     victim = next((src / TAG).glob("*optim_states.pt"))
-    write = zero3_to_dcp_share.write_tensor_files
+    write = dcp_files.write_tensor_files
 
     def write_then_touch(*args: object, **kwargs: object) -> object:
         done = write(*args, **kwargs)  # type: ignore[arg-type]
         os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 10**9))
         return done
 
-    monkeypatch.setattr(zero3_to_dcp_share, "write_tensor_files", write_then_touch)
+    monkeypatch.setattr(dcp_files, "write_tensor_files", write_then_touch)
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match=rf"{victim.name}: was modified while the conversion read it .*Nothing "
                                               "was published"):
-        convert_zero3_to_dcp(src, out, verify=False)
+        convert_to_dcp(src, out, verify=False)
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
-
-
-def test_a_source_needing_the_torch_route_is_refused_under_a_launcher(source, tmp_path, monkeypatch):
-    from shardkit.core.errors import UsageError
-    from shardkit.storage.shared_save import Launch
-
-    _force_torch_route(monkeypatch)
-    with pytest.raises(UsageError, match=r"needs the torch route \(forced by the test\), which runs in one process "
-                                         r"only; torchrun started 2\. Run shardkit convert once, without srun/torchrun"):
-        convert_zero3_to_dcp(source[0], tmp_path / "out", launch=Launch(0, 2, "job-1", "torchrun", "host"))
-    assert not (tmp_path / "out").exists()
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def convert_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import locate_trainer_checkpoint, trainer_files_not_converted
     from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
-    from shardkit.checkpoint.ops.convert.zero3_to_dcp import convert_zero3_to_dcp
+    from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
     from shardkit.commands._parser import Stopwatch
     from shardkit.commands._plan import byte_progress
     from shardkit.core.errors import UsageError
@@ -91,15 +91,15 @@ def convert_command(args: argparse.Namespace) -> int:
                              "'module.' prefix is removed and recorded); drop --name-prefix")
         adam_w = None if args.adam_w_mode is None else args.adam_w_mode == "on"
         # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
-        trainer = locate_trainer_checkpoint(args.source)
+        trainer = locate_trainer_checkpoint(args.source, fsdp_read=True)
         if trainer is not None and trainer.note():
             print(f"note: {trainer.note()}")
         source = args.source if trainer is None else trainer.folder
         if args.dry_run:
             return _dry_run(args)
         with byte_progress(args, "convert"):
-            r = convert_zero3_to_dcp(source, args.output, tag=args.tag, force=args.force,
-                                     verify=not args.no_verify, warn=warn, adam_w_mode=adam_w, workers=args.workers)
+            r = convert_to_dcp(source, args.output, tag=args.tag, force=args.force,
+                               verify=not args.no_verify, warn=warn, adam_w_mode=adam_w, workers=args.workers)
         if trainer is not None and r.rank == 0:  # trainer_state.json, scheduler.pt, rng_state_*.pth ...: named, never dropped silently
             r.not_carried.extend(trainer_files_not_converted(trainer.folder))
         resume = f"load_fsdp_checkpoint(model, optimizer, {str(r.output)!r}) at any world size"

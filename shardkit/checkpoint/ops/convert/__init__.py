@@ -4,14 +4,12 @@ Each direction is an entry point plus one module per step: reading the source, p
 target, writing it (the steps every operation shares, verify the source, reuse its tag, check the
 output folder, stage and seal, come from ``storage.pipeline`` and ``staged_save``):
 
-- ``zero3_to_dcp``: DeepSpeed ZeRO-3 -> a DCP checkpoint shardkit's FSDP2 resume loads at any world
-  size (``convert_zero3_to_dcp``); ``zero3_to_dcp_plan`` (names, torch param groups, what is
-  carried, reported or refused); the torch-free route: ``zero3_to_dcp_bytes`` (the output's items as
-  byte ranges of the rank files, their files), ``zero3_to_dcp_share`` (one process's share under
-  srun/torchrun, sealed by process 0) and ``dcp_format`` (DCP's item zips and ``.metadata`` pickle
-  without torch); the torch route for what bytes cannot express:
-  ``zero3_to_dcp_source`` (file-name refusals, the source's tensors as a lazy state dict of
-  rank-file byte ranges) and ``zero3_to_dcp_write`` (``dcp.save`` with streamed tensor files).
+- ``to_dcp``: any checkpoint whose reader describes the optimizer (``readers.registry``: ZeRO-1/2/3,
+  universal...) -> a DCP checkpoint shardkit's FSDP2 resume loads at any world size
+  (``convert_to_dcp``): the reader, ``to_dcp_plan`` (names, torch param groups, what is carried,
+  reported or refused) and the DCP writer (``checkpoint.writers.dcp``: the items as byte ranges of
+  the source files; ``writers.dcp_files``: their files, split across srun/torchrun processes;
+  ``writers.dcp_format``: DCP's item zips and ``.metadata`` pickle without torch).
 - ``dcp_to_zero3``: the reverse, into per-rank files DeepSpeed's plain ``load_checkpoint`` accepts
   at N ranks (``convert_dcp_to_zero3``); ``dcp_to_zero3_source`` (the DCP folder, its items, what
   each model key is), ``dcp_to_zero3_plan`` (the resuming run's config and optimizer, param-group

@@ -71,7 +71,7 @@ from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import (
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, classify_source, resolve_dcp_tag_dir
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_write import RankStates, rank_file_workers, write_rank_files
 from shardkit.checkpoint.ops.convert.result import ConvertResult
-from shardkit.checkpoint.ops.convert.zero3_to_dcp_share import CONVERT
+from shardkit.checkpoint.writers.dcp_files import CONVERT
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import UsageError
 from shardkit.platform.dist import process_group_active

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from shardkit.checkpoint.dcp.plain_metadata import TensorMeta
-from shardkit.checkpoint.ops.convert.dcp_format import is_plain
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import TargetOptimizer
 from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, SourcePlan, StepValue
 from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, MODEL_KEY, OPTIM_KEY
+from shardkit.checkpoint.writers.dcp_format import is_plain
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.repartition import TargetLayout

@@ -1,9 +1,11 @@
-"""Planning ``convert_zero3_to_dcp``'s output from the ZeRO-3 source's metadata, before a byte is
-written: the FSDP names (``names.build_name_map``), one torch param group per ZeRO-3 param group with
-its hyperparameters and ``decoupled_weight_decay``, ``step`` per sub-group, and everything that is
-carried, refused or reported (optimizer type and state keys, loss scaler, scheduler, client state).
-``plan_dcp_target`` returns it all as one ``DcpTarget``; the source module turns it into the lazy
-state dict and the write module writes that.
+"""Planning ``convert --to fsdp2``'s output from the checkpoint model, before a byte is written: the
+FSDP names (``names.build_name_map``), one torch param group per source param group with its
+hyperparameters and ``decoupled_weight_decay``, ``step`` per parameter, and everything that is
+carried, refused or reported (optimizer type and state keys, loss scaler, scheduler, client
+state). ``plan_dcp_target`` reads only the ``TrainingCheckpoint`` (its tensors' names and the
+scalars its reader filled in: ``readers.deepspeed_scalars`` lists them), so every reader that
+describes the optimizer is planned alike; it returns one ``DcpTarget`` whose ``layout`` the DCP
+writer (``writers.dcp``) writes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.convert.names import (
     ADAM_STATE_KEYS,
     ADAM_TYPES,
@@ -19,8 +22,8 @@ from shardkit.checkpoint.ops.convert.names import (
     Uncarried,
     build_name_map,
 )
-from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
-from shardkit.checkpoint.zero3.layout import client_state_keys
+from shardkit.checkpoint.writers.dcp import DcpLayout
+from shardkit.checkpoint.writers.dcp_format import is_plain
 from shardkit.storage.torch_load import TensorRef
 
 _GROUP_KEYS_WITHOUT_TORCH_MEANING = {
@@ -38,10 +41,8 @@ class DcpTarget:
     """Everything decided before a byte is written (``plan_dcp_target``)."""
 
     names: NameMap
-    groups: list[dict[str, Any]]
-    """torch param groups (``params``: FQNs)."""
-    steps: list[float]
-    """``step`` of each ZeRO-3 sub-group."""
+    layout: DcpLayout
+    """What the writer writes: FQNs, aliases, torch param groups (``params``: FQNs), steps."""
     uncarried: list[Uncarried] = field(default_factory=list)
     carried: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -64,22 +65,21 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def _optimizer_checks(ckpt: Zero3Checkpoint, plan: DcpTarget) -> None:
-    cfg = ckpt.ds_config.get("optimizer") or {}
-    kind = str(cfg.get("type") or "")
+def _optimizer_checks(ckpt: TrainingCheckpoint, groups: list[dict[str, Any]], plan: DcpTarget) -> None:
+    kind = str(ckpt.scalars.get("optimizer_type") or "")
     if kind and kind.lower() not in ADAM_TYPES:
         plan.uncarried.append(Uncarried("optimizer.type", repr(kind), "only Adam/AdamW state (exp_avg, exp_avg_sq, "
                                         "step) means the same to FSDP2's torch.optim.AdamW", "train with "
                                         "optimizer.type Adam or AdamW, or resume with DeepSpeed", refused=True))
         return
-    keys = set(ckpt.state_keys)
+    keys = {k for states in ckpt.optimizer.values() for k in states}
     if keys != set(ADAM_STATE_KEYS):
         seen = sorted(keys) or "none (the optimizer never stepped)"
         plan.uncarried.append(Uncarried("optimizer.state", f"per-element keys {seen}", f"Adam/AdamW keeps exactly "
                                         f"{list(ADAM_STATE_KEYS)}", "convert a checkpoint saved after at least one "
                                         "step of an Adam/AdamW optimizer (for weights only: shardkit consolidate)",
                                         refused=True))
-    marks = sorted({k for g in ckpt.param_groups for k in _NON_ADAM_GROUP_KEYS if k in g})
+    marks = sorted({k for g in groups for k in _NON_ADAM_GROUP_KEYS if k in g})
     if not kind and marks:
         plan.uncarried.append(Uncarried("optimizer.type", f"client optimizer with param-group keys {marks}",
                                         "those keys belong to LAMB/1-bit optimizers, whose state means something "
@@ -87,7 +87,7 @@ def _optimizer_checks(ckpt: Zero3Checkpoint, plan: DcpTarget) -> None:
     elif not kind:
         plan.notes.append("the optimizer is not named in ds_config (a client optimizer); its state holds exactly "
                           "exp_avg/exp_avg_sq, so it is read as Adam/AdamW")
-    for i, g in enumerate(ckpt.param_groups):
+    for i, g in enumerate(groups):
         if g.get("amsgrad"):
             plan.uncarried.append(Uncarried(f"param_groups[{i}].amsgrad", "True", "the checkpoint has no "
                                             "max_exp_avg_sq state to carry", "convert a run with amsgrad off",
@@ -98,17 +98,15 @@ def _optimizer_checks(ckpt: Zero3Checkpoint, plan: DcpTarget) -> None:
                                             "resume with DeepSpeed", refused=True))
 
 
-def _decoupled(ckpt: Zero3Checkpoint, group: dict[str, Any], index: int, adam_w_mode: bool | None, plan: DcpTarget) -> bool:
+def _decoupled(ckpt: TrainingCheckpoint, group: dict[str, Any], index: int, adam_w_mode: bool | None,
+               plan: DcpTarget) -> bool:
     """Whether group ``index`` decays weights AdamW-style: the group's own flag (torch optimizers),
-    then ds_config (DeepSpeed's Adam is AdamW unless ``adam_w_mode: false``), then ``adam_w_mode``."""
+    then the source's config (``adam_w_mode`` scalar: DeepSpeed's Adam is AdamW unless
+    ``adam_w_mode: false``), then the caller's ``adam_w_mode``."""
     if "decoupled_weight_decay" in group:
         return bool(group["decoupled_weight_decay"])
-    cfg = ckpt.ds_config.get("optimizer") or {}
-    kind = str(cfg.get("type") or "").lower()
-    if kind == "adamw":
-        return True
-    if kind == "adam":
-        return bool((cfg.get("params") or {}).get("adam_w_mode", True))
+    if ckpt.scalars.get("adam_w_mode") is not None:
+        return bool(ckpt.scalars["adam_w_mode"])
     if adam_w_mode is not None:
         return adam_w_mode
     if float(group.get("weight_decay") or 0.0) != 0.0:
@@ -131,66 +129,68 @@ ADAMW_GROUP_DEFAULTS: dict[str, Any] = {
 }
 
 
-def plan_dcp_target(ckpt: Zero3Checkpoint, optim0: dict[str, Any], adam_w_mode: bool | None) -> DcpTarget:
-    """What the DCP output of ``ckpt`` holds, from its metadata and rank 0's optimizer state
-    ``optim0``; what cannot be carried is listed in ``uncarried`` (the caller refuses or reports it)."""
-    buffers = list(ckpt.buffers())
-    names = build_name_map([*(s.name for s in ckpt.slots), *ckpt.frozen_param_shapes, *buffers], ckpt.shared_params)
-    state = optim0["optimizer_state_dict"].get("state") or {}
-    steps = [float((state.get(j) or {}).get("step", 0)) for j in range(len(ckpt.sub_group_numel))]
-    plan = DcpTarget(names=names, groups=[], steps=steps, notes=names.notes())
-    _optimizer_checks(ckpt, plan)
+def plan_dcp_target(ckpt: TrainingCheckpoint, adam_w_mode: bool | None) -> DcpTarget:
+    """What the DCP output of ``ckpt`` holds, from its tensors' names and scalars; what cannot be
+    carried is listed in ``uncarried`` (the caller refuses or reports it)."""
+    trainable = ckpt.trainable
+    frozen = [n for n in ckpt.weights if n in ckpt.frozen]
+    buffers = [n for n in ckpt.weights if n in ckpt.buffers]
+    names = build_name_map([*trainable, *frozen, *buffers], ckpt.aliases)
+    source_groups: list[dict[str, Any]] = list(ckpt.scalars.get("param_groups") or [{"params": trainable}])
+    steps = {n: float(ckpt.scalars.get("step", {}).get(n, 0)) for n in trainable}
+    layout = DcpLayout(fqns={n: names.fsdp_name(n) for n in ckpt.weights}, aliases=dict(names.aliases), steps=steps,
+                       state_keys=ADAM_STATE_KEYS)
+    plan = DcpTarget(names=names, layout=layout, notes=names.notes())
+    hyper_groups = [{k: v for k, v in g.items() if k != "params"} for g in source_groups]
+    _optimizer_checks(ckpt, hyper_groups, plan)
     defaults = dict(ADAMW_GROUP_DEFAULTS)
     dropped_by_value: dict[str, list[int]] = {}
-    for i, g in enumerate(ckpt.param_groups):
+    for i, g in enumerate(hyper_groups):
         group = dict(defaults)
         dropped = []
         for k, v in g.items():
             if k in _GROUP_KEYS_WITHOUT_TORCH_MEANING:
                 dropped.append(f"{k}={v!r}")
-            elif k in defaults or _jsonable(v):
+            elif k in defaults or (_jsonable(v) and is_plain(v)):
                 group[k] = tuple(v) if k == "betas" else v
             else:
                 plan.uncarried.append(Uncarried(f"param_groups[{i}].{k}", _kind(v), "not a value torch can "
                                                 "keep in a param group's JSON", "set it again after loading",
                                                 refused=False))
         group["decoupled_weight_decay"] = _decoupled(ckpt, g, i, adam_w_mode, plan)
-        group["params"] = [names.fsdp_name(s.name) for s in ckpt.slots if s.param_group == i]
-        plan.groups.append(group)
+        group["params"] = [names.fsdp_name(n) for n in source_groups[i].get("params") or []]
+        layout.groups.append(group)
         if dropped:
             dropped_by_value.setdefault(", ".join(dropped), []).append(i)
     for dropped_keys, indices in dropped_by_value.items():
         plan.notes.append(f"param_groups {indices}: {dropped_keys} not written (DeepSpeed optimizer keys with no "
                           f"torch counterpart: {'; '.join(f'{k}: {v}' for k, v in _GROUP_KEYS_WITHOUT_TORCH_MEANING.items())})")
-    layout = "; ".join(f"[{i}] {len(g['params'])} params, lr={g['lr']}, weight_decay={g['weight_decay']}"
-                       for i, g in enumerate(plan.groups))
-    plan.notes.append(f"param groups written: {layout}. Build the resuming optimizer with the same groups over "
+    written = "; ".join(f"[{i}] {len(g['params'])} params, lr={g['lr']}, weight_decay={g['weight_decay']}"
+                       for i, g in enumerate(layout.groups))
+    plan.notes.append(f"param groups written: {written}. Build the resuming optimizer with the same groups over "
                       "the same (trainable) parameters: torch's load_state_dict refuses groups of other sizes")
-    hyper = sorted({k for g in ckpt.param_groups for k in g if k not in _GROUP_KEYS_WITHOUT_TORCH_MEANING})
-    plan.carried = [f"fp32 masters ({len(ckpt.slots)} trainable)", *ADAM_STATE_KEYS, "step",
-                    f"param_groups x{len(plan.groups)} ({', '.join(hyper)})"]
-    if ckpt.frozen_param_shapes:
-        plan.carried.append(f"frozen parameters ({len(ckpt.frozen_param_shapes)}, no optimizer state)")
+    hyper = sorted({k for g in hyper_groups for k in g if k not in _GROUP_KEYS_WITHOUT_TORCH_MEANING})
+    plan.carried = [f"fp32 masters ({len(trainable)} trainable)", *ADAM_STATE_KEYS, "step",
+                    f"param_groups x{len(layout.groups)} ({', '.join(hyper)})"]
+    if frozen:
+        plan.carried.append(f"frozen parameters ({len(frozen)}, no optimizer state)")
     if buffers:
         plan.carried.append(f"buffers ({len(buffers)})")
     if names.aliases:
         plan.carried.append(f"tied names ({', '.join(sorted(names.aliases))})")
     plan.notes.append("fused/foreach/capturable are written as torch's defaults (DeepSpeed has none): they override "
                       "the resuming optimizer's own at load; set them again after load_fsdp_checkpoint if you use them")
-    _loss_scaler(ckpt, optim0, plan)
+    _loss_scaler(ckpt, plan)
     _scheduler_and_client_state(ckpt, plan)
     return plan
 
 
-def _loss_scaler(ckpt: Zero3Checkpoint, optim0: dict[str, Any], plan: DcpTarget) -> None:
-    scaler = optim0.get("loss_scaler")
-    dynamic = bool(optim0.get("dynamic_loss_scale"))
-    cur = getattr(scaler, "cur_scale", 1.0)
-    if not dynamic and cur == 1.0 and ckpt.precision != "fp16":
+def _loss_scaler(ckpt: TrainingCheckpoint, plan: DcpTarget) -> None:
+    kept = ckpt.scalars.get("loss_scaler")
+    if not kept:
         return  # a static scale of 1 (bf16/fp32): there is no state to lose
-    kept = {k: v for k, v in vars(scaler).items() if k != "args" and _jsonable(v)} if scaler is not None else {}
-    kept["dynamic"] = dynamic
-    plan.deepspeed["loss_scaler"] = kept
+    cur, dynamic = kept.get("cur_scale", 1.0), kept.get("dynamic", False)
+    plan.deepspeed["loss_scaler"] = dict(kept)
     plan.uncarried.append(Uncarried("loss_scaler", f"cur_scale={cur}, dynamic={dynamic}", "shardkit's FSDP2 "
                                     "checkpoint holds no loss scaler (torch.amp.GradScaler is the training "
                                     "script's)", "its state is in the manifest's extra.converted_from.loss_scaler: "
@@ -198,12 +198,9 @@ def _loss_scaler(ckpt: Zero3Checkpoint, optim0: dict[str, Any], plan: DcpTarget)
                                     refused=False))
 
 
-def _scheduler_and_client_state(ckpt: Zero3Checkpoint, plan: DcpTarget) -> None:
-    ms = ckpt.model_state
-    for key in ("global_steps", "global_samples", "skipped_steps"):
-        if isinstance(ms.get(key), int):
-            plan.deepspeed[key] = ms[key]
-    sched = ms.get("lr_scheduler")
+def _scheduler_and_client_state(ckpt: TrainingCheckpoint, plan: DcpTarget) -> None:
+    plan.deepspeed.update(ckpt.scalars.get("counters") or {})
+    sched = ckpt.scalars.get("lr_scheduler")
     if sched:
         # Decision: the scheduler's state is kept (JSON) in the manifest and reported, not refused:
         # the current lr is already in every param group, so training continues at the lr it had; a
@@ -216,15 +213,16 @@ def _scheduler_and_client_state(ckpt: Zero3Checkpoint, plan: DcpTarget) -> None:
                                         "param groups' lr is carried, so training resumes at the current lr",
                                         f"its state_dict is {where}: load it into the script's scheduler",
                                         refused=False))
-    for key in client_state_keys(ms):
-        if _jsonable(ms[key]):
-            plan.user[key] = ms[key]
+    client = ckpt.scalars.get("client_state") or {}
+    for key in sorted(client):
+        if _jsonable(client[key]):
+            plan.user[key] = client[key]
         else:
-            plan.uncarried.append(Uncarried(f"client_state.{key}", _kind(ms[key]), "not JSON, and the "
+            plan.uncarried.append(Uncarried(f"client_state.{key}", _kind(client[key]), "not JSON, and the "
                                             "FSDP2 checkpoint keeps the script's state in the manifest's extra.user",
                                             "save it in the training script's own file", refused=False))
     if plan.user:
         plan.carried.append(f"client_state ({', '.join(sorted(plan.user))}) -> manifest extra.user")
-        if ckpt.world_size > 1:
+        if (ckpt.world_size or 1) > 1:
             plan.notes.append(f"client_state comes from rank 0's file (saved at {ckpt.world_size} ranks); per-rank "
                               "values (data-loader positions, RNG) must be rebuilt by the training script")

@@ -71,7 +71,12 @@ class TensorItem:
         numel = 1
         for d in self.shape:
             numel *= d
-        return numel * _ITEMSIZE[self.dtype]
+        return numel * itemsize(self.dtype)
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the torch dtype named ``dtype`` (``float32``...)."""
+    return _ITEMSIZE[dtype]
 
 
 @dataclass(frozen=True)
