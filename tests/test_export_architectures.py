@@ -152,6 +152,39 @@ def test_mixtral_sharded_as_save_pretrained_shards_it(trained, tmp_path, run_cli
     _assert_same_folder(tmp_path / "hf", tmp_path / "ref")
 
 
+def fsdp2_mixtral_train_save(root: str) -> dict[str, Any] | None:
+    """Rank target: Mixtral under FSDP2 (the fused experts sharded along dim 0), one step, a DCP save;
+    rank 0 returns the full module state dict."""
+    from shardkit.checkpoint.ops.fsdp_checkpoint import full_model_state_dict, save_fsdp_checkpoint
+    from shardkit.engines.fsdp import apply_fsdp, train_step
+
+    model = build("mixtral")
+    apply_fsdp(model, {"fsdp": {"wrap": ["MixtralDecoderLayer"], "mixed_precision": "none", "cpu_offload": False,
+                                "pin_memory": False}})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, opt, torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(dist.get_rank())))
+    save_fsdp_checkpoint(model, opt, root, step=1)
+    state = full_model_state_dict(model)
+    return state if dist.get_rank() == 0 else None
+
+
+def test_fsdp2_mixtral_export_equals_save_pretrained(tmp_path, run_cli):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path / "fsdp"
+    state = run_ranks(fsdp2_mixtral_train_save, 2, args=(str(root),), timeout=300, device="cpu")[0].value
+    reference = build("mixtral")
+    reference.config.save_pretrained(tmp_path / "config")
+    code, _, err = run_cli("export", root, "-o", tmp_path / "hf", "--model-config", tmp_path / "config")
+    assert code == 0, err
+    reference.load_state_dict(state, strict=True)
+    reference.save_pretrained(tmp_path / "ref")
+    _assert_same_folder(tmp_path / "hf", tmp_path / "ref")
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert torch.equal(loaded.model.layers[1].mlp.experts.gate_up_proj, state["model.layers.1.mlp.experts.gate_up_proj"])
+
+
 # ---- the conversion alone, on one process: a byte-moving operation and an unknown one ---------------
 
 

@@ -2,8 +2,9 @@
 
 1. resolve SRC (``sources``) and find the config (``--model-config`` or beside the checkpoint);
 2. verify the source against its shardkit manifest before anything is read (``pipeline``);
-3. describe the source's tensors as byte ranges (``zero3_pieces``/``dcp_pieces``), build the model
-   class on the meta device (``model_spec``) and pair them (``match``), refusing before writing; a
+3. describe the source's tensors as byte ranges (``readers.registry.read_checkpoint``), build the model
+   class on the meta device (``model_spec``) and pair them (``match``), refusing before writing; turn
+   them into what save_pretrained writes where transformers converts on save (``conversion``); a
    PEFT adapter's tensors (``lora_A``...) are paired with what peft saves instead (``adapter_spec``)
    and written as ``adapter_model.safetensors`` beside ``adapter_config.json``;
 4. split into shards as ``save_pretrained`` (``shard_plan``), write them streaming, one thread per
