@@ -106,6 +106,8 @@ def test_convert_both_ways_and_consolidate_report_json(run_cli, source, tmp_path
     back = json.loads(target.read_text())
     assert back["engines"] == {"from": "fsdp2", "to": "zero3"} and back["world_size"] == 2
     assert "wrote " in out  # --json-file only: the human lines stay on stdout
+    # the plain progress line (stderr not a terminal) names the total the rank files were planned at
+    assert re.search(r"shardkit convert: [\d.]+ \w*B of [\d.]+ \w*B \(\d+%\), .* \(done after", err), err
     code, out, err = run_cli("consolidate", tmp_path / "ws2", "-o", tmp_path / "m.safetensors", "--json")
     assert code == 0, err
     m = json.loads(out)

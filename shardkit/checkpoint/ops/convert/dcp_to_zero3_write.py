@@ -30,6 +30,7 @@ from shardkit.checkpoint.writers.dcp_format import is_plain
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.repartition import TargetLayout
+from shardkit.core import progress
 from shardkit.core.errors import UsageError
 from shardkit.platform.versions import package_version
 from shardkit.storage.manifest import FileEntry
@@ -81,6 +82,7 @@ def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str
 
     if workers is None:
         workers = rank_file_workers(ranks, out.byte_ranges)
+    progress.expect(out.tensor_bytes(ranks))  # the progress line's total, known before the first byte
     # hashed as written (the manifest needs no second read), fsynced by the thread that wrote
     # it; the first failure cancels the files not yet started (stream.write_parallel)
     def job(produce: Callable[[], dict[str, Any]]) -> Callable[[Path], Any]:
@@ -177,6 +179,14 @@ class RankStates:
         import torch
 
         return torch.empty(0, dtype=getattr(torch, self.module_dtype))
+
+    def tensor_bytes(self, ranks: Sequence[int]) -> int:
+        """About how many bytes ``ranks``' files will hold: their flat fp32 masters and Adam moments and
+        their frozen fragments (the pickles, zip headers and buffers are small beside them)."""
+        n = self.layout.world_size
+        flat = sum(self.layout.sub_group_numel(j) for j in range(len(self.layout.sub_groups)))
+        frozen = sum(partition_numel(p.numel, n) for p in self.plan.frozen)
+        return len(ranks) * (flat * 4 * (1 + len(ADAM_STATE_KEYS)) + frozen * (2 if self.module_dtype == "bfloat16" else 4))
 
     def model_states(self, rank: int) -> dict[str, Any]:
         """``DeepSpeedEngine._common_checkpoint_state`` (+ client state, last, as ``state.update``)."""
