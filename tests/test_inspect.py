@@ -74,9 +74,9 @@ def test_deepspeed_saves_are_described(layouts, run_cli, tiny_counts, label):
                            "consolidate": True, "export": True}
     elif label == "universal":
         assert not any(applies.values())
-    else:  # ZeRO-1/2: reshard alone takes it
-        assert applies == {"reshard": True, "convert --to fsdp2": False, "convert --to zero3": False,
-                           "consolidate": False, "export": False}
+    else:  # ZeRO-1/2: reshard, convert --to fsdp2, consolidate and export take it
+        assert applies == {"reshard": True, "convert --to fsdp2": True, "convert --to zero3": False,
+                           "consolidate": True, "export": True}
 
 
 def test_text_output_says_what_it_is_and_where_to_go(layouts, run_cli):

@@ -48,10 +48,13 @@ COMMANDS = {
 
 #: ZeRO-1/2 layouts reshard takes (tests/test_reshard_zero2.py); every other command refuses them.
 RESHARD_TAKES = {"zero1", "zero2_bf16", "zero2_offload", "trainer_zero2"}
+#: What takes a universal checkpoint (tests/test_universal_source.py); reshard and convert --to zero3 refuse it.
+UNIVERSAL_COMMANDS = {"convert --to fsdp2", "consolidate", "export"}
 
 
 @pytest.mark.parametrize("label,command", [(label, command) for label in sorted(REFUSED) for command in sorted(COMMANDS)
-                                           if not (command == "reshard" and label in RESHARD_TAKES)])
+                                           if not (command == "reshard" and label in RESHARD_TAKES)
+                                           and not (command in UNIVERSAL_COMMANDS and label == "universal")])
 def test_unsupported_layout_is_refused_by_name_and_nothing_is_written(layouts, tmp_path, run_cli, label, command):
     out = tmp_path / "out"
     before = sorted(p.name for p in layouts[label].rglob("*"))

@@ -153,7 +153,8 @@ def describe_deepspeed(tag_dir: Path, given: str) -> CheckpointDescription:
     optims = sorted((int(m.group(2)), n) for n in names if (m := RANK_FILE.match(n)) and m.group(4) == "optim"
                     and m.group(3) == "00")
     mp_models = sorted(n for n in names if _MP_MODEL.match(n))
-    universal = (tag_dir / UNIVERSAL_FOLDER).is_dir() and bool(mp_models)
+    # ds_to_universal copies mp_rank_00_model_states.pt from ZeRO-1/2, every zero_pp_rank model file from ZeRO-3
+    universal = (tag_dir / UNIVERSAL_FOLDER).is_dir() and bool(mp_models or zero3_models)
     model_file = next((n for n in zero3_models if n.startswith("zero_pp_rank_0_")), None) or next(iter(mp_models), None)
     model_state = _dict(read_structure(tag_dir / model_file)) if model_file is not None else {}
     optim_file = optims[0][1] if optims else ""
@@ -194,10 +195,15 @@ def describe_deepspeed(tag_dir: Path, given: str) -> CheckpointDescription:
                 desc.dtypes["optimizer state"] = moment.dtype
     if universal:
         params = sorted(d for d in (tag_dir / UNIVERSAL_FOLDER).iterdir() if (d / UNIVERSAL_FP32).is_file())
-        desc.parameters, desc.world_size = len(params), None
-        # beside fp32.pt, the optimizer's own atoms (exp_avg.pt, exp_avg_sq.pt, step.pt), one file each per parameter
-        atoms = sorted(f.stem for f in params[0].iterdir() if f.suffix == ".pt") if params else []
-        desc.optimizer_state_keys = [a for a in atoms if a != Path(UNIVERSAL_FP32).stem]
+        # ZeRO-1/2's conversion gives tied aliases and buffers an fp32.pt too; ZeRO-3's none to frozen parameters
+        skipped = {*_dict(model_state.get("shared_params")), *(model_state.get("buffer_names") or [])}
+        frozen_names = set(frozen) if isinstance(frozen, dict) else set()
+        desc.parameters = len(({d.name for d in params} - skipped) | frozen_names)
+        desc.world_size = None
+        # beside fp32.pt, the optimizer's own atoms (exp_avg.pt, exp_avg_sq.pt, step.pt), one file each per trainable
+        # parameter (frozen ones, aliases and buffers have fp32.pt alone)
+        atoms = {f.stem for d in params for f in d.iterdir() if f.suffix == ".pt"}
+        desc.optimizer_state_keys = sorted(atoms - {Path(UNIVERSAL_FP32).stem})
         desc.dtypes = {"fp32 masters": "float32"}  # the 16-bit weights are not part of a universal checkpoint
         desc.notes.append(f"a universal checkpoint loads at any world size with checkpoint.load_universal; it was "
                           f"converted from a DeepSpeed run at {int(model_state.get('dp_world_size') or 0)} rank(s)")

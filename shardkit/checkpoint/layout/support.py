@@ -4,7 +4,7 @@ commands themselves, called by each operation's entry point before anything is r
 
 ``refuse_unsupported`` raises for the layouts no command converts correctly (``Refusal`` markers:
 AutoEP, native MoE experts, tensor/pipeline parallel ranks, NVMe-swapped optimizer state), for
-ZeRO-0/1/2 (reshard, consolidate and export take ZeRO-1/2) and for universal checkpoints. The other layouts a command does not take (an FSDP
+ZeRO-0/1/2 (reshard, convert --to fsdp2, consolidate and export take ZeRO-1/2) and for universal checkpoints. The other layouts a command does not take (an FSDP
 FULL_STATE_DICT folder given to ``export``, a DCP folder given to ``reshard``) keep the command's
 own refusal, which already says what the folder is and what to do. A path this module cannot
 describe is left to the command, whose reader names the problem.
@@ -36,8 +36,8 @@ class Verdict:
 
 def _zero12_why(desc: CheckpointDescription) -> str:
     root = Path(desc.folder).parent
-    return (f"a DeepSpeed ZeRO-{desc.stage} checkpoint ({desc.stage_source}): shardkit reshard, consolidate and export "
-            "take it; convert reads ZeRO-3 partitions only today. For "
+    return (f"a DeepSpeed ZeRO-{desc.stage} checkpoint ({desc.stage_source}): shardkit reshard, convert --to fsdp2, "
+            "consolidate and export take it. For "
             f"the full weights, run the zero_to_fp32.py DeepSpeed saved beside it (python {root}/zero_to_fp32.py "
             f"{root} OUT_DIR --safe_serialization); for a universal checkpoint, DeepSpeed's ds_to_universal "
             f"(python -m deepspeed.checkpoint.ds_to_universal --input_folder {desc.folder} "
@@ -47,6 +47,7 @@ def _zero12_why(desc: CheckpointDescription) -> str:
 #: What each command that takes a ZeRO-1/2 checkpoint (without a refusal marker) does with it.
 _ZERO12_TAKEN = {
     "reshard": "new per-rank ZeRO-1/2 files for another world size, loaded by DeepSpeed's plain load_checkpoint",
+    "convert --to fsdp2": "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state",
     "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
     "export": "a from_pretrained folder (needs the model's config.json)",
 }

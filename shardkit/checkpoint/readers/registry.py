@@ -9,6 +9,7 @@ from typing import Callable
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.readers.dcp import read_dcp
 from shardkit.checkpoint.readers.fsdp1 import read_fsdp1_full, read_fsdp1_sharded
+from shardkit.checkpoint.readers.universal import read_universal
 from shardkit.checkpoint.readers.zero3 import read_zero3
 from shardkit.checkpoint.readers.zero12 import read_zero12
 from shardkit.core.errors import CheckpointError
@@ -19,6 +20,7 @@ READERS: dict[str, Reader] = {
     "zero3": read_zero3,
     "dcp": read_dcp,
     "zero12": read_zero12,
+    "universal": read_universal,
     "fsdp1-sharded": read_fsdp1_sharded,
     "fsdp1-full": read_fsdp1_full,
 }

@@ -24,6 +24,7 @@ from shardkit.checkpoint.ops.convert.names import (
 )
 from shardkit.checkpoint.writers.dcp import DcpLayout
 from shardkit.checkpoint.writers.dcp_format import is_plain
+from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef
 
 _GROUP_KEYS_WITHOUT_TORCH_MEANING = {
@@ -158,7 +159,13 @@ def plan_dcp_target(ckpt: TrainingCheckpoint, adam_w_mode: bool | None) -> DcpTa
                                                 "keep in a param group's JSON", "set it again after loading",
                                                 refused=False))
         group["decoupled_weight_decay"] = _decoupled(ckpt, g, i, adam_w_mode, plan)
-        group["params"] = [names.fsdp_name(n) for n in source_groups[i].get("params") or []]
+        members = list(source_groups[i].get("params") or [])
+        strangers = [n for n in members if n not in steps]
+        if strangers:
+            raise CheckpointError(f"{ckpt.folder}: param_groups[{i}] names {strangers[:3]}, which are not trainable "
+                                  f"parameters of the checkpoint ({len(steps)} are); its optimizer and model state "
+                                  "disagree (files of different saves?)")
+        group["params"] = [names.fsdp_name(n) for n in members]
         layout.groups.append(group)
         if dropped:
             dropped_by_value.setdefault(", ".join(dropped), []).append(i)

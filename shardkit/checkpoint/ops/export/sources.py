@@ -20,6 +20,7 @@ from shardkit.checkpoint.hf_trainer.folder import checkpoint_dirs
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME
 from shardkit.checkpoint.readers.fsdp1 import MODEL_FILE as FSDP_FULL_MODEL
+from shardkit.checkpoint.readers.universal import universal_tag_dir
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_tag_dir
 from shardkit.checkpoint.zero12.reader import is_zero12_folder
 from shardkit.core.errors import CheckpointError, UsageError
@@ -70,6 +71,9 @@ def resolve_source(path: str | Path) -> Source:
         notes.append(f"{p} is a Trainer output_dir: exporting {newest.name}, its newest checkpoint{older}. Pass a "
                      "checkpoint-N folder to choose another")
         p = newest
+    universal = universal_tag_dir(p)
+    if universal is not None:  # ds_to_universal output, or the root whose latest_universal names it
+        return Source("universal", universal, p, notes)
     if (p / METADATA_NAME).is_file():
         return Source("dcp", p, p, notes)
     fsdp = fsdp_layout(p)
