@@ -46,14 +46,16 @@ COMMANDS = {
 }
 
 
-#: ZeRO-1/2 layouts reshard takes (tests/test_reshard_zero2.py); every other command refuses them.
+#: ZeRO-1/2 layouts reshard, consolidate and export take (tests/test_reshard_zero2.py, tests/test_zero12_sources.py);
+#: convert refuses them.
 RESHARD_TAKES = {"zero1", "zero2_bf16", "zero2_offload", "trainer_zero2"}
+ZERO12_COMMANDS = {"reshard", "consolidate", "export"}
 #: What takes a universal checkpoint (tests/test_universal_source.py); reshard and convert --to zero3 refuse it.
 UNIVERSAL_COMMANDS = {"convert --to fsdp2", "consolidate", "export"}
 
 
 @pytest.mark.parametrize("label,command", [(label, command) for label in sorted(REFUSED) for command in sorted(COMMANDS)
-                                           if not (command == "reshard" and label in RESHARD_TAKES)
+                                           if not (command in ZERO12_COMMANDS and label in RESHARD_TAKES)
                                            and not (command in UNIVERSAL_COMMANDS and label == "universal")])
 def test_unsupported_layout_is_refused_by_name_and_nothing_is_written(layouts, tmp_path, run_cli, label, command):
     out = tmp_path / "out"
@@ -75,8 +77,8 @@ def test_the_python_api_refuses_too(layouts, tmp_path):
 
     with pytest.raises(CheckpointError, match=r"ds_autoep_layers.*incomplete expert tensors"):
         reshard_zero3(layouts["autoep"], tmp_path / "r", 1)
-    with pytest.raises(CheckpointError, match=r"ZeRO-2 checkpoint .*zero_to_fp32\.py"):
-        consolidate_zero3(layouts["zero2_bf16"], tmp_path / "m.safetensors")
+    with pytest.raises(CheckpointError, match=r"native DeepSpeed MoE expert files"):
+        consolidate_zero3(layouts["moe"], tmp_path / "m.safetensors")
     assert not list(tmp_path.iterdir())
 
 
