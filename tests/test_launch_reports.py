@@ -120,3 +120,53 @@ def test_a_line_over_the_limit_or_without_a_rank_is_ignored():
     finally:
         seen = reports.close()
     assert seen == {}
+
+
+# A rank that starts a Python child (as DeepSpeed's op builder does): the child inherits the rank's
+# whole environment, our sitecustomize included, and must not arm or report "armed" for the rank again.
+_RANK_WITH_A_CHILD = """
+import os, subprocess, sys
+probe = "import os; print(os.getpid(), os.environ.get('SHARDKIT_AUTOPREFLIGHT_ARMED_PID'))"
+child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+print("rank", os.getpid(), "child", child.stdout.strip(), "stderr", repr(child.stderr), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_child_process_of_an_armed_rank_neither_arms_nor_reports():
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from shardkit.autopreflight import rank_env
+
+    lines: list[dict] = []
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def collect() -> None:  # every line any process sends, not deduplicated by rank as RankReports does
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                lines.append(json.loads(conn.makefile().readline()))
+
+    thread = threading.Thread(target=collect, daemon=True)
+    thread.start()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SHARDKIT_")}
+    env = {**rank_env(base), REPORT_ENV: f"127.0.0.1:{server.getsockname()[1]}/tok", "RANK": "0", "WORLD_SIZE": "1"}
+    try:
+        r = subprocess.run([sys.executable, "-c", _RANK_WITH_A_CHILD], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+    assert r.returncode == 0, r.stderr
+    _, rank_pid, _, child_pid, armed_pid, _, child_err = r.stdout.split(maxsplit=6)
+    assert armed_pid == rank_pid != child_pid, r.stdout  # the child saw the rank's mark
+    assert "did not arrive" not in child_err and "autopreflight" not in child_err, child_err
+    assert [(m["event"], m["rank"], str(m["pid"])) for m in lines] == [("armed", 0, rank_pid)], lines

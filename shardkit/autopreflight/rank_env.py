@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shardkit.core.env_settings import read_choice
+from shardkit.core.env_settings import read_choice, read_text
 
 ENV_ENABLE = "SHARDKIT_AUTOPREFLIGHT"
 """Set to "1" by `shardkit launch` unless --no-preflight."""
@@ -21,6 +21,12 @@ ENV_RANK_FROM = "SHARDKIT_AUTOPREFLIGHT_RANK_FROM"
 script itself, so RANK comes only later (deepspeed.initialize's MPI discovery) and PMIX_RANK / PMI_RANK
 is what a rank knows itself by at start-up. Only then: under MPICH's mpirun, PMI_RANK is also set in
 DeepSpeed's launcher_helper, which starts the rank and must never arm."""
+ENV_ARMED_PID = "SHARDKIT_AUTOPREFLIGHT_ARMED_PID"
+"""Set by a rank's ``sitecustomize`` once it arms: that process's id. Its child processes inherit
+the rank's whole environment (RANK, the launch's settings, the PYTHONPATH with our
+``sitecustomize``): DeepSpeed's op builder, a DataLoader worker, a subprocess the script starts.
+Seeing another pid here, such a child knows it is not the rank, so it neither arms nor reports
+"armed" to the launch a second time for the same rank."""
 EXIT_CODE = 3
 """Exit status of a rank whose placement preflight failed (the launcher then stops the others)."""
 
@@ -77,7 +83,19 @@ def rank_of(environ: "os._Environ[str] | dict[str, str] | None" = None) -> tuple
 
 
 def enabled(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
-    """True in a training rank started with the automatic preflight (not in the launcher itself)."""
+    """True in a training rank started with the automatic preflight (not in the launcher itself,
+    nor in a child process of an armed rank)."""
     env = os.environ if environ is None else environ
     # RANK is set by torchrun / the deepspeed launcher for workers only, never for the agent.
-    return env.get(ENV_ENABLE) == "1" and rank_of(env) is not None
+    return env.get(ENV_ENABLE) == "1" and rank_of(env) is not None and not child_of_armed_rank(env)
+
+
+def child_of_armed_rank(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
+    """This process inherited :data:`ENV_ARMED_PID` from a rank that armed (another process id)."""
+    armed = read_text(ENV_ARMED_PID, os.environ if environ is None else environ) or ""
+    return armed.isdigit() and int(armed) != os.getpid()
+
+
+def mark_armed(environ: "os._Environ[str] | dict[str, str] | None" = None) -> None:
+    """Record in the environment this process passes on that it is the rank that armed."""
+    (os.environ if environ is None else environ)[ENV_ARMED_PID] = str(os.getpid())

@@ -71,6 +71,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("SHARDKIT_AUTOPREFLIGHT_RANK_FROM", "choice", "(set by shardkit launch)", "pmi",
             "a rank started with no RANK yet (DeepSpeed's slurm runner: srun runs the script) knows itself by "
             "PMIX_RANK or PMI_RANK", choices=("pmi",), internal=True),
+    Setting("SHARDKIT_AUTOPREFLIGHT_ARMED_PID", "text", "(set by an armed rank)", "a process id",
+            "the rank that armed the preflight; a child process that inherits it neither arms nor reports", internal=True),
 )}
 
 

@@ -10,14 +10,17 @@ def _shardkit_install() -> None:
         # the launch's settings, packed into one PYTHON* variable so that DeepSpeed's multi-node
         # runner carries them to the other nodes (it passes only PYTHON*, MLFLOW*, MV2*, UCX* there)
         from shardkit.autopreflight.launch_link import arrive, send_report
-        from shardkit.autopreflight.rank_env import ENV_ENABLE, enabled
+        from shardkit.autopreflight.rank_env import ENV_ENABLE, child_of_armed_rank, enabled, mark_armed
 
         arrive()
+        if child_of_armed_rank():
+            return  # a child process of an armed rank (DeepSpeed's op builder ...): the rank reports, not it
         if not enabled():
             _say_what_did_not_arrive(ENV_ENABLE)
             return
-        from shardkit.integrations.trainer_hook import wrap_trainer_init
+        mark_armed()  # before anything here can start a child process
         from shardkit.autopreflight.hooks import install
+        from shardkit.integrations.trainer_hook import wrap_trainer_init
 
         install({"transformers.trainer": wrap_trainer_init})
         # a rank of `shardkit launch` silent for SHARDKIT_SILENCE_S (build lock, rendezvous,
