@@ -59,10 +59,29 @@ def _reshard_takes(desc: CheckpointDescription, command: str) -> bool:
     return command in _ZERO12_TAKEN and desc.format == "deepspeed" and desc.stage in (1, 2) and not desc.refusals
 
 
+#: What each command that takes a universal checkpoint (without a refusal marker) does with it
+#: (``readers.universal``); reshard and convert --to zero3 refuse it with ``_universal_why``.
+_UNIVERSAL_TAKEN = {
+    "convert --to fsdp2": "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state",
+    "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
+    "export": "a from_pretrained folder (needs the model's config.json)",
+}
+
+
 def _universal_why(desc: CheckpointDescription) -> str:
-    return ("a DeepSpeed universal checkpoint (ds_to_universal output): only DeepSpeed's loader reads it today; "
-            "resume it at any world size with checkpoint.load_universal: true, or keep the ZeRO-3 checkpoint it was "
-            "made from for shardkit's commands")
+    return ("a DeepSpeed universal checkpoint (ds_to_universal output): shardkit export, consolidate and convert --to "
+            "fsdp2 read it; it needs no reshard (DeepSpeed resumes it at any world size with "
+            "checkpoint.load_universal: true); for ZeRO-3 files, convert --to fsdp2 first, then --to zero3 from its output")
+
+
+def _taken(desc: CheckpointDescription, command: str) -> str | None:
+    """What ``command`` does with a layout ``blocking_reason`` refuses to the other commands (ZeRO-1/2,
+    universal), or None when it refuses it too."""
+    if _reshard_takes(desc, command):
+        return _ZERO12_TAKEN[command]
+    if desc.format == "deepspeed-universal" and not desc.refusals:
+        return _UNIVERSAL_TAKEN.get(command)
+    return None
 
 
 def blocking_reason(desc: CheckpointDescription) -> str | None:
@@ -111,8 +130,7 @@ def verdicts(desc: CheckpointDescription) -> list[Verdict]:
     """What each checkpoint command does with ``desc`` today, or why it refuses it."""
     blocked = blocking_reason(desc)
     if blocked is not None:
-        return [Verdict(c, True, _ZERO12_TAKEN[c]) if _reshard_takes(desc, c) else Verdict(c, False, blocked)
-                for c in COMMANDS]
+        return [Verdict(c, True, taken) if (taken := _taken(desc, c)) else Verdict(c, False, blocked) for c in COMMANDS]
     table = _per_format(desc)
     return [Verdict(c, *table[c]) for c in COMMANDS]
 
@@ -134,5 +152,5 @@ def refuse_unsupported(path: str | Path, command: str) -> None:
     except (CheckpointError, OSError):
         return  # not a layout this module knows, or unreadable: the command's own reader names the problem
     blocked = blocking_reason(desc)
-    if blocked is not None and not _reshard_takes(desc, command):
+    if blocked is not None and _taken(desc, command) is None:
         raise CheckpointError(f"shardkit {command} refuses {path}: {blocked}. Nothing was written")
