@@ -121,7 +121,7 @@ def _copy_trainer_files(src: Path, staged: Path, tags: set[str], rng: RngPlan) -
 
 def _batch_note(tag_dir: Path, source_world: int, world_size: int) -> str | None:
     """The global batch at the new world size when the Trainer keeps its per-device settings."""
-    cfg = (open_zero12_checkpoint(tag_dir) if is_zero12_folder(tag_dir) else open_zero3_checkpoint(tag_dir, torch_free=True)).ds_config
+    cfg = (open_zero12_checkpoint(tag_dir, torch_free=True) if is_zero12_folder(tag_dir) else open_zero3_checkpoint(tag_dir, torch_free=True)).ds_config
     micro, accum = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")
     if not isinstance(micro, int) or not isinstance(accum, int) or source_world == world_size:
         return None
