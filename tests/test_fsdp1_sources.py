@@ -93,6 +93,30 @@ def save_fsdp1_checkpoints(base: str) -> dict[str, list[str]]:
     return out
 
 
+def resume_fsdp2(root: str) -> dict[str, Any] | None:
+    """Rank target: FSDP2 (one unit per decoder layer) over a differently initialized model, AdamW with
+    other hyperparameters, loading ``root`` with shardkit's ``load_fsdp_checkpoint``; rank 0 returns the
+    full model and optimizer state right after the load."""
+    import torch.distributed as dist
+
+    from shardkit.checkpoint.ops.fsdp_checkpoint import (
+        full_model_state_dict,
+        full_optimizer_state_dict,
+        load_fsdp_checkpoint,
+    )
+    from shardkit.config.fsdp import fsdp_config_from_dict
+    from shardkit.engines.fsdp import apply_fsdp
+    from shardkit.engines.model_factory import tiny_llama
+
+    cfg = fsdp_config_from_dict({"fsdp": {"wrap": ["LlamaDecoderLayer"], "mixed_precision": "none",
+                                          "cpu_offload": False, "pin_memory": False}})
+    model = apply_fsdp(tiny_llama("tiny", seed=1), cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    load_fsdp_checkpoint(model, opt, root)
+    state = {"model": full_model_state_dict(model), "optim": full_optimizer_state_dict(model, opt)}
+    return state if dist.get_rank() == 0 else None
+
+
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory) -> Path:
     from shardkit.run.spawn.process import run_ranks
@@ -203,3 +227,50 @@ def test_local_state_dict_is_refused_naming_the_fix(saves, tmp_path, run_cli):
     assert "without the names and shapes of the parameters inside it" in err
     assert "Resume it at the same world size and save with SHARDED_STATE_DICT" in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("label", ["sharded", "full"])
+def test_convert_to_fsdp2_resumes_with_masters_and_moments(saves, tmp_path, run_cli, label):
+    from shardkit.run.spawn.process import run_ranks
+
+    ckpt = saves / label / "checkpoint-2"
+    before = _tree(ckpt)
+    code, stdout, err = run_cli("convert", ckpt, "--to", "fsdp2", "-o", tmp_path / "fsdp2")
+    assert code == 0, err
+    assert f"fsdp1-{label} -> fsdp2, 21 parameters" in stdout
+    assert "carried: fp32 masters (21 trainable), exp_avg, exp_avg_sq, step" in stdout
+    assert "pytorch_model_fsdp" not in stdout.split("not carried:", 1)[-1]  # what was converted is not listed as left
+    got = run_ranks(resume_fsdp2, 3, args=(str(tmp_path / "fsdp2"),), timeout=300, device="cpu")[0].value
+    expected = _expected(saves, label)
+    moments = _expected(saves, "sharded_flat" if label == "sharded" else label)["optimizer"]  # see the test above
+    assert got["model"].keys() == expected["weights"].keys()
+    for name, value in expected["weights"].items():
+        assert torch.equal(got["model"][name], value), name
+    for name, states in moments["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got["optim"]["state"][name][key], states[key], rtol=1e-6, atol=0,
+                                       msg=f"{name} {key}")
+        assert float(got["optim"]["state"][name]["step"]) == 2.0
+    [group] = got["optim"]["param_groups"]
+    assert (group["lr"], group["weight_decay"]) == (0.01, 0.1)  # the saved run's, not the resuming optimizer's
+    assert _tree(ckpt) == before
+
+
+@pytest.mark.parametrize("label", ["sharded", "full"])
+def test_consolidate_writes_the_weights_at_save_time(saves, tmp_path, run_cli, label):
+    from safetensors.torch import load_file
+
+    code, stdout, err = run_cli("consolidate", saves / label / "checkpoint-2", "-o", tmp_path / "model.safetensors")
+    assert code == 0, err
+    written, expected = load_file(tmp_path / "model.safetensors"), _expected(saves, label)["weights"]
+    assert written.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(written[name], value), name
+
+
+def test_reshard_still_refuses_an_fsdp_folder_naming_what_takes_it(saves, tmp_path, run_cli):
+    ckpt = saves / "sharded" / "checkpoint-2"
+    code, _, err = run_cli("reshard", ckpt, "--world-size", "3", "-o", tmp_path / "x")
+    assert code == 1 and "nothing to reshard" in err
+    assert "export, consolidate and convert --to fsdp2 read its SHARDED_STATE_DICT and FULL_STATE_DICT layouts" in err
+    assert not (tmp_path / "x").exists()

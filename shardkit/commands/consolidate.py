@@ -60,7 +60,7 @@ def consolidate_command(args: argparse.Namespace) -> int:
     clock = Stopwatch()
 
     # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
-    source = resolve_source(args.checkpoint, lambda m: print(f"note: {m}"))
+    source = resolve_source(args.checkpoint, lambda m: print(f"note: {m}"), fsdp_read=True)
     with byte_progress(args, "consolidate"):
         result = consolidate_zero3(
             source, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,

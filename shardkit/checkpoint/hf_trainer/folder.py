@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, fsdp_refusal
+from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, fsdp_refusal, read_by_shardkit
 from shardkit.checkpoint.hf_trainer.rng_files import RNG_RANK_FILE, RNG_SINGLE_FILE, plan_rng_files
 from shardkit.core.errors import CheckpointError
 from shardkit.core.findings import Finding, Severity
@@ -98,7 +98,7 @@ def _no_deepspeed_message(p: Path, picked_from: Path | None) -> str:
 
 
 @os_errors_named("reading the checkpoint folder")
-def locate_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint | None:
+def locate_trainer_checkpoint(path: str | Path, *, fsdp_read: bool = False) -> TrainerCheckpoint | None:
     """The Trainer checkpoint ``path`` designates, or None when ``path`` is not Trainer-shaped (a
     plain DeepSpeed root or tag folder, a file, a missing path: the callers' own rules apply).
 
@@ -106,7 +106,9 @@ def locate_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint | None:
     DeepSpeed root inside is returned as is. An output_dir (it holds ``checkpoint-N`` folders)
     resolves to the newest one, as ``get_last_checkpoint`` picks it. Raises one CheckpointError
     naming the folder for a ``checkpoint-N`` without a DeepSpeed checkpoint inside (FSDP, DDP,
-    ``save_only_model``) and for an output_dir without any ``checkpoint-N``.
+    ``save_only_model``) and for an output_dir without any ``checkpoint-N``; with ``fsdp_read`` (the
+    commands whose readers take accelerate's FSDP files) a ``checkpoint-N`` holding a layout
+    ``readers.fsdp1`` reads is returned instead.
     """
     p = Path(path)
     if not p.is_dir() or p.name.startswith(STAGING_PREFIX):
@@ -118,12 +120,13 @@ def locate_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint | None:
     found = checkpoint_dirs(p)
     if found:
         newest = found[-1][1]
-        if not (newest / LATEST_NAME).exists() and not _deepspeed_tags(newest):
+        readable = (newest / LATEST_NAME).exists() or _deepspeed_tags(newest) or (fsdp_read and _fsdp_read(newest))
+        if not readable:
             older = f". Older checkpoints there: {', '.join(d.name for _, d in found[:-1])}" if found[:-1] else ""
             raise CheckpointError(_no_deepspeed_message(newest, p) + older)
         return TrainerCheckpoint(newest, picked_from=p, others=tuple(d.name for _, d in found[:-1]))
     if (p / TRAINER_STATE).is_file() or CHECKPOINT_DIR.match(p.name):
-        if _deepspeed_tags(p):
+        if _deepspeed_tags(p) or (fsdp_read and _fsdp_read(p)):
             return TrainerCheckpoint(p)  # no 'latest': the DeepSpeed reader names the tags found
         raise CheckpointError(_no_deepspeed_message(p, None))
     markers = [m for m in _OUTPUT_DIR_MARKERS if (p / m).exists()]
@@ -137,6 +140,11 @@ def locate_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint | None:
     return None
 
 
+def _fsdp_read(p: Path) -> bool:
+    layout = fsdp_layout(p)
+    return layout is not None and read_by_shardkit(layout, p)
+
+
 def trainer_folder_of_tag(path: str | Path) -> Path | None:
     """The Trainer ``checkpoint-N`` holding ``path`` when ``path`` is its ``global_stepN`` tag folder
     (resharding that alone leaves the Trainer's files behind), else None."""
@@ -146,10 +154,10 @@ def trainer_folder_of_tag(path: str | Path) -> Path | None:
     return None
 
 
-def resolve_source(path: str | Path, say: Callable[[str], None]) -> Path:
+def resolve_source(path: str | Path, say: Callable[[str], None], *, fsdp_read: bool = False) -> Path:
     """``path`` as the DeepSpeed root a reader should open: a Trainer output_dir becomes its newest
     ``checkpoint-N`` (told through ``say``); anything else is returned unchanged."""
-    found = locate_trainer_checkpoint(path)
+    found = locate_trainer_checkpoint(path, fsdp_read=fsdp_read)
     if found is None:
         return Path(path)
     note = found.note()
@@ -175,10 +183,12 @@ def trainer_files_not_converted(folder: Path) -> list[str]:
         converted_tag: str | None = read_latest(folder) if (folder / LATEST_NAME).is_file() else None
     except CheckpointError:
         converted_tag = None
+    fsdp = fsdp_layout(folder)  # accelerate's model and optimizer files are what was converted
+    converted = {n.rstrip("/") for n in fsdp.model + fsdp.optimizer} if fsdp and read_by_shardkit(fsdp, folder) else set()
     out = []
     for e in sorted(folder.iterdir(), key=lambda e: e.name):
         name = e.name
-        if name == LATEST_NAME or name.startswith("."):
+        if name == LATEST_NAME or name.startswith(".") or name in converted:
             continue
         if name.startswith(DEEPSPEED_TAG_PREFIX) and e.is_dir():
             if converted_tag is None or name == converted_tag:

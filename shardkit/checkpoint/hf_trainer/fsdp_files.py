@@ -91,22 +91,31 @@ def fsdp_layout(folder: Path) -> FsdpLayout | None:
     return None
 
 
+def read_by_shardkit(layout: FsdpLayout, folder: Path) -> bool:
+    """True for the layouts ``readers.fsdp1`` reads (export, consolidate, convert --to fsdp2 take them):
+    SHARDED_STATE_DICT's DCP folders and FULL_STATE_DICT's ``pytorch_model_fsdp.bin``."""
+    return layout.state_dict_type == "SHARDED_STATE_DICT" or (
+        layout.state_dict_type == "FULL_STATE_DICT" and (folder / f"{FSDP_MODEL_NAME}.bin").is_file())
+
+
 def fsdp_refusal(head: str, layout: FsdpLayout, folder: Path) -> str:
     """Why ``folder`` (an FSDP Trainer checkpoint) is not something shardkit reshards, consolidates
     or converts, and what the user can do with it instead, true to the layout found."""
     what = (f"it was saved by FSDP through Accelerate with fsdp_state_dict_type {layout.state_dict_type} "
             f"(model: {', '.join(layout.model)}; optimizer: {', '.join(layout.optimizer) or 'none saved'}"
             f"{f'; written by {layout.ranks} rank(s)' if layout.ranks else ''})")
-    not_ours = ("shardkit's reshard, consolidate and convert read DeepSpeed ZeRO-3 checkpoint-N folders and "
-                "shardkit's own FSDP2 checkpoints (save_fsdp_checkpoint), not accelerate's FSDP files")
+    not_ours = ("shardkit's reshard reads DeepSpeed checkpoint-N folders, not accelerate's FSDP files; export, "
+                "consolidate and convert --to fsdp2 read its SHARDED_STATE_DICT and FULL_STATE_DICT layouts"
+                if read_by_shardkit(layout, folder) else
+                "shardkit's export, consolidate and convert read accelerate's SHARDED_STATE_DICT (DCP) and "
+                "FULL_STATE_DICT layouts, not accelerate's FSDP files of one rank each")
     if not layout.optimizer:
         return (f"{head}; {what}. It holds no optimizer state (TrainingArguments.save_only_model=True, or the save "
                 f"was interrupted), so it can start a new run but not resume one. {not_ours}")
     if layout.state_dict_type == "SHARDED_STATE_DICT":
         return (f"{head}; {what}: torch.distributed.checkpoint folders, the same layout under FSDP1 and FSDP2. "
                 "The Trainer resumes it at any world size as it is (DCP reshards while loading), so there is nothing "
-                f"to reshard. {not_ours}; for one file of full weights, save with fsdp_state_dict_type "
-                "FULL_STATE_DICT (the Trainer then writes model.safetensors)")
+                f"to reshard. {not_ours}")
     if layout.state_dict_type == "FULL_STATE_DICT":
         safetensors = " and model.safetensors" if (folder / "model.safetensors").is_file() else ""
         return (f"{head}; {what}: the whole model and the whole, unsharded optimizer state, saved by rank 0. The "

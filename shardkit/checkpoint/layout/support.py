@@ -112,16 +112,19 @@ def _per_format(desc: CheckpointDescription) -> dict[str, tuple[bool, str]]:
             "consolidate": (False, "consolidate reads ZeRO-3; use export for a from_pretrained folder"),
             "export": (True, "a from_pretrained folder (needs the model's config.json)"),
         }
-    if desc.format == "accelerate-fsdp":
-        sharded = desc.state_dict_type == "SHARDED_STATE_DICT"
-        not_ours = ("shardkit's reshard, convert and consolidate read DeepSpeed ZeRO-3 and shardkit's own FSDP2 "
-                    "checkpoints, not accelerate's FSDP files")
-        export = ((True, "a from_pretrained folder from pytorch_model_fsdp_0/ (equal to torch's dcp_to_torch_save)")
-                  if sharded else (False, "export reads accelerate's SHARDED_STATE_DICT (DCP) layout only"
-                                   + ("; a FULL_STATE_DICT folder holds the full weights already"
-                                      if desc.state_dict_type == "FULL_STATE_DICT" else "")))
-        return {"reshard": (False, not_ours), "convert --to fsdp2": (False, not_ours),
-                "convert --to zero3": (False, not_ours), "consolidate": (False, not_ours), "export": export}
+    if desc.format == "accelerate-fsdp":  # readers.fsdp1 reads SHARDED (DCP) and FULL; per-rank files are refused
+        if desc.state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+            files = "pytorch_model_fsdp_0/ + optimizer_0/" if desc.state_dict_type == "SHARDED_STATE_DICT" else \
+                "pytorch_model_fsdp.bin + optimizer.bin"
+            return {"reshard": (False, "the Trainer resumes it at any world size as it is: there is nothing to reshard"),
+                    "convert --to fsdp2": (True, f"a DCP checkpoint FSDP2 resumes at any world size, weights and Adam "
+                                                 f"state from {files} (the optimizer keyed by parameter names)"),
+                    "convert --to zero3": (False, "convert --to fsdp2 first, then --to zero3 from its output"),
+                    "consolidate": (True, "the weights as one safetensors file"),
+                    "export": (True, "a from_pretrained folder (needs the model's config.json)")}
+        why = ("each rank's flat FSDP shard in its own file, without the parameters' names and shapes: resume at the "
+               "same world size and save with fsdp_state_dict_type SHARDED_STATE_DICT")
+        return {c: (False, why) for c in COMMANDS}
     why = "a from_pretrained folder already: load it as it is"
     return {c: (False, why) for c in COMMANDS}
 
