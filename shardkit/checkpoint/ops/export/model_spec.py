@@ -19,12 +19,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from shardkit.checkpoint.ops.export.conversion import SaveConversion, save_conversion
 from shardkit.core.errors import UsageError
-
-if TYPE_CHECKING:
-    from shardkit.checkpoint.ops.export.conversion import SaveConversion
 
 CONFIG_NAME = "config.json"
 
@@ -116,8 +114,6 @@ def _first_line(exc: BaseException) -> str:
 def model_spec(config_dir: Path) -> ModelSpec:
     """Build the config's model class on the meta device and read off what it expects."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    from shardkit.checkpoint.ops.export.conversion import save_conversion
 
     model = meta_model(config_dir)
     state = model.state_dict()
