@@ -24,11 +24,12 @@ from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
 from shardkit.checkpoint.writers.dcp import DcpLayout, dcp_items
-from shardkit.checkpoint.writers.dcp_files import source_signatures, write_dcp
+from shardkit.checkpoint.writers.dcp_files import source_files, write_dcp
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.manifest import Manifest
 from shardkit.storage.request import RunRequest, source_of
 from shardkit.storage.shared_save import launch_from_env
+from shardkit.storage.shared_tag import signatures
 from shardkit.storage.torch_load import read_structure
 
 
@@ -68,7 +69,7 @@ def _write(ckpt: TrainingCheckpoint, layout: DcpLayout, root: Path, tag: str = "
     items = dcp_items(ckpt, layout)
     facts = Manifest(engine="fsdp2", tag=tag, world_size=1, step=3, extra={"user": {}})
     request = RunRequest("convert --to fsdp2", source_of(ckpt.folder), str(root.resolve()), tag, {})
-    write_dcp(root, tag, items, facts, ckpt.folder, {}, source_signatures(ckpt.folder), 2, launch_from_env({}), request)
+    write_dcp(root, tag, items, facts, ckpt.folder, {}, signatures(source_files(ckpt)), 2, launch_from_env({}), request)
     return root / tag
 
 
@@ -121,9 +122,20 @@ def test_pieces_that_miss_elements_are_refused_naming_the_tensor(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_source_read_without_its_optimizer_is_refused_by_name(tmp_path):
+def test_a_source_read_without_its_optimizer_is_refused_by_name(tmp_path, monkeypatch):
+    """A reader that describes the weights only (optimizer_described False): convert --to fsdp2 would
+    start Adam from zero, so it is refused by name before anything is written."""
+    from shardkit.checkpoint.readers import registry
+
     ckpt, layout, _ = _hand_built(tmp_path)
     _write(ckpt, layout, tmp_path / "dcp")
+    weights_only = registry.READERS["dcp"]
+
+    def read(folder: Path) -> TrainingCheckpoint:
+        found = weights_only(folder)
+        return TrainingCheckpoint("dcp", folder, found.weights, notes=found.notes)
+
+    monkeypatch.setitem(registry.READERS, "dcp", read)
     with pytest.raises(CheckpointError, match=r"shardkit's dcp reader describes this checkpoint's weights only, not "
                                               r"its optimizer state.*For the weights alone: shardkit export"):
         convert_to_dcp(tmp_path / "dcp", tmp_path / "out", warn=lambda m: None)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.writers.dcp import DcpItems
 from shardkit.checkpoint.writers.dcp_format import (
     Stored,
@@ -35,7 +36,7 @@ from shardkit.storage.manifest import FileEntry, Manifest
 from shardkit.storage.pipeline import default_workers
 from shardkit.storage.request import RunRequest
 from shardkit.storage.shared_save import Launch, outcome_unchanged, split_by_bytes
-from shardkit.storage.shared_tag import Activity, Signature, signatures, write_tag_shared
+from shardkit.storage.shared_tag import Activity, Signature, write_tag_shared
 from shardkit.storage.stream import FileJob, write_parallel
 
 #: The file holding the small items (the name DCP's writer gives rank 0's first file).
@@ -44,9 +45,10 @@ SMALL_FILE = "__0_0.distcp"
 CONVERT = Activity("the conversion", "convert again", "convert", "convert the previous checkpoint")
 
 
-def source_signatures(folder: Path) -> dict[Path, Signature]:
-    """The source's files as they are before anything is read (``check_unchanged`` compares)."""
-    return signatures(sorted(f for f in folder.iterdir() if f.is_file()))
+def source_files(ckpt: TrainingCheckpoint) -> list[Path]:
+    """Every file a tensor of ``ckpt`` is copied from (its pieces' files), in path order."""
+    tensors = [*ckpt.weights.values(), *(t for states in ckpt.optimizer.values() for t in states.values())]
+    return sorted({p.file for t in tensors for p in t.pieces})
 
 
 @dataclass

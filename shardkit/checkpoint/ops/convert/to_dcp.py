@@ -37,7 +37,7 @@ from shardkit.checkpoint.ops.convert.to_dcp_plan import DcpTarget, plan_dcp_targ
 from shardkit.checkpoint.ops.export.sources import resolve_source
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.writers.dcp import MODEL_KEY, OPTIM_KEY, dcp_items
-from shardkit.checkpoint.writers.dcp_files import ShareResult, source_signatures, write_dcp
+from shardkit.checkpoint.writers.dcp_files import ShareResult, source_files, write_dcp
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import library_versions
@@ -51,6 +51,7 @@ from shardkit.storage.pipeline import (
 )
 from shardkit.storage.request import RunRequest, source_of
 from shardkit.storage.shared_save import Launch, launch_from_env
+from shardkit.storage.shared_tag import signatures
 from shardkit.storage.verify import refuse_links_leaving
 
 
@@ -101,8 +102,13 @@ def convert_to_dcp(
         for note in checked.warnings:
             if not (verify and note.startswith("--no-verify")):
                 warn(note)
-    before = source_signatures(source_dir)
     ckpt = read_checkpoint(found.kind, source_dir)
+    files = source_files(ckpt)
+    outside = sorted({f.parent for f in files if source_dir.resolve() not in f.resolve().parents})
+    if outside:  # a reader reading beside the folder it was given (accelerate's optimizer_0/): no link out of those either
+        refuse_links_leaving(found.folder, "convert")
+    # the files whose bytes are copied, as they are now: one rewritten during the copy fails the run
+    before = signatures(files)
     if not ckpt.optimizer_described:
         raise CheckpointError(
             f"{source_dir}: shardkit's {found.kind} reader describes this checkpoint's weights only, not its optimizer "
