@@ -132,10 +132,10 @@ def _resume_main(method: str, ckpt: str, result: str) -> None:
 
 
 def _convert_to_zero3_main(source: str, out: str) -> None:
-    from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
+    from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
 
     # the resuming run's config (bf16, sub_group_size default): the files must match its engine
-    convert_dcp_to_zero3(source, out, world_size=RESUME_WORLD, ds_config=ds_config(RESUME_WORLD))
+    convert_to_zero3(source, out, world_size=RESUME_WORLD, ds_config=ds_config(RESUME_WORLD))
 
 
 def _save_main(out: str) -> None:
@@ -568,7 +568,7 @@ def scaling_table(r: dict[str, Any]) -> str:
 def _have_convert() -> bool:
     import importlib.util
 
-    return all(importlib.util.find_spec(f"shardkit.checkpoint.ops.convert.{m}") is not None for m in ("to_dcp", "dcp_to_zero3"))
+    return all(importlib.util.find_spec(f"shardkit.checkpoint.ops.convert.{m}") is not None for m in ("to_dcp", "to_zero3"))
 
 
 def convert_rows(workdir: Path, ckpt: Path, env: dict[str, str], resume: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
+from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
 from shardkit.core.errors import CheckpointError, ConfigError, UsageError
 from shardkit.storage.torch_load import safe_torch_load
 from tests import _ranks_ckpt as C
@@ -48,18 +48,18 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     out: dict[str, Any] = {"base": base, "src": src, "ref": ref, "result": {}, "seconds": {}, "loaded": {}}
     # names: tied embeddings, a frozen norm, two param groups (one process, no FSDP), for 3 ranks
     out["named_ref"] = B.named_dcp(str(base / "named_dcp"))
-    out["named_result"] = convert_dcp_to_zero3(base / "named_dcp", base / "named_zero3", world_size=3,
+    out["named_result"] = convert_to_zero3(base / "named_dcp", base / "named_zero3", world_size=3,
                                                ds_config=N.ds_config(3))
     for n in WORLDS:
         dst = base / f"zero3_ws{n}"
         t0 = time.perf_counter()
-        out["result"][n] = convert_dcp_to_zero3(src, dst, world_size=n, ds_config=B.ds_config(n, OFFLOAD[n]))
+        out["result"][n] = convert_to_zero3(src, dst, world_size=n, ds_config=B.ds_config(n, OFFLOAD[n]))
         out["seconds"][n] = time.perf_counter() - t0
         named = str(base / "named_zero3") if n == 3 else None
         bf16 = None
         if n == 1:  # a bf16 engine too: bf16_ file names, bf16 module placeholders, fp32 masters
             bf16 = str(base / "zero3_bf16")
-            convert_dcp_to_zero3(src, bf16, world_size=1, ds_config={**B.ds_config(1, False), "bf16": {"enabled": True}})
+            convert_to_zero3(src, bf16, world_size=1, ds_config={**B.ds_config(1, False), "bf16": {"enabled": True}})
         ranks = run_ranks(B.load_and_continue, n, args=(str(dst), OFFLOAD[n], 2, 2, str(base / f"saved_ws{n}"), named,
                                                         bf16), timeout=400, device="cpu")
         out["loaded"][n] = [r.value for r in ranks]
@@ -208,7 +208,7 @@ def test_round_trip_zero3_fsdp2_zero3_is_tensor_equal(runs, tmp_path):
     tag = "global_step4"
     ds_cfg = safe_torch_load(first / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")["ds_config"]
     convert_to_dcp(first, tmp_path / "dcp")
-    r = convert_dcp_to_zero3(tmp_path / "dcp", tmp_path / "back", world_size=3, ds_config=ds_cfg)
+    r = convert_to_zero3(tmp_path / "dcp", tmp_path / "back", world_size=3, ds_config=ds_cfg)
     assert r.tag == tag
     names = sorted(p.name for p in (first / tag).glob("*.pt"))
     assert names == sorted(p.name for p in (tmp_path / "back" / tag).glob("*.pt")) and len(names) == 6
@@ -254,36 +254,36 @@ def _cfg(**changes: Any) -> dict[str, Any]:
 ], ids=["sgd", "fp16", "stage2", "sub_group_size", "adam-l2", "bf16-auto"])
 def test_refuses_configs_it_cannot_serve(runs, tmp_path, cfg, match):
     with pytest.raises(UsageError, match=match):
-        convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=2, ds_config=cfg)
+        convert_to_zero3(runs["src"], tmp_path / "out", world_size=2, ds_config=cfg)
     assert not (tmp_path / "out" / "latest").exists()
 
 
 def test_refuses_bad_sources_and_arguments(runs, tmp_path):
     src = runs["src"]
     with pytest.raises(UsageError, match=r"--world-size 0: must be a whole number from 1 to"):
-        convert_dcp_to_zero3(src, tmp_path / "a", world_size=0)
-    with pytest.raises(UsageError, match=r"is a DeepSpeed ZeRO checkpoint .* not an FSDP2 \(DCP\) one; .*shardkit reshard"):
-        convert_dcp_to_zero3(runs["result"][1].output, tmp_path / "b", world_size=2)
+        convert_to_zero3(src, tmp_path / "a", world_size=0)
+    with pytest.raises(UsageError, match=r"is a DeepSpeed ZeRO-3 checkpoint already; --to zero3 converts other formats.*shardkit reshard"):
+        convert_to_zero3(runs["result"][1].output, tmp_path / "b", world_size=2)
     with pytest.raises(CheckpointError, match=r"does not exist"):
-        convert_dcp_to_zero3(tmp_path / "missing", tmp_path / "c", world_size=2)
+        convert_to_zero3(tmp_path / "missing", tmp_path / "c", world_size=2)
     with pytest.raises(ConfigError, match=r"missing\.json"):
-        convert_dcp_to_zero3(src, tmp_path / "c2", world_size=2, ds_config=tmp_path / "missing.json")
+        convert_to_zero3(src, tmp_path / "c2", world_size=2, ds_config=tmp_path / "missing.json")
     with pytest.raises(UsageError, match=r"unknown option\(s\) \['sub_group'\]"):
-        convert_dcp_to_zero3(src, tmp_path / "d", world_size=2, sub_group=5)
+        convert_to_zero3(src, tmp_path / "d", world_size=2, sub_group=5)
     bad = tmp_path / "corrupt"
     shutil.copytree(src, bad)
     flip_a_byte(bad / "step2" / "__1_0.distcp")
     with pytest.raises(CheckpointError, match=r"refusing to read .*__1_0\.distcp.*blake3 mismatch"):
-        convert_dcp_to_zero3(bad, tmp_path / "e", world_size=2)
+        convert_to_zero3(bad, tmp_path / "e", world_size=2)
     # an FSDP2 save keeps float32 parameters also under bf16 mixed precision: without the resuming
     # run's config the files' precision (bf16_ names or not) is not guessed (issue 20)
     with pytest.raises(UsageError, match=r"no --ds-config given and the source does not tell the precision of the "
                        r"resuming run: its manifest's dtype 'float32'"):
-        convert_dcp_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000)
-    done = convert_dcp_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000, ds_config=B.ds_config(2, False))
+        convert_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000)
+    done = convert_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000, ds_config=B.ds_config(2, False))
     assert any("sub-group(s) at sub_group_size 5000" in note for note in done.notes)
     with pytest.raises(UsageError, match=r"already holds checkpoint 'step2' .* pass --force"):
-        convert_dcp_to_zero3(src, tmp_path / "f", world_size=2)
+        convert_to_zero3(src, tmp_path / "f", world_size=2)
     shapes = safe_torch_load(tmp_path / "f" / "step2" / "zero_pp_rank_1_mp_rank_00_model_states.pt")["param_shapes"]
     assert len(shapes) > 1  # split as DeepSpeed splits at sub_group_size 5000
 
@@ -323,7 +323,7 @@ def test_direct_slices_and_dcp_load_write_the_same_tensors(runs, tmp_path, monke
     from shardkit.checkpoint.dcp import slices as dcp_slices
 
     monkeypatch.setattr(dcp_slices.DcpSlices, "chunks", lambda self, key: None)
-    r = convert_dcp_to_zero3(runs["src"], tmp_path / "via_dcp", world_size=3, ds_config=B.ds_config(3, True))
+    r = convert_to_zero3(runs["src"], tmp_path / "via_dcp", world_size=3, ds_config=B.ds_config(3, True))
     direct = runs["result"][3]
     for rank in range(3):
         name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
@@ -337,7 +337,7 @@ def test_direct_slices_refuse_what_they_cannot_read(runs):
     """What dcp.slices reads straight from the files (element ranges, whole tensors, plain values,
     byte equality) equals what dcp.load gives, and what it cannot read it answers with None."""
     from shardkit.checkpoint.dcp.slices import DcpSlices
-    from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource
+    from shardkit.checkpoint.readers.dcp import _load_items
     from tests.test_dcp_plain_metadata import assert_same_as_torch
 
     tag_dir = runs["src"] / "step2"
@@ -351,7 +351,7 @@ def test_direct_slices_refuse_what_they_cannot_read(runs):
         assert not slices.read_into("model.lm_head.weight", 0, out)  # another dtype: caller loads it
         # the whole-tensor, value and equality readers against dcp.load of the same items
         step_key, lr_key = "optim.state.lm_head.weight.step", "optim.param_groups.0.lr"
-        loaded = DcpSource(tag_dir).load([step_key, lr_key, "optim.param_groups.0.betas"])
+        loaded = _load_items(tag_dir, slices.md, [step_key, lr_key, "optim.param_groups.0.betas"])
         ref = slices.tensor_ref(step_key)
         assert ref is not None and (ref.dtype, ref.shape) == ("float32", ())
         assert slices.scalar(ref) == float(loaded[step_key]) == 2.0
@@ -374,7 +374,7 @@ def test_the_first_failed_rank_file_stops_the_rest_and_leaves_nothing(runs, tmp_
     started are cancelled instead of written into a staging folder that is about to be removed."""
     import threading
 
-    import shardkit.checkpoint.ops.convert.dcp_to_zero3_write as d2z
+    import shardkit.checkpoint.writers.zero3 as d2z
 
     real, started, lock = d2z.write_rank_file, [], threading.Lock()
 
@@ -388,7 +388,7 @@ def test_the_first_failed_rank_file_stops_the_rest_and_leaves_nothing(runs, tmp_
 
     monkeypatch.setattr(d2z, "write_rank_file", rank0_fails)
     with pytest.raises(CheckpointError, match=r"converting the checkpoint failed \(OSError: rank 0's disk went away\)"):
-        convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=8, ds_config=B.ds_config(2, False))
+        convert_to_zero3(runs["src"], tmp_path / "out", world_size=8, ds_config=B.ds_config(2, False))
     assert len(started) <= 9, started  # 8 writers: the 8 optim files, at most one model file of the 8 queued
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
 
@@ -529,6 +529,6 @@ def test_a_source_needing_dcp_load_is_refused_under_a_launcher(runs, tmp_path, m
                                          r"stored chunks are not dim-0 slabs in plain zip "
                                          r"records .*\); they are read through torch.distributed.checkpoint, in one process "
                                          r"only, and torchrun started 2\. Run shardkit convert once, without srun/torchrun"):
-        convert_dcp_to_zero3(runs["src"], tmp_path / "out", world_size=3, ds_config=B.ds_config(3, True),
+        convert_to_zero3(runs["src"], tmp_path / "out", world_size=3, ds_config=B.ds_config(3, True),
                              launch=Launch(0, 2, "job-1", "torchrun", "host"))
     assert not (tmp_path / "out").exists()

@@ -24,9 +24,11 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
-from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import source_precision, target_names
-from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import SourcePlan
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
+from shardkit.checkpoint.ops.convert.to_zero3_plan import SourcePrecision, decide_precision, target_names
+from shardkit.checkpoint.readers.dcp import precision_seen
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.manifest import Manifest
 from shardkit.storage.torch_load import safe_torch_load
@@ -122,7 +124,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 
 def test_a_float32_source_without_ds_config_is_refused_naming_the_option_and_the_value(sources, tmp_path):
     with pytest.raises(UsageError) as err:
-        convert_dcp_to_zero3(sources["fp32"], tmp_path / "out", world_size=2)
+        convert_to_zero3(sources["fp32"], tmp_path / "out", world_size=2)
     msg = str(err.value)
     assert "no --ds-config given and the source does not tell the precision of the resuming run: its manifest's " \
            "dtype 'float32'" in msg, msg
@@ -133,7 +135,7 @@ def test_a_float32_source_without_ds_config_is_refused_naming_the_option_and_the
 
 
 def test_a_bf16_source_gets_bf16_file_names_without_a_config(sources, tmp_path):
-    r = convert_dcp_to_zero3(sources["bf16"], tmp_path / "out", world_size=2)
+    r = convert_to_zero3(sources["bf16"], tmp_path / "out", world_size=2)
     names = sorted(f.name for f in (tmp_path / "out" / "step2").iterdir())
     assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in names, names
     assert not any(n.startswith("zero_pp_rank") and n.endswith("optim_states.pt") for n in names), names
@@ -142,67 +144,65 @@ def test_a_bf16_source_gets_bf16_file_names_without_a_config(sources, tmp_path):
                            "are named bf16_zero_pp_rank_*")
     # bf16 moments and parameters are cast to the fp32 masters and moments: the torch route, said and named
     assert r.route == "torch"
-    (route,) = [n for n in r.notes if n.startswith("written through torch (dcp.load; slower, more memory): ")]
+    (route,) = [n for n in r.notes if n.startswith("written through torch (slower, more memory): ")]
     assert re.search(r"model\.layers\.0\.weight is bfloat16, the ZeRO-3 files hold it as float32 \(a cast\)", route), route
     model = safe_torch_load(tmp_path / "out" / "step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert model["ds_config"]["bf16"] == {"enabled": True}
     assert all(v.dtype == torch.bfloat16 for k, v in model["module"].items() if k != "scale")
     # a config saying otherwise wins, and the disagreement is said
-    r = convert_dcp_to_zero3(sources["bf16"], tmp_path / "fp32", world_size=2, ds_config=_ds_config(2))
+    r = convert_to_zero3(sources["bf16"], tmp_path / "fp32", world_size=2, ds_config=_ds_config(2))
     assert (tmp_path / "fp32" / "step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
     assert any(n.startswith("the source trained in bf16 (its manifest's dtype 'bfloat16'); the files are written for "
                             "the given config's fp32") for n in r.notes), r.notes
 
 
 def test_the_precision_a_zero3_origin_recorded_is_certain_and_fp16_is_refused(tmp_path):
-    plan = SourcePlan(trainable=[], param_group_of={}, frozen=[], buffers=[], aliases={}, model_keys=[], steps={}, groups=[])
+    ckpt = TrainingCheckpoint("dcp", tmp_path, {})
     came = {"engine": "deepspeed", "precision": "bf16"}
     m = Manifest(engine="fsdp2", tag="t", world_size=1, dtype="float32", extra={"converted_from": came})
-    seen = source_precision(m, plan)
-    assert seen.precision == "bf16" and "extra.converted_from.precision 'bf16'" in seen.seen
+    precision, seen = precision_seen(ckpt, m, came)
+    assert precision == "bf16" and "extra.converted_from.precision 'bf16'" in seen
     m = Manifest(engine="fsdp2", tag="t", world_size=1, dtype="float16")
-    from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import decide_precision
-
     with pytest.raises(UsageError, match=r"trained in fp16 \(its manifest's dtype 'float16'\) and no --ds-config was "
                        r"given: an fp16 ZeRO-3 run needs its loss-scaler state"):
-        decide_precision(None, "fp32", source_precision(m, plan), tmp_path, [])
+        decide_precision(None, "fp32", SourcePrecision(*precision_seen(ckpt, m, {})), tmp_path, [])
 
 
 # --- B: module. names ------------------------------------------------------------------------------
 
 
 def test_names_mapped_with_and_without_the_module_prefix_and_ambiguity_refused(sources, tmp_path):
-    wrapped = convert_dcp_to_zero3(sources["fp32"], tmp_path / "wrapped", world_size=1, ds_config=_ds_config(1),
+    wrapped = convert_to_zero3(sources["fp32"], tmp_path / "wrapped", world_size=1, ds_config=_ds_config(1),
                                    name_prefix="module.")
     model = safe_torch_load(tmp_path / "wrapped" / "step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert list(model["module"]) == [f"module.{n}" for n in Net().state_dict()]
     assert model["buffer_names"] == ["module.scale"]
     assert all(n.startswith("module.") for g in model["param_shapes"] for n in g)
     assert any(n.startswith("names written with the prefix 'module.'") for n in wrapped.notes)
-    unwrapped = convert_dcp_to_zero3(sources["wrapped"], tmp_path / "unwrapped", world_size=1, ds_config=_ds_config(1),
+    unwrapped = convert_to_zero3(sources["wrapped"], tmp_path / "unwrapped", world_size=1, ds_config=_ds_config(1),
                                      name_prefix="")
     model = safe_torch_load(tmp_path / "unwrapped" / "step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert list(model["module"]) == list(Net().state_dict())
     assert any(n.startswith("the prefix 'module.' removed from every name") for n in unwrapped.notes)
     # kept as they are without name_prefix, and said so
-    kept = convert_dcp_to_zero3(sources["wrapped"], tmp_path / "kept", world_size=1, ds_config=_ds_config(1))
+    kept = convert_to_zero3(sources["wrapped"], tmp_path / "kept", world_size=1, ds_config=_ds_config(1))
     assert any("every name starts with 'module.'" in n and "name_prefix=''" in n for n in kept.notes)
     for prefix in ("module.", ""):
         with pytest.raises(UsageError, match=r"cannot give every name the prefix .* some model keys have 'module\.' "
                            r"\(\['module\.weight', 'module\.bias'\]\) and some do not \(\['head\.weight', 'head\.bias'\]\), "
                            r"so which of them belong to a wrapper is ambiguous"):
-            convert_dcp_to_zero3(sources["odd"], tmp_path / f"odd{prefix}", world_size=1, ds_config=_ds_config(1),
+            convert_to_zero3(sources["odd"], tmp_path / f"odd{prefix}", world_size=1, ds_config=_ds_config(1),
                                  name_prefix=prefix)
     with pytest.raises(UsageError, match=r"name_prefix 'model\.': must be 'module\.'"):
-        convert_dcp_to_zero3(sources["fp32"], tmp_path / "bad", world_size=1, ds_config=_ds_config(1), name_prefix="model.")
+        convert_to_zero3(sources["fp32"], tmp_path / "bad", world_size=1, ds_config=_ds_config(1), name_prefix="model.")
 
 
 def test_a_zero3_origins_prefix_comes_back_without_being_asked():
-    plan = SourcePlan(trainable=[], param_group_of={}, frozen=[], buffers=[], aliases={}, model_keys=["a.weight", "b"],
-                      steps={}, groups=[])
-    m = Manifest(engine="fsdp2", tag="t", world_size=1, extra={"converted_from": {"engine": "deepspeed", "name_prefix": "module."}})
-    assert target_names(plan, m, None, Path("x")) == {"a.weight": "module.a.weight", "b": "module.b"}
-    assert "recorded when this checkpoint was converted from ZeRO-3" in plan.notes[-1]
+    ckpt = TrainingCheckpoint("dcp", Path("x"), {n: SourceTensor(n, "float32", (1,)) for n in ("a.weight", "b")},
+                              scalars={"source": {"engine": "deepspeed", "name_prefix": "module."}})
+    notes: list[str] = []
+    assert target_names(ckpt, None, notes) == {"a.weight": "module.a.weight", "b": "module.b"}
+    assert "recorded when this checkpoint was converted from ZeRO-3" in notes[-1]
 
 
 def load_into_engines(ckpts: dict[str, str]) -> dict[str, Any]:
@@ -228,9 +228,9 @@ def load_into_engines(ckpts: dict[str, str]) -> dict[str, Any]:
 def test_deepspeed_loads_what_was_converted_for_its_names_and_precision(sources, tmp_path):
     from shardkit.run.spawn.process import run_ranks
 
-    convert_dcp_to_zero3(sources["fp32"], tmp_path / "wrapped", world_size=2, ds_config=_ds_config(2), name_prefix="module.")
-    convert_dcp_to_zero3(sources["fp32"], tmp_path / "plain", world_size=2, ds_config=_ds_config(2))
-    convert_dcp_to_zero3(sources["bf16"], tmp_path / "bf16", world_size=2)  # no config: bf16 from the source
+    convert_to_zero3(sources["fp32"], tmp_path / "wrapped", world_size=2, ds_config=_ds_config(2), name_prefix="module.")
+    convert_to_zero3(sources["fp32"], tmp_path / "plain", world_size=2, ds_config=_ds_config(2))
+    convert_to_zero3(sources["bf16"], tmp_path / "bf16", world_size=2)  # no config: bf16 from the source
     ckpts = {"wrapped": str(tmp_path / "wrapped"), "wrapped_given_plain": str(tmp_path / "plain"),
              "unwrapped_bf16": str(tmp_path / "bf16")}
     got = run_ranks(load_into_engines, 2, args=(ckpts,), timeout=300, device="cpu")
@@ -295,7 +295,7 @@ def test_a_mostly_frozen_model_converts_at_the_peak_memory_of_a_fully_trained_on
     peaks: dict[str, int] = {}
     for label, frozen in (("lora", True), ("full", False)):
         _train_and_save(Net(BIG, BIG_LAYERS, frozen=frozen), tmp_path / f"dcp_{label}", steps=1)
-        peaks[f"to_zero3_{label}"] = _peak_mib("dcp_to_zero3", "convert_dcp_to_zero3", tmp_path / f"dcp_{label}",
+        peaks[f"to_zero3_{label}"] = _peak_mib("to_zero3", "convert_to_zero3", tmp_path / f"dcp_{label}",
                                                tmp_path / f"z3_{label}", {"world_size": 2, "ds_config": _ds_config(2)})
         run_ranks(zero3_save, 2, args=(str(tmp_path / f"ds_{label}"), frozen), timeout=300, device="cpu")
         peaks[f"to_fsdp2_{label}"] = _peak_mib("to_dcp", "convert_to_dcp", tmp_path / f"ds_{label}",
@@ -327,7 +327,7 @@ def test_convert_refuses_a_source_with_a_link_leading_outside_even_without_a_man
     victim.symlink_to(outside)
     with pytest.raises(CheckpointError, match=rf"refusing to (convert|read) {src}: {victim}: a symlink to '{outside}', which "
                        r"leads outside the checkpoint folder"):
-        convert_dcp_to_zero3(src, tmp_path / "out", world_size=1, ds_config=_ds_config(1))
+        convert_to_zero3(src, tmp_path / "out", world_size=1, ds_config=_ds_config(1))
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
@@ -338,7 +338,7 @@ def _torch_route(monkeypatch, everything: bool) -> None:
     """What a source the byte route cannot take goes through: buffers, steps and param-group values
     read by dcp.load (``everything``: the flat tensors and fragments too)."""
     from shardkit.checkpoint.dcp import slices as dcp_slices
-    from shardkit.checkpoint.ops.convert.dcp_to_zero3_write import RankStates
+    from shardkit.checkpoint.writers.zero3 import RankStates
 
     monkeypatch.setattr(RankStates, "_rest_plain", lambda self: False)
     if everything:
@@ -377,11 +377,11 @@ def test_the_usual_route_imports_no_torch_and_writes_what_torch_writes(sources, 
         for everything in (False, True):
             with monkeypatch.context() as m:
                 _torch_route(m, everything)
-                ref = convert_dcp_to_zero3(src, tmp_path / f"torch_{src.name}_{everything}", world_size=3,
+                ref = convert_to_zero3(src, tmp_path / f"torch_{src.name}_{everything}", world_size=3,
                                            ds_config=cfg_path)
             assert ref.route == "torch"
-            (note,) = [n for n in ref.notes if n.startswith("written through torch (dcp.load; slower, more memory): ")]
-            assert ("stored chunks are not dim-0 slabs in plain zip records" if everything
+            (note,) = [n for n in ref.notes if n.startswith("written through torch (slower, more memory): ")]
+            assert ("is read through a loader (its stored chunks are not byte ranges)" if everything
                     else "buffers, Adam steps or param-group values are not stored as plain records") in note, note
             for name in written:
                 a, b = (out / "step2" / name).read_bytes(), (ref.output / "step2" / name).read_bytes()
@@ -422,6 +422,6 @@ def test_a_param_group_value_that_would_run_code_is_refused_by_name_and_never_ru
     assert not marker.exists()
     with pytest.raises(CheckpointError, match=r"DCP item 'optim\.param_groups\.0\.note': refused to load: it holds "
                                               r"objects outside torch's weights_only allow-list"):
-        convert_dcp_to_zero3(tmp_path / "src", tmp_path / "out", world_size=2, ds_config=_ds_config(2))
+        convert_to_zero3(tmp_path / "src", tmp_path / "out", world_size=2, ds_config=_ds_config(2))
     assert not marker.exists()
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []

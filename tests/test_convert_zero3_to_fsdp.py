@@ -322,7 +322,7 @@ def test_round_trip_with_frozen_tied_and_two_groups_is_tensor_equal(source, conv
     -> ZeRO-3 at the source's world size: every tensor in every rank file equal in bits. The DCP was
     written by one process, so the frozen norm is one unsplit tensor like a buffer: the manifest's
     buffer names are what keep it a frozen parameter (without them it came back as a buffer)."""
-    from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
+    from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
     from shardkit.storage.manifest import read_manifest
     from shardkit.storage.torch_load import safe_torch_load
 
@@ -330,7 +330,7 @@ def test_round_trip_with_frozen_tied_and_two_groups_is_tensor_equal(source, conv
     assert read_manifest(out / TAG).extra["converted_from"]["buffer_names"] == []
     src = source[0] / TAG
     ds_cfg = safe_torch_load(src / "zero_pp_rank_0_mp_rank_00_model_states.pt")["ds_config"]
-    back = convert_dcp_to_zero3(out, tmp_path / "back", world_size=2, ds_config=ds_cfg)
+    back = convert_to_zero3(out, tmp_path / "back", world_size=2, ds_config=ds_cfg)
     names = sorted(p.name for p in src.glob("*.pt"))
     assert names == sorted(p.name for p in (back.output / TAG).glob("*.pt")) and len(names) == 4
     for name in names:

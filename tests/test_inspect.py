@@ -73,10 +73,10 @@ def test_deepspeed_saves_are_described(layouts, run_cli, tiny_counts, label):
         assert applies == {"reshard": True, "convert --to fsdp2": True, "convert --to zero3": False,
                            "consolidate": True, "export": True}
     elif label == "universal":  # tests/test_universal_source.py
-        assert applies == {"reshard": False, "convert --to fsdp2": True, "convert --to zero3": False,
+        assert applies == {"reshard": False, "convert --to fsdp2": True, "convert --to zero3": True,
                            "consolidate": True, "export": True}
-    else:  # ZeRO-1/2: reshard, convert --to fsdp2, consolidate and export take it
-        assert applies == {"reshard": True, "convert --to fsdp2": True, "convert --to zero3": False,
+    else:  # ZeRO-1/2: reshard, convert --to fsdp2/zero3, consolidate and export take it
+        assert applies == {"reshard": True, "convert --to fsdp2": True, "convert --to zero3": True,
                            "consolidate": True, "export": True}
 
 
@@ -127,7 +127,7 @@ def test_accelerate_fsdp_saves_are_described(fsdp_saves, run_cli, label):
     d = _inspect(run_cli, fsdp_saves / label / "checkpoint-2")
     assert (d["format"], d["state_dict_type"], d["world_size"]) == (fmt, kind, world)
     applies = {c["command"]: c["applies"] for c in d["commands"]}
-    assert applies == {"reshard": False, "convert --to fsdp2": export, "convert --to zero3": False,
+    assert applies == {"reshard": False, "convert --to fsdp2": export, "convert --to zero3": export,
                        "consolidate": export, "export": export}  # readers.fsdp1 takes SHARDED and FULL
     if kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
         # Sequential(Linear(16, 16), Linear(16, 4)): 4 tensors, 16*16 + 16 + 16*4 + 4 elements

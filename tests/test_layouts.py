@@ -49,9 +49,9 @@ COMMANDS = {
 #: ZeRO-1/2 layouts reshard, consolidate and export take (tests/test_reshard_zero2.py, tests/test_zero12_sources.py);
 #: convert refuses them.
 RESHARD_TAKES = {"zero1", "zero2_bf16", "zero2_offload", "trainer_zero2"}
-ZERO12_COMMANDS = {"reshard", "consolidate", "export"}
-#: What takes a universal checkpoint (tests/test_universal_source.py); reshard and convert --to zero3 refuse it.
-UNIVERSAL_COMMANDS = {"convert --to fsdp2", "consolidate", "export"}
+ZERO12_COMMANDS = {"reshard", "convert --to zero3", "consolidate", "export"}
+#: What takes a universal checkpoint (tests/test_universal_source.py); reshard refuses it.
+UNIVERSAL_COMMANDS = {"convert --to fsdp2", "convert --to zero3", "consolidate", "export"}
 
 
 @pytest.mark.parametrize("label,command", [(label, command) for label in sorted(REFUSED) for command in sorted(COMMANDS)

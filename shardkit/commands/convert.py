@@ -65,8 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def convert_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import locate_trainer_checkpoint, trainer_files_not_converted
-    from shardkit.checkpoint.ops.convert.dcp_to_zero3 import convert_dcp_to_zero3
     from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
+    from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
     from shardkit.commands._parser import Stopwatch
     from shardkit.commands._plan import byte_progress
     from shardkit.core.errors import UsageError
@@ -116,7 +116,7 @@ def convert_command(args: argparse.Namespace) -> int:
         if args.dry_run:
             return _dry_run(args)
         with byte_progress(args, "convert"):
-            r = convert_dcp_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
+            r = convert_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
                                      force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config,
                                      name_prefix=prefix, workers=args.workers)
         resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"

@@ -48,6 +48,7 @@ def _zero12_why(desc: CheckpointDescription) -> str:
 _ZERO12_TAKEN = {
     "reshard": "new per-rank ZeRO-1/2 files for another world size, loaded by DeepSpeed's plain load_checkpoint",
     "convert --to fsdp2": "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state",
+    "convert --to zero3": "per-rank ZeRO-3 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
     "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
     "export": "a from_pretrained folder (needs the model's config.json)",
 }
@@ -60,9 +61,10 @@ def _reshard_takes(desc: CheckpointDescription, command: str) -> bool:
 
 
 #: What each command that takes a universal checkpoint (without a refusal marker) does with it
-#: (``readers.universal``); reshard and convert --to zero3 refuse it with ``_universal_why``.
+#: (``readers.universal``); reshard refuses it with ``_universal_why``.
 _UNIVERSAL_TAKEN = {
     "convert --to fsdp2": "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state",
+    "convert --to zero3": "per-rank ZeRO-3 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
     "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
     "export": "a from_pretrained folder (needs the model's config.json)",
 }
@@ -71,7 +73,7 @@ _UNIVERSAL_TAKEN = {
 def _universal_why(desc: CheckpointDescription) -> str:
     return ("a DeepSpeed universal checkpoint (ds_to_universal output): shardkit export, consolidate and convert --to "
             "fsdp2 read it; it needs no reshard (DeepSpeed resumes it at any world size with "
-            "checkpoint.load_universal: true); for ZeRO-3 files, convert --to fsdp2 first, then --to zero3 from its output")
+            "checkpoint.load_universal: true); convert --to zero3 writes ZeRO-3 files from it")
 
 
 def _taken(desc: CheckpointDescription, command: str) -> str | None:
@@ -119,7 +121,8 @@ def _per_format(desc: CheckpointDescription) -> dict[str, tuple[bool, str]]:
             return {"reshard": (False, "the Trainer resumes it at any world size as it is: there is nothing to reshard"),
                     "convert --to fsdp2": (True, f"a DCP checkpoint FSDP2 resumes at any world size, weights and Adam "
                                                  f"state from {files} (the optimizer keyed by parameter names)"),
-                    "convert --to zero3": (False, "convert --to fsdp2 first, then --to zero3 from its output"),
+                    "convert --to zero3": (True, f"per-rank ZeRO-3 files for --world-size N, weights and Adam state "
+                                                 f"from {files}"),
                     "consolidate": (True, "the weights as one safetensors file"),
                     "export": (True, "a from_pretrained folder (needs the model's config.json)")}
         why = ("each rank's flat FSDP shard in its own file, without the parameters' names and shapes: resume at the "

@@ -1,31 +1,45 @@
-"""Writing the ZeRO-3 rank files of ``convert_dcp_to_zero3`` into the staging folder:
-``RankStates`` builds each rank's two dicts in the key order DeepSpeed 0.19.8 writes them and
-``write_rank_files`` writes every file, one thread per rank file, hashed as written.
+"""The ZeRO-3 writer: any ``TrainingCheckpoint`` with its optimizer state as the per-rank files a
+DeepSpeed ZeRO-3 run at N ranks would have saved (0.19.8), for its plain ``engine.load_checkpoint``.
 
-Two routes, decided once for the whole source (``RankStates.plain``):
+``RankStates`` builds each rank's two dicts in the key order DeepSpeed writes them and
+``write_rank_files`` writes every file into a staging folder, one thread per rank file, hashed as
+written:
 
-- bytes (the usual one; no torch import): every flat partition and frozen fragment is byte ranges
-  of the ``.distcp`` files and zero runs (``NewTensor``), buffers and Adam steps are the source's
-  own records (``TensorRef``), shapes ``TorchSize``; ``torch_pickle.pickle_structure`` writes the
-  pickle torch.save would and ``write_torch_zip`` copies the ranges through one 1 MiB buffer;
-- torch (casts: bf16 DCP parameters for an fp32 run; chunk layouts ``DcpSlices`` does not take):
-  the same dicts with ``LazyTensor``s, the tensors that are not byte ranges cut from ``dcp.load``ed
-  tensors (``_partition``) when ``stream_save`` reaches them.
+- ``zero_pp_rank_{r}_mp_rank_00_model_states.pt``: ``module`` (an empty placeholder per parameter, as
+  a partitioned ZeRO-3 module's ``state_dict`` holds them, and the buffers' values),
+  ``buffer_names``, ``param_shapes`` (one ordered dict per sub-group), ``frozen_param_shapes``/
+  ``frozen_param_fragments``, ``shared_params``, counters, ``ds_config``, ``ds_version``, client state;
+- ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt``: ``DeepSpeedZeroOptimizer_Stage3.
+  _rigid_state_dict``: the inner optimizer's ``state``/``param_groups`` (one entry per sub-group) and
+  ``fp32_flat_groups``.
 
-Both write the same bytes for the same source (tests/test_convert_names_precision.py).
+What goes where is decided before (``Zero3Target``, planned by ``ops.convert.to_zero3_plan``): the
+sub-group layout at N ranks (``zero3.repartition.plan_layout``: ``ceil(numel / N)`` elements per rank,
+zero padding), the param groups in the resuming optimizer's format, one step per sub-group.
+``_rigid_load_state_dict`` copies flat tensors without looking at names, so the layout order (the
+param groups' order of parameters) is what makes the load right.
+
+Two routes, decided once for the whole checkpoint (``RankStates.plain``):
+
+- bytes (no torch import): every flat partition and frozen fragment is byte ranges of the source's
+  pieces and zero runs (``NewTensor``), buffers and torch-format steps their one-piece source records
+  (``TensorRef``); ``torch_pickle.pickle_structure`` writes the pickle torch.save would and
+  ``write_torch_zip`` copies the ranges through one 1 MiB buffer;
+- torch (casts: bf16 parameters for an fp32 run; tensors only a loader reads): the same dicts with
+  ``LazyTensor``s, each slice read from its pieces (or its tensor's loader) when ``stream_save``
+  reaches it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from shardkit.checkpoint.dcp.plain_metadata import TensorMeta
-from shardkit.checkpoint.ops.convert.dcp_to_zero3_plan import TargetOptimizer
-from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import DcpSource, SourcePlan, StepValue
-from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, MODEL_KEY, OPTIM_KEY
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.writers.dcp_format import is_plain
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
@@ -44,19 +58,53 @@ if TYPE_CHECKING:
     import torch
 
 FP32 = "fp32"
-"""Pseudo state key: the fp32 masters (the FSDP2 parameters themselves)."""
+"""Pseudo state key: the fp32 masters (the checkpoint's weights of the trainable parameters)."""
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 ZERO_STAGE = "deepspeed.runtime.zero.config.ZeroStageEnum"
 LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
 
-BATCH_BYTES = 64 * 2**20
-"""Full source tensors read per ``dcp.load`` call while a partition is produced (bounds memory)."""
+
+@dataclass
+class TargetOptimizer:
+    """The optimizer the resuming DeepSpeed engine builds, as far as its checkpoint format goes."""
+
+    name: str
+    """'FusedAdam', 'DeepSpeedCPUAdam' or 'torch' (a client torch optimizer or ``torch_adam``)."""
+    adam_w_mode: bool
+    """Decoupled weight decay (AdamW) or L2 (Adam)."""
+    step_as_tensor: bool
+    """torch keeps ``step`` as a float32 tensor; DeepSpeed's Adams as a Python int."""
+
+
+@dataclass
+class Zero3Target:
+    """The ZeRO-3 files to write, decided before the first one is (``ops.convert.to_zero3_plan``)."""
+
+    opt: TargetOptimizer
+    groups: list[dict[str, Any]]
+    """The inner optimizer's param groups in ``opt``'s format (``params`` filled by the writer)."""
+    layout: TargetLayout
+    sub_steps: list[tuple[int, SourceTensor | None]]
+    """Each sub-group's Adam step: the count, and the source's 0-dim record of it where there is one."""
+    global_steps: int
+    counters: dict[str, Any]
+    """DeepSpeed's counters (and scheduler state) for the model-states files."""
+    client: dict[str, Any]
+    """The source's client state, written into the model-states files."""
+    cfg: dict[str, Any]
+    """What is recorded as ``ds_config``: the given config, or a minimal one."""
+    precision: str
+    """'bf16' or 'fp32': the optim files' names and the frozen fragments' dtype."""
+    names: dict[str, str]
+    """Source name -> the name the resuming engine's module has, where it changes (``module.``)."""
 
 
 def rank_file_workers(ranks: Sequence[int], byte_ranges: bool) -> int:
     """Threads writing ``ranks``' files at once by default: byte-range copies release the GIL
     (preadv, crc32, blake3/sha256, write), so one per rank file (reshard's rule); tensors that need
-    dcp.load are produced one at a time (``byte_ranges`` False: one thread)."""
+    torch are produced one at a time (``byte_ranges`` False: one thread)."""
     return default_workers(max(1, len(ranks))) if byte_ranges else 1
 
 
@@ -67,22 +115,22 @@ def write_rank_file(obj: dict[str, Any], path: Path, plain: bool) -> WrittenFile
     return stream_save(obj, path)
 
 
-def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str,
-                     workers: int | None = None, ranks: Sequence[int] | None = None) -> list[FileEntry]:
+def write_rank_files(folder: Path, out: RankStates, outcome: str, workers: int | None = None,
+                     ranks: Sequence[int] | None = None) -> list[FileEntry]:
     """The optim and model-states file of every rank of ``out`` (or of ``ranks``: this process's
-    share) written into the staging folder ``folder`` (``bf16_`` optim file names for a bf16 run)
-    by ``workers`` threads (default ``rank_file_workers``); the files written, for the manifest."""
-    prefix = "bf16_" if precision == "bf16" else ""
+    share) written into the staging folder ``folder`` by ``workers`` threads (default
+    ``rank_file_workers``); the files written, for the manifest."""
+    prefix = "bf16_" if out.target.precision == "bf16" else ""
     if ranks is None:
         ranks = range(out.layout.world_size)
     # optim files first (the large ones), so the small model files fill the gaps at the end
     files: list[tuple[str, Callable[[], dict[str, Any]]]] = (
         [(OPTIM_FILE.format(prefix=prefix, rank=r), partial(out.optim_states, r)) for r in ranks]
         + [(MODEL_FILE.format(rank=r), partial(out.model_states, r)) for r in ranks])
-
     if workers is None:
         workers = rank_file_workers(ranks, out.byte_ranges)
     progress.expect(out.tensor_bytes(ranks))  # the progress line's total, known before the first byte
+
     # hashed as written (the manifest needs no second read), fsynced by the thread that wrote
     # it; the first failure cancels the files not yet started (stream.write_parallel)
     def job(produce: Callable[[], dict[str, Any]]) -> Callable[[Path], Any]:
@@ -93,16 +141,56 @@ def write_rank_files(folder: Path, out: RankStates, precision: str, outcome: str
     return [FileEntry.of(name, d.size, d.algorithm, d.digest) for (name, _), d in zip(files, digests)]
 
 
+def _segments(t: SourceTensor, lo: int, hi: int) -> list[Segment] | None:
+    """Elements ``[lo, hi)`` of ``t`` as byte ranges of its pieces; None when a loader holds it."""
+    if t.load is not None:
+        return None
+    size = _ITEMSIZE[t.dtype]
+    out = []
+    for p in sorted(t.pieces, key=lambda p: p.start):
+        a, b = max(lo, p.start), min(hi, p.start + p.numel)
+        if b > a:
+            out.append(Segment(str(p.file), p.offset + (a - p.start) * size, (b - a) * size))
+    return out
+
+
+def _whole_ref(t: SourceTensor, key: str) -> TensorRef | None:
+    """``t`` stored whole as one piece (a buffer, an Adam step) as a record ``torch_pickle`` copies."""
+    if t.load is not None or len(t.pieces) != 1 or t.dtype not in _ITEMSIZE:
+        return None
+    p = t.pieces[0]
+    stride, acc = [], 1
+    for d in reversed(t.shape):
+        stride.append(acc)
+        acc *= d
+    ref = TensorRef(key, t.dtype, 0, t.shape, tuple(reversed(stride)))
+    ref.path, ref.file_offset, ref.record_offset, ref.record_nbytes = str(p.file), p.offset, p.offset, p.numel * _ITEMSIZE[t.dtype]
+    return ref
+
+
+def _read_slice(t: SourceTensor, lo: int, hi: int) -> "torch.Tensor":
+    """Elements ``[lo, hi)`` of ``t`` (flattened) as a tensor of its dtype (the torch route)."""
+    import torch  # lazy: the torch route only
+
+    if t.load is not None:
+        return t.load().reshape(-1)[lo:hi]
+    size = _ITEMSIZE[t.dtype]
+    buf = bytearray((hi - lo) * size)
+    for p in t.pieces:
+        a, b = max(lo, p.start), min(hi, p.start + p.numel)
+        if b > a:
+            with open(p.file, "rb") as fh:
+                fh.seek(p.offset + (a - p.start) * size)
+                buf[(a - lo) * size:(b - lo) * size] = fh.read((b - a) * size)
+    return torch.frombuffer(buf, dtype=getattr(torch, t.dtype)) if buf else torch.empty(0, dtype=getattr(torch, t.dtype))
+
+
 class RankStates:
     """Each output rank's two dicts, in the key order DeepSpeed 0.19.8 writes them (see module doc
-    for the two routes; ``plain`` says which, decided here from the source's layout and items)."""
+    for the two routes; ``plain`` says which, decided here from the checkpoint's pieces)."""
 
-    def __init__(self, *, src: DcpSource, plan: SourcePlan, layout: TargetLayout, opt: TargetOptimizer,
-                 groups: list[dict[str, Any]], sub_steps: list[tuple[int, StepValue]], precision: str,
-                 global_steps: int, counters: dict[str, Any], client: dict[str, Any], cfg: dict[str, Any],
-                 names: dict[str, str] | None = None):
-        self.src, self.plan, self.layout, self.opt, self.sub_steps = src, plan, layout, opt, sub_steps
-        self.global_steps, self.counters, self.client, self.cfg = global_steps, counters, client, cfg
+    def __init__(self, ckpt: TrainingCheckpoint, target: Zero3Target):
+        self.ckpt, self.target, self.layout, self.opt = ckpt, target, target.layout, target.opt
         # the release the files say wrote them, read without importing DeepSpeed (1.2 s here)
         ds_version = package_version("deepspeed")
         if ds_version is None:
@@ -110,29 +198,30 @@ class RankStates:
                              "release that loads them (ds_version); install the release the resuming run uses "
                              "(pip install 'deepspeed==X') and convert again")
         self.ds_version = ds_version
-        self.module_dtype = "bfloat16" if precision == "bf16" else "float32"
-        # source FQN -> the name the resuming engine's module has (``module.`` added or removed:
-        # ``dcp_to_zero3_plan.target_names``); the DCP keys are always read under the source's
-        names = names or {}
-        self.name: Callable[[str], str] = lambda fqn: names.get(fqn, fqn)
+        self.module_dtype = "bfloat16" if target.precision == "bf16" else "float32"
+        names = target.names
+        self.name: Callable[[str], str] = lambda n: names.get(n, n)
+        self.frozen = [n for n in ckpt.weights if n in ckpt.frozen]
+        self.buffers = [n for n in ckpt.weights if n in ckpt.buffers]
         owners: dict[int, list[int]] = {}
-        for j, g in enumerate(layout.sub_group_param_group):
+        for j, g in enumerate(self.layout.sub_group_param_group):
             owners.setdefault(g, []).append(j)
-        self.groups = [{**group, "params": owners.get(g, [])} for g, group in enumerate(groups)]
-        self.buffer_refs = {n: src.slices.tensor_ref(f"{MODEL_KEY}.{n}") for n in plan.buffers}
+        self.groups = [{**group, "params": owners.get(g, [])} for g, group in enumerate(target.groups)]
+        self.buffer_refs = {n: _whole_ref(ckpt.weights[n], n) for n in self.buffers}
         self.not_byte_ranges = self._first_not_byte_ranges()
-        """The first source tensor that is not byte ranges, and why (empty when all are)."""
+        """The first source tensor that is not byte ranges in the files' dtype, and why (empty when all are)."""
         self.byte_ranges = not self.not_byte_ranges
-        """Every flat partition and frozen fragment is byte ranges (several threads may write)."""
         self.plain = self.byte_ranges and self._rest_plain()
         """The bytes route: nothing in the files needs torch (module doc)."""
-        params = {p.fqn for p in plan.trainable} | {p.fqn for p in plan.frozen} | set(plan.aliases)
-        buffers = self._buffers()
         # a partitioned ZeRO-3 module's state_dict holds an empty tensor per parameter, buffers whole
+        buffers = self._buffers()
         self.module: OrderedDict[str, Any] = OrderedDict(
-            (self.name(n), self._empty() if n in params else buffers[n]) for n in plan.model_keys)
+            (self.name(n), buffers[n] if n in ckpt.buffers else self._empty()) for n in [*ckpt.weights, *ckpt.aliases])
         self.param_shapes = [OrderedDict((self.name(tp.source.name), TorchSize(tp.source.shape)) for tp in sub)
-                             for sub in layout.sub_groups]
+                             for sub in self.layout.sub_groups]
+
+    def _tensor(self, name: str, key: str) -> SourceTensor:
+        return self.ckpt.weights[name] if key == FP32 else self.ckpt.optimizer[name][key]
 
     @property
     def torch_route_reason(self) -> str | None:
@@ -140,43 +229,37 @@ class RankStates:
         if self.plain:
             return None
         if not self.byte_ranges:
-            return f"not every fp32 partition or frozen fragment is byte ranges of the .distcp files: {self.not_byte_ranges}"
+            return f"not every fp32 partition or frozen fragment is byte ranges of the source: {self.not_byte_ranges}"
         return "buffers, Adam steps or param-group values are not stored as plain records"
 
     def _first_not_byte_ranges(self) -> str:
-        """The first source tensor whose partitions or fragments are not byte ranges, and why; empty
-        when all are. Decided per source tensor (float32 and readable by ``DcpSlices``, frozen ones in
-        the module's dtype), not by walking ranks x tensors."""
-        wanted = [(_source_key(tp.source.name, key), "float32")
-                  for tp in (tp for sub in self.layout.sub_groups for tp in sub) for key in (FP32, *ADAM_STATE_KEYS)]
-        wanted += [(f"{MODEL_KEY}.{p.fqn}", self.module_dtype) for p in self.plan.frozen]
-        for key, dtype in wanted:
-            meta: TensorMeta | None = self.src.tensor_meta(key)
-            if meta is None:
-                return f"{key} is not a tensor in the .metadata"
-            if meta.dtype != dtype:
-                return f"{key} is {meta.dtype}, the ZeRO-3 files hold it as {dtype} (a cast)"
-            if self.src.slices.chunks(key) is None:
-                return (f"{key}'s stored chunks are not dim-0 slabs in plain zip records (a layout the direct reader "
-                        "does not take)")
+        wanted = [(self._tensor(tp.source.name, key), "float32")
+                  for sub in self.layout.sub_groups for tp in sub for key in (FP32, *ADAM_STATE_KEYS)]
+        wanted += [(self.ckpt.weights[n], self.module_dtype) for n in self.frozen]
+        for t, dtype in wanted:
+            if t.load is not None:
+                return f"{t.name} is read through a loader (its stored chunks are not byte ranges)"
+            if t.dtype != dtype:
+                return f"{t.name} is {t.dtype}, the ZeRO-3 files hold it as {dtype} (a cast)"
         return ""
 
     def _rest_plain(self) -> bool:
-        """Buffers and steps are records to copy, param-group values plain data: the files need no torch."""
-        steps_ok = not self.opt.step_as_tensor or all(raw.ref is not None for _, raw in self.sub_steps)
-        groups_ok = all(is_plain(v) for g in self.groups for k, v in g.items())
+        steps_ok = not self.opt.step_as_tensor or all(
+            s is not None and _whole_ref(s, "step") is not None for _, s in self.target.sub_steps)
+        groups_ok = all(is_plain(v) for g in self.groups for v in g.values())
         return steps_ok and groups_ok and all(ref is not None for ref in self.buffer_refs.values())
 
     def _buffers(self) -> dict[str, Any]:
         if self.plain:
             return dict(self.buffer_refs)
-        loaded = self.src.load([f"{MODEL_KEY}.{n}" for n in self.plan.buffers]) if self.plan.buffers else {}
-        return {n: loaded[f"{MODEL_KEY}.{n}"] for n in self.plan.buffers}
+        return {n: self.ckpt.weights[n].load() if self.ckpt.weights[n].load is not None  # type: ignore[misc]
+                else _read_slice(self.ckpt.weights[n], 0, self.ckpt.weights[n].numel).reshape(self.ckpt.weights[n].shape).clone()
+                for n in self.buffers}
 
     def _empty(self) -> Any:
         if self.plain:
             return NewTensor(self.module_dtype, 0, ())
-        import torch
+        import torch  # lazy: the torch route only
 
         return torch.empty(0, dtype=getattr(torch, self.module_dtype))
 
@@ -185,25 +268,24 @@ class RankStates:
         their frozen fragments (the pickles, zip headers and buffers are small beside them)."""
         n = self.layout.world_size
         flat = sum(self.layout.sub_group_numel(j) for j in range(len(self.layout.sub_groups)))
-        frozen = sum(partition_numel(p.numel, n) for p in self.plan.frozen)
-        return len(ranks) * (flat * 4 * (1 + len(ADAM_STATE_KEYS)) + frozen * (2 if self.module_dtype == "bfloat16" else 4))
+        frozen = sum(partition_numel(self.ckpt.weights[f].numel, n) for f in self.frozen)
+        return len(ranks) * (flat * 4 * (1 + len(ADAM_STATE_KEYS)) + frozen * _ITEMSIZE[self.module_dtype])
 
     def model_states(self, rank: int) -> dict[str, Any]:
         """``DeepSpeedEngine._common_checkpoint_state`` (+ client state, last, as ``state.update``)."""
-        plan, n = self.plan, self.layout.world_size
+        t, n = self.target, self.layout.world_size
         sd: dict[str, Any] = dict(
-            module=self.module, buffer_names=[self.name(b) for b in plan.buffers], optimizer=None,
+            module=self.module, buffer_names=[self.name(b) for b in self.buffers], optimizer=None,
             param_shapes=self.param_shapes,
-            frozen_param_shapes=OrderedDict((self.name(p.fqn), TorchSize(p.shape)) for p in plan.frozen),
-            shared_params={self.name(a): self.name(o) for a, o in plan.aliases.items()},
-            frozen_param_fragments=OrderedDict(
-                (self.name(fqn), fragment) for fqn, fragment in self.frozen_fragments(rank).items()),
-            lr_scheduler=self.counters.get("lr_scheduler"), data_sampler=None, random_ltd=None,
-            skipped_steps=self.counters["skipped_steps"], global_steps=self.global_steps)
-        if "global_samples" in self.counters:
-            sd["global_samples"] = self.counters["global_samples"]
+            frozen_param_shapes=OrderedDict((self.name(f), TorchSize(self.ckpt.weights[f].shape)) for f in self.frozen),
+            shared_params={self.name(a): self.name(o) for a, o in self.ckpt.aliases.items()},
+            frozen_param_fragments=OrderedDict((self.name(f), self._frozen_fragment(f, rank)) for f in self.frozen),
+            lr_scheduler=t.counters.get("lr_scheduler"), data_sampler=None, random_ltd=None,
+            skipped_steps=t.counters.get("skipped_steps", 0), global_steps=t.global_steps)
+        if "global_samples" in t.counters:
+            sd["global_samples"] = t.counters["global_samples"]
         sd.update(dp_world_size=n, mp_world_size=1, checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1},
-                  ds_config=self.cfg, ds_version=self.ds_version, **self.client)
+                  ds_config=t.cfg, ds_version=self.ds_version, **t.client)
         return sd
 
     def optim_states(self, rank: int) -> dict[str, Any]:
@@ -212,8 +294,8 @@ class RankStates:
         layout = self.layout
         state: dict[int, dict[str, Any]] = {}
         for j in range(len(layout.sub_groups)):
-            count, raw = self.sub_steps[j]
-            st: dict[str, Any] = {"step": self._step_tensor(raw, j) if self.opt.step_as_tensor else count}
+            count, raw = self.target.sub_steps[j]
+            st: dict[str, Any] = {"step": self._step_tensor(count, raw, j) if self.opt.step_as_tensor else count}
             for key in ADAM_STATE_KEYS:
                 st[key] = self._flat(j, rank, key)
             state[j] = st
@@ -227,129 +309,74 @@ class RankStates:
             "optimizer_state_dict": {"state": state, "param_groups": self.groups},
             "fp32_flat_groups": [self._flat(j, rank, FP32) for j in range(len(layout.sub_groups))],
         }
-        return {"optimizer_state_dict": osd, "ds_config": self.cfg, "ds_version": self.ds_version}
+        return {"optimizer_state_dict": osd, "ds_config": self.target.cfg, "ds_version": self.ds_version}
 
-    def _step_tensor(self, raw: StepValue, j: int) -> Any:
-        """Sub-group ``j``'s torch-format ``step``: the source's 0-dim tensor, its own storage per sub-group."""
-        if self.plain and raw.ref is not None:
-            src = raw.ref
-            ref = TensorRef(f"{src.key}@sub_group{j}", src.dtype, src.storage_offset, (), ())
-            ref.path, ref.file_offset = src.path, src.file_offset
-            ref.record_offset, ref.record_nbytes = src.record_offset, src.record_nbytes
+    def _step_tensor(self, count: int, raw: SourceTensor | None, j: int) -> Any:
+        """Sub-group ``j``'s torch-format ``step``: the source's 0-dim record, its own storage per sub-group."""
+        ref = _whole_ref(raw, f"{raw.name}@sub_group{j}") if raw is not None and self.plain else None
+        if ref is not None:
             return ref
-        import torch
+        import torch  # lazy: the torch route only
 
-        return torch.tensor(raw.count, dtype=getattr(torch, raw.dtype or "float32"))
+        return torch.tensor(float(count), dtype=getattr(torch, raw.dtype if raw is not None else "float32"))
 
-    def frozen_fragments(self, rank: int) -> OrderedDict[str, Any]:
-        """Rank ``rank``'s fragment of each frozen parameter, built when asked (a process keeps no
-        ranks x frozen-parameters table: under srun/torchrun it writes only its share of the ranks).
-
-        Frozen parameters are never loaded whole: each rank's fragment is byte ranges of the
-        .distcp file where the dtype already is the module's (so a LoRA model whose weights are
-        mostly frozen converts at the peak memory of a fully trained one), else its slice read and
-        cast when the file is written."""
-        return OrderedDict((p.fqn, self._frozen_fragment(p.fqn, p.numel, rank)) for p in self.plan.frozen)
-
-    def _frozen_fragment(self, fqn: str, numel: int, rank: int) -> Any:
-        """Rank ``rank``'s ZeRO-3 fragment of the frozen parameter ``fqn`` (``ceil(numel/N)``
-        elements in the module's dtype, the last rank's tail zero), produced only when written."""
-        key = f"{MODEL_KEY}.{fqn}"
-        pn = partition_numel(numel, self.layout.world_size)
-        lo, hi = rank_range(rank, pn, numel)
-        meta = self.src.tensor_meta(key)
-        chunks = self.src.slices.chunks(key) if hi > lo else []
-        segments: list[Segment] | None = None
-        if meta is not None and chunks is not None and meta.dtype == self.module_dtype:
-            size = 2 if self.module_dtype == "bfloat16" else 4
-            segments = []
-            for ch in chunks:
-                a, b = max(lo, ch.start), min(hi, ch.start + ch.numel)
-                if b > a:
-                    segments.append(Segment(str(ch.file), ch.data_offset + (a - ch.start) * size, (b - a) * size))
-            if pn > hi - lo:
-                segments.append(Segment(None, 0, (pn - (hi - lo)) * size))
+    def _frozen_fragment(self, name: str, rank: int) -> Any:
+        """Rank ``rank``'s ZeRO-3 fragment of the frozen parameter ``name`` (``ceil(numel/N)``
+        elements in the module's dtype, the last rank's tail zero), produced only when written: byte
+        ranges where the source's dtype is the module's (a LoRA model whose weights are mostly frozen
+        converts at the peak memory of a fully trained one), else its slice read and cast."""
+        t = self.ckpt.weights[name]
+        pn = partition_numel(t.numel, self.layout.world_size)
+        lo, hi = rank_range(rank, pn, t.numel)
+        segments = _segments(t, lo, hi) if t.dtype == self.module_dtype else None
+        if segments is not None and pn > hi - lo:
+            segments.append(Segment(None, 0, (pn - (hi - lo)) * _ITEMSIZE[self.module_dtype]))
         if self.plain and segments is not None:
             return NewTensor(self.module_dtype, pn, segments)
-        import torch
+        import torch  # lazy: the torch route only
 
-        src, dtype = self.src, getattr(torch, self.module_dtype)
+        dtype = getattr(torch, self.module_dtype)
 
         def produce() -> "torch.Tensor":
-            out = torch.zeros(pn, dtype=getattr(torch, meta.dtype) if meta is not None else torch.float32)
-            if hi > lo and not src.slices.read_into(key, lo, out.narrow(0, 0, hi - lo)):
-                # a layout the slice reader does not take: this one tensor whole, then its slice
-                out.narrow(0, 0, hi - lo).copy_(src.load([key])[key].reshape(-1)[lo:hi])
-            return out.to(dtype)
+            out = torch.zeros(pn, dtype=dtype)
+            if hi > lo:
+                out.narrow(0, 0, hi - lo).copy_(_read_slice(t, lo, hi))
+            return out
 
         return LazyTensor(pn, dtype, produce, segments=(lambda: segments) if segments is not None else None)
 
     def _flat(self, j: int, rank: int, key: str) -> Any:
         """Rank ``rank``'s flat ``key`` tensor of sub-group ``j``, written later: byte ranges of the
-        ``.distcp`` files and zero runs when every slice is float32 there (copied through one 1 MiB
-        buffer, never built), else produced by ``_partition``."""
+        source and zero runs when every slice is float32 there (copied through one 1 MiB buffer,
+        never built), else produced slice by slice (``_partition``)."""
         segments: list[Segment] = []
         readable = True
         for tp in self.layout.sub_groups[j]:
             lo, hi = tp.rank_range(rank)
-            source = _source_key(tp.source.name, key)
-            chunks = self.src.slices.chunks(source) if hi > lo else []
-            meta = self.src.tensor_meta(source)
-            if chunks is None or meta is None or meta.dtype != "float32":
+            t = self._tensor(tp.source.name, key)
+            got = _segments(t, lo, hi) if t.dtype == "float32" else None
+            if got is None:
                 readable = False
                 break
-            for ch in chunks:
-                a, b = max(lo, ch.start), min(hi, ch.start + ch.numel)
-                if b > a:
-                    segments.append(Segment(str(ch.file), ch.data_offset + (a - ch.start) * 4, (b - a) * 4))
+            segments.extend(got)
             if tp.partition_numel > hi - lo:
                 segments.append(Segment(None, 0, (tp.partition_numel - (hi - lo)) * 4))
         numel = self.layout.sub_group_numel(j)
         if self.plain and readable:
             return NewTensor("float32", numel, segments)
-        import torch
+        import torch  # lazy: the torch route only
 
-        return LazyTensor(numel, torch.float32, _producer(self.src, self.layout, j, rank, key),
+        return LazyTensor(numel, torch.float32, partial(self._partition, j, rank, key),
                           segments=(lambda: segments) if readable else None)
 
+    def _partition(self, j: int, rank: int, key: str) -> "torch.Tensor":
+        """Rank ``rank``'s flat ``key`` tensor (fp32) of sub-group ``j``: each parameter's
+        ``ceil(numel / N)`` slice in layout order, the last rank's tail zero-padded."""
+        import torch  # lazy: the torch route only
 
-def _producer(src: DcpSource, layout: TargetLayout, j: int, rank: int, key: str) -> Callable[[], "torch.Tensor"]:
-    return lambda: _partition(src, layout, j, rank, key)
-
-
-def _partition(src: DcpSource, layout: TargetLayout, j: int, rank: int, key: str) -> "torch.Tensor":
-    """Rank ``rank``'s flat ``key`` tensor (fp32) of sub-group ``j``: each parameter's
-    ``ceil(numel / N)`` slice in layout order, the last rank's tail zero-padded. Slices are read
-    straight from the files (``DcpSlices``); tensors it cannot read so are loaded whole through
-    ``load_dcp_state`` in batches."""
-    import torch
-
-    params = layout.sub_groups[j]
-    out = torch.empty(layout.sub_group_numel(j), dtype=torch.float32)
-    batch: list[Any] = []
-    size = 0
-
-    def flush() -> None:
-        keys = [_source_key(tp.source.name, key) for tp in batch]
-        loaded = src.load(keys)
-        for tp, k in zip(batch, keys):
+        out = torch.zeros(self.layout.sub_group_numel(j), dtype=torch.float32)
+        for tp in self.layout.sub_groups[j]:
             lo, hi = tp.rank_range(rank)
-            out.narrow(0, tp.offset, hi - lo).copy_(loaded[k].reshape(-1)[lo:hi])
-        batch.clear()
-
-    for tp in params:
-        lo, hi = tp.rank_range(rank)
-        out.narrow(0, tp.offset + (hi - lo), tp.partition_numel - (hi - lo)).zero_()
-        if hi > lo and not src.slices.read_into(_source_key(tp.source.name, key), lo, out.narrow(0, tp.offset, hi - lo)):
-            batch.append(tp)
-            size += tp.source.numel * 4
-            if size >= BATCH_BYTES:
-                flush()
-                size = 0
-    if batch:
-        flush()
-    return out
-
-
-def _source_key(fqn: str, key: str) -> str:
-    return f"{MODEL_KEY}.{fqn}" if key == FP32 else f"{OPTIM_KEY}.state.{fqn}.{key}"
+            if hi > lo:
+                out.narrow(0, tp.offset, hi - lo).copy_(_read_slice(self._tensor(tp.source.name, key), lo, hi))
+        return out

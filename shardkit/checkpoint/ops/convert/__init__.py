@@ -10,11 +10,11 @@ output folder, stage and seal, come from ``storage.pipeline`` and ``staged_save`
   reported or refused) and the DCP writer (``checkpoint.writers.dcp``: the items as byte ranges of
   the source files; ``writers.dcp_files``: their files, split across srun/torchrun processes;
   ``writers.dcp_format``: DCP's item zips and ``.metadata`` pickle without torch).
-- ``dcp_to_zero3``: the reverse, into per-rank files DeepSpeed's plain ``load_checkpoint`` accepts
-  at N ranks (``convert_dcp_to_zero3``); ``dcp_to_zero3_source`` (the DCP folder, its items, what
-  each model key is), ``dcp_to_zero3_plan`` (the resuming run's config and optimizer, param-group
-  format, sub-group layout, steps, counters), ``dcp_to_zero3_write`` (each rank's two dicts and
-  their files).
+- ``to_zero3``: the same readers -> per-rank files DeepSpeed's plain ``load_checkpoint`` accepts at
+  N ranks (``convert_to_zero3``): the reader, ``to_zero3_plan`` (the resuming run's config and
+  optimizer, param-group format, sub-group layout, steps, names, counters) and the ZeRO-3 writer
+  (``checkpoint.writers.zero3``: each rank's two dicts, the flat partitions as byte ranges of the
+  source's pieces, and their files).
 - shared by both: ``names`` (parameter-name mapping and what cannot be carried), ``result`` (what
   a conversion wrote and what it could not carry).
 """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 @dataclass
 class ConvertResult:
-    """Returned by ``convert_zero3_to_dcp`` and ``convert_dcp_to_zero3``."""
+    """Returned by ``convert_to_dcp`` and ``convert_to_zero3``."""
 
     output: Path
     """The new checkpoint root (holds ``latest``)."""

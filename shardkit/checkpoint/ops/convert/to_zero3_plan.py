@@ -1,28 +1,32 @@
-"""Planning the ZeRO-3 files ``convert_dcp_to_zero3`` writes: the resuming run's config checked
-(``check_target_config``: stage 3, no fp16, ``sub_group_size``, precision), the optimizer its
-engine builds and the param-group format that optimizer loads (``target_optimizer``,
-``_target_groups``), the sub-group layout at N ranks (``zero3.repartition.plan_layout``), the one
-Adam step each sub-group keeps, and DeepSpeed's counters and client state. ``plan_zero3_target``
-returns it all as one ``Zero3Target``; the write module builds each rank's files from it.
+"""Planning the ZeRO-3 files ``convert --to zero3`` writes from the checkpoint model, before a byte
+is written: the resuming run's config checked (``check_target_config``: stage 3, no fp16,
+``sub_group_size``, precision), the optimizer its engine builds and the param-group format that
+optimizer loads (``target_optimizer``, ``_target_groups``), the sub-group layout at N ranks
+(``zero3.repartition.plan_layout``) in the order the source's param groups list their parameters,
+the one Adam step each sub-group keeps, the names the resuming engine's module has, and DeepSpeed's
+counters and client state. ``plan_zero3_target`` reads only the ``TrainingCheckpoint`` (its tensors'
+names and the scalars its reader filled in), so every reader that describes the optimizer is planned
+alike; it returns one ``writers.zero3.Zero3Target``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from shardkit.checkpoint.ops.convert.dcp_to_zero3_source import SourcePlan, StepValue
-from shardkit.checkpoint.ops.convert.names import ADAM_TYPES, DEEPSPEED_PREFIX
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, ADAM_TYPES, DEEPSPEED_PREFIX
+from shardkit.checkpoint.writers.zero3 import TargetOptimizer, Zero3Target
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, DEFAULT_SUB_GROUP_SIZE
-from shardkit.checkpoint.zero3.repartition import TargetLayout, plan_layout
+from shardkit.checkpoint.zero3.repartition import plan_layout
 from shardkit.config.loading import load_config
 from shardkit.config.paths import get
 from shardkit.core.errors import CheckpointError, UsageError
-from shardkit.storage.manifest import Manifest
 
 #: Param-group keys of the optimizer DeepSpeed builds from a config ``optimizer`` block (0.19.8,
 #: ``DeepSpeedEngine.get_optimizer_configuration``), with their constructor defaults.
@@ -45,35 +49,6 @@ _TORCH_FLAGS_MUST_BE_OFF = ("amsgrad", "maximize")
 """torch Adam flags ZeRO-3's Adam has no state or code for (amsgrad keeps max_exp_avg_sq)."""
 
 
-@dataclass
-class TargetOptimizer:
-    """The optimizer the resuming DeepSpeed engine builds, as far as its checkpoint format goes."""
-
-    name: str
-    """'FusedAdam', 'DeepSpeedCPUAdam' or 'torch' (a client torch optimizer or ``torch_adam``)."""
-    adam_w_mode: bool
-    """Decoupled weight decay (AdamW) or L2 (Adam)."""
-    step_as_tensor: bool
-    """torch keeps ``step`` as a float32 tensor; DeepSpeed's Adams as a Python int."""
-
-
-@dataclass
-class Zero3Target:
-    """The ZeRO-3 files to write, decided before the first one is (``plan_zero3_target``)."""
-
-    opt: TargetOptimizer
-    groups: list[dict[str, Any]]
-    """The inner optimizer's param groups in ``opt``'s format (``params`` filled by the writer)."""
-    layout: TargetLayout
-    sub_steps: list[tuple[int, StepValue]]
-    """Each sub-group's Adam step: the count and the source's value it came from."""
-    global_steps: int
-    counters: dict[str, Any]
-    """DeepSpeed's counters (and scheduler state) for the model-states files (``_counters``)."""
-    client: dict[str, Any]
-    """The FSDP2 save's JSON client state, written into the model-states files."""
-    cfg: dict[str, Any]
-    """What is recorded as ``ds_config``: the given config, or ``_minimal_config``."""
 
 
 def read_ds_config(ds_config: str | os.PathLike[str] | dict[str, Any] | None) -> dict[str, Any] | None:
@@ -138,8 +113,6 @@ def check_target_config(cfg: dict[str, Any] | None) -> tuple[int, str]:
 
 #: How a manifest's ``dtype`` (shardkit writes the torch name, ``bfloat16``; a conversion from ZeRO-3
 #: writes ``bf16``/``fp16``/``fp32`` into ``extra.converted_from.precision``) reads as a precision.
-_PRECISIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-               "fp32": "fp32", "float32": "fp32", "float": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -153,28 +126,13 @@ class SourcePrecision:
     """Where that was read, with the value: for messages."""
 
 
-def source_precision(manifest: Manifest | None, plan: SourcePlan) -> SourcePrecision:
-    """The training precision of the run that wrote the FSDP2 source, as far as it can be known.
-
-    A checkpoint ``--to fsdp2`` made from ZeRO-3 records the DeepSpeed run's precision
-    (``extra.converted_from.precision``): certain. Parameters saved as bfloat16/float16 (manifest
-    ``dtype``, or the DCP tensors' dtype) mean a run in that precision. Float32 parameters say
-    nothing: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` trains in bf16 and keeps
-    (and saves) float32 sharded parameters, exactly as an fp32 run does."""
-    came = (manifest.extra.get("converted_from") if manifest is not None else None) or {}
-    recorded = came.get("precision") if came.get("engine") == "deepspeed" else None
-    if isinstance(recorded, str) and recorded in _PRECISIONS:
-        return SourcePrecision(_PRECISIONS[recorded], f"its manifest's extra.converted_from.precision {recorded!r} "
-                               "(the DeepSpeed run it was converted from)")
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in plan.trainable})
-    low = [d for d in dtypes if d in ("bfloat16", "float16")]
-    if manifest is not None and isinstance(manifest.dtype, str) and _PRECISIONS.get(manifest.dtype) in ("bf16", "fp16"):
-        return SourcePrecision(_PRECISIONS[manifest.dtype], f"its manifest's dtype {manifest.dtype!r}")
-    if low:
-        return SourcePrecision(_PRECISIONS[low[0]], f"its parameters saved as {low[0]}")
-    shown = repr(manifest.dtype) if manifest is not None and manifest.dtype else f"{dtypes} (no manifest)"
-    return SourcePrecision(None, f"its manifest's dtype {shown}" if manifest is not None and manifest.dtype
-                           else f"its parameters' dtype {shown}")
+def source_precision(ckpt: TrainingCheckpoint) -> SourcePrecision:
+    """The training precision of the run that wrote ``ckpt``: what its reader saw (``precision_seen``:
+    the DCP reader, which may not know), else the format's own record (DeepSpeed's ds_config)."""
+    seen = ckpt.scalars.get("precision_seen")
+    if seen is not None:
+        return SourcePrecision(seen[0], seen[1])
+    return SourcePrecision(ckpt.precision, f"the {ckpt.format} checkpoint's precision {ckpt.precision!r}")
 
 
 def decide_precision(cfg: dict[str, Any] | None, config_precision: str, seen: SourcePrecision, tag_dir: Path,
@@ -214,7 +172,7 @@ NAME_PREFIXES = ("", DEEPSPEED_PREFIX)
 """What ``name_prefix`` may be: no prefix, or the ``module.`` a wrapped model's names carry."""
 
 
-def target_names(plan: SourcePlan, manifest: Manifest | None, name_prefix: str | None, tag_dir: Path) -> dict[str, str]:
+def target_names(ckpt: TrainingCheckpoint, name_prefix: str | None, notes: list[str]) -> dict[str, str]:
     """Source FQN -> the name the resuming engine's module has, for every model key that changes.
 
     ``engine.load_checkpoint`` matches the ``module`` dict and the frozen fragments by name against
@@ -228,15 +186,16 @@ def target_names(plan: SourcePlan, manifest: Manifest | None, name_prefix: str |
         raise UsageError(f"name_prefix {name_prefix!r}: must be 'module.' (the resuming engine's model is a wrapper "
                          "holding it as .module, names like module.model.embed_tokens.weight) or '' (names as the "
                          "model's own named_parameters())")
-    came = (manifest.extra.get("converted_from") if manifest is not None else None) or {}
+    tag_dir = ckpt.folder
+    came = ckpt.scalars.get("source") or {}
     recorded = came.get("name_prefix") if came.get("engine") == "deepspeed" else None
     want = name_prefix if name_prefix is not None else (recorded if recorded in NAME_PREFIXES else None)
-    keys = plan.model_keys
+    keys = [*ckpt.weights, *ckpt.aliases]
     with_prefix = [n for n in keys if n.startswith(DEEPSPEED_PREFIX)]
     without = [n for n in keys if not n.startswith(DEEPSPEED_PREFIX)]
     if want is None:
         if with_prefix and not without:
-            plan.notes.append(f"every name starts with {DEEPSPEED_PREFIX!r} (the FSDP2 model was a wrapper) and is "
+            notes.append(f"every name starts with {DEEPSPEED_PREFIX!r} (the FSDP2 model was a wrapper) and is "
                               "written so: the resuming DeepSpeed model must be wrapped the same way; for an "
                               "unwrapped one convert with name_prefix=''")
         return {}
@@ -248,63 +207,136 @@ def target_names(plan: SourcePlan, manifest: Manifest | None, name_prefix: str |
             "unwrapped model, or convert with name_prefix=None to keep the names as they are")
     if want == DEEPSPEED_PREFIX and without:
         mapping = {n: DEEPSPEED_PREFIX + n for n in keys}
-        plan.notes.append(f"names written with the prefix {DEEPSPEED_PREFIX!r} (e.g. {mapping[keys[0]]}): the "
+        notes.append(f"names written with the prefix {DEEPSPEED_PREFIX!r} (e.g. {mapping[keys[0]]}): the "
                           "resuming engine's model is a wrapper holding the model as .module"
                           + (" (recorded when this checkpoint was converted from ZeRO-3)" if name_prefix is None else ""))
         return mapping
     if want == "" and with_prefix:
         mapping = {n: n[len(DEEPSPEED_PREFIX):] for n in keys}
-        plan.notes.append(f"the prefix {DEEPSPEED_PREFIX!r} removed from every name (e.g. {keys[0]} -> "
+        notes.append(f"the prefix {DEEPSPEED_PREFIX!r} removed from every name (e.g. {keys[0]} -> "
                           f"{mapping[keys[0]]}): the resuming engine's model is not wrapped")
         return mapping
     return {}
 
 
-def plan_zero3_target(plan: SourcePlan, cfg: dict[str, Any] | None, manifest: Manifest | None, world_size: int,
-                      sub_group_size: int, tag_dir: Path) -> Zero3Target:
-    """The ZeRO-3 files for ``world_size`` ranks of the run ``cfg`` configures (None: DeepSpeed's
-    defaults), from the classified source ``plan``; what the target cannot hold is refused
-    (UsageError, CheckpointError) or added to ``plan.not_carried``, what it changes to ``plan.notes``."""
-    decoupled = [bool(g.get("decoupled_weight_decay", False)) for g in plan.groups]
-    opt = target_optimizer(cfg, all(decoupled))
-    groups = _target_groups(plan, opt, cfg, tag_dir)
 
-    slots = [ParamSlot(p.fqn, p.shape, p.numel, plan.param_group_of[p.fqn], 0, 0, 0) for p in plan.trainable]
-    # plan_layout reads only ``slots`` when sub_group_size is given: the DCP parameters stand in
+@dataclass
+class Zero3Plan:
+    """``plan_zero3_target``'s result: the target, and what the result reports."""
+
+    target: Zero3Target
+    notes: list[str] = field(default_factory=list)
+    not_carried: list[str] = field(default_factory=list)
+
+
+def plan_zero3_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, world_size: int, sub_group_size: int,
+                      precision: str, names: dict[str, str], notes: list[str]) -> Zero3Plan:
+    """The ZeRO-3 files for ``world_size`` ranks of the run ``cfg`` configures (None: DeepSpeed's
+    defaults) holding ``ckpt``; what the target cannot hold is refused (UsageError, CheckpointError)
+    or added to ``not_carried``, what it changes to ``notes``."""
+    tag_dir = ckpt.folder
+    not_carried: list[str] = list(ckpt.scalars.get("not_carried") or [])
+    _check_adam(ckpt)
+    source_groups = _source_groups(ckpt)
+    decoupled = [_decoupled(ckpt, g) for g in source_groups]
+    opt = target_optimizer(cfg, all(decoupled))
+    groups = _target_groups(source_groups, opt, cfg, tag_dir, not_carried)
+    shapes = {n: ckpt.weights[n].shape for n in ckpt.optimizer}
+    slots = [ParamSlot(n, shapes[n], ckpt.weights[n].numel, g, 0, 0, 0)
+             for g, group in enumerate(source_groups) for n in group["params"]]
+    # plan_layout reads only ``slots`` when sub_group_size is given: the source's parameters stand in
     # for a source ZeRO-3 checkpoint's (their sub_group/offset fields are unused)
     layout = plan_layout(SimpleNamespace(slots=slots), world_size, sub_group_size)  # type: ignore[arg-type]
-    sub_steps = [_step_value([tp.source.name for tp in params], plan.steps, tag_dir) for params in layout.sub_groups]
+    steps: dict[str, float] = dict(ckpt.scalars.get("step") or {})
+    step_tensors: dict[str, SourceTensor] = dict(ckpt.scalars.get("step_tensors") or {})
+    sub_steps = [_step_value([tp.source.name for tp in params], steps, step_tensors, tag_dir) for params in layout.sub_groups]
     step = sub_steps[0][0] if sub_steps else 0
-    user = dict(manifest.extra.get("user") or {}) if manifest is not None else {}
-    global_steps = manifest.step if manifest is not None and isinstance(manifest.step, int) else step
+    counters = dict(ckpt.scalars.get("counters") or {})
+    global_steps = counters.pop("global_steps", step)
     if global_steps != step:
-        plan.notes.append(f"global_steps {global_steps} comes from the FSDP2 save's step; the Adam step is {step}")
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in plan.trainable} - {"float32"})
+        notes.append(f"global_steps {global_steps} comes from the source's step counter; the Adam step is {step}")
+    counters.setdefault("skipped_steps", 0)
+    dtypes = sorted({ckpt.weights[n].dtype for n in ckpt.optimizer} - {"float32"})
     if dtypes:
-        plan.notes.append(f"parameters/moments saved as {dtypes} were upcast to float32 (ZeRO-3's masters and moments "
-                          "are fp32); they are exact, but are not a float32 run's values")
-    record_cfg = cfg if cfg is not None else _minimal_config(plan.groups[0], opt)
-    if cfg is not None and cfg.get("scheduler") is not None:
-        plan.not_carried.append("lr_scheduler (ds_config has a 'scheduler'): the FSDP2 checkpoint holds no scheduler "
-                                "state; load with engine.load_checkpoint(OUT, load_lr_scheduler_states=False) (the "
-                                "scheduler then starts from its own step 0) or set its state yourself")
-    counters = _counters(manifest, global_steps, cfg, plan)
+        notes.append(f"parameters/moments saved as {dtypes} were upcast to float32 (ZeRO-3's masters and moments "
+                     "are fp32); they are exact, but are not a float32 run's values")
+    record_cfg = cfg if cfg is not None else _minimal_config(source_groups[0], opt)
+    if ckpt.scalars.get("lr_scheduler") is not None:
+        counters["lr_scheduler"] = ckpt.scalars["lr_scheduler"]
+        notes.append("lr_scheduler state restored from the source (the ZeRO-3 checkpoint this one was converted "
+                     "from)" if ckpt.format == "dcp" else "lr_scheduler state carried from the source")
+    elif cfg is not None and cfg.get("scheduler") is not None:
+        not_carried.append(f"lr_scheduler (ds_config has a 'scheduler'): the {ckpt.format} checkpoint holds no "
+                           "scheduler state; load with engine.load_checkpoint(OUT, load_lr_scheduler_states=False) "
+                           "(the scheduler then starts from its own step 0) or set its state yourself")
+    tbs = (cfg or {}).get("train_batch_size")
+    if "global_samples" not in counters and isinstance(tbs, int) and not isinstance(tbs, bool):
+        counters["global_samples"] = global_steps * tbs
+    scaler = ckpt.scalars.get("loss_scaler")
+    if scaler:
+        not_carried.append(f"loss_scaler (cur_scale={scaler.get('cur_scale')}, dynamic={scaler.get('dynamic')}): "
+                           f"the files are written for a {precision} run, which keeps a static scale of 1")
     client: dict[str, Any] = {}
-    for k, v in user.items():
+    for k, v in (ckpt.scalars.get("client_state") or {}).items():
         if k in DEEPSPEED_MODEL_KEYS:
-            plan.not_carried.append(f"client_state.{k} ({v!r}): the name of an entry DeepSpeed writes itself")
+            not_carried.append(f"client_state.{k} ({v!r}): the name of an entry DeepSpeed writes itself")
         else:
             client[k] = v
-    return Zero3Target(opt=opt, groups=groups, layout=layout, sub_steps=sub_steps, global_steps=global_steps,
-                       counters=counters, client=client, cfg=record_cfg)
+    target = Zero3Target(opt=opt, groups=groups, layout=layout, sub_steps=sub_steps, global_steps=global_steps,
+                         counters=counters, client=client, cfg=record_cfg, precision=precision, names=names)
+    return Zero3Plan(target, notes, not_carried)
 
 
-def _step_value(fqns: list[str], steps: dict[str, StepValue], source: Path) -> tuple[int, StepValue]:
+def _check_adam(ckpt: TrainingCheckpoint) -> None:
+    """Only Adam/AdamW state (exp_avg, exp_avg_sq, step) has a place in ZeRO-3's Adam."""
+    kind = str(ckpt.scalars.get("optimizer_type") or "")
+    if kind and kind.lower() not in ADAM_TYPES:
+        raise UsageError(f"{ckpt.folder}: its optimizer is {kind!r}: only Adam/AdamW state (exp_avg, exp_avg_sq, step) "
+                         "converts to ZeRO-3's Adam; resume it with its own optimizer instead")
+    for name, states in ckpt.optimizer.items():
+        if set(states) != set(ADAM_STATE_KEYS):
+            raise UsageError(f"{ckpt.folder}: optimizer state of {name} holds {sorted(states)}, not exactly "
+                             f"{list(ADAM_STATE_KEYS)}: not plain Adam/AdamW (amsgrad keeps max_exp_avg_sq), and "
+                             "ZeRO-3's Adam has no place for it. Only Adam/AdamW without amsgrad converts")
+    if not ckpt.optimizer:
+        raise CheckpointError(f"{ckpt.folder}: holds no per-parameter optimizer state (the optimizer never stepped); "
+                              "a ZeRO-3 checkpoint needs fp32 masters and Adam moments. Convert a checkpoint saved "
+                              "after at least one step")
+
+
+def _source_groups(ckpt: TrainingCheckpoint) -> list[dict[str, Any]]:
+    """The source's param groups (``params``: trainable names), checked against its optimizer state."""
+    groups = [dict(g) for g in (ckpt.scalars.get("param_groups") or [{"params": ckpt.trainable}])]
+    listed = [n for g in groups for n in g.get("params") or []]
+    missing = [n for n in ckpt.optimizer if n not in listed]
+    strangers = [n for n in listed if n not in ckpt.optimizer]
+    if missing or strangers or len(set(listed)) != len(listed):
+        raise CheckpointError(f"{ckpt.folder}: the param groups list {len(listed)} parameters, the optimizer state "
+                              f"holds {len(ckpt.optimizer)} (not listed: {missing[:3]}; listed without state: "
+                              f"{strangers[:3]}); its optimizer and model state disagree (files of different saves?)")
+    return groups
+
+
+def _decoupled(ckpt: TrainingCheckpoint, group: dict[str, Any]) -> bool:
+    """Whether a source group decays weights AdamW-style: its own flag (torch), else the source's
+    config (DeepSpeed's Adam is AdamW unless ``adam_w_mode: false``), else AdamW."""
+    if "decoupled_weight_decay" in group:
+        return bool(group["decoupled_weight_decay"])
+    if ckpt.scalars.get("adam_w_mode") is not None:
+        return bool(ckpt.scalars["adam_w_mode"])
+    return True
+
+
+def _step_value(names: list[str], steps: dict[str, float], step_tensors: dict[str, SourceTensor],
+                source: Path) -> tuple[int, SourceTensor | None]:
     """The one step count of a sub-group (ZeRO-3 keeps one per sub-group; torch one per parameter)."""
-    values = {n: steps[n].count for n in fqns}
+    missing = [n for n in names if n not in steps]
+    if missing:
+        raise CheckpointError(f"{source}: no Adam step recorded for {missing[:3]}; Adam's bias correction needs it")
+    values = {n: steps[n] for n in names}
     distinct = sorted(set(values.values()))
     if len(distinct) != 1:
-        first = {v: next(n for n in fqns if values[n] == v) for v in distinct}
+        first = {v: next(n for n in names if values[n] == v) for v in distinct}
         raise CheckpointError(
             f"{source}: parameters that share a ZeRO-3 sub-group have different Adam step counts ("
             + ", ".join(f"{n}: {v:g}" for v, n in first.items())
@@ -314,14 +346,15 @@ def _step_value(fqns: list[str], steps: dict[str, StepValue], source: Path) -> t
     step = distinct[0]
     if step != int(step) or step < 1:
         raise CheckpointError(f"{source}: Adam step is {step:g}, expected a positive whole number")
-    return int(step), steps[fqns[0]]
+    return int(step), step_tensors.get(names[0])
 
 
-def _target_groups(plan: SourcePlan, opt: TargetOptimizer, cfg: dict[str, Any] | None, source: Path) -> list[dict[str, Any]]:
+def _target_groups(source_groups: list[dict[str, Any]], opt: TargetOptimizer, cfg: dict[str, Any] | None, source: Path,
+                   not_carried: list[str]) -> list[dict[str, Any]]:
     """The inner optimizer's param groups in the target optimizer's own format (``params`` filled later)."""
     out = []
     cfg_params = get(cfg or {}, "optimizer.params", {}) or {}
-    for g, group in enumerate(plan.groups):
+    for g, group in enumerate(source_groups):
         for flag in _TORCH_FLAGS_MUST_BE_OFF:
             if group.get(flag):
                 raise UsageError(f"{source}: param_groups[{g}].{flag} is {group[flag]!r}: DeepSpeed's ZeRO-3 Adam has no "
@@ -337,6 +370,7 @@ def _target_groups(plan: SourcePlan, opt: TargetOptimizer, cfg: dict[str, Any] |
                              f"{'' if decoupled else ' with params.adam_w_mode false'}")
         if opt.name == "torch":
             new = {k: v for k, v in group.items() if k != "params"}
+            new.setdefault("decoupled_weight_decay", opt.adam_w_mode)
         else:
             new = dict(_GROUP_FORMATS[opt.name])
             new.update({k: cfg_params[k] for k in new if k in cfg_params and k not in _HYPERPARAMETERS})
@@ -346,7 +380,7 @@ def _target_groups(plan: SourcePlan, opt: TargetOptimizer, cfg: dict[str, Any] |
             dropped = sorted(k for k in group if k not in new and k not in ("params", *_TORCH_FLAGS_MUST_BE_OFF,
                              "decoupled_weight_decay", "foreach", "capturable", "differentiable", "fused"))
             if dropped:
-                plan.not_carried.append(f"param_groups[{g}] entries {dropped}: {opt.name}'s param groups have no such "
+                not_carried.append(f"param_groups[{g}] entries {dropped}: {opt.name}'s param groups have no such "
                                         "keys (set them in the resuming run if they matter)")
         out.append(new)
     return out
@@ -358,22 +392,3 @@ def _minimal_config(group: dict[str, Any], opt: TargetOptimizer) -> dict[str, An
     return {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW" if opt.adam_w_mode else "Adam", "params": params}}
 
 
-def _counters(manifest: Any, global_steps: int, cfg: dict[str, Any] | None, plan: SourcePlan) -> dict[str, Any]:
-    """DeepSpeed's counters (and scheduler) for the model-states files. A DCP checkpoint converted
-    from ZeRO-3 (``convert_zero3_to_dcp``) keeps them in its manifest's ``extra.converted_from``:
-    they go back where they came from. Otherwise ``global_samples`` is ``global_steps`` times the
-    config's ``train_batch_size`` (what DeepSpeed computes on load when it is missing)."""
-    came = (manifest.extra.get("converted_from") if manifest is not None else None) or {}
-    out: dict[str, Any] = {"skipped_steps": 0}
-    if came.get("engine") == "deepspeed":
-        for key in ("global_samples", "skipped_steps"):
-            if isinstance(came.get(key), int):
-                out[key] = came[key]
-        if isinstance(came.get("lr_scheduler"), dict):
-            out["lr_scheduler"] = came["lr_scheduler"]
-            plan.notes.append("lr_scheduler state restored from the manifest's extra.converted_from (the ZeRO-3 "
-                              "checkpoint this one was converted from)")
-    tbs = (cfg or {}).get("train_batch_size")
-    if "global_samples" not in out and isinstance(tbs, int) and not isinstance(tbs, bool):
-        out["global_samples"] = global_steps * tbs
-    return out
