@@ -15,14 +15,17 @@ import torch
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 #: label: (fsdp_state_dict_type, use_orig_params, how the optimizer is saved: "accelerate" or "ids"
-#: (torch's own optimizer.state_dict(), keyed by parameter ids, as a hand-written save does)).
+#: (torch's own optimizer.state_dict(), keyed by parameter ids, as a hand-written save does), whether
+#: the embedding and lm_head are tied).
 FSDP1_SAVES = {
-    "sharded": ("SHARDED_STATE_DICT", True, "accelerate"),
-    "sharded_flat": ("SHARDED_STATE_DICT", False, "accelerate"),
-    "full": ("FULL_STATE_DICT", False, "accelerate"),
-    "local": ("LOCAL_STATE_DICT", False, "accelerate"),
-    "sharded_ids": ("SHARDED_STATE_DICT", True, "ids"),
-    "full_ids": ("FULL_STATE_DICT", True, "ids"),
+    "sharded": ("SHARDED_STATE_DICT", True, "accelerate", False),
+    "sharded_flat": ("SHARDED_STATE_DICT", False, "accelerate", False),
+    "full": ("FULL_STATE_DICT", False, "accelerate", False),
+    "local": ("LOCAL_STATE_DICT", False, "accelerate", False),
+    "sharded_ids": ("SHARDED_STATE_DICT", True, "ids", False),
+    "full_ids": ("FULL_STATE_DICT", True, "ids", False),
+    "sharded_tied": ("SHARDED_STATE_DICT", False, "accelerate", True),
+    "full_tied": ("FULL_STATE_DICT", False, "accelerate", True),
 }
 EXPECTED = "expected_at_save.pt"
 
@@ -51,7 +54,7 @@ def save_fsdp1_checkpoints(base: str) -> dict[str, list[str]]:
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(dist.get_world_size()))
     state = PartialState(cpu=True)
     out = {}
-    for label, (kind, orig_params, optim_save) in FSDP1_SAVES.items():
+    for label, (kind, orig_params, optim_save, tied) in FSDP1_SAVES.items():
         plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type=kind, cpu_ram_efficient_loading=False)
         saver: Any = state
         if kind == "FULL_STATE_DICT":
@@ -64,6 +67,10 @@ def save_fsdp1_checkpoints(base: str) -> dict[str, list[str]]:
             saver = SimpleNamespace(num_processes=1, process_index=rank)
         model = tiny_llama("tiny", seed=0)
         config = model.config
+        if tied:
+            config.tie_word_embeddings = True
+            torch.manual_seed(0)
+            model = type(model)(config)
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
         model = FSDP(model, use_orig_params=orig_params, auto_wrap_policy=policy, device_id=torch.device("cpu"))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -93,7 +100,7 @@ def save_fsdp1_checkpoints(base: str) -> dict[str, list[str]]:
     return out
 
 
-def resume_fsdp2(root: str) -> dict[str, Any] | None:
+def resume_fsdp2(root: str, tied: bool) -> dict[str, Any] | None:
     """Rank target: FSDP2 (one unit per decoder layer) over a differently initialized model, AdamW with
     other hyperparameters, loading ``root`` with shardkit's ``load_fsdp_checkpoint``; rank 0 returns the
     full model and optimizer state right after the load."""
@@ -110,7 +117,11 @@ def resume_fsdp2(root: str) -> dict[str, Any] | None:
 
     cfg = fsdp_config_from_dict({"fsdp": {"wrap": ["LlamaDecoderLayer"], "mixed_precision": "none",
                                           "cpu_offload": False, "pin_memory": False}})
-    model = apply_fsdp(tiny_llama("tiny", seed=1), cfg)
+    model = tiny_llama("tiny", seed=1)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model = type(model)(model.config)
+    model = apply_fsdp(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     load_fsdp_checkpoint(model, opt, root)
     state = {"model": full_model_state_dict(model), "optim": full_optimizer_state_dict(model, opt)}
@@ -149,7 +160,7 @@ def _materialize(t: Any) -> torch.Tensor:
     return flat.reshape(t.shape)
 
 
-@pytest.mark.parametrize("label", ["sharded", "sharded_flat", "full"])
+@pytest.mark.parametrize("label", ["sharded", "sharded_flat", "full", "sharded_tied", "full_tied"])
 def test_export_equals_the_model_at_save_time(saves, tmp_path, run_cli, label):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -159,21 +170,24 @@ def test_export_equals_the_model_at_save_time(saves, tmp_path, run_cli, label):
     out = tmp_path / "hf"
     code, stdout, err = run_cli("export", ckpt, "-o", out)
     assert code == 0, err
-    kind = "FULL_STATE_DICT" if label == "full" else "SHARDED_STATE_DICT"
+    kind = FSDP1_SAVES[label][0]
     assert f"accelerate FSDP checkpoint {ckpt} saved with {kind}" in stdout
-    assert f"source (fsdp1-{'full' if label == 'full' else 'sharded'})" in stdout
+    assert f"source (fsdp1-{kind.split('_')[0].lower()})" in stdout
     expected = _expected(saves, label)["weights"]
     written = load_file(out / "model.safetensors")
+    if FSDP1_SAVES[label][3]:  # tied: stored once, under the name save_pretrained keeps
+        expected = {k: v for k, v in expected.items() if k != "lm_head.weight"}
     assert written.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(written[name], value), name
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     for name, value in model.state_dict().items():
-        assert torch.equal(value, expected[name]), name
+        assert torch.equal(value, _expected(saves, label)["weights"][name]), name
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is FSDP1_SAVES[label][3]
     assert _tree(ckpt) == before  # the source is only read
 
 
-@pytest.mark.parametrize("label", ["sharded", "sharded_flat", "full"])
+@pytest.mark.parametrize("label", ["sharded", "sharded_flat", "full", "sharded_tied", "full_tied"])
 def test_the_optimizer_state_described_is_torchs(saves, tmp_path, label):
     from shardkit.checkpoint.ops.export.sources import resolve_source
     from shardkit.checkpoint.readers.registry import read_checkpoint
@@ -184,7 +198,7 @@ def test_the_optimizer_state_described_is_torchs(saves, tmp_path, label):
     # FSDP1's full optimizer gather with use_orig_params=True on CPU ranks (torch 2.13) returns every exp_avg
     # equal to exp_avg_sq, so that save's moments are held against the same training with flat parameters
     moments = _expected(saves, "sharded_flat" if label == "sharded" else label)["optimizer"]["state"]
-    if label == "full":
+    if label.startswith("full"):
         truth = torch.load(saves / label / "checkpoint-2" / "optimizer.bin", weights_only=True)
     else:  # torch's own reading of the optimizer folder
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -206,6 +220,9 @@ def test_the_optimizer_state_described_is_torchs(saves, tmp_path, label):
     assert tuple(group["betas"]) == tuple(want["betas"])
     for name, t in ckpt.weights.items():
         assert torch.equal(_materialize(t), expected["weights"][name]), name
+    # a tied lm_head is the embedding's alias (its state dict lists it twice), not a frozen parameter
+    tied = FSDP1_SAVES[label][3]
+    assert ckpt.aliases == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {}) and ckpt.frozen == set()
 
 
 @pytest.mark.parametrize("label", ["sharded_ids", "full_ids"])
@@ -229,7 +246,7 @@ def test_local_state_dict_is_refused_naming_the_fix(saves, tmp_path, run_cli):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("label", ["sharded", "full"])
+@pytest.mark.parametrize("label", ["sharded", "full", "full_tied"])
 def test_convert_to_fsdp2_resumes_with_masters_and_moments(saves, tmp_path, run_cli, label):
     from shardkit.run.spawn.process import run_ranks
 
@@ -237,10 +254,13 @@ def test_convert_to_fsdp2_resumes_with_masters_and_moments(saves, tmp_path, run_
     before = _tree(ckpt)
     code, stdout, err = run_cli("convert", ckpt, "--to", "fsdp2", "-o", tmp_path / "fsdp2")
     assert code == 0, err
-    assert f"fsdp1-{label} -> fsdp2, 21 parameters" in stdout
-    assert "carried: fp32 masters (21 trainable), exp_avg, exp_avg_sq, step" in stdout
+    tied = FSDP1_SAVES[label][3]
+    assert f"fsdp1-{label.split('_')[0]} -> fsdp2, {20 if tied else 21} parameters" in stdout
+    assert f"carried: fp32 masters ({20 if tied else 21} trainable), exp_avg, exp_avg_sq, step" in stdout
     assert "pytorch_model_fsdp" not in stdout.split("not carried:", 1)[-1]  # what was converted is not listed as left
-    got = run_ranks(resume_fsdp2, 3, args=(str(tmp_path / "fsdp2"),), timeout=300, device="cpu")[0].value
+    if tied:
+        assert "tied names (lm_head.weight)" in stdout
+    got = run_ranks(resume_fsdp2, 3, args=(str(tmp_path / "fsdp2"), tied), timeout=300, device="cpu")[0].value
     expected = _expected(saves, label)
     moments = _expected(saves, "sharded_flat" if label == "sharded" else label)["optimizer"]  # see the test above
     assert got["model"].keys() == expected["weights"].keys()

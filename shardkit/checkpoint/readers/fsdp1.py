@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, TensorMeta, read_plain_metadata
 from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state
@@ -36,7 +36,7 @@ from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.dcp import dcp_tensors
 from shardkit.checkpoint.readers.deepspeed_scalars import step_value
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import TensorRef, read_structure
+from shardkit.storage.torch_load import _ITEMSIZE, TensorRef, read_structure
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +62,11 @@ def read_fsdp1_sharded(model_dir: Path) -> TrainingCheckpoint:
     optim_dir = model_dir.parent / f"{_OPTIM_ROOT}_{m.group(1) if m else 0}"
     if (optim_dir / METADATA_NAME).is_file():
         _read_dcp_optimizer(optim_dir, ckpt)
+        model_slices = DcpSlices(model_dir)
+        try:
+            _tie(ckpt, lambda a, b: model_slices.same_bytes(f"model.{a}", f"model.{b}"))
+        finally:
+            model_slices.close()
     else:
         ckpt.notes.append(f"no {optim_dir.name}/ beside {model_dir.name}/: saved without optimizer state")
     return ckpt
@@ -86,9 +91,44 @@ def read_fsdp1_full(folder: Path) -> TrainingCheckpoint:
     optim_file = folder / OPTIMIZER_FILE
     if optim_file.is_file():
         _read_full_optimizer(optim_file, ckpt)
+        _tie(ckpt, lambda a, b: _same_bytes(ckpt.weights[a], ckpt.weights[b]))
     else:
         ckpt.notes.append(f"no {OPTIMIZER_FILE} beside {MODEL_FILE}: saved without optimizer state")
     return ckpt
+
+
+def _same_bytes(a: SourceTensor, b: SourceTensor) -> bool:
+    """Two tensors stored whole (one piece each, same dtype and shape) hold the same bytes; compared
+    16 MiB at a time (FSDP's full state dict clones each parameter, so a tied one is two records)."""
+    if len(a.pieces) != 1 or len(b.pieces) != 1:
+        return False
+    pa, pb = a.pieces[0], b.pieces[0]
+    left, step = pa.numel * _ITEMSIZE[a.dtype], 16 * 2**20
+    with open(pa.file, "rb") as fa, open(pb.file, "rb") as fb:
+        fa.seek(pa.offset)
+        fb.seek(pb.offset)
+        while left > 0:
+            n = min(step, left)
+            if fa.read(n) != fb.read(n):
+                return False
+            left -= n
+    return True
+
+
+def _tie(ckpt: TrainingCheckpoint, same: Callable[[str, str], bool | None]) -> None:
+    """Tied parameters: FSDP's state dict lists a tied parameter under each of its names while the
+    optimizer holds it once, so a name without optimizer state whose tensor is a trained parameter's
+    (the same storage in a torch.save file, the same bytes in a DCP folder) is its alias, not a frozen
+    parameter."""
+    trained = [n for n in ckpt.weights if n in ckpt.optimizer]
+    for name in [n for n in ckpt.weights if n not in ckpt.optimizer]:
+        w = ckpt.weights[name]
+        holder = next((h for h in trained if (ckpt.weights[h].shape, ckpt.weights[h].dtype) == (w.shape, w.dtype)
+                       and same(h, name)), None)
+        if holder is not None:
+            ckpt.aliases[name] = holder
+            del ckpt.weights[name]
+            ckpt.frozen.discard(name)
 
 
 def _whole(name: str, ref: TensorRef) -> SourceTensor:
