@@ -277,3 +277,17 @@ def test_zero3_files_beside_zero2_files_are_refused(saves, tmp_path):
     shutil.copy(root / S.TAG / "mp_rank_00_model_states.pt", root / S.TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     with pytest.raises(CheckpointError, match=r"zero_pp_rank_0_mp_rank_00_model_states\.pt beside the ZeRO-1/2 files"):
         read_zero12(root / S.TAG)
+
+
+def test_fp32_consolidation_of_zero2_never_imports_torch_or_deepspeed(saves, tmp_path, python_exe):
+    import subprocess
+
+    out = tmp_path / "m.safetensors"
+    code = (
+        "import sys; from shardkit.cli import main\n"
+        f"assert main(['consolidate', {str(saves['zero2_bf16'])!r}, '-o', {str(out)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'\n"
+    )
+    proc = subprocess.run([python_exe, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(load_file(out)) == sorted(_zero_to_fp32(saves["zero2_bf16"]))

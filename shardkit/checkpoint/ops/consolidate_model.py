@@ -23,7 +23,7 @@ from typing import Callable
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor
-from shardkit.checkpoint.ops.consolidate import (
+from shardkit.checkpoint.ops.consolidate_output import (
     OUTPUT_DTYPES,
     ConsolidateResult,
     check_output_file,

@@ -1,0 +1,132 @@
+"""What every consolidation shares, whatever reads the source (``consolidate`` for ZeRO-3,
+``consolidate_model`` for the readers' other kinds): the result record, the output dtypes, where
+``-o`` may write (``check_output_file``) and the removal of the temporary files a killed run left.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardkit.core.errors import UsageError
+from shardkit.core.files import file_kind
+from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX
+
+OUTPUT_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class ConsolidateResult:
+    """What a consolidation wrote (``consolidate_zero3``, ``consolidate_model``)."""
+
+    output: Path
+    tensors: int
+    """Tensors in the file (parameters, buffers and tied aliases)."""
+    parameters: int
+    """Elements of trainable and frozen parameters (tied aliases counted once)."""
+    bytes: int
+    source_world_size: int
+    tag: str
+    verified: str = "hash"
+    """How the source was checked before it was read: 'hash' (sizes and digests), 'sizes' (--no-verify) or
+    'none' (no manifest)."""
+    rank: int = 0
+    """This process's share (under srun/torchrun; 0 alone)."""
+    processes: int = 1
+    """Processes that copied the pieces (under srun/torchrun; 1 alone)."""
+    share_pieces: int = 0
+    """Pieces (one rank's run of one parameter) this process copied."""
+    share_bytes: int = 0
+    """Bytes this process copied."""
+    launcher: str = "single process"
+
+
+#: Files whose presence makes a folder a checkpoint (tag) folder: shardkit's completion marker and
+#: the rank-0 files DeepSpeed writes. Nothing is ever written inside such a folder.
+_CHECKPOINT_MARKERS = ("shardkit_manifest.json", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                       "mp_rank_00_model_states.pt")
+
+
+def check_output_file(output: Path, source_dir: Path, *, force: bool = False) -> Path:
+    """The path ``consolidate`` may write for ``-o output``, or a UsageError saying why not.
+
+    A folder gets ``model.safetensors`` inside. Refused whatever ``force`` says: a path inside the
+    checkpoint being read or inside any checkpoint folder (a tag folder, a staging folder, or a
+    root holding ``latest``), a checkpoint root's ``latest``, and
+    anything that exists and is not a regular file (a device, fifo, folder, or a link to one; as
+    root, replacing ``/dev/null`` would make it a plain file). An existing regular file is
+    replaced only with ``force``; a symlink to one keeps pointing at the new file.
+    """
+
+    out = output / "model.safetensors" if output.is_dir() else output
+    real = Path(os.path.realpath(out))
+    src = source_dir.resolve()
+    if real == src or real.is_relative_to(src):
+        raise UsageError(f"-o {output}: {real} is inside the checkpoint being read ({source_dir}); writing there "
+                         "would change the checkpoint. Write the weights to another folder")
+    if real.name == LATEST_NAME and (real.parent == src.parent or (real.parent / LATEST_NAME).is_file()):
+        raise UsageError(f"-o {output}: {real} is a checkpoint's '{LATEST_NAME}' pointer; replacing it would "
+                         "break resuming from that folder. Choose another file name")
+    for folder in real.parents:
+        # a root (the folder holding 'latest') is a checkpoint folder too: its next save's cleanup
+        # and DeepSpeed's loaders treat whatever is in it as theirs
+        if (folder.name.startswith(STAGING_PREFIX) or any((folder / m).exists() for m in _CHECKPOINT_MARKERS)
+                or os.path.lexists(folder / LATEST_NAME)):
+            raise UsageError(f"-o {output}: {folder} is a checkpoint folder; consolidate never writes into one. "
+                             "Write the weights to another folder")
+    if not os.path.lexists(out):
+        return out
+    try:
+        mode = os.stat(out).st_mode
+    except FileNotFoundError:
+        raise UsageError(f"-o {output}: is a symlink to {real}, which does not exist; pass the target path or "
+                         "remove the link") from None
+    if not stat.S_ISREG(mode):
+        link = f" (a symlink to {real})" if out.is_symlink() else ""
+        raise UsageError(f"-o {output}{link}: exists and is {file_kind(mode)}, not a regular file; consolidate only "
+                         "ever replaces regular files. Pass a file path")
+    if not force:
+        raise UsageError(f"-o {output}: {out} already exists; pass --force to replace it, or choose another name")
+    # a symlink stays a symlink: its target is replaced (atomically, in the target's folder)
+    return real if out.is_symlink() else out
+
+
+#: A temporary file whose writer is gone and that has not changed for this long is a leftover.
+STALE_TEMP_AGE_S = 120.0
+
+
+def remove_stale_temps(out: Path, min_age_s: float = STALE_TEMP_AGE_S) -> list[str]:
+    """Remove the hidden temporary siblings (``.NAME.tmp-PID-XXXXXXXX``, ``atomic_open``'s) that a
+    consolidate killed outright left beside ``out``: SIGTERM and Ctrl-C remove their own, SIGKILL or
+    the OOM killer cannot, and each is as large as the output. Only a file whose writer pid is not
+    running here *and* that has not changed for ``min_age_s`` is removed (on a shared filesystem the
+    pid may be another host's, whose live writer keeps changing it). Returns one note per removal."""
+
+    notes = []
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        pid_text = tmp.name[len(f".{out.name}.tmp-"):].split("-", 1)[0]
+        if not pid_text.isdigit() or _pid_running(int(pid_text)):
+            continue
+        try:
+            info = tmp.lstat()
+            if not stat.S_ISREG(info.st_mode) or time.time() - info.st_mtime < min_age_s:
+                continue
+            tmp.unlink()
+        except OSError:
+            continue
+        notes.append(f"removed {tmp} ({info.st_size:,} bytes): the partial output of an earlier consolidate (pid "
+                     f"{pid_text}, no longer running) that was killed before it could remove it")
+    return notes
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
