@@ -294,3 +294,25 @@ def test_reshard_still_refuses_an_fsdp_folder_naming_what_takes_it(saves, tmp_pa
     assert code == 1 and "nothing to reshard" in err
     assert "export, consolidate and convert --to fsdp2 read its SHARDED_STATE_DICT and FULL_STATE_DICT layouts" in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("shape", "optimizer.bin: exp_avg of 'lm_head.weight' has shape [3], the parameter [512, 64]; the optimizer and "
+              "model files come from different saves"),
+    ("name", "optimizer.bin: optimizer state for 'lm_head.weight.renamed', a name the model's state dict does not "
+             "hold; the optimizer and model files come from different saves"),
+])
+def test_an_optimizer_from_another_save_is_refused_naming_the_tensor(saves, tmp_path, run_cli, damage, said):
+    import shutil
+
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(saves / "full" / "checkpoint-2", ckpt)
+    optim = torch.load(ckpt / "optimizer.bin", weights_only=True)
+    if damage == "shape":
+        optim["state"]["lm_head.weight"]["exp_avg"] = torch.zeros(3)
+    else:
+        optim["state"]["lm_head.weight.renamed"] = optim["state"].pop("lm_head.weight")
+    torch.save(optim, ckpt / "optimizer.bin")
+    code, _, err = run_cli("convert", ckpt, "--to", "fsdp2", "-o", tmp_path / "fsdp2")
+    assert code == 1 and f"{ckpt / said}" in err, err
+    assert not (tmp_path / "fsdp2").exists()

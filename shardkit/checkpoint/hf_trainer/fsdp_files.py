@@ -19,7 +19,9 @@ FSDP2 (FSDP2 has no ``LOCAL_STATE_DICT``):
   shard, the same number of ranks only) and the optimizer as ``optimizer_0/`` (DCP).
 
 ``tests/test_trainer_checkpoint.py`` writes each layout with accelerate's own save functions over
-real FSDP1 and FSDP2 models on 2 gloo ranks and checks what is said about it.
+real FSDP1 and FSDP2 models on 2 gloo ranks and checks what is said about it. ``readers.fsdp1``
+reads the SHARDED_STATE_DICT and FULL_STATE_DICT layouts (``read_by_shardkit``) for export,
+consolidate and convert; reshard refuses every layout here, and every command the per-rank ones.
 """
 
 from __future__ import annotations

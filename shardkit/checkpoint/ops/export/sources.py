@@ -3,8 +3,10 @@
 model's ``config.json`` is.
 
 A Trainer's DeepSpeed ``checkpoint-N`` *is* the DeepSpeed root (``hf_trainer.folder``); its FSDP
-``checkpoint-N`` holds the model as the DCP folder ``pytorch_model_fsdp_0/`` under
-``SHARDED_STATE_DICT`` (``hf_trainer.fsdp_files``). The config is looked for in ``--model-config``
+``checkpoint-N`` (``hf_trainer.fsdp_files``) is kind ``fsdp1-sharded`` under ``SHARDED_STATE_DICT``
+(the tensors' folder is the model DCP folder ``pytorch_model_fsdp_0/``, ``optimizer_0/`` beside it)
+and ``fsdp1-full`` under ``FULL_STATE_DICT`` (the ``checkpoint-N`` itself), both read by
+``readers.fsdp1``; per-rank FSDP files are refused. The config is looked for in ``--model-config``
 first, then in the folder holding the tag (the Trainer's ``checkpoint-N``, which holds the
 ``config.json``, ``generation_config.json`` and tokenizer files the Trainer saved), then the tag
 folder itself.
@@ -42,7 +44,7 @@ class Source:
     """A resolved ``SRC``."""
 
     kind: str
-    """``zero3``, ``zero12`` or ``dcp`` (a key of ``readers.registry.READERS``)."""
+    """``zero3``, ``zero12``, ``dcp``, ``fsdp1-sharded``... (a key of ``readers.registry.READERS``)."""
     tag_dir: Path
     """The folder holding the tensors (ZeRO-3 tag folder, or DCP folder with ``.metadata``)."""
     folder: Path
