@@ -12,7 +12,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "consolidate",
-        help="write a ZeRO-3 checkpoint's full fp32 weights to one .safetensors file (streaming zero_to_fp32)",
+        help="write a checkpoint's full fp32 weights (ZeRO-1/2/3...) to one .safetensors file (streaming zero_to_fp32)",
         example="shardkit consolidate checkpoints/ -o model.safetensors",
         description=(
             "Gather every parameter's fp32 master from the per-rank ZeRO-3 partitions (any world size, "
@@ -22,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "folder, or one rank file. No DeepSpeed import, no code from the checkpoint is run. The source "
             "is first checked against its shardkit manifest (sizes and content digests; --no-verify: sizes only); an "
             "existing FILE is replaced only with --force. Under srun/torchrun every launched process copies its "
-            "share of the pieces into the one file (on storage every node shares) and rank 0 renames it into place."
+            "share of the pieces into the one file (on storage every node shares) and rank 0 renames it into place. "
+            "A ZeRO-1/2 checkpoint (or another source `shardkit inspect` says consolidate takes) is read through "
+            "its reader and written the same way by one process."
         ),
     )
     p.add_argument("checkpoint", metavar="CKPT",
