@@ -235,7 +235,7 @@ def test_a_re_laid_out_parameter_and_a_tensor_parallel_conversion_are_refused(sa
         read_checkpoint("universal", src)
 
 
-def test_inspect_says_export_and_consolidate_take_it(saves, run_cli):
+def test_inspect_says_which_commands_take_it(saves, run_cli):
     import json
 
     code, stdout, err = run_cli("inspect", saves["zero3_bf16"][1], "--json")
@@ -244,5 +244,55 @@ def test_inspect_says_export_and_consolidate_take_it(saves, run_cli):
     assert d["format"] == "deepspeed-universal" and d["parameters"] == 20
     assert d["optimizer_state_keys"] == ["exp_avg", "exp_avg_sq"]
     applies = {c["command"]: c["applies"] for c in d["commands"]}
-    assert applies == {"reshard": False, "convert --to fsdp2": True, "convert --to zero3": False, "consolidate": True,
+    assert applies == {"reshard": False, "convert --to fsdp2": True, "convert --to zero3": True, "consolidate": True,
                        "export": True}
+
+
+def load_universal_and_report(root: str, stage: int, precision: str) -> dict[str, Any] | None:
+    """Rank target: a fresh engine of ``stage`` loads ``root`` with checkpoint.load_universal; rank 0
+    returns every trainable parameter's fp32 master and Adam moments as DeepSpeed's API reports them."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from shardkit.engines.deepspeed import initialize
+
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                           "zero_optimization": {"stage": stage}, "steps_per_print": 10_000,
+                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "checkpoint": {"load_universal": True}}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine = initialize(tied_frozen_llama(), cfg)
+    engine.load_checkpoint(root)
+    values = {n: {"fp32": safe_get_full_fp32_param(p).clone(), "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
+                  "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone()}
+              for n, p in engine.module.named_parameters() if p.requires_grad}
+    lr = engine.optimizer.param_groups[0]["lr"]
+    return {"values": values, "lr": lr, "global_steps": engine.global_steps} if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("label,kind,stage,world", [("zero3_bf16", "zero3", 2, 1), ("zero1_fp32", "zero12", 3, 2)])
+def test_the_universal_writer_is_loaded_by_deepspeed(saves, tmp_path, label, kind, stage, world):
+    """A ZeRO-3 (or ZeRO-1) save read by its reader and written by ``writers.universal``: every file
+    equals DeepSpeed's own ds_to_universal of that save, and a ZeRO-2 (ZeRO-3) engine at another world
+    size loads it with load_universal, masters and moments bit-equal, lr and step carried."""
+    from shardkit.checkpoint.readers.registry import read_checkpoint
+    from shardkit.checkpoint.writers.universal import write_universal
+
+    root, theirs = saves[label]
+    ckpt = read_checkpoint(kind, root / TAG)
+    ours = write_universal(ckpt, tmp_path / "universal", TAG)
+    assert (tmp_path / "universal" / "latest_universal").read_text() == TAG
+    for name in ckpt.trainable:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            held = torch.load(theirs / TAG / "zero" / name / f"{state}.pt", weights_only=False)
+            held = held["param"] if isinstance(held, dict) else held
+            written = torch.load(ours / "zero" / name / f"{state}.pt", weights_only=False)
+            assert written["cat_dim"] == 0 and torch.equal(written["param"], held.view(written["param"].shape))
+    assert read_checkpoint("universal", ours).trainable == ckpt.trainable  # shardkit reads its own output back
+    got = run_ranks(load_universal_and_report, world, args=(str(tmp_path / "universal"), stage, VARIANTS[label][1]),
+                    timeout=600, device="cpu")[0].value
+    assert got["lr"] == 1e-2 and got["global_steps"] == 2
+    assert sorted(got["values"]) == sorted(ckpt.trainable)
+    for name, states in got["values"].items():
+        for state, value in states.items():
+            written = torch.load(ours / "zero" / name / f"{state}.pt", weights_only=False)["param"]
+            assert torch.equal(value, written), (name, state)

@@ -126,6 +126,8 @@ def _model_files(folder: Path) -> tuple[list[Path], bool]:
     names = [e.name for e in folder.iterdir()]
     zero3 = sorted((int(m.group(1)), int(m.group(2)), n) for n in names if (m := _ZERO3_MODEL.match(n)))
     mp = sorted((int(m.group(1)), n) for n in names if (m := _MP_MODEL.match(n)))
+    if mp:  # ZeRO-1/2's conversion, or shardkit's writer (which links the ZeRO-3 name to it for ZeRO-3 engines)
+        return [folder / n for _, n in mp], False
     if zero3:
         ranks = sorted({r for r, _, _ in zero3})
         if ranks != list(range(len(ranks))):
@@ -133,8 +135,6 @@ def _model_files(folder: Path) -> tuple[list[Path], bool]:
                                   f"0..{len(ranks) - 1}: a file is missing (a partial copy). Copy the whole folder "
                                   "ds_to_universal wrote")
         return [folder / n for r, mp_rank, n in zero3 if mp_rank == 0], True
-    if mp:
-        return [folder / n for _, n in mp], False
     raise CheckpointError(f"{folder}: a universal checkpoint's zero/ without the model-states files ds_to_universal "
                           "copies beside it (mp_rank_00_model_states.pt or zero_pp_rank_*_model_states.pt): they name "
                           "the parameters and their shapes. Copy the whole folder ds_to_universal wrote")

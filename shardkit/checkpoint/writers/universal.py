@@ -1,0 +1,188 @@
+"""The universal writer: any checkpoint model with its optimizer state (``TrainingCheckpoint``) as the
+DeepSpeed universal checkpoint ``ds_to_universal`` writes from a ZeRO-1/2 save, so that DeepSpeed's
+``load_checkpoint`` with ``checkpoint.load_universal: true`` resumes it at any data-parallel size.
+
+Written under ``root/<tag>/`` (staged beside it, renamed into place, ``latest_universal`` last):
+
+- ``zero/<parameter>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``: ``{"param": tensor, "cat_dim": 0}``
+  with the whole fp32 tensor in the parameter's shape (what ``merge_tp_slices`` writes at tp 1, what
+  ``load_hp_checkpoint_state`` reads), and ``step.pt`` the step as saved (an int where it is whole).
+- ``zero/optimizer_state.pt``: the param groups' hyperparameters (``params`` the group's index, as
+  ``_save_optimizer_state`` keeps it), ``ds_version`` (``_load_global_state`` asserts one), the
+  loss scaler's ``dynamic_loss_scale`` where the source kept one; and, for a ZeRO-3 engine
+  (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``), the same groups and the step under
+  ``optimizer_state_dict``.
+- ``mp_rank_00_model_states.pt``: the module's state dict in the training dtype (tied aliases under
+  each name, frozen parameters and buffers as read), ``param_shapes`` per param group, ``buffer_names``,
+  ``shared_params``, the counters, ``ds_config`` and client state: what ``_load_checkpoint`` reads
+  before the optimizer's universal load overwrites the trainable 16-bit weights from the masters.
+  A ZeRO-3 engine reads ``zero_pp_rank_0_mp_rank_00_model_states.pt`` instead (``_get_ckpt_name``
+  with ``load_universal``): the same file, hard-linked (copied where links are not possible).
+
+Tensors are read one at a time from their source pieces (memory: the largest tensor, twice).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardkit.checkpoint.layout.deepspeed_files import UNIVERSAL_FOLDER
+from shardkit.checkpoint.layout.detect import LATEST_UNIVERSAL
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.core.errors import CheckpointError
+from shardkit.storage.atomic import atomic_save, publish_dir, staging_dir, write_latest
+
+if TYPE_CHECKING:
+    import torch
+
+OPTIMIZER_FILE = "optimizer_state.pt"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+#: The name a ZeRO-3 engine loads the model states of a universal checkpoint from (DeepSpeed 0.19.8).
+ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+_TRAINING_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def write_universal(ckpt: TrainingCheckpoint, root: Path, tag: str) -> Path:
+    """Write ``ckpt`` as the universal checkpoint ``root/<tag>``; return that folder.
+
+    Refuses, before writing, a checkpoint without its optimizer state, a trainable parameter
+    missing a moment the others have, and tensors whose pieces do not cover them.
+    """
+    trainable = ckpt.trainable
+    keys = sorted({k for states in ckpt.optimizer.values() for k in states})
+    lacking = [n for n in trainable if sorted(ckpt.optimizer.get(n, {})) != keys]
+    if not ckpt.optimizer_described or not keys or lacking:
+        raise CheckpointError(
+            f"{ckpt.folder}: a universal checkpoint needs every trainable parameter's optimizer state, and this "
+            f"{ckpt.format} source {'describes none' if not keys else 'lacks it for ' + ', '.join(lacking[:5])}; "
+            "export writes its weights instead. Nothing was written")
+    uncovered = ckpt.uncovered()
+    if uncovered:
+        raise CheckpointError(f"{ckpt.folder}: the pieces of {', '.join(uncovered[:5])} do not cover them exactly once; "
+                              "the source is damaged. Nothing was written")
+    root.mkdir(parents=True, exist_ok=True)
+    staged = staging_dir(root, tag)
+    if staged.exists():
+        raise CheckpointError(f"{staged}: a staging folder is there (another writer, or a killed one): remove it "
+                              "after checking no write is running. Nothing was written")
+    try:
+        _write(ckpt, staged, trainable, keys)
+        publish_dir(staged, root / tag)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    write_latest(root, tag, LATEST_UNIVERSAL)
+    return root / tag
+
+
+def _write(ckpt: TrainingCheckpoint, staged: Path, trainable: list[str], keys: list[str]) -> None:
+    import torch
+
+    zero = staged / UNIVERSAL_FOLDER
+    steps = ckpt.scalars.get("step") or {}
+    for name in trainable:
+        folder = zero / name
+        folder.mkdir(parents=True)
+        atomic_save({"param": _load(ckpt.weights[name], torch.float32), "cat_dim": 0}, folder / "fp32.pt")
+        for key in keys:
+            atomic_save({"param": _load(ckpt.optimizer[name][key], torch.float32), "cat_dim": 0}, folder / f"{key}.pt")
+        if name in steps:
+            step = float(steps[name])
+            atomic_save(int(step) if step.is_integer() else step, folder / "step.pt")
+    groups = _param_groups(ckpt, trainable)
+    optim: dict[str, Any] = {"param_groups": [{**g, "params": [i]} for i, (g, _) in enumerate(groups)],
+                             "ds_version": _ds_version(ckpt), "zero_stage": 2, "partition_count": [1] * len(groups)}
+    scaler = ckpt.scalars.get("loss_scaler")
+    if isinstance(scaler, dict):
+        optim["dynamic_loss_scale"] = bool(scaler.get("dynamic"))
+    first_step = next((float(steps[n]) for n in trainable if n in steps), 0.0)
+    optim["optimizer_state_dict"] = {  # ZeRO-3's universal load reads one step and the first group's values here
+        "state": {0: {"step": int(first_step) if first_step.is_integer() else first_step}},
+        "param_groups": optim["param_groups"]}
+    atomic_save(optim, zero / OPTIMIZER_FILE)
+    atomic_save(_model_states(ckpt, groups, torch), staged / MODEL_STATES)
+    try:
+        os.link(staged / MODEL_STATES, staged / ZERO3_MODEL_STATES)
+    except OSError:
+        shutil.copy2(staged / MODEL_STATES, staged / ZERO3_MODEL_STATES)
+
+
+def _param_groups(ckpt: TrainingCheckpoint, trainable: list[str]) -> list[tuple[dict[str, Any], list[str]]]:
+    """(hyperparameters, names) per param group; one group of every trainable parameter where the
+    source named none."""
+    named = [g for g in ckpt.scalars.get("param_groups") or [] if isinstance(g, dict)]
+    if not named:
+        return [({}, trainable)]
+    out = [({k: v for k, v in g.items() if k != "params"}, [str(n) for n in g.get("params") or []]) for g in named]
+    grouped = [n for _, names in out for n in names]
+    if sorted(grouped) != sorted(trainable):
+        missing = sorted(set(trainable) - set(grouped))
+        raise CheckpointError(f"{ckpt.folder}: the param groups name {len(grouped)} parameters, the checkpoint has "
+                              f"{len(trainable)} trainable ones (not in a group: {', '.join(missing[:5])}); the "
+                              "scalars do not describe this checkpoint. Nothing was written")
+    return out
+
+
+def _model_states(ckpt: TrainingCheckpoint, groups: list[tuple[dict[str, Any], list[str]]], torch: Any) -> dict[str, Any]:
+    """What DeepSpeed's ``_load_checkpoint`` reads from ``mp_rank_00_model_states.pt``."""
+    dtype = getattr(torch, _TRAINING_DTYPES.get(ckpt.precision, "float32"))
+    module: dict[str, Any] = {}
+    for name, t in ckpt.weights.items():
+        value = _load(t, None)
+        trained = name not in ckpt.frozen and name not in ckpt.buffers
+        module[name] = value.to(dtype) if trained and value.is_floating_point() else value
+    for alias, holder in ckpt.aliases.items():
+        if holder in module:
+            module[alias] = module[holder]
+    counters = ckpt.scalars.get("counters") or {}
+    source = ckpt.scalars.get("source") or {}
+    state: dict[str, Any] = dict(ckpt.scalars.get("client_state") or {})
+    state.update(
+        module=module, buffer_names=sorted(ckpt.buffers), optimizer=None,
+        param_shapes=[{n: torch.Size(ckpt.weights[n].shape) for n in names} for _, names in groups],
+        frozen_param_shapes={n: torch.Size(ckpt.weights[n].shape) for n in ckpt.weights if n in ckpt.frozen} or None,
+        shared_params=dict(ckpt.aliases), frozen_param_fragments=None, lr_scheduler=ckpt.scalars.get("lr_scheduler"),
+        data_sampler=None, random_ltd=None,
+        skipped_steps=int(counters.get("skipped_steps", 0)), global_steps=int(counters.get("global_steps", 0)),
+        global_samples=int(counters.get("global_samples", 0)), dp_world_size=ckpt.world_size or 1, mp_world_size=1,
+        ds_config=source.get("ds_config") or {}, ds_version=_ds_version(ckpt),
+        universal_checkpoint_info={"universal_checkpoint_version": 0.2})
+    return state
+
+
+def _ds_version(ckpt: TrainingCheckpoint) -> str:
+    version = (ckpt.scalars.get("source") or {}).get("ds_version")
+    if isinstance(version, str) and version:
+        return version
+    try:
+        return metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return "0.19.8"  # the release this layout was read from (deepspeed/checkpoint/ds_to_universal.py)
+
+
+def _load(t: SourceTensor, dtype: "torch.dtype | None") -> "torch.Tensor":
+    """The whole tensor ``t`` from its pieces (or its loader), as ``dtype`` when given."""
+    import torch
+
+    if t.load is not None:
+        value = t.load()
+    else:
+        source_dtype = getattr(torch, t.dtype)
+        flat = torch.empty(t.numel, dtype=source_dtype)
+        size = flat.element_size()
+        for p in t.pieces:
+            with open(p.file, "rb") as fh:
+                fh.seek(p.offset)
+                raw = bytearray(fh.read(p.numel * size))
+            if len(raw) != p.numel * size:
+                raise CheckpointError(f"{p.file}: ends before {t.name}'s piece at byte {p.offset} "
+                                      f"({p.numel} elements); the file is truncated. Nothing was written")
+            flat[p.start:p.start + p.numel] = torch.frombuffer(raw, dtype=source_dtype)
+        value = flat.view(t.shape) if math.prod(t.shape) == t.numel else flat
+    return value.to(dtype) if dtype is not None else value
