@@ -239,8 +239,8 @@ def plan_zero3_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, worl
     _check_adam(ckpt)
     source_groups = _source_groups(ckpt)
     decoupled = [_decoupled(ckpt, g) for g in source_groups]
-    opt = target_optimizer(cfg, all(decoupled))
-    groups = _target_groups(source_groups, opt, cfg, tag_dir, not_carried)
+    opt = target_optimizer(cfg, all(d is not False for d in decoupled))
+    groups = _target_groups(source_groups, decoupled, opt, cfg, tag_dir, not_carried)
     shapes = {n: ckpt.weights[n].shape for n in ckpt.optimizer}
     slots = [ParamSlot(n, shapes[n], ckpt.weights[n].numel, g, 0, 0, 0)
              for g, group in enumerate(source_groups) for n in group["params"]]
@@ -317,14 +317,15 @@ def _source_groups(ckpt: TrainingCheckpoint) -> list[dict[str, Any]]:
     return groups
 
 
-def _decoupled(ckpt: TrainingCheckpoint, group: dict[str, Any]) -> bool:
+def _decoupled(ckpt: TrainingCheckpoint, group: dict[str, Any]) -> bool | None:
     """Whether a source group decays weights AdamW-style: its own flag (torch), else the source's
-    config (DeepSpeed's Adam is AdamW unless ``adam_w_mode: false``), else AdamW."""
+    config (DeepSpeed's Adam is AdamW unless ``adam_w_mode: false``); None when neither says (a
+    client optimizer the config does not name): the resuming run's config decides then."""
     if "decoupled_weight_decay" in group:
         return bool(group["decoupled_weight_decay"])
     if ckpt.scalars.get("adam_w_mode") is not None:
         return bool(ckpt.scalars["adam_w_mode"])
-    return True
+    return None
 
 
 def _step_value(names: list[str], steps: dict[str, float], step_tensors: dict[str, SourceTensor],
@@ -349,8 +350,8 @@ def _step_value(names: list[str], steps: dict[str, float], step_tensors: dict[st
     return int(step), step_tensors.get(names[0])
 
 
-def _target_groups(source_groups: list[dict[str, Any]], opt: TargetOptimizer, cfg: dict[str, Any] | None, source: Path,
-                   not_carried: list[str]) -> list[dict[str, Any]]:
+def _target_groups(source_groups: list[dict[str, Any]], decoupled_groups: list[bool | None], opt: TargetOptimizer,
+                   cfg: dict[str, Any] | None, source: Path, not_carried: list[str]) -> list[dict[str, Any]]:
     """The inner optimizer's param groups in the target optimizer's own format (``params`` filled later)."""
     out = []
     cfg_params = get(cfg or {}, "optimizer.params", {}) or {}
@@ -360,7 +361,7 @@ def _target_groups(source_groups: list[dict[str, Any]], opt: TargetOptimizer, cf
                 raise UsageError(f"{source}: param_groups[{g}].{flag} is {group[flag]!r}: DeepSpeed's ZeRO-3 Adam has no "
                                  f"{flag} mode, so this state would train differently. Convert a checkpoint trained "
                                  f"with {flag}=False")
-        decoupled = bool(group.get("decoupled_weight_decay", False))
+        decoupled = opt.adam_w_mode if decoupled_groups[g] is None else decoupled_groups[g]
         if decoupled != opt.adam_w_mode and float(group.get("weight_decay", 0.0)) != 0.0:
             seen = "AdamW (decoupled_weight_decay=True)" if decoupled else "Adam (L2 weight decay)"
             want = "AdamW" if opt.adam_w_mode else "Adam with L2 weight decay"
