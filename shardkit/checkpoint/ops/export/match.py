@@ -93,6 +93,7 @@ def match(tensors: dict[str, SourceTensor], aliases: dict[str, str], spec: Model
             dropped.append(name)
         else:
             unexpected.append(name)
+    dropped += [a for a in aliases if a in spec.tied_dropped and a not in tensors]  # a tie the reader recorded
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensor(s) {spec.class_name} needs: {', '.join(missing[:5])}"
