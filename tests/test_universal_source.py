@@ -248,16 +248,17 @@ def test_inspect_says_which_commands_take_it(saves, run_cli):
                        "export": True}
 
 
-def load_universal_and_report(root: str, stage: int, precision: str) -> dict[str, Any] | None:
-    """Rank target: a fresh engine of ``stage`` loads ``root`` with checkpoint.load_universal; rank 0
-    returns every trainable parameter's fp32 master and Adam moments as DeepSpeed's API reports them."""
+def load_universal_and_report(root: str, stage: int, precision: str, universal: bool = True) -> dict[str, Any] | None:
+    """Rank target: a fresh engine of ``stage`` loads ``root`` (with checkpoint.load_universal, or
+    DeepSpeed's plain load); rank 0 returns every trainable parameter's fp32 master and Adam moments
+    as DeepSpeed's API reports them."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from shardkit.engines.deepspeed import initialize
 
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                            "zero_optimization": {"stage": stage}, "steps_per_print": 10_000,
-                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "checkpoint": {"load_universal": True}}
+                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "checkpoint": {"load_universal": universal}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     engine = initialize(tied_frozen_llama(), cfg)
@@ -296,3 +297,18 @@ def test_the_universal_writer_is_loaded_by_deepspeed(saves, tmp_path, label, kin
         for state, value in states.items():
             written = torch.load(ours / "zero" / name / f"{state}.pt", weights_only=False)["param"]
             assert torch.equal(value, written), (name, state)
+
+
+def test_convert_to_zero3_is_loaded_by_deepspeed(saves, tmp_path, run_cli):
+    """convert --to zero3 of a universal checkpoint: DeepSpeed's plain load_checkpoint of the output at
+    2 ranks gives the masters and moments DeepSpeed's universal files hold, bit for bit."""
+    _, uni = saves["zero2_bf16"]
+    code, _, err = run_cli("convert", uni, "--to", "zero3", "--world-size", "2", "-o", tmp_path / "zero3")
+    assert code == 0, err
+    got = run_ranks(load_universal_and_report, 2, args=(str(tmp_path / "zero3"), 3, "bf16", False), timeout=600,
+                    device="cpu")[0].value
+    assert got["lr"] == 1e-2 and got["global_steps"] == 2 and len(got["values"]) == 19
+    for name, states in got["values"].items():
+        for state, value in states.items():
+            held = torch.load(uni / TAG / "zero" / name / f"{state}.pt", weights_only=False)["param"]
+            assert torch.equal(value, held), (name, state)
