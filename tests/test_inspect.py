@@ -87,7 +87,8 @@ def test_text_output_says_what_it_is_and_where_to_go(layouts, run_cli):
     assert lines[1].split(None, 1) == ["layout", "DeepSpeed ZeRO-2"]
     assert "world size  2" in stdout and "precision   bf16" in stdout
     assert "optimizer   AdamW (state: exp_avg, exp_avg_sq, step)" in stdout
-    assert "  yes  reshard" in stdout and "a DeepSpeed ZeRO-2 checkpoint" in stdout and "zero_to_fp32.py" in stdout
+    # every command takes ZeRO-2 now (convert --to zero3 through readers.zero12 + writers.zero3)
+    assert "  yes  reshard" in stdout and "  yes  convert --to zero3" in stdout and "  no " not in stdout
     code, stdout, _ = run_cli("inspect", layouts["zero3"])
     assert code == 0 and "  yes  reshard" in stdout and "  no   convert --to zero3  it is ZeRO-3 already" in stdout
 
