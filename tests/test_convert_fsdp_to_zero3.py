@@ -525,9 +525,9 @@ def test_a_source_needing_dcp_load_is_refused_under_a_launcher(runs, tmp_path, m
     from shardkit.storage.shared_save import Launch
 
     monkeypatch.setattr(dcp_slices.DcpSlices, "chunks", lambda self, key: None)
-    with pytest.raises(UsageError, match=r"some tensors of this checkpoint are not plain float32 byte ranges \(model\.[\w.]+'s "
-                                         r"stored chunks are not dim-0 slabs in plain zip "
-                                         r"records .*\); they are read through torch.distributed.checkpoint, in one process "
+    with pytest.raises(UsageError, match=r"some tensors of this checkpoint are not plain float32 byte ranges \(model\.[\w.]+ is "
+                                         r"read through a loader \(its stored chunks are not byte ranges\)\); they are "
+                                         r"read through torch, in one process "
                                          r"only, and torchrun started 2\. Run shardkit convert once, without srun/torchrun"):
         convert_to_zero3(runs["src"], tmp_path / "out", world_size=3, ds_config=B.ds_config(3, True),
                              launch=Launch(0, 2, "job-1", "torchrun", "host"))

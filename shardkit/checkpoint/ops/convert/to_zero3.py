@@ -151,11 +151,7 @@ def convert_to_zero3(
                 warn(note)
     manifest = checked.manifest
     expected = {e.path: e for e in manifest.files} if manifest is not None and verify and launch.distributed else {}
-    small = [n for n, e in expected.items() if e.size < 2**20]
-    if small:  # every process reads these next (metadata, pickles)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            check_source_digests(hash_beside(pool, [(tag_dir / n, expected.pop(n)) for n in small]),
-                                 "convert", "convert another checkpoint")
+    _check_now(tag_dir, expected, [n for n in expected if n == ".metadata"])  # every process parses it next
     verified = checked.level if not launch.distributed or manifest is None else ("hash" if verify else "sizes")
     before = signatures(sorted(f for f in tag_dir.iterdir() if f.is_file()))
 
@@ -179,6 +175,11 @@ def convert_to_zero3(
         target.cfg["bf16"] = {"enabled": True}  # the recorded config says what the files were written for
 
     out = RankStates(ckpt, target)
+    # files no tensor is copied from (pickles, metadata) were parsed by every process: checked now;
+    # the others, shared out, while the files are written (nothing is published unless all match)
+    copied = {p.file.name for t in [*ckpt.weights.values(), *(s for st in ckpt.optimizer.values() for s in st.values())]
+              for p in t.pieces if p.file.parent == tag_dir}
+    _check_now(tag_dir, expected, [n for n in expected if n not in copied])
     origin = ckpt.scalars.get("source") or {}
     facts: dict[str, Any] = dict(world_size=world_size, step=target.global_steps, zero_stage=3, dtype=precision,
                                  config_digest=config_digest(target.cfg),
@@ -240,6 +241,14 @@ def convert_to_zero3(
         carried=carried, not_carried=planned.not_carried, notes=notes, verified=verified,
         route="bytes" if out.plain else "torch", rank=launch.rank, processes=launch.world, share_files=len(share),
         share_bytes=sum(e.size for e in share), workers=workers, launcher=launch.launcher)
+
+
+def _check_now(tag_dir: Path, expected: dict[str, FileEntry], names: list[str]) -> None:
+    """The digests of ``names`` (taken out of ``expected``) checked before going on."""
+    if names:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            check_source_digests(hash_beside(pool, [(tag_dir / n, expected.pop(n)) for n in names]),
+                                 "convert", "convert another checkpoint")
 
 
 def _engine(kind: str, origin: dict[str, Any]) -> str:
