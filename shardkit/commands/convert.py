@@ -1,4 +1,4 @@
-"""`shardkit convert SRC --to fsdp2|zero3 -o OUT`: a checkpoint of one engine for the other, optimizer state included."""
+"""`shardkit convert SRC --to fsdp2|zero3|zero2|zero1 -o OUT`: a checkpoint of one engine for the other, optimizer state included."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from shardkit.commands._parser import add_command, add_dry_run, add_json, add_no
 if TYPE_CHECKING:
     from shardkit.checkpoint.ops.convert.result import ConvertResult
 
-TARGETS = ("fsdp2", "zero3")
+TARGETS = ("fsdp2", "zero3", "zero2", "zero1")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "param-group hyperparameters, buffers, JSON client state) and write a DCP checkpoint that "
             "shardkit's load_fsdp_checkpoint resumes at any world size, with or without CPU offload. "
             "--to zero3 --world-size N: the reverse, per-rank files DeepSpeed's plain load_checkpoint accepts "
-            "at N ranks. What cannot be carried (loss scaler, LR scheduler, optimizers other than Adam/AdamW, "
+            "at N ranks; --to zero2|zero1 --world-size N: the ZeRO-2/ZeRO-1 files (per-rank optimizer files and the "
+            "module states) DeepSpeed's plain load_checkpoint accepts at N ranks, from any source whose optimizer state "
+            "shardkit reads. What cannot be carried (loss scaler, LR scheduler, optimizers other than Adam/AdamW, "
             "MoE experts, tensor-parallel checkpoints) is refused or reported by name. The source is first "
             "checked against its shardkit manifest (sizes and content digests; --no-verify: sizes only); the output is "
             "an atomic shardkit checkpoint with a manifest."
@@ -36,18 +38,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", required=True, choices=TARGETS, help="engine of the new checkpoint")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="new checkpoint folder (gets OUT/<tag>/ and OUT/latest)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
-                   help="--to zero3 only: data-parallel ranks of the resuming DeepSpeed run")
+                   help="--to zero3/zero2/zero1 only: data-parallel ranks of the resuming DeepSpeed run")
     p.add_argument("--tag", default=None, help="tag of the new checkpoint (default: the source tag)")
     p.add_argument("--adam-w-mode", choices=("on", "off"), default=None,
                    help="--to fsdp2, for a client optimizer the checkpoint does not name: decoupled weight decay "
                         "(AdamW, on) or L2 (Adam, off); needed only when weight_decay is not 0")
     p.add_argument("--ds-config", default=None, metavar="FILE",
-                   help="--to zero3 only: the resuming run's DeepSpeed config (sub_group_size, bf16, offload decide "
+                   help="--to zero3/zero2/zero1 only: the resuming run's DeepSpeed config (sub_group_size, bf16, offload decide "
                         "the files' layout and param-group format; recorded as ds_config). Without it the precision "
                         "comes from the source (its recorded precision, or bf16 parameters) and a float32 source is "
                         "refused, since FSDP2 keeps float32 parameters whatever it trains in")
     p.add_argument("--name-prefix", choices=("module", "none"), default=None,
-                   help="--to zero3 only: 'module' writes the parameter names with DeepSpeed's 'module.' prefix (a "
+                   help="--to zero3/zero2/zero1 only: 'module' writes the parameter names with DeepSpeed's 'module.' prefix (a "
                         "target engine wrapping the model), 'none' strips it (default: the source's names; a ZeRO-3 "
                         "origin gets its own prefix back)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
@@ -67,6 +69,7 @@ def convert_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import locate_trainer_checkpoint, trainer_files_not_converted
     from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
     from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
+    from shardkit.checkpoint.ops.convert.to_zero12 import convert_to_zero12
     from shardkit.commands._parser import Stopwatch
     from shardkit.commands._plan import byte_progress
     from shardkit.core.errors import UsageError
@@ -105,20 +108,25 @@ def convert_command(args: argparse.Namespace) -> int:
         resume = f"load_fsdp_checkpoint(model, optimizer, {str(r.output)!r}) at any world size"
     else:
         if args.world_size is None:
-            raise UsageError("--to zero3 needs --world-size N: DeepSpeed's plain load_checkpoint only takes "
+            raise UsageError(f"--to {args.to} needs --world-size N: DeepSpeed's plain load_checkpoint only takes "
                              "the per-rank files of its own world size; pass the resuming run's rank count")
         if args.world_size < 1:
             raise UsageError(f"--world-size {args.world_size}: must be at least 1")
         if args.adam_w_mode is not None:
-            raise UsageError(f"--adam-w-mode {args.adam_w_mode} with --to zero3: the FSDP2 checkpoint's param "
+            raise UsageError(f"--adam-w-mode {args.adam_w_mode} with --to {args.to}: the FSDP2 checkpoint's param "
                              "groups already record decoupled_weight_decay; drop --adam-w-mode")
         prefix = {"module": "module.", "none": "", None: None}[args.name_prefix]
         if args.dry_run:
             return _dry_run(args)
         with byte_progress(args, "convert"):
-            r = convert_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
+            if args.to == "zero3":
+                r = convert_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
                                      force=args.force, verify=not args.no_verify, warn=warn, ds_config=args.ds_config,
                                      name_prefix=prefix, workers=args.workers)
+            else:
+                r = convert_to_zero12(args.source, args.output, stage=int(args.to[-1]), world_size=args.world_size,
+                                      tag=args.tag, force=args.force, verify=not args.no_verify, warn=warn,
+                                      ds_config=args.ds_config, name_prefix=prefix, workers=args.workers)
         resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"
     _emit_result(args, r, clock.seconds)
     if r.rank != 0:  # under srun/torchrun: process 0 reports the whole result

@@ -65,6 +65,8 @@ def _reshard_takes(desc: CheckpointDescription, command: str) -> bool:
 _UNIVERSAL_TAKEN = {
     "convert --to fsdp2": "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state",
     "convert --to zero3": "per-rank ZeRO-3 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
+    "convert --to zero2": "per-rank ZeRO-2 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
+    "convert --to zero1": "per-rank ZeRO-1 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
     "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
     "export": "a from_pretrained folder (needs the model's config.json)",
 }
