@@ -19,7 +19,9 @@ descendants, through GNU time), the source read once before each so every step s
 - ``shardkit reshard`` 2 -> 4 through the torch route (``repartition.plan_files``, what every ZeRO-1/2
   reshard did before the byte route; forced here by making the byte plan refuse), unless ``--no-torch``.
 
-Prints one table (median of ``--repeat`` runs) and the ratios to the copy; ``--json FILE`` keeps the numbers.
+``--repeat`` rounds each run every step once, the copy first; the table has each step's median time and the
+median of its per-round ratios to the copy (a ratio within a round, where other work on a shared machine
+weighs on both sides alike); ``--json FILE`` keeps every run's numbers and the load average.
 
     python benchmarks/bench_reshard_zero2.py [--sizes 0.25 0.5 1 2] [--repeat 3] [--workdir DIR] [--keep]
 """
@@ -174,10 +176,12 @@ def scale_zero2(src_tag: Path, dst: Path, factor: int, world: int) -> Path:
 @dataclass
 class Measured:
     wall_s: float
-    """Median wall time of the runs."""
+    """Median wall time of the rounds."""
     peak_rss_mib: float
-    """Largest ru_maxrss of the runs (the child and its waited-for descendants)."""
+    """Largest ru_maxrss of the rounds (the child and its waited-for descendants)."""
     walls: list[float]
+    vs_copy: float
+    """Median over the rounds of this step's time / the copy's time in the same round."""
 
 
 def _warm(path: Path) -> None:
@@ -202,19 +206,39 @@ def _run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     return wall, kib[-1] / 1024
 
 
-def measure(name: str, argv: list[str], source: Path, output: Path, repeat: int, env: dict[str, str]) -> Measured:
-    walls, peaks = [], []
-    for _ in range(repeat):
-        shutil.rmtree(output, ignore_errors=True)
-        _warm(source)
-        wall, peak = _run(argv, env)
-        walls.append(wall)
-        peaks.append(peak)
-    shutil.rmtree(output, ignore_errors=True)
-    m = Measured(sorted(walls)[len(walls) // 2], max(peaks), walls)
-    print(f"[bench] {name}: {m.wall_s:.2f} s (runs {', '.join(f'{w:.2f}' for w in walls)}), peak RSS "
-          f"{m.peak_rss_mib:,.0f} MiB", flush=True)
-    return m
+@dataclass(frozen=True)
+class Step:
+    key: str
+    name: str
+    argv: list[str]
+    source: Path
+    output: Path
+
+
+def measure_rounds(steps: list[Step], repeat: int, env: dict[str, str]) -> dict[str, Measured]:
+    """``repeat`` rounds, each running every step once (the copy first): a step's ratio to the copy is taken
+    within its round, so a burst of other work on this shared machine moves both sides of a ratio alike."""
+    walls: dict[str, list[float]] = {st.key: [] for st in steps}
+    peaks: dict[str, list[float]] = {st.key: [] for st in steps}
+    for i in range(repeat):
+        for st in steps:
+            shutil.rmtree(st.output, ignore_errors=True)
+            _warm(st.source)
+            wall, peak = _run(st.argv, env)
+            shutil.rmtree(st.output, ignore_errors=True)
+            walls[st.key].append(wall)
+            peaks[st.key].append(peak)
+        print(f"[bench] round {i + 1}: " + ", ".join(f"{st.name} {walls[st.key][-1]:.2f} s" for st in steps)
+              + f" (load average {os.getloadavg()[0]:.1f})", flush=True)
+    copy = walls[steps[0].key]
+    out = {}
+    for st in steps:
+        ratios = sorted(w / c for w, c in zip(walls[st.key], copy))
+        out[st.key] = Measured(sorted(walls[st.key])[repeat // 2], max(peaks[st.key]), walls[st.key],
+                               ratios[repeat // 2])
+        print(f"[bench] {st.name}: median {out[st.key].wall_s:.2f} s, {out[st.key].vs_copy:.2f}x the copy, "
+              f"peak RSS {out[st.key].peak_rss_mib:,.0f} MiB", flush=True)
+    return out
 
 
 def _reshard(src: Path, world: int, out: Path, torch_route: bool, *extra: str) -> list[str]:
@@ -259,15 +283,15 @@ def run(sizes: list[float], repeat: int, workdir: Path, torch_route: bool) -> li
               flush=True)
         copy, out = workdir / "copy", workdir / "out"
         row: dict[str, Any] = {"size_gb": gb, "bytes": size, "factor": factor}
-        row["copy_fsync"] = measure("cp -r + sync", ["sh", "-c", f'cp -r "{src2 / TAG}" "{copy}" && '
-                                                           f'find "{copy}" -type f -exec sync {{}} +'],
-                                    src2, copy, repeat, env)
-        row["reshard_2to4"] = measure("shardkit reshard 2 -> 4", _reshard(src2, 4, out, False), src2, out, repeat, env)
-        row["reshard_2to4_no_verify"] = measure("shardkit reshard 2 -> 4 --no-verify",
-                                                _reshard(src2, 4, out, False, "--no-verify"), src2, out, repeat, env)
-        row["reshard_4to2"] = measure("shardkit reshard 4 -> 2", _reshard(src4, 2, out, False), src4, out, repeat, env)
+        steps = [Step("copy_fsync", "cp -r + sync", ["sh", "-c", f'cp -r "{src2 / TAG}" "{copy}" && '
+                                                     f'find "{copy}" -type f -exec sync {{}} +'], src2, copy),
+                 Step("reshard_2to4", "reshard 2 -> 4", _reshard(src2, 4, out, False), src2, out),
+                 Step("reshard_2to4_no_verify", "reshard 2 -> 4 --no-verify", _reshard(src2, 4, out, False, "--no-verify"),
+                      src2, out),
+                 Step("reshard_4to2", "reshard 4 -> 2", _reshard(src4, 2, out, False), src4, out)]
         if torch_route:
-            row["torch_2to4"] = measure("torch route 2 -> 4", _reshard(src2, 4, out, True), src2, out, repeat, env)
+            steps.append(Step("torch_2to4", "torch route 2 -> 4", _reshard(src2, 4, out, True), src2, out))
+        row.update(measure_rounds(steps, repeat, env))
         rows.append({k: asdict(v) if isinstance(v, Measured) else v for k, v in row.items()})
         shutil.rmtree(src2, ignore_errors=True)
         shutil.rmtree(src4, ignore_errors=True)
@@ -283,8 +307,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         t = r.get("torch_2to4")
         cells = [f"{r['bytes'] / 1e9:.2f} GB", f"{cp:.2f}"]
         for key in ("reshard_2to4", "reshard_2to4_no_verify", "reshard_4to2"):
-            cells += [f"{r[key]['wall_s']:.2f}", f"{r[key]['wall_s'] / cp:.2f}x"]
-        cells += [f"{t['wall_s']:.2f}", f"{t['wall_s'] / cp:.2f}x"] if t else ["-", "-"]
+            cells += [f"{r[key]['wall_s']:.2f}", f"{r[key]['vs_copy']:.2f}x"]
+        cells += [f"{t['wall_s']:.2f}", f"{t['vs_copy']:.2f}x"] if t else ["-", "-"]
         peaks = [r[k]["peak_rss_mib"] for k in ("copy_fsync", "reshard_2to4", "reshard_2to4_no_verify", "reshard_4to2",
                                                 "torch_2to4") if k in r]
         cells.append(" / ".join(f"{p:,.0f}" for p in peaks))
@@ -312,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    print(f"\n{os.cpu_count()} CPU cores; medians of {args.repeat} runs\n")
+    print(f"\n{os.cpu_count()} CPU cores; medians of {args.repeat} rounds; ratio: median of the per-round ratios "
+          "to `cp -r` + sync\n")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
