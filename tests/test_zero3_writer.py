@@ -127,7 +127,7 @@ def test_zero2_to_zero3_loads_with_masters_and_moments_bit_equal(chain, label):
 
 def test_the_cli_names_the_zero2_source_and_the_byte_route(chain):
     stdout = chain["converted"]["zero2"]
-    assert f"wrote {chain['base'] / 'zero3' / 'zero2' / S.TAG}" in stdout and ": deepspeed -> zero3," in stdout, stdout
+    assert f"wrote {chain['base'] / 'zero3' / 'zero2' / S.TAG}" in stdout and ": zero2 -> zero3," in stdout, stdout
     assert "written through torch" not in stdout, stdout
 
 
@@ -146,6 +146,91 @@ def test_zero3_output_converts_on_to_fsdp2_still_bit_equal(chain, label):
     assert set(ckpt.scalars["step"].values()) == {2.0}
     if VARIANTS[label][3] == "llama_tied":
         assert ckpt.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+@pytest.fixture(scope="module")
+def universal(chain: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's ds_to_universal of the fp32 ZeRO-2 save -> convert --to zero3 at 3 ranks -> loaded."""
+    from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
+    from shardkit.run.spawn.process import run_ranks
+
+    base, label = chain["base"], "zero2"
+    uni = base / "universal" / label / S.TAG
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(base / "zero2" / label / S.TAG), "--output_folder", str(uni), "--num_extract_workers", "1",
+                    "--num_merge_workers", "1", "--inject_missing_state"], check=True, capture_output=True, timeout=300)
+    dst = base / "zero3_from_universal"
+    result = convert_to_zero3(uni, dst, world_size=NEW_WORLD, ds_config=zero3_config("fp32"))
+    loaded = run_ranks(load_zero3, NEW_WORLD, args=(str(dst), label), timeout=600, device="cpu")[0].value
+    return {"result": result, "loaded": loaded}
+
+
+def test_a_universal_checkpoint_converts_to_zero3_bit_equal(chain, universal):
+    """ds_to_universal output is a source too: the ZeRO-3 files it becomes load with the ZeRO-2 run's masters and moments."""
+    reference = torch.load(chain["base"] / "zero2" / "zero2" / "reference.pt", weights_only=True)
+    loaded = universal["loaded"]
+    assert universal["result"].source_engine == "universal" and sorted(loaded["tensors"]) == sorted(reference)
+    for name, states in reference.items():
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(loaded["tensors"][name][key]), _bits(states[key])), (name, key)
+    assert loaded["steps"] == [2.0]
+
+
+def load_llama_zero3(ckpt: str) -> dict[str, Any] | None:
+    """Rank target: tests/test_fsdp1_sources.py's tiny Llama and AdamW group under ZeRO-3 (fp32) at this
+    world size, plain ``engine.load_checkpoint(ckpt)``, then DeepSpeed's own full masters and moments."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from shardkit.engines.model_factory import tiny_llama
+
+    model = tiny_llama("tiny", seed=0)
+    deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
+    cfg = {"train_batch_size": NEW_WORLD, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10_000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    path, _ = engine.load_checkpoint(ckpt)
+    if path is None:
+        raise RuntimeError(f"engine.load_checkpoint({ckpt!r}) loaded nothing")
+    out = {name: {"fp32": safe_get_full_fp32_param(p).detach().cpu().clone(),
+                  **{k: safe_get_full_optimizer_state(p, k).detach().cpu().clone() for k in ("exp_avg", "exp_avg_sq")}}
+           for name, p in engine.module.named_parameters()}
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("label", ["sharded", "full"])
+def test_fsdp1_trainer_saves_convert_to_zero3_bit_equal(tmp_path_factory, label):
+    """Accelerate's FSDP1 SHARDED_STATE_DICT (pytorch_model_fsdp_0/ + optimizer_0/) and FULL_STATE_DICT
+    (pytorch_model_fsdp.bin + optimizer.bin) saves -> ZeRO-3 at 3 ranks: DeepSpeed loads the weights and
+    both Adam moments FSDP held at save time, bit for bit, by name."""
+    from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
+    from shardkit.run.spawn.process import run_ranks
+    from tests.test_fsdp1_sources import EXPECTED, save_fsdp1_checkpoints
+
+    base = tmp_path_factory.getbasetemp() / "zero3_writer_fsdp1"
+    if not (base / label / EXPECTED).is_file():
+        run_ranks(save_fsdp1_checkpoints, 2, args=(str(base),), timeout=400, device="cpu")
+    dst = base / f"zero3_{label}"
+    r = convert_to_zero3(base / label / "checkpoint-2", dst, world_size=NEW_WORLD, ds_config={
+        "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}})
+    assert r.source_engine.startswith("fsdp1-")
+    loaded = run_ranks(load_llama_zero3, NEW_WORLD, args=(str(dst),), timeout=600, device="cpu")[0].value
+    expected = torch.load(base / label / EXPECTED, weights_only=True)
+    # the moments as torch itself reads the saved optimizer (FSDP1's full optimizer gather at save time
+    # returns exp_avg equal to exp_avg_sq with use_orig_params on CPU: tests/test_fsdp1_sources.py)
+    if label == "full":
+        state = torch.load(base / label / "checkpoint-2" / "optimizer.bin", weights_only=True)["state"]
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(base / label / "checkpoint-2" / "optimizer_0", base / f"{label}_optim.pt")
+        state = torch.load(base / f"{label}_optim.pt", weights_only=True)["optimizer"]["state"]
+    assert sorted(loaded) == sorted(state)
+    for name, got in loaded.items():
+        assert torch.equal(_bits(got["fp32"]), _bits(expected["weights"][name].float())), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(got[key]), _bits(state[name][key])), (name, key)
 
 
 def test_a_weights_only_source_is_refused_by_name_with_nothing_written(tmp_path):

@@ -180,10 +180,9 @@ def convert_to_zero3(
     copied = {p.file.name for t in [*ckpt.weights.values(), *(s for st in ckpt.optimizer.values() for s in st.values())]
               for p in t.pieces if p.file.parent == tag_dir}
     _check_now(tag_dir, expected, [n for n in expected if n not in copied])
-    origin = ckpt.scalars.get("source") or {}
     facts: dict[str, Any] = dict(world_size=world_size, step=target.global_steps, zero_stage=3, dtype=precision,
                                  config_digest=config_digest(target.cfg),
-                                 extra={"converted_from": {"path": str(tag_dir), "engine": _engine(ckpt.format, origin),
+                                 extra={"converted_from": {"path": str(tag_dir), "engine": _engine(ckpt.format),
                                                            "world_size": ckpt.world_size, "verified": verified}})
     outcome = outcome_unchanged(root)
     # what every process must agree on before anything is written (storage.shared_meet): the config's
@@ -235,7 +234,7 @@ def convert_to_zero3(
                      ".load_checkpoint(OUT), or call shardkit.restore_cpu_adam_kernel_state(engine) on every rank after "
                      "engine.load_checkpoint (DeepSpeed's CPU Adam kernels keep beta**step outside the checkpoint)")
     return ConvertResult(
-        output=root, tag=tag, source_engine=_engine(ckpt.format, origin), target_engine="zero3", world_size=world_size,
+        output=root, tag=tag, source_engine=_engine(ckpt.format), target_engine="zero3", world_size=world_size,
         source_world_size=ckpt.world_size or 0, params=len(ckpt.trainable) + len(out.frozen),
         bytes=sum((final / f).stat().st_size for f in written) if launch.rank == 0 else sum(e.size for e in share),
         carried=carried, not_carried=planned.not_carried, notes=notes, verified=verified,
@@ -251,9 +250,7 @@ def _check_now(tag_dir: Path, expected: dict[str, FileEntry], names: list[str]) 
                                  "convert", "convert another checkpoint")
 
 
-def _engine(kind: str, origin: dict[str, Any]) -> str:
-    """The source's engine in the result's and manifest's words: ``fsdp2`` for DCP, the engine a
-    DeepSpeed reader records (``deepspeed``), else the reader's kind."""
-    if kind == "dcp":
-        return "fsdp2"
-    return str(origin.get("engine") or kind)
+def _engine(kind: str) -> str:
+    """The source in the result's and manifest's words: ``fsdp2`` for DCP, else the reader's format
+    (``zero1``, ``zero2``, ``universal``, ``fsdp1-sharded``...)."""
+    return "fsdp2" if kind == "dcp" else kind

@@ -314,6 +314,13 @@ def _source_groups(ckpt: TrainingCheckpoint) -> list[dict[str, Any]]:
         raise CheckpointError(f"{ckpt.folder}: the param groups list {len(listed)} parameters, the optimizer state "
                               f"holds {len(ckpt.optimizer)} (not listed: {missing[:3]}; listed without state: "
                               f"{strangers[:3]}); its optimizer and model state disagree (files of different saves?)")
+    # ZeRO-3 lays each group out in the order the resuming run hands DeepSpeed its parameters, which is
+    # model.parameters() order; a source optimizer may list them otherwise (FSDP1 keys them in its flat
+    # units' order, the root unit's embedding and head after the decoder layers), and
+    # _rigid_load_state_dict copies flat tensors without looking at names
+    order = {n: i for i, n in enumerate(ckpt.weights)}
+    for g in groups:
+        g["params"] = sorted(g.get("params") or [], key=lambda n: order[n])
     return groups
 
 
