@@ -210,3 +210,31 @@ def test_same_format_and_weights_only_sources_are_refused_with_nothing_written(r
     code, _, err = run_cli("convert", src, "--to", "zero2", "--world-size", "2", "-o", out)
     assert code == 1 and "dcp reader describes this checkpoint's weights only" in err, err
     assert not out.exists() or list(out.iterdir()) == []
+
+
+#: layouts with a marker no command converts correctly (tests/_ranks_layouts.py) -> what the refusal names
+MARKED = {
+    "autoep": "'ds_autoep_layers' in the model states (DeepSpeed AutoEP)",
+    "tensor_parallel": "tensor/model-parallel ranks (mp_world_size 2",
+    "pipeline": "pipeline-parallel layer files (layer_01-model_00-model_states.pt)",
+    "moe": "native DeepSpeed MoE expert files",
+    "nvme": "offloaded_tensors/ (the NVMe swap folder",
+}
+
+
+@pytest.fixture(scope="module")
+def marked_layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests import _ranks_layouts as L
+
+    return L.build_layouts(tmp_path_factory.mktemp("layouts"))
+
+
+@pytest.mark.parametrize("label", sorted(MARKED))
+@pytest.mark.parametrize("to", ["zero2", "zero1"])
+def test_marked_layouts_are_refused_by_name_with_nothing_written(marked_layouts, tmp_path, run_cli, label, to):
+    src = marked_layouts[label]
+    out = tmp_path / "out"
+    code, stdout, err = run_cli("convert", src, "--to", to, "--world-size", "2", "-o", out)
+    assert code == 1, (stdout, err)
+    assert f"shardkit convert --to {to} refuses {src}" in err and MARKED[label] in err, err
+    assert "Nothing was written" in err and not out.exists()

@@ -49,6 +49,9 @@ _ZERO12_TAKEN = {
     "reshard": "new per-rank ZeRO-1/2 files for another world size, loaded by DeepSpeed's plain load_checkpoint",
     "convert --to fsdp2": "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state",
     "convert --to zero3": "per-rank ZeRO-3 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
+    # not refused here so that a marker is named first; the command itself then sends ZeRO-1/2 to reshard
+    "convert --to zero2": "none: it is ZeRO-1/2 already, use reshard for another world size",
+    "convert --to zero1": "none: it is ZeRO-1/2 already, use reshard for another world size",
     "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
     "export": "a from_pretrained folder (needs the model's config.json)",
 }

@@ -88,12 +88,12 @@ def convert_to_zero12(
         raise UsageError(f"convert --to zero{stage} runs in one process, and {launch.launcher} started {launch.world}: "
                          "run shardkit convert once, without srun/torchrun")
     warn = warn or warn_unverified
+    refuse_unsupported(source, f"convert --to zero{stage}")  # a layout nothing converts correctly: before any tensor
     found = resolve_source(source)
     tag_dir = found.tag_dir
     if found.kind in ZERO12_KINDS:
         raise UsageError(f"{tag_dir}: is a DeepSpeed ZeRO-1/2 checkpoint already; --to zero{stage} converts other "
                          f"formats. For another world size use `shardkit reshard {source} --world-size N -o OUT`")
-    refuse_unsupported(source, f"convert --to zero{stage}")  # a layout nothing converts correctly: before any tensor
     tag = output_tag(tag, source, tag_dir, tag_dir.name)
     root = Path(output)
     check_output_root(root, tag, tag_dir, force=force)
