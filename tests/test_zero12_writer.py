@@ -238,3 +238,23 @@ def test_marked_layouts_are_refused_by_name_with_nothing_written(marked_layouts,
     assert code == 1, (stdout, err)
     assert f"shardkit convert --to {to} refuses {src}" in err and MARKED[label] in err, err
     assert "Nothing was written" in err and not out.exists()
+
+
+def test_cli_writes_a_verified_zero2_checkpoint_and_reports_it(runs, tmp_path, run_cli):
+    """Through the CLI: exit 0, the result as JSON (engines, world size, the byte route), and `shardkit verify`
+    accepts the output's manifest; --dry-run writes nothing."""
+    out, report = tmp_path / "ws4", tmp_path / "result.json"
+    src = runs["base"] / "src" / "zero3"
+    code, _, err = run_cli("convert", src, "--to", "zero2", "--world-size", "4", "-o", out, "--dry-run")
+    assert code == 0 and not out.exists(), err
+    code, stdout, err = run_cli("convert", src, "--to", "zero2", "--world-size", "4", "-o", out, "--json-file", report)
+    assert code == 0, err
+    assert f"wrote {out / S.TAG}: deepspeed -> zero2" in stdout and "on 4 rank(s)" in stdout, stdout
+    data = json.loads(report.read_text())
+    assert data["engines"] == {"from": "deepspeed", "to": "zero2"} and data["world_size"] == 4
+    assert data["route"] == "bytes"
+    assert (out / "latest").read_text().strip() == S.TAG
+    assert sorted(p.name for p in (out / S.TAG).glob("*_optim_states.pt")) == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)]
+    code, _, err = run_cli("verify", out)
+    assert code == 0, err
