@@ -258,3 +258,27 @@ def test_cli_writes_a_verified_zero2_checkpoint_and_reports_it(runs, tmp_path, r
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)]
     code, _, err = run_cli("verify", out)
     assert code == 0, err
+
+
+def test_universal_checkpoint_converts_to_the_files_reshard_writes(runs, tmp_path):
+    """DeepSpeed's ds_to_universal of the ZeRO-2 save, converted --to zero2 at 3 ranks: every file holds the values
+    `shardkit reshard` writes from the ZeRO-2 save itself at 3 ranks (whose loads tests/test_reshard_zero2.py checks)."""
+    import subprocess
+    import sys
+
+    from shardkit.checkpoint.ops.convert.to_zero12 import convert_to_zero12
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+
+    src = runs["base"] / "src" / "zero2"
+    universal = tmp_path / "universal" / f"{S.TAG}_universal"
+    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(src / S.TAG), "--output_folder", str(universal), "--inject_missing_state"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = convert_to_zero12(universal, tmp_path / "converted", stage=2, world_size=NEW_WORLD, warn=lambda note: None)
+    assert r.route == "bytes"
+    reshard_zero3(src, tmp_path / "resharded", NEW_WORLD, warn=lambda note: None)
+    names = [*(f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt" for i in range(NEW_WORLD)), "mp_rank_00_model_states.pt"]
+    for name in names:
+        _values_equal(safe_torch_load(tmp_path / "resharded" / S.TAG / name),
+                      safe_torch_load(r.output / r.tag / name), name)
