@@ -46,10 +46,10 @@ COMMANDS = {
 }
 
 
-#: ZeRO-1/2 layouts reshard, consolidate and export take (tests/test_reshard_zero2.py, tests/test_zero12_sources.py);
-#: convert refuses them.
+#: ZeRO-1/2 layouts every command takes (tests/test_reshard_zero2.py, test_zero12_sources.py, test_dcp_writer.py,
+#: test_zero3_writer.py); only a refusal marker (the other labels of REFUSED) stops them.
 RESHARD_TAKES = {"zero1", "zero2_bf16", "zero2_offload", "trainer_zero2"}
-ZERO12_COMMANDS = {"reshard", "convert --to zero3", "consolidate", "export"}
+ZERO12_COMMANDS = {"reshard", "convert --to fsdp2", "convert --to zero3", "consolidate", "export"}
 #: What takes a universal checkpoint (tests/test_universal_source.py); reshard refuses it.
 UNIVERSAL_COMMANDS = {"convert --to fsdp2", "convert --to zero3", "consolidate", "export"}
 
