@@ -125,19 +125,37 @@ def test_pieces_that_miss_elements_are_refused_naming_the_tensor(tmp_path):
 def test_a_source_read_without_its_optimizer_is_refused_by_name(tmp_path, monkeypatch):
     """A reader that describes the weights only (optimizer_described False): convert --to fsdp2 would
     start Adam from zero, so it is refused by name before anything is written."""
+    import dataclasses
+
+    from shardkit.checkpoint.ops.convert import to_dcp
+    from shardkit.checkpoint.ops.export.sources import resolve_source
     from shardkit.checkpoint.readers import registry
 
     ckpt, layout, _ = _hand_built(tmp_path)
     _write(ckpt, layout, tmp_path / "dcp")
-    weights_only = registry.READERS["dcp"]
+    dcp_reader = registry.READERS["dcp"]
 
     def read(folder: Path) -> TrainingCheckpoint:
-        found = weights_only(folder)
-        return TrainingCheckpoint("dcp", folder, found.weights, notes=found.notes)
+        found = dcp_reader(folder)
+        return TrainingCheckpoint("weights-only", folder, found.weights, notes=found.notes)
 
-    monkeypatch.setitem(registry.READERS, "dcp", read)
-    with pytest.raises(CheckpointError, match=r"shardkit's dcp reader describes this checkpoint's weights only, not "
-                                              r"its optimizer state.*For the weights alone: shardkit export"):
+    # a kind of its own (a DCP source is refused earlier: it is DCP already)
+    monkeypatch.setitem(registry.READERS, "weights-only", read)
+    monkeypatch.setattr(to_dcp, "resolve_source", lambda p: dataclasses.replace(resolve_source(p), kind="weights-only"))
+    with pytest.raises(CheckpointError, match=r"shardkit's weights-only reader describes this checkpoint's weights "
+                                              r"only, not its optimizer state.*For the weights alone: shardkit export"):
+        convert_to_dcp(tmp_path / "dcp", tmp_path / "out", warn=lambda m: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dcp_source_is_dcp_already(tmp_path):
+    """FSDP2 loads a DCP checkpoint at any world size as it is: convert --to fsdp2 says so (as inspect
+    does) and writes nothing, instead of rewriting it."""
+    from shardkit.core.errors import UsageError
+
+    ckpt, layout, _ = _hand_built(tmp_path)
+    _write(ckpt, layout, tmp_path / "dcp")
+    with pytest.raises(UsageError, match=r"is an FSDP2/DCP checkpoint already; FSDP2 loads it at any world size"):
         convert_to_dcp(tmp_path / "dcp", tmp_path / "out", warn=lambda m: None)
     assert not (tmp_path / "out").exists()
 

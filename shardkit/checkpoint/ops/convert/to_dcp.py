@@ -88,6 +88,10 @@ def convert_to_dcp(
     warn = warn or warn_unverified
     refuse_unsupported(source, "convert --to fsdp2")  # a layout nothing converts correctly: refused before anything is read
     found = resolve_source(source)
+    if found.kind == "dcp":  # the same format: a rewrite would change nothing a resume needs
+        raise UsageError(f"{found.tag_dir}: is an FSDP2/DCP checkpoint already; FSDP2 loads it at any world size as it "
+                         "is (load_fsdp_checkpoint), so there is nothing to convert. For DeepSpeed: --to zero3 "
+                         "(or zero2/zero1) --world-size N")
     source_dir = found.tag_dir
     tag = output_tag(tag, source, source_dir, source_dir.name)
     root = Path(output)
