@@ -86,10 +86,12 @@ def consolidate_command(args: argparse.Namespace) -> int:
               "process has reported")
         return 0
     split = f" by {result.processes} processes ({result.launcher})" if result.processes > 1 else ""
+    # a universal checkpoint does not record how many ranks saved it: say nothing rather than "1"
+    saved_by = f" saved by {result.source_world_size} rank(s)" if result.source_world_size else ""
     print(
         f"wrote {result.output}{split}: {result.tensors} tensors, {result.parameters:,} parameters, "
-        f"{result.bytes / 2**20:,.1f} MiB ({args.dtype}) from tag {result.tag!r} saved by "
-        f"{result.source_world_size} rank(s); source checked before reading: {CHECKED_LEVELS[result.verified]}"
+        f"{result.bytes / 2**20:,.1f} MiB ({args.dtype}) from tag {result.tag!r}{saved_by}; source checked before "
+        f"reading: {CHECKED_LEVELS[result.verified]}"
     )
     return 0
 

@@ -120,7 +120,7 @@ def consolidate_model(
     # the writer opens that temporary file by its name and writes each piece at its offset
     with disk_full_named(out, outcome), atomic_open(out, "wb") as fh:
         total = write_shard(Path(fh.name), job, threading.Event())
-    return ConsolidateResult(out, len(tensors), parameters, total, ckpt.world_size or 1, ckpt.tag or source.tag_dir.name,
+    return ConsolidateResult(out, len(tensors), parameters, total, ckpt.world_size or 0, ckpt.tag or source.tag_dir.name,
                              checked.level, rank=launch.rank, processes=launch.world if launch.distributed else 1,
                              share_pieces=sum(len(t.pieces) for t in tensors.values()), share_bytes=total,
                              launcher=launch.launcher)

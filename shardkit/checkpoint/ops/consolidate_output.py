@@ -29,6 +29,7 @@ class ConsolidateResult:
     """Elements of trainable and frozen parameters (tied aliases counted once)."""
     bytes: int
     source_world_size: int
+    """Ranks that saved the source; 0 where it does not record them (a universal checkpoint)."""
     tag: str
     verified: str = "hash"
     """How the source was checked before it was read: 'hash' (sizes and digests), 'sizes' (--no-verify) or
