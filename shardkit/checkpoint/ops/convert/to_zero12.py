@@ -26,6 +26,7 @@ from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     _minimal_config,
     _source_groups,
     _target_groups,
+    carry_run_state,
     decide_precision,
     read_ds_config,
     source_precision,
@@ -35,7 +36,6 @@ from shardkit.checkpoint.ops.convert.to_zero3_plan import (
 from shardkit.checkpoint.ops.export.sources import resolve_source
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.writers.zero12 import Zero12Files, Zero12Target, write_files
-from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS
 from shardkit.config.loading import config_digest
 from shardkit.config.paths import get
 from shardkit.core.errors import CheckpointError, UsageError
@@ -189,24 +189,7 @@ def plan_zero12_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, sta
     counters = dict(ckpt.scalars.get("counters") or {})
     global_steps = int(counters.pop("global_steps", steps[0] if steps else 0))
     counters.setdefault("skipped_steps", 0)
-    if ckpt.scalars.get("lr_scheduler") is not None:
-        counters["lr_scheduler"] = ckpt.scalars["lr_scheduler"]
-    elif cfg is not None and cfg.get("scheduler") is not None:
-        not_carried.append(f"lr_scheduler (ds_config has a 'scheduler'): the {ckpt.format} checkpoint holds no "
-                           "scheduler state; load with engine.load_checkpoint(OUT, load_lr_scheduler_states=False)")
-    tbs = (cfg or {}).get("train_batch_size")
-    if "global_samples" not in counters and isinstance(tbs, int) and not isinstance(tbs, bool):
-        counters["global_samples"] = global_steps * tbs
-    scaler = ckpt.scalars.get("loss_scaler")
-    if scaler:
-        not_carried.append(f"loss_scaler (cur_scale={scaler.get('cur_scale')}, dynamic={scaler.get('dynamic')}): "
-                           f"the files are written for a {precision} run, which keeps a static scale of 1")
-    client: dict[str, Any] = {}
-    for k, v in (ckpt.scalars.get("client_state") or {}).items():
-        if k in DEEPSPEED_MODEL_KEYS:
-            not_carried.append(f"client_state.{k} ({v!r}): the name of an entry DeepSpeed writes itself")
-        else:
-            client[k] = v
+    client = carry_run_state(ckpt, cfg, counters, global_steps, precision, notes, not_carried)
     dtypes = sorted({ckpt.weights[n].dtype for n in ckpt.optimizer} - {"float32"})
     if dtypes:
         notes.append(f"parameters/moments saved as {dtypes} were upcast to float32 (ZeRO's masters and moments are fp32)")

@@ -261,27 +261,7 @@ def plan_zero3_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, worl
         notes.append(f"parameters/moments saved as {dtypes} were upcast to float32 (ZeRO-3's masters and moments "
                      "are fp32); they are exact, but are not a float32 run's values")
     record_cfg = cfg if cfg is not None else _minimal_config(source_groups[0], opt)
-    if ckpt.scalars.get("lr_scheduler") is not None:
-        counters["lr_scheduler"] = ckpt.scalars["lr_scheduler"]
-        notes.append("lr_scheduler state restored from the source (the ZeRO-3 checkpoint this one was converted "
-                     "from)" if ckpt.format == "dcp" else "lr_scheduler state carried from the source")
-    elif cfg is not None and cfg.get("scheduler") is not None:
-        not_carried.append(f"lr_scheduler (ds_config has a 'scheduler'): the {ckpt.format} checkpoint holds no "
-                           "scheduler state; load with engine.load_checkpoint(OUT, load_lr_scheduler_states=False) "
-                           "(the scheduler then starts from its own step 0) or set its state yourself")
-    tbs = (cfg or {}).get("train_batch_size")
-    if "global_samples" not in counters and isinstance(tbs, int) and not isinstance(tbs, bool):
-        counters["global_samples"] = global_steps * tbs
-    scaler = ckpt.scalars.get("loss_scaler")
-    if scaler:
-        not_carried.append(f"loss_scaler (cur_scale={scaler.get('cur_scale')}, dynamic={scaler.get('dynamic')}): "
-                           f"the files are written for a {precision} run, which keeps a static scale of 1")
-    client: dict[str, Any] = {}
-    for k, v in (ckpt.scalars.get("client_state") or {}).items():
-        if k in DEEPSPEED_MODEL_KEYS:
-            not_carried.append(f"client_state.{k} ({v!r}): the name of an entry DeepSpeed writes itself")
-        else:
-            client[k] = v
+    client = carry_run_state(ckpt, cfg, counters, global_steps, precision, notes, not_carried)
     target = Zero3Target(opt=opt, groups=groups, layout=layout, sub_steps=sub_steps, global_steps=global_steps,
                          counters=counters, client=client, cfg=record_cfg, precision=precision, names=names)
     return Zero3Plan(target, notes, not_carried)
@@ -400,3 +380,31 @@ def _minimal_config(group: dict[str, Any], opt: TargetOptimizer) -> dict[str, An
     return {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW" if opt.adam_w_mode else "Adam", "params": params}}
 
 
+def carry_run_state(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, counters: dict[str, Any], global_steps: int,
+                    precision: str, notes: list[str], not_carried: list[str]) -> dict[str, Any]:
+    """The run state besides tensors every DeepSpeed writer (ZeRO-3, ZeRO-1/2) records, in one place: the LR
+    scheduler into ``counters`` (or named as not carried), ``global_samples``, the loss scaler (named: the
+    files are written for a static scale of 1); returns the client state to write (DeepSpeed's own key
+    names named as not carried)."""
+    if ckpt.scalars.get("lr_scheduler") is not None:
+        counters["lr_scheduler"] = ckpt.scalars["lr_scheduler"]
+        notes.append("lr_scheduler state restored from the source (the ZeRO-3 checkpoint this one was converted "
+                     "from)" if ckpt.format == "dcp" else "lr_scheduler state carried from the source")
+    elif cfg is not None and cfg.get("scheduler") is not None:
+        not_carried.append(f"lr_scheduler (ds_config has a 'scheduler'): the {ckpt.format} checkpoint holds no "
+                           "scheduler state; load with engine.load_checkpoint(OUT, load_lr_scheduler_states=False) "
+                           "(the scheduler then starts from its own step 0) or set its state yourself")
+    tbs = (cfg or {}).get("train_batch_size")
+    if "global_samples" not in counters and isinstance(tbs, int) and not isinstance(tbs, bool):
+        counters["global_samples"] = global_steps * tbs
+    scaler = ckpt.scalars.get("loss_scaler")
+    if scaler:
+        not_carried.append(f"loss_scaler (cur_scale={scaler.get('cur_scale')}, dynamic={scaler.get('dynamic')}): "
+                           f"the files are written for a {precision} run, which keeps a static scale of 1")
+    client: dict[str, Any] = {}
+    for k, v in (ckpt.scalars.get("client_state") or {}).items():
+        if k in DEEPSPEED_MODEL_KEYS:
+            not_carried.append(f"client_state.{k} ({v!r}): the name of an entry DeepSpeed writes itself")
+        else:
+            client[k] = v
+    return client
