@@ -23,7 +23,6 @@ updated). Buffers are ``module`` entries named in ``buffer_names``; tied paramet
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,14 +30,9 @@ from typing import Any
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
-from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIM_FILE, OPTIMIZER_KEY
+from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, open_zero12_checkpoint
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import TensorRef, read_structure
-
-#: ZeRO-3's per-rank model-states files: beside ZeRO-1/2 files they mean two saves in one folder.
-_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
-#: DeepSpeed MoE expert files: expert-parallel weights outside the data-parallel rank files.
-_MOE_MARKERS = ("expp_rank_", "_expert_")
+from shardkit.storage.torch_load import TensorRef
 
 
 @dataclass(frozen=True)
@@ -57,21 +51,15 @@ def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
     moments per trainable parameter, scalars. Raises CheckpointError, naming the file and the key, for
     a layout it would read wrongly (round_robin_gradients, an elastic save, a BF16_Optimizer save, ranks
     that disagree, ZeRO-3 files beside, MoE expert files); nothing is read beyond small pickles then."""
-    optim_files = _optim_files(tag_dir)
+    # the files found and checked by the one ZeRO-1/2 opener reshard uses too (rank files, stage, mixed saves,
+    # round_robin_gradients, elastic and BF16_Optimizer saves), parsed without torch
+    opened = open_zero12_checkpoint(tag_dir, torch_free=True)
+    optim_files, optims, model, stage = opened.optim_files, opened.optim_states, opened.model_state, opened.stage
     model_path = tag_dir / MODEL_FILE
-    model: Any = read_structure(model_path)
     if not isinstance(model, dict) or "param_shapes" not in model:
         raise CheckpointError(f"{model_path}: no param_shapes: not a DeepSpeed ZeRO-1/2 model-states file. Pass the tag "
                               "folder a ZeRO-1/2 engine.save_checkpoint wrote")
     config = _dict(model.get("ds_config"))
-    zero = _dict(config.get("zero_optimization"))
-    if zero.get("round_robin_gradients"):
-        raise CheckpointError(
-            f"{model_path}: saved with zero_optimization.round_robin_gradients: true, whose parameter order inside the "
-            "flat groups depends on the world size and is not recorded; reading it would put values under the wrong "
-            "names. Convert it with DeepSpeed's ds_to_universal instead")
-    optims = [read_structure(p) for p in optim_files]
-    stage = _check_ranks(tag_dir, optim_files, optims)
     world = len(optim_files)
     ranks = [_Rank(p, o[OPTIMIZER_KEY]["single_partition_of_fp32_groups"], _group_states(p, o[OPTIMIZER_KEY]),
                    [int(x) for x in o[OPTIMIZER_KEY].get("group_paddings") or []]) for p, o in zip(optim_files, optims)]
@@ -110,58 +98,6 @@ def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
         aliases=aliases, frozen=frozen, buffers=buffers, optimizer=optimizer, optimizer_described=True,
         scalars=_scalars(model, config, stage, precision, rank0, ranks[0], shapes),
         notes=[f"ZeRO-{stage} checkpoint {tag_dir} (saved by {world} rank(s), {precision} training): fp32 masters read"])
-
-
-def _optim_files(tag_dir: Path) -> list[Path]:
-    found: dict[int, Path] = {}
-    prefixes, other = set(), []
-    for p in tag_dir.iterdir():
-        m = OPTIM_FILE.match(p.name)
-        if m:
-            found[int(m.group(2))] = p
-            prefixes.add(m.group(1) or "")
-        elif _ZERO3_MODEL_FILE.match(p.name) or any(k in p.name for k in _MOE_MARKERS):
-            other.append(p.name)
-    if other:
-        raise CheckpointError(
-            f"{tag_dir}: holds {', '.join(sorted(other)[:3])} beside the ZeRO-1/2 files: ZeRO-3 rank files (two saves "
-            "of different stages mixed in one folder) or DeepSpeed MoE expert files (weights the data-parallel rank "
-            "files do not hold). Nothing was read; pass a folder one ZeRO-1/2 save wrote")
-    world = len(found)
-    if world == 0 or sorted(found) != list(range(world)) or len(prefixes) != 1:
-        raise CheckpointError(
-            f"{tag_dir}: optimizer files for ranks {sorted(found)} (prefixes {sorted(prefixes)}), expected ranks 0..N-1 "
-            "with one naming: a rank's file is missing or two saves were mixed in one folder. Re-copy the tag folder")
-    return [found[r] for r in range(world)]
-
-
-def _check_ranks(tag_dir: Path, files: list[Path], optims: list[Any]) -> int:
-    """The one ZeRO stage every rank file records; CheckpointError naming the file otherwise."""
-    stages: set[object] = set()
-    for path, state in zip(files, optims):
-        sd = state.get(OPTIMIZER_KEY) if isinstance(state, dict) else None
-        if not isinstance(sd, dict) or not isinstance(sd.get("single_partition_of_fp32_groups"), list):
-            raise CheckpointError(f"{path}: no optimizer_state_dict.single_partition_of_fp32_groups: not a ZeRO-1/2 "
-                                  "optimizer file (a ZeRO-3 or a damaged file?). Pass the tag folder DeepSpeed saved")
-        if "zero_stage" not in sd:
-            raise CheckpointError(
-                f"{path}: no optimizer_state_dict.zero_stage: a BF16_Optimizer save (ZeRO-1 with bf16 and no offload), "
-                "whose flat groups are laid out without the records this reader uses. Convert it with DeepSpeed's "
-                "ds_to_universal, or save with ZeRO-2")
-        stages.add(getattr(sd["zero_stage"], "value", sd["zero_stage"]))
-        counts = sd.get("partition_count")
-        if list(counts or []) != [len(files)] * len(sd["single_partition_of_fp32_groups"]):
-            raise CheckpointError(f"{path}: partition_count is {counts}, but the folder holds {len(files)} rank files: "
-                                  "ranks of different saves were mixed, or a rank file is missing")
-        if not isinstance(sd.get("base_optimizer_state"), dict):
-            raise CheckpointError(
-                f"{path}: base_optimizer_state is a per-group list (an elastic_checkpoint save, padding removed per "
-                "rank), which this reader does not lay out. Convert it with DeepSpeed's ds_to_universal instead")
-    only = next(iter(stages)) if len(stages) == 1 else None
-    if not isinstance(only, int) or only not in (1, 2):
-        raise CheckpointError(f"{tag_dir}: zero_stage is {sorted(map(str, stages))} across the rank files, expected one "
-                              "of 1 or 2 (ranks of saves at different stages mixed in one folder?); nothing was read")
-    return only
 
 
 def _group_states(path: Path, sd: dict[str, Any]) -> list[dict[str, Any]]:

@@ -23,6 +23,10 @@ from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import read_structure, safe_torch_load
 
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+#: ZeRO-3's per-rank model-states files: beside ZeRO-1/2 files they mean two saves in one folder.
+_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
+#: DeepSpeed MoE expert files: expert-parallel weights outside the data-parallel rank files.
+_MOE_MARKERS = ("expp_rank_", "_expert_")
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIMIZER_KEY = "optimizer_state_dict"
 
@@ -70,12 +74,19 @@ def open_zero12_checkpoint(tag_dir: Path, *, torch_free: bool = False) -> Zero12
     (``round_robin_gradients``, an elastic optimizer state). ``torch_free``: parse the pickles only
     (``read_structure``), for the byte-range reshard (``zero12.reshard_plan``)."""
     found: dict[int, Path] = {}
-    prefixes = set()
+    prefixes, other = set(), []
     for p in tag_dir.iterdir():
         m = OPTIM_FILE.match(p.name)
         if m:
             found[int(m.group(2))] = p
             prefixes.add(m.group(1) or "")
+        elif _ZERO3_MODEL_FILE.match(p.name) or any(k in p.name for k in _MOE_MARKERS):
+            other.append(p.name)
+    if other:
+        raise CheckpointError(
+            f"{tag_dir}: holds {', '.join(sorted(other)[:3])} beside the ZeRO-1/2 files: ZeRO-3 rank files (two saves "
+            "of different stages mixed in one folder) or DeepSpeed MoE expert files (weights the data-parallel rank "
+            "files do not hold). Nothing was read; pass a folder one ZeRO-1/2 save wrote")
     world = len(found)
     if world == 0 or sorted(found) != list(range(world)) or len(prefixes) != 1:
         raise CheckpointError(
@@ -98,11 +109,15 @@ def _check_ranks(ckpt: Zero12Checkpoint) -> int:
     stages: set[object] = set()
     for path, state in zip(ckpt.optim_files, ckpt.optim_states):
         sd = state.get(OPTIMIZER_KEY) if isinstance(state, dict) else None
-        if not isinstance(sd, dict) or "single_partition_of_fp32_groups" not in sd:
+        if not isinstance(sd, dict) or not isinstance(sd.get("single_partition_of_fp32_groups"), list):
             raise CheckpointError(f"{path}: no optimizer_state_dict.single_partition_of_fp32_groups: not a ZeRO-1/2 "
-                                  "optimizer file (a ZeRO-3 or a damaged file?). Give reshard the tag folder DeepSpeed saved")
-        stage = getattr(sd.get("zero_stage"), "value", sd.get("zero_stage"))
-        stages.add(stage)
+                                  "optimizer file (a ZeRO-3 or a damaged file?). Pass the tag folder DeepSpeed saved")
+        if "zero_stage" not in sd:
+            raise CheckpointError(
+                f"{path}: no optimizer_state_dict.zero_stage: a BF16_Optimizer save (ZeRO-1 with bf16 and no offload), "
+                "whose flat groups are laid out without the records this reader uses. Convert it with DeepSpeed's "
+                "ds_to_universal, or save with ZeRO-2")
+        stages.add(getattr(sd["zero_stage"], "value", sd["zero_stage"]))
         counts = sd.get("partition_count")
         if list(counts or []) != [ckpt.world_size] * len(sd["single_partition_of_fp32_groups"]):
             raise CheckpointError(f"{path}: partition_count is {counts}, but the folder holds {ckpt.world_size} rank "
