@@ -389,7 +389,9 @@ def test_the_first_failed_rank_file_stops_the_rest_and_leaves_nothing(runs, tmp_
     monkeypatch.setattr(d2z, "write_rank_file", rank0_fails)
     with pytest.raises(CheckpointError, match=r"converting the checkpoint failed \(OSError: rank 0's disk went away\)"):
         convert_to_zero3(runs["src"], tmp_path / "out", world_size=8, ds_config=B.ds_config(2, False))
-    assert len(started) <= 9, started  # 8 writers: the 8 optim files, at most one model file of the 8 queued
+    # 8 writers start the 8 optim files; a worker freed by the failure finds the run cancelled and
+    # starts nothing more, however late the waiting thread wakes (CI under load: 12 were started)
+    assert len(started) <= 8, started
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
 
 

@@ -170,3 +170,43 @@ def test_a_child_process_of_an_armed_rank_neither_arms_nor_reports():
     assert armed_pid == rank_pid != child_pid, r.stdout  # the child saw the rank's mark
     assert "did not arrive" not in child_err and "autopreflight" not in child_err, child_err
     assert [(m["event"], m["rank"], str(m["pid"])) for m in lines] == [("armed", 0, rank_pid)], lines
+
+
+def test_rank_0_reports_its_failure_from_the_verdict_before_the_other_ranks_can_read_it(monkeypatch):
+    """torchrun's agent SIGTERMs rank 0 as soon as another rank exits on the failed verdict: rank 0's
+    "failed" report must already be sent when the verdict is published (``preflight``'s
+    ``on_verdict``), not only by stop_rank afterwards (CI: the launch named rank(s) [1] of 2)."""
+    import torch
+
+    from shardkit.autopreflight.run import _report_rank0_failure
+    from shardkit.core.errors import PreflightError
+    from shardkit.placement.preflight import preflight
+
+    reports = RankReports("127.0.0.1")
+    for key, value in _rank_env(reports, 0, 1).items():
+        monkeypatch.setenv(key, value)
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))  # a tensor off the model's device
+    heard_before_raise: list[dict[int, str]] = []
+
+    def on_verdict(ok: bool, text: str) -> None:
+        _report_rank0_failure(ok, text)
+        heard_before_raise.append(_wait_for_failure(reports))
+
+    try:
+        with pytest.raises(PreflightError) as caught:
+            preflight(model=model, device="cpu", on_verdict=on_verdict)
+    finally:
+        seen = reports.close()
+    first = str(caught.value).strip().splitlines()[0]
+    assert heard_before_raise == [{0: first}]  # reported from the verdict, before preflight raised
+    assert seen[0].events == {"failed"} and seen[0].line == first
+
+
+def _wait_for_failure(reports: RankReports, timeout: float = 10.0) -> dict[int, str]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not reports.failures():
+        time.sleep(0.01)
+    return reports.failures()

@@ -278,3 +278,24 @@ def test_an_interrupt_mid_write_leaves_no_staging_folder(big, tmp_path, command,
     assert run.returncode == code, err
     assert ("interrupted" if code == 130 else "terminated (SIGTERM)") in err and "Traceback" not in err, err
     _nothing_published(out)
+
+
+@pytest.mark.parametrize("command", ["reshard", "convert"])
+def test_an_interrupt_between_sealing_and_the_rename_leaves_no_staging_folder(sources, tmp_path, monkeypatch, command):
+    """Seal removes the owner file the clean-up looks for before it renames the folder into place:
+    a Ctrl-C in that window (caught by CI under load) must still remove the staging folder."""
+    import shardkit.storage.shared_save as shared_save
+    from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+
+    def interrupted(*_args: object, **_kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shared_save, "publish_tag", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        if command == "reshard":
+            reshard_zero3(sources["fp32"], out, world_size=3)
+        else:
+            convert_to_dcp(sources["fp32"], out)
+    _nothing_published(out)

@@ -61,9 +61,10 @@ def run_or_exit(
     try:
         from shardkit.placement.preflight import preflight
 
-        report = preflight(**kwargs, timeout=preflight_timeout(timeout), json_path=json_path or read_text(ENV_JSON))
+        report = preflight(**kwargs, timeout=preflight_timeout(timeout), json_path=json_path or read_text(ENV_JSON),
+                           on_verdict=_report_rank0_failure)
     except PreflightError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "placement preflight failed"
+        first = _first_line(str(exc))
         where = "the table above" if rank == "0" else "rank 0's output"
         stop_rank(rank, f"placement preflight failed {when}", first, where, skip_hint)
     except ImportError as exc:
@@ -79,6 +80,18 @@ def run_or_exit(
             flush=True,
         )
     return report
+
+
+def _report_rank0_failure(ok: bool, text: str) -> None:
+    """Rank 0 tells `shardkit launch` it failed before the other ranks can read the verdict: they
+    then exit at once and torchrun's agent SIGTERMs rank 0, whose report (sent by ``stop_rank``
+    afterwards) was lost under load (CI: the launch named rank(s) [1] of 2, not [0, 1])."""
+    if not ok:
+        send_report("failed", _first_line(text))
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "placement preflight failed"
 
 
 def preflight_timeout(given: float | None = None) -> float:

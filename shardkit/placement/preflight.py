@@ -64,6 +64,7 @@ def preflight(
     timeout: float = 60.0,
     json_path: str | None = None,
     device: str | None = None,
+    on_verdict: Callable[[bool, str], None] | None = None,
 ) -> PlacementReport:
     """Check that every tensor on every rank sits where the config says, and that ranks agree.
 
@@ -71,7 +72,8 @@ def preflight(
     when clean; otherwise every rank raises the same PreflightError whose message holds the table,
     and rank 0 prints it. A rank that does not arrive within ``timeout`` seconds is named.
     ``device`` overrides the compute device shardkit infers (the engine's, FSDP2's mesh device, or
-    where a plain model's parameters are).
+    where a plain model's parameters are). ``on_verdict(ok, text)`` is called on rank 0 with the
+    verdict before any other rank can read it (`shardkit launch`'s report of rank 0's failure).
     """
     import torch.distributed as dist
 
@@ -85,6 +87,8 @@ def preflight(
             write_json(report.to_dict(), json_path)
         if not verdict.ok:
             print(verdict.text, file=sys.stdout, flush=True)
+        if on_verdict is not None:
+            on_verdict(verdict.ok, verdict.text)
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         report, verdict = _collective(local, timeout, show if local.rank == 0 else None)

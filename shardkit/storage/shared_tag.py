@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,9 +75,15 @@ def write_tag_shared(
     process was asked to do; every process's must be rank 0's before anything is written."""
     started = time.monotonic()
     made_root = not os.path.lexists(root)
+    # process 0's claimed staging folder until it is published: removed by this function whatever
+    # stops the run, even once seal has removed the owner file that remove_own_claim looks for (an
+    # interrupt between that and the rename left the folder behind on a loaded CI machine)
+    claimed: Path | None = None
     try:
         # inside the try: an interrupt right as the claim returns still leaves nothing
         with meet(root, tag, launch, request) as staged:
+            if launch.rank == 0:
+                claimed = staged
             entries: list[FileEntry] = []
             error: BaseException | None = None
             try:
@@ -107,9 +114,13 @@ def write_tag_shared(
             if manifest is not None:
                 manifest.files = sorted(entries, key=lambda e: e.path)
             seal(staged, root, tag, manifest)
+            claimed = None  # renamed into place: no longer this run's to remove
     except BaseException:
         if launch.rank == 0:
-            remove_own_claim(staging_dir(root, tag), launch)  # found by its owner file, however far it got
+            if claimed is not None:
+                shutil.rmtree(claimed, ignore_errors=True)
+            else:
+                remove_own_claim(staging_dir(root, tag), launch)  # found by its owner file, however far it got
             if made_root:
                 with contextlib.suppress(OSError):
                     root.rmdir()  # the folder this run made, if nothing else was put there meanwhile

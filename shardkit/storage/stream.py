@@ -197,17 +197,25 @@ def write_parallel(jobs: Sequence[FileJob], workers: int, *, outcome: str,
     cancel = threading.Event()
 
     def run(path: Path, write: Callable[[Path], WrittenFile]) -> WrittenFile:
+        # a worker freed by a failure picks the next queued job before the waiting thread wakes to
+        # cancel the queue (seconds on a loaded machine): a job that starts after a failure stops here
+        if cancel.is_set():
+            raise WriteCancelled(f"{path}: not written, another file of the same operation failed")
         set_cancel_event(cancel)
         try:
             with disk_full_named(path, outcome):
                 digest = write(path)
                 fsync_file(path)
         except OSError as exc:
+            cancel.set()  # the running writers stop at their next buffer, the queued ones never start
             if exc.filename is not None:
                 raise
             # a write or fsync on an open descriptor fails without a file name (EIO ...): name the
             # file here, so the caller's os_errors_named message says which one
             raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        except BaseException:
+            cancel.set()
+            raise
         finally:
             set_cancel_event(None)
         return digest
