@@ -38,15 +38,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_reshard_zero2 import (  # noqa: E402 - the repository on the path first
-    TAG,
-    Measured,
-    Step,
-    _dir_bytes,
-    measure_rounds,
-    scale_zero2,
-    small_save,
-)
+from benchmarks._timing import Measured, Step, bench_env, dir_bytes, measure_rounds  # noqa: E402 - the repository first
+from benchmarks.bench_reshard_zero2 import TAG, scale_zero2, small_save  # noqa: E402
 
 
 def _same_tensors(ours: Path, theirs_dir: Path) -> int:
@@ -71,17 +64,16 @@ def _same_tensors(ours: Path, theirs_dir: Path) -> int:
 
 
 def run(sizes: list[float], repeat: int, workdir: Path) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = bench_env(workdir)
     small = small_save(workdir / "small")
-    unit = _dir_bytes(small)
+    unit = dir_bytes(small)
     rows = []
     for gb in sizes:
         factor = max(1, round(gb * 1e9 / unit))
         src = workdir / f"src_{gb}"
         t0 = time.perf_counter()
         scale_zero2(small, src, factor, 2)
-        size = _dir_bytes(src / TAG)
+        size = dir_bytes(src / TAG)
         print(f"[bench] {gb} GB: x{factor}, {size / 1e9:.2f} GB at 2 ranks, generated in {time.perf_counter() - t0:.1f} s",
               flush=True)
         ds_out, sk_out = workdir / "zero_to_fp32_out", workdir / "shardkit_out"

@@ -21,7 +21,8 @@ descendants, through GNU time), the source read once before each so every step s
 
 ``--repeat`` rounds each run every step once, the copy first; the table has each step's median time and the
 median of its per-round ratios to the copy (a ratio within a round, where other work on a shared machine
-weighs on both sides alike); ``--json FILE`` keeps every run's numbers and the load average.
+weighs on both sides alike); ``--json FILE`` keeps every run's numbers and the load average. The children run
+with a bytecode cache in the work folder (``_timing.bench_env``), as an installed package has one.
 
     python benchmarks/bench_reshard_zero2.py [--sizes 0.25 0.5 1 2] [--repeat 3] [--workdir DIR] [--keep]
 """
@@ -33,22 +34,21 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._timing import Measured, Step, bench_env, dir_bytes, measure_rounds  # noqa: E402 - the repository on the path first
+
 TAG = "global_step1"
 SAVE_WORLD = 2
-TIME = "/usr/bin/time"  # GNU time: the peak RSS of each measured child (apt-get install time)
-RSS_MARK = "[bench-maxrss-kib] "
 
 
 # --- the small real save (spawned ranks) ---------------------------------------------------------
@@ -170,75 +170,7 @@ def scale_zero2(src_tag: Path, dst: Path, factor: int, world: int) -> Path:
     return out
 
 
-# --- measuring -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Measured:
-    wall_s: float
-    """Median wall time of the rounds."""
-    peak_rss_mib: float
-    """Largest ru_maxrss of the rounds (the child and its waited-for descendants)."""
-    walls: list[float]
-    vs_copy: float
-    """Median over the rounds of this step's time / the copy's time in the same round."""
-
-
-def _warm(path: Path) -> None:
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        with open(f, "rb", buffering=0) as fh:
-            while fh.read(1 << 24):
-                pass
-
-
-def _run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of ``argv``. GNU time reports ``ru_maxrss`` of its child (and that
-    child's waited-for descendants: cp, sync): started from this process directly, a child's ru_maxrss would
-    start at this process's own RSS, which exec records as the child's high-water mark."""
-    t0 = time.perf_counter()
-    done = subprocess.run([TIME, "-f", f"{RSS_MARK}%M", *argv], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        sys.stdout.write(done.stdout[-4000:])
-        raise SystemExit(f"[bench] {' '.join(argv)} failed with exit code {done.returncode}")
-    kib = [int(line[len(RSS_MARK):]) for line in done.stdout.splitlines() if line.startswith(RSS_MARK)]
-    return wall, kib[-1] / 1024
-
-
-@dataclass(frozen=True)
-class Step:
-    key: str
-    name: str
-    argv: list[str]
-    source: Path
-    output: Path
-
-
-def measure_rounds(steps: list[Step], repeat: int, env: dict[str, str]) -> dict[str, Measured]:
-    """``repeat`` rounds, each running every step once (the copy first): a step's ratio to the copy is taken
-    within its round, so a burst of other work on this shared machine moves both sides of a ratio alike."""
-    walls: dict[str, list[float]] = {st.key: [] for st in steps}
-    peaks: dict[str, list[float]] = {st.key: [] for st in steps}
-    for i in range(repeat):
-        for st in steps:
-            shutil.rmtree(st.output, ignore_errors=True)
-            _warm(st.source)
-            wall, peak = _run(st.argv, env)
-            shutil.rmtree(st.output, ignore_errors=True)
-            walls[st.key].append(wall)
-            peaks[st.key].append(peak)
-        print(f"[bench] round {i + 1}: " + ", ".join(f"{st.name} {walls[st.key][-1]:.2f} s" for st in steps)
-              + f" (load average {os.getloadavg()[0]:.1f})", flush=True)
-    copy = walls[steps[0].key]
-    out = {}
-    for st in steps:
-        ratios = sorted(w / c for w, c in zip(walls[st.key], copy))
-        out[st.key] = Measured(sorted(walls[st.key])[repeat // 2], max(peaks[st.key]), walls[st.key],
-                               ratios[repeat // 2])
-        print(f"[bench] {st.name}: median {out[st.key].wall_s:.2f} s, {out[st.key].vs_copy:.2f}x the copy, "
-              f"peak RSS {out[st.key].peak_rss_mib:,.0f} MiB", flush=True)
-    return out
+# --- measuring (benchmarks/_timing.py) -----------------------------------------------------------
 
 
 def _reshard(src: Path, world: int, out: Path, torch_route: bool, *extra: str) -> list[str]:
@@ -261,15 +193,10 @@ def child_torch_route(src: str, world: str, out: str) -> None:
     assert result.notes and "torch" in result.notes[0], result.notes
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def run(sizes: list[float], repeat: int, workdir: Path, torch_route: bool) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = bench_env(workdir)
     small = small_save(workdir / "small")
-    unit = _dir_bytes(small)
+    unit = dir_bytes(small)
     rows = []
     for gb in sizes:
         factor = max(1, round(gb * 1e9 / unit))
@@ -278,7 +205,7 @@ def run(sizes: list[float], repeat: int, workdir: Path, torch_route: bool) -> li
         t0 = time.perf_counter()
         scale_zero2(small, src2, factor, 2)
         scale_zero2(small, src4, factor, 4)
-        size = _dir_bytes(src2 / TAG)
+        size = dir_bytes(src2 / TAG)
         print(f"[bench] {gb} GB: x{factor}, {size / 1e9:.2f} GB at 2 ranks, generated in {time.perf_counter() - t0:.1f} s",
               flush=True)
         copy, out = workdir / "copy", workdir / "out"
@@ -336,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    print(f"\n{os.cpu_count()} CPU cores; medians of {args.repeat} rounds; ratio: median of the per-round ratios "
-          "to `cp -r` + sync\n")
+    print(f"\n{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}; medians of {args.repeat} rounds; "
+          "ratio: median of the per-round ratios to `cp -r` + sync\n")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -325,6 +325,29 @@ def test_reshard_there_and_back_restores_every_value_without_importing_torch(sou
 
 
 @pytest.mark.timeout(300)
+def test_the_reshard_command_never_imports_torch_on_the_byte_route(sources, tmp_path):
+    """``shardkit reshard`` as a user runs it (the CLI: argument parsing, the Trainer-folder check, the verify
+    of the source's manifest, the output manifest with its library versions) in a fresh interpreter: exit 0,
+    and neither torch nor deepspeed was imported on the way (each costs seconds of start-up and, torch,
+    hundreds of MiB)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from shardkit.cli import main\n"
+        f"code = main(['reshard', {str(sources[0] / 'zero2_bf16')!r}, '--world-size', '3', '-o', "
+        f"{str(tmp_path / 'ws3')!r}])\n"
+        "heavy = sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules)\n"
+        "assert code == 0 and not heavy, (code, heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "world size 2 -> 3" in done.stdout, done.stdout
+    assert (tmp_path / "ws3" / f"global_step{SAVE_STEPS}" / MANIFEST_NAME).is_file()
+
+
+@pytest.mark.timeout(300)
 def test_source_the_byte_route_cannot_express_takes_the_torch_route_and_says_why(sources, tmp_path):
     """A rank file whose fp32 slice is a strided view (not a contiguous run of its file: no DeepSpeed save
     writes one, another tool might): the reshard builds the files with torch instead, the note names the
