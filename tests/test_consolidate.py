@@ -102,3 +102,28 @@ def test_unwritable_output_is_a_checkpoint_error_naming_the_path(sources, tmp_pa
     assert code == 1 and "Traceback" not in err
     assert re.search(rf"{re.escape(str(blocker))}: consolidating the checkpoint failed \((FileExistsError|"
                      r"NotADirectoryError)", err), err
+
+
+def test_an_fsdp2_dcp_save_consolidates_to_the_weights_it_held(sweep_sources, tmp_path, run_cli):
+    """A real FSDP2 save (2 gloo ranks, DCP) through the checkpoint model: every tensor equal to the
+    state dict the run exported at save time; a .distcp file missing is refused, nothing written."""
+    from safetensors.torch import load_file
+
+    src = sweep_sources.root("fsdp2")
+    out = tmp_path / "model.safetensors"
+    code, stdout, err = run_cli("consolidate", src, "-o", out)
+    assert code == 0, err
+    assert "saved by 2 rank(s)" in stdout
+    got, want = load_file(out), load_file(sweep_sources.base / "fsdp2.safetensors")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken, symlinks=True)
+    tag = next(p for p in broken.iterdir() if p.is_dir())
+    victim = sorted(tag.glob("*.distcp"))[-1]
+    victim.unlink()
+    code, _, err = run_cli("consolidate", broken, "-o", tmp_path / "x.safetensors")
+    assert code == 1 and victim.name in err, err
+    assert not (tmp_path / "x.safetensors").exists()

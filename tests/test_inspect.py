@@ -143,7 +143,8 @@ def test_a_dcp_folder_and_a_hugging_face_folder(fsdp_saves, tmp_path, run_cli):
 
     d = _inspect(run_cli, fsdp_saves / "fsdp2_sharded" / "checkpoint-2" / "pytorch_model_fsdp_0")
     assert (d["format"], d["world_size"], d["parameters"], d["elements"]) == ("dcp", 2, 4, 340)
-    assert {c["command"]: c["applies"] for c in d["commands"]}["convert --to zero3"] is True
+    applies = {c["command"]: c["applies"] for c in d["commands"]}
+    assert applies["convert --to zero3"] is True and applies["consolidate"] is True  # consolidate_model reads DCP
     save_file({"w": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(4)}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text("{}")
     d = _inspect(run_cli, tmp_path)

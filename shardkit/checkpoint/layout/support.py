@@ -116,7 +116,7 @@ def _per_format(desc: CheckpointDescription) -> dict[str, tuple[bool, str]]:
             "reshard": (False, "DCP loads at any world size: there is nothing to reshard"),
             "convert --to fsdp2": (False, "it is DCP already"),
             "convert --to zero3": (True, "per-rank ZeRO-3 files for --world-size N (shardkit's FSDP2 saves)"),
-            "consolidate": (False, "consolidate reads ZeRO-3; use export for a from_pretrained folder"),
+            "consolidate": (True, "the weights as one safetensors file (the parameters as FSDP2 saved them)"),
             "export": (True, "a from_pretrained folder (needs the model's config.json)"),
         }
     if desc.format == "accelerate-fsdp":  # readers.fsdp1 reads SHARDED (DCP) and FULL; per-rank files are refused

@@ -41,14 +41,14 @@ from shardkit.storage.shared_save import Launch, launch_from_env
 from shardkit.storage.torch_load import _ITEMSIZE
 
 _OUT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-#: Kinds consolidate does not route here: ZeRO-3 keeps its own split path; a DCP folder is export's
-#: (``layout.support`` says so).
-_OWN_PATHS = ("zero3", "dcp")
+#: Kinds consolidate does not route here: ZeRO-3 keeps its own split path (each process copies its
+#: ranks' byte ranges into one pre-sized file).
+_OWN_PATHS = ("zero3",)
 
 
 def model_source(checkpoint: str | Path) -> Source | None:
     """``checkpoint`` resolved when it is a kind this module consolidates (ZeRO-1/2, ... : any reader in
-    the registry but ZeRO-3 and DCP), else None: the caller's own reader then names what it is."""
+    the registry but ZeRO-3), else None: the caller's own reader then names what it is."""
     try:
         source = resolve_source(checkpoint)
     except ShardkitError:
