@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state, read_dcp_metadata
+from shardkit.checkpoint.writers.dcp import MODEL_KEY, OPTIM_KEY
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError
 from shardkit.platform.dist import all_gather_object, barrier, rank_world
@@ -31,9 +32,6 @@ from shardkit.storage.verify import CheckpointReport, check_resumable_distribute
 
 if TYPE_CHECKING:
     import torch
-
-MODEL_KEY = "model"
-OPTIM_KEY = "optim"
 
 
 def _param_dtype(model: "torch.nn.Module") -> str | None:

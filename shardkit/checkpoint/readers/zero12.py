@@ -30,7 +30,7 @@ from typing import Any
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
-from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, open_zero12_checkpoint
+from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, open_zero12_checkpoint, training_precision
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef
 
@@ -91,7 +91,7 @@ def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
                 key: _tensor(name, ref.dtype, shape, at, partition, [(r.path, r.states[g].get(key)) for r in ranks])
                 for key, ref in ranks[0].states[g].items()
                 if isinstance(ref, TensorRef) and ref.shape == (partition,)}
-    precision = _precision(config)
+    precision = training_precision(config)
     aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
     return TrainingCheckpoint(
         f"zero{stage}", tag_dir, _model_order(model, weights), world_size=world, tag=tag_dir.name, precision=precision,
@@ -192,14 +192,6 @@ def _model_order(model: dict[str, Any], weights: dict[str, SourceTensor]) -> dic
 
 def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
-
-
-def _precision(config: dict[str, Any]) -> str:
-    for key in ("bf16", "fp16"):
-        section = config.get(key)
-        if isinstance(section, dict) and section.get("enabled"):
-            return key
-    return "fp32"
 
 
 def _scalars(model: dict[str, Any], config: dict[str, Any], stage: int, precision: str, sd: dict[str, Any],

@@ -60,7 +60,8 @@ def is_zero12_folder(tag_dir: Path) -> bool:
     return (tag_dir / MODEL_FILE).is_file() and any(OPTIM_FILE.match(p.name) for p in tag_dir.iterdir())
 
 
-def _precision(config: dict[str, Any]) -> str:
+def training_precision(config: dict[str, Any]) -> str:
+    """'bf16', 'fp16' or 'fp32': the precision the DeepSpeed config ``config`` trained in."""
     for key in ("bf16", "fp16"):
         section = config.get(key)
         if isinstance(section, dict) and section.get("enabled"):
@@ -100,7 +101,7 @@ def open_zero12_checkpoint(tag_dir: Path, *, torch_free: bool = False) -> Zero12
                             model_files=[tag_dir / MODEL_FILE], optim_states=states, model_state=model_state,
                             torch_free=torch_free, ds_config=dict(model_state.get("ds_config") or {}),
                             ds_version=model_state.get("ds_version"))
-    ckpt.precision = _precision(ckpt.ds_config)
+    ckpt.precision = training_precision(ckpt.ds_config)
     ckpt.stage = _check_ranks(ckpt)
     return ckpt
 

@@ -39,9 +39,6 @@ ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 ADAM_TYPES = frozenset({"adam", "adamw"})
 """``ds_config["optimizer"]["type"]`` values (lower-cased, as DeepSpeed compares them) that convert."""
 
-MODEL_KEY = "model"
-OPTIM_KEY = "optim"
-
 
 def strip_wrapper_segments(name: str) -> str:
     """``_orig_mod.layer.weight`` -> ``layer.weight``: the FQN ``get_state_dict`` would use.
@@ -49,16 +46,6 @@ def strip_wrapper_segments(name: str) -> str:
     Only whole dotted components equal to a wrapper name go (as ``_get_fqns`` skips whole module
     names): ``my_orig_mod.weight`` is a user's module and stays as it is."""
     return ".".join(part for part in name.split(".") if part not in TORCH_WRAPPER_SEGMENTS)
-
-
-def dcp_model_key(fqn: str) -> str:
-    """The flattened DCP key of a model tensor (what ``dcp.save`` of ``{"model": sd, ...}`` writes)."""
-    return f"{MODEL_KEY}.{fqn}"
-
-
-def dcp_optim_key(fqn: str, state_key: str) -> str:
-    """The flattened DCP key of one optimizer state entry (``exp_avg``, ``exp_avg_sq``, ``step``)."""
-    return f"{OPTIM_KEY}.state.{fqn}.{state_key}"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     carry_run_state,
     decide_precision,
     read_ds_config,
+    single_adam_step,
     source_precision,
     target_names,
     target_optimizer,
@@ -211,18 +212,5 @@ def plan_zero12_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, sta
 
 def _group_step(ckpt: TrainingCheckpoint, g: int, params: list[str], steps: dict[str, float]) -> int:
     """The one Adam step of param group ``g`` (ZeRO-1/2 keeps one per group's flat partition)."""
-    missing = [n for n in params if n not in steps]
-    if missing:
-        raise CheckpointError(f"{ckpt.folder}: no Adam step recorded for {missing[:3]}; Adam's bias correction needs it")
-    distinct = sorted({steps[n] for n in params})
-    if len(distinct) != 1:
-        first = {v: next(n for n in params if steps[n] == v) for v in distinct}
-        raise CheckpointError(
-            f"{ckpt.folder}: param group {g} holds parameters with different Adam step counts ("
-            + ", ".join(f"{n}: {v:g}" for v, n in first.items())
-            + "): ZeRO-1/2 keeps one step per param group. Parameters that missed optimizer steps (no gradient) "
-            "cause this; convert a checkpoint where all trained together, or put them in separate param groups")
-    step = distinct[0]
-    if step != int(step) or step < 1:
-        raise CheckpointError(f"{ckpt.folder}: param group {g}: Adam step is {step:g}, expected a positive whole number")
-    return int(step)
+    return single_adam_step(params, steps, f"{ckpt.folder}: param group {g}", "its parameters",
+                            "ZeRO-1/2 keeps one step per param group")

