@@ -42,3 +42,13 @@ def test_the_one_step_check_names_the_parameters_that_disagree_and_the_rule() ->
         single_adam_step(["a.weight", "b.weight"], {"a.weight": 3.0}, "ckpt", "x", "y")
     assert single_adam_step(["a.weight", "b.weight"], {"a.weight": 4.0, "b.weight": 4.0}, "ckpt", "x", "y") == 4
 
+
+def test_no_checkpoint_module_imports_another_modules_private_names() -> None:
+    # a helper borrowed as `_x` from another module has no owner: renaming it there breaks the borrower
+    borrowed = []
+    for path in sorted((PACKAGE / "checkpoint").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardkit.checkpoint"):
+                borrowed += [f"{path.relative_to(PACKAGE)}: {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and a.name != "__version__"]
+    assert borrowed == []

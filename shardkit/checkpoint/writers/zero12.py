@@ -31,9 +31,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor
-from shardkit.checkpoint.writers.zero3 import ADAM_STATE_KEYS, LOSS_SCALER, ZERO_STAGE, TargetOptimizer
-from shardkit.checkpoint.writers.zero3 import _read_slice as read_slice
-from shardkit.checkpoint.writers.zero3 import _segments as segments_of
+from shardkit.checkpoint.writers.zero3 import (
+    ADAM_STATE_KEYS,
+    LOSS_SCALER,
+    ZERO_STAGE,
+    TargetOptimizer,
+    read_slice,
+    tensor_segments,
+)
 from shardkit.checkpoint.zero12.reader import MODEL_FILE
 from shardkit.checkpoint.zero12.repartition import FRAGMENT_ADDRESS, GroupLayout
 from shardkit.core import progress
@@ -171,7 +176,7 @@ class Zero12Files:
                 if isinstance(part, int):
                     segs.append(Segment(None, 0, part * 4))
                 else:
-                    got = segments_of(*part)
+                    got = tensor_segments(*part)
                     assert got is not None  # plain: every tensor is byte ranges (_first_not_byte_ranges)
                     segs.extend(got)
             return NewTensor("float32", total, segs)

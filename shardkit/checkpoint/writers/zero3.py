@@ -141,7 +141,7 @@ def write_rank_files(folder: Path, out: RankStates, outcome: str, workers: int |
     return [FileEntry.of(name, d.size, d.algorithm, d.digest) for (name, _), d in zip(files, digests)]
 
 
-def _segments(t: SourceTensor, lo: int, hi: int) -> list[Segment] | None:
+def tensor_segments(t: SourceTensor, lo: int, hi: int) -> list[Segment] | None:
     """Elements ``[lo, hi)`` of ``t`` as byte ranges of its pieces; None when a loader holds it."""
     if t.load is not None:
         return None
@@ -168,7 +168,7 @@ def _whole_ref(t: SourceTensor, key: str) -> TensorRef | None:
     return ref
 
 
-def _read_slice(t: SourceTensor, lo: int, hi: int) -> "torch.Tensor":
+def read_slice(t: SourceTensor, lo: int, hi: int) -> "torch.Tensor":
     """Elements ``[lo, hi)`` of ``t`` (flattened) as a tensor of its dtype (the torch route)."""
     import torch  # lazy: the torch route only
 
@@ -253,7 +253,7 @@ class RankStates:
         if self.plain:
             return dict(self.buffer_refs)
         return {n: self.ckpt.weights[n].load() if self.ckpt.weights[n].load is not None  # type: ignore[misc]
-                else _read_slice(self.ckpt.weights[n], 0, self.ckpt.weights[n].numel).reshape(self.ckpt.weights[n].shape).clone()
+                else read_slice(self.ckpt.weights[n], 0, self.ckpt.weights[n].numel).reshape(self.ckpt.weights[n].shape).clone()
                 for n in self.buffers}
 
     def _empty(self) -> Any:
@@ -328,7 +328,7 @@ class RankStates:
         t = self.ckpt.weights[name]
         pn = partition_numel(t.numel, self.layout.world_size)
         lo, hi = rank_range(rank, pn, t.numel)
-        segments = _segments(t, lo, hi) if t.dtype == self.module_dtype else None
+        segments = tensor_segments(t, lo, hi) if t.dtype == self.module_dtype else None
         if segments is not None and pn > hi - lo:
             segments.append(Segment(None, 0, (pn - (hi - lo)) * _ITEMSIZE[self.module_dtype]))
         if self.plain and segments is not None:
@@ -340,7 +340,7 @@ class RankStates:
         def produce() -> "torch.Tensor":
             out = torch.zeros(pn, dtype=dtype)
             if hi > lo:
-                out.narrow(0, 0, hi - lo).copy_(_read_slice(t, lo, hi))
+                out.narrow(0, 0, hi - lo).copy_(read_slice(t, lo, hi))
             return out
 
         return LazyTensor(pn, dtype, produce, segments=(lambda: segments) if segments is not None else None)
@@ -354,7 +354,7 @@ class RankStates:
         for tp in self.layout.sub_groups[j]:
             lo, hi = tp.rank_range(rank)
             t = self._tensor(tp.source.name, key)
-            got = _segments(t, lo, hi) if t.dtype == "float32" else None
+            got = tensor_segments(t, lo, hi) if t.dtype == "float32" else None
             if got is None:
                 readable = False
                 break
@@ -378,5 +378,5 @@ class RankStates:
         for tp in self.layout.sub_groups[j]:
             lo, hi = tp.rank_range(rank)
             if hi > lo:
-                out.narrow(0, tp.offset, hi - lo).copy_(_read_slice(self._tensor(tp.source.name, key), lo, hi))
+                out.narrow(0, tp.offset, hi - lo).copy_(read_slice(self._tensor(tp.source.name, key), lo, hi))
         return out

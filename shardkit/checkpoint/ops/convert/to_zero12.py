@@ -21,18 +21,18 @@ from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
-    _check_adam,
-    _decoupled,
-    _minimal_config,
-    _source_groups,
-    _target_groups,
     carry_run_state,
+    check_adam,
     decide_precision,
+    group_decoupled,
+    minimal_config,
     read_ds_config,
     single_adam_step,
+    source_param_groups,
     source_precision,
     target_names,
     target_optimizer,
+    target_param_groups,
 )
 from shardkit.checkpoint.ops.export.sources import resolve_source
 from shardkit.checkpoint.readers.registry import read_checkpoint
@@ -179,11 +179,11 @@ def plan_zero12_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, sta
     config_precision = "bf16" if cfg is not None and get(cfg, "bf16.enabled", False) is True else "fp32"
     precision = decide_precision(cfg if given else None, config_precision, source_precision(ckpt), tag_dir, notes) \
         if given or cfg is None else config_precision
-    _check_adam(ckpt)
-    source_groups = _source_groups(ckpt)
-    decoupled = [_decoupled(ckpt, g) for g in source_groups]
+    check_adam(ckpt)
+    source_groups = source_param_groups(ckpt)
+    decoupled = [group_decoupled(ckpt, g) for g in source_groups]
     opt = target_optimizer(cfg, all(d is not False for d in decoupled))
-    groups = _target_groups(source_groups, decoupled, opt, cfg, tag_dir, not_carried)
+    groups = target_param_groups(source_groups, decoupled, opt, cfg, tag_dir, not_carried)
     steps_by_name: dict[str, float] = dict(ckpt.scalars.get("step") or {})
     group_params = [list(g["params"]) for g in source_groups]
     steps = [_group_step(ckpt, g, params, steps_by_name) for g, params in enumerate(group_params)]
@@ -199,7 +199,7 @@ def plan_zero12_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, sta
     clip = get(cfg, "gradient_clipping", None) if cfg is not None else ckpt.scalars.get("clip_grad")
     if clip is None:
         clip = GRADIENT_CLIPPING_DEFAULT
-    record = cfg if cfg is not None else {**_minimal_config(source_groups[0], opt), "zero_optimization": {"stage": stage}}
+    record = cfg if cfg is not None else {**minimal_config(source_groups[0], opt), "zero_optimization": {"stage": stage}}
     if cfg is None and precision == "bf16":
         record["bf16"] = {"enabled": True}
     target = Zero12Target(stage=stage, world_size=world_size, precision=precision, opt=opt, groups=groups,

@@ -1,7 +1,7 @@
 """Planning the ZeRO-3 files ``convert --to zero3`` writes from the checkpoint model, before a byte
 is written: the resuming run's config checked (``check_target_config``: stage 3, no fp16,
 ``sub_group_size``, precision), the optimizer its engine builds and the param-group format that
-optimizer loads (``target_optimizer``, ``_target_groups``), the sub-group layout at N ranks
+optimizer loads (``target_optimizer``, ``target_param_groups``), the sub-group layout at N ranks
 (``zero3.repartition.plan_layout``) in the order the source's param groups list their parameters,
 the one Adam step each sub-group keeps, the names the resuming engine's module has, and DeepSpeed's
 counters and client state. ``plan_zero3_target`` reads only the ``TrainingCheckpoint`` (its tensors'
@@ -236,11 +236,11 @@ def plan_zero3_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, worl
     or added to ``not_carried``, what it changes to ``notes``."""
     tag_dir = ckpt.folder
     not_carried: list[str] = list(ckpt.scalars.get("not_carried") or [])
-    _check_adam(ckpt)
-    source_groups = _source_groups(ckpt)
-    decoupled = [_decoupled(ckpt, g) for g in source_groups]
+    check_adam(ckpt)
+    source_groups = source_param_groups(ckpt)
+    decoupled = [group_decoupled(ckpt, g) for g in source_groups]
     opt = target_optimizer(cfg, all(d is not False for d in decoupled))
-    groups = _target_groups(source_groups, decoupled, opt, cfg, tag_dir, not_carried)
+    groups = target_param_groups(source_groups, decoupled, opt, cfg, tag_dir, not_carried)
     shapes = {n: ckpt.weights[n].shape for n in ckpt.optimizer}
     slots = [ParamSlot(n, shapes[n], ckpt.weights[n].numel, g, 0, 0, 0)
              for g, group in enumerate(source_groups) for n in group["params"]]
@@ -260,14 +260,14 @@ def plan_zero3_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, worl
     if dtypes:
         notes.append(f"parameters/moments saved as {dtypes} were upcast to float32 (ZeRO-3's masters and moments "
                      "are fp32); they are exact, but are not a float32 run's values")
-    record_cfg = cfg if cfg is not None else _minimal_config(source_groups[0], opt)
+    record_cfg = cfg if cfg is not None else minimal_config(source_groups[0], opt)
     client = carry_run_state(ckpt, cfg, counters, global_steps, precision, notes, not_carried)
     target = Zero3Target(opt=opt, groups=groups, layout=layout, sub_steps=sub_steps, global_steps=global_steps,
                          counters=counters, client=client, cfg=record_cfg, precision=precision, names=names)
     return Zero3Plan(target, notes, not_carried)
 
 
-def _check_adam(ckpt: TrainingCheckpoint) -> None:
+def check_adam(ckpt: TrainingCheckpoint) -> None:
     """Only Adam/AdamW state (exp_avg, exp_avg_sq, step) has a place in ZeRO-3's Adam."""
     kind = str(ckpt.scalars.get("optimizer_type") or "")
     if kind and kind.lower() not in ADAM_TYPES:
@@ -284,7 +284,7 @@ def _check_adam(ckpt: TrainingCheckpoint) -> None:
                               "after at least one step")
 
 
-def _source_groups(ckpt: TrainingCheckpoint) -> list[dict[str, Any]]:
+def source_param_groups(ckpt: TrainingCheckpoint) -> list[dict[str, Any]]:
     """The source's param groups (``params``: trainable names), checked against its optimizer state."""
     groups = [dict(g) for g in (ckpt.scalars.get("param_groups") or [{"params": ckpt.trainable}])]
     listed = [n for g in groups for n in g.get("params") or []]
@@ -304,7 +304,7 @@ def _source_groups(ckpt: TrainingCheckpoint) -> list[dict[str, Any]]:
     return groups
 
 
-def _decoupled(ckpt: TrainingCheckpoint, group: dict[str, Any]) -> bool | None:
+def group_decoupled(ckpt: TrainingCheckpoint, group: dict[str, Any]) -> bool | None:
     """Whether a source group decays weights AdamW-style: its own flag (torch), else the source's
     config (DeepSpeed's Adam is AdamW unless ``adam_w_mode: false``); None when neither says (a
     client optimizer the config does not name): the resuming run's config decides then."""
@@ -344,7 +344,7 @@ def single_adam_step(names: list[str], steps: dict[str, float], where: str, shar
     return int(step)
 
 
-def _target_groups(source_groups: list[dict[str, Any]], decoupled_groups: list[bool | None], opt: TargetOptimizer,
+def target_param_groups(source_groups: list[dict[str, Any]], decoupled_groups: list[bool | None], opt: TargetOptimizer,
                    cfg: dict[str, Any] | None, source: Path, not_carried: list[str]) -> list[dict[str, Any]]:
     """The inner optimizer's param groups in the target optimizer's own format (``params`` filled later)."""
     out = []
@@ -381,7 +381,7 @@ def _target_groups(source_groups: list[dict[str, Any]], decoupled_groups: list[b
     return out
 
 
-def _minimal_config(group: dict[str, Any], opt: TargetOptimizer) -> dict[str, Any]:
+def minimal_config(group: dict[str, Any], opt: TargetOptimizer) -> dict[str, Any]:
     """What is recorded as ``ds_config`` when none was given: a ZeRO-3 Adam config with the source's hyperparameters."""
     params = {k: (list(group[k]) if k == "betas" else group[k]) for k in _HYPERPARAMETERS if k in group}
     return {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW" if opt.adam_w_mode else "Adam", "params": params}}
