@@ -242,8 +242,9 @@ def test_local_state_dict_is_refused_naming_the_fix(saves, tmp_path, run_cli):
     code, _, err = run_cli("export", ckpt, "-o", tmp_path / "hf")
     assert code == 1
     assert f"{ckpt}: an FSDP Trainer checkpoint saved with LOCAL_STATE_DICT (pytorch_model_fsdp_rank0.bin" in err
-    assert "without the names and shapes of the parameters inside it" in err
-    assert "Resume it at the same world size and save with SHARDED_STATE_DICT" in err
+    assert "FSDP saves neither which parameters were flattened into it, nor their shapes" in err
+    assert "Load it with FSDP1 at the same world size and wrapping, and save again with fsdp_state_dict_type " \
+           "SHARDED_STATE_DICT" in err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -27,6 +27,7 @@ consolidate and convert; reshard refuses every layout here, and every command th
 from __future__ import annotations
 
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def fsdp_layout(folder: Path) -> FsdpLayout | None:
         return FsdpLayout("SHARDED_STATE_DICT", shown(model_dcp), shown(optim_dcp),
                           _distcp_ranks(dirs[model_dcp[0]]), any_world_size=True)
     if per_rank:
-        return FsdpLayout("SHARDED_STATE_DICT (use_dcp=False)", per_rank, per_rank_optim,
+        return FsdpLayout(SHARDED_PER_RANK, per_rank, per_rank_optim,
                           len({m.group(2) for n in per_rank if (m := _MODEL_PER_RANK.match(n))}), any_world_size=False)
     if local:
         return FsdpLayout("LOCAL_STATE_DICT", local, shown(optim_dcp), len(local), any_world_size=False)
@@ -94,10 +95,29 @@ def fsdp_layout(folder: Path) -> FsdpLayout | None:
 
 
 def read_by_shardkit(layout: FsdpLayout, folder: Path) -> bool:
-    """True for the layouts ``readers.fsdp1`` reads (export, consolidate, convert --to fsdp2 take them):
-    SHARDED_STATE_DICT's DCP folders and FULL_STATE_DICT's ``pytorch_model_fsdp.bin``."""
+    """True for the layouts ``readers.fsdp1`` and ``readers.fsdp1_bins`` read (export, consolidate, convert
+    take them): SHARDED_STATE_DICT's DCP folders, FULL_STATE_DICT's ``pytorch_model_fsdp.bin``, and
+    FSDP1's per-rank SHARDED_STATE_DICT files (``use_dcp=False``; FSDP2's DTensor ones are not read)."""
     return layout.state_dict_type == "SHARDED_STATE_DICT" or (
-        layout.state_dict_type == "FULL_STATE_DICT" and (folder / f"{FSDP_MODEL_NAME}.bin").is_file())
+        layout.state_dict_type == "FULL_STATE_DICT" and (folder / f"{FSDP_MODEL_NAME}.bin").is_file()) or (
+        layout.state_dict_type == SHARDED_PER_RANK and holds_sharded_tensors(folder / layout.model[0]))
+
+
+#: ``fsdp_layout``'s name for accelerate's ``use_dcp=False`` SHARDED_STATE_DICT files.
+SHARDED_PER_RANK = "SHARDED_STATE_DICT (use_dcp=False)"
+#: The pickle's GLOBAL opcode naming FSDP1's ShardedTensor (protocol 2, as torch.save writes it).
+_SHARDED_TENSOR_GLOBAL = b"ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n"
+
+
+def holds_sharded_tensors(rank_file: Path) -> bool:
+    """True when a per-rank ``torch.save`` file holds FSDP1 ShardedTensors (FSDP2's holds DTensors under
+    the same name): its ``data.pkl`` names the class; no tensor byte is read."""
+    try:
+        with zipfile.ZipFile(rank_file) as z:
+            pkl = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            return pkl is not None and _SHARDED_TENSOR_GLOBAL in z.read(pkl)
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return True  # a damaged file: the reader names the damage, where a refusal would name the layout
 
 
 def fsdp_refusal(head: str, layout: FsdpLayout, folder: Path) -> str:
@@ -106,11 +126,12 @@ def fsdp_refusal(head: str, layout: FsdpLayout, folder: Path) -> str:
     what = (f"it was saved by FSDP through Accelerate with fsdp_state_dict_type {layout.state_dict_type} "
             f"(model: {', '.join(layout.model)}; optimizer: {', '.join(layout.optimizer) or 'none saved'}"
             f"{f'; written by {layout.ranks} rank(s)' if layout.ranks else ''})")
+    read = read_by_shardkit(layout, folder)
     not_ours = ("shardkit's reshard reads DeepSpeed checkpoint-N folders, not accelerate's FSDP files; export, "
-                "consolidate and convert --to fsdp2 read its SHARDED_STATE_DICT and FULL_STATE_DICT layouts"
-                if read_by_shardkit(layout, folder) else
-                "shardkit's export, consolidate and convert read accelerate's SHARDED_STATE_DICT (DCP) and "
-                "FULL_STATE_DICT layouts, not accelerate's FSDP files of one rank each")
+                "consolidate and convert --to fsdp2 read its SHARDED_STATE_DICT and FULL_STATE_DICT layouts (DCP "
+                "folders or FSDP1's per-rank files)" if read else
+                "shardkit's export, consolidate and convert read accelerate's SHARDED_STATE_DICT (DCP, or FSDP1's "
+                f"per-rank files) and FULL_STATE_DICT layouts, not accelerate's FSDP files of this kind: {unread_why(layout)}")
     if not layout.optimizer:
         return (f"{head}; {what}. It holds no optimizer state (TrainingArguments.save_only_model=True, or the save "
                 f"was interrupted), so it can start a new run but not resume one. {not_ours}")
@@ -124,7 +145,28 @@ def fsdp_refusal(head: str, layout: FsdpLayout, folder: Path) -> str:
                 f"Trainer resumes it at any world size as it is, so there is nothing to reshard, and "
                 f"{layout.model[0]}{safetensors} already hold the full weights. {not_ours}")
     ranks = f"{layout.ranks} ranks" if layout.ranks else "the ranks that wrote it"
-    return (f"{head}; {what}: each rank's own shard in its own file, which only {ranks} can load (neither accelerate "
-            f"nor shardkit repartitions it). Resume with {ranks}; to change the world size, resume once at "
+    who = "accelerate does not repartition it" if read else "neither accelerate nor shardkit repartitions it"
+    return (f"{head}; {what}: each rank's own shard in its own file, which only {ranks} can load ({who}). Resume with {ranks}; to change the world size, resume once at "
             f"{ranks} and save again with fsdp_state_dict_type SHARDED_STATE_DICT (DCP folders, reshardable on load). "
             f"{not_ours}")
+
+
+def unread_why(layout: FsdpLayout) -> str:
+    """Why shardkit reads no tensor of a per-rank layout it refuses, and the fix (export, consolidate,
+    convert and inspect say the same)."""
+    if layout.state_dict_type == "LOCAL_STATE_DICT":
+        # FSDP1's _local_post_state_dict_hook (torch 2.13 fsdp/_state_dict_utils.py) saves each FSDP unit's
+        # flat parameter shard as a 1-D ShardedTensor; the FlatParamShardMetadata (names, shapes, padding)
+        # stays in memory on the FlatParameter and is never saved
+        return ("LOCAL_STATE_DICT rank files hold each FSDP unit's flat parameter (<unit>._flat_param: this rank's "
+                "1-D slice of the unit's parameters flattened, concatenated and padded), and FSDP saves neither which "
+                "parameters were flattened into it, nor their shapes, nor the alignment padding between them (with "
+                "use_orig_params=True each parameter's local slice is saved too, but as a 1-D run without its shape or "
+                "offset). Load it with FSDP1 at the same world size and wrapping, and save again with "
+                "fsdp_state_dict_type SHARDED_STATE_DICT (or FULL_STATE_DICT)")
+    if layout.state_dict_type != SHARDED_PER_RANK:
+        return (f"its model file is {', '.join(layout.model)}, not the {FSDP_MODEL_NAME}.bin of model_index 0 the "
+                "Trainer writes. Rename it or pass the weights file to the command that reads it")
+    return ("FSDP2's per-rank files hold DTensors (each rank's dim-0 chunk with its device mesh), which shardkit does "
+            "not read. Resume at the same world size and save again with fsdp_state_dict_type SHARDED_STATE_DICT and "
+            "use_dcp=True (the default): DCP folders")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardkit.checkpoint.hf_trainer.fsdp_files import SHARDED_PER_RANK, fsdp_layout, read_by_shardkit, unread_why
 from shardkit.checkpoint.layout.deepspeed_files import describe_deepspeed, is_deepspeed_folder
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.checkpoint.layout.detect import locate_checkpoint, read_folder
@@ -130,8 +131,16 @@ def _per_format(desc: CheckpointDescription) -> dict[str, tuple[bool, str]]:
                                                  f"from {files}"),
                     "consolidate": (True, "the weights as one safetensors file"),
                     "export": (True, "a from_pretrained folder (needs the model's config.json)")}
-        why = ("each rank's flat FSDP shard in its own file, without the parameters' names and shapes: resume at the "
-               "same world size and save with fsdp_state_dict_type SHARDED_STATE_DICT")
+        layout = fsdp_layout(Path(desc.folder))
+        if layout is not None and layout.state_dict_type == SHARDED_PER_RANK and read_by_shardkit(layout, Path(desc.folder)):
+            files = "pytorch_model_fsdp_0_rank*.bin + optimizer_0_rank*.bin (FSDP1 ShardedTensors, read without torch)"
+            return {"reshard": (False, "shardkit does not rewrite per-rank FSDP files; convert --to fsdp2 writes a DCP "
+                                       "checkpoint that loads at any world size"),
+                    "convert --to fsdp2": (True, f"a DCP checkpoint FSDP2 resumes at any world size, from {files}"),
+                    "convert --to zero3": (True, f"per-rank ZeRO-3 files for --world-size N, from {files}"),
+                    "consolidate": (True, "the weights as one safetensors file"),
+                    "export": (True, "a from_pretrained folder (needs the model's config.json)")}
+        why = unread_why(layout) if layout is not None else "no accelerate FSDP files found"
         return {c: (False, why) for c in COMMANDS}
     why = "a from_pretrained folder already: load it as it is"
     return {c: (False, why) for c in COMMANDS}

@@ -6,7 +6,8 @@ A Trainer's DeepSpeed ``checkpoint-N`` *is* the DeepSpeed root (``hf_trainer.fol
 ``checkpoint-N`` (``hf_trainer.fsdp_files``) is kind ``fsdp1-sharded`` under ``SHARDED_STATE_DICT``
 (the tensors' folder is the model DCP folder ``pytorch_model_fsdp_0/``, ``optimizer_0/`` beside it)
 and ``fsdp1-full`` under ``FULL_STATE_DICT`` (the ``checkpoint-N`` itself), both read by
-``readers.fsdp1``; per-rank FSDP files are refused. The config is looked for in ``--model-config``
+``readers.fsdp1``; FSDP1's per-rank SHARDED files (``use_dcp=False``) are ``fsdp1-sharded-bins``
+(``readers.fsdp1_bins``), the other per-rank files are refused. The config is looked for in ``--model-config``
 first, then in the folder holding the tag (the Trainer's ``checkpoint-N``, which holds the
 ``config.json``, ``generation_config.json`` and tokenizer files the Trainer saved), then the tag
 folder itself.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.hf_trainer.folder import checkpoint_dirs
-from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout
+from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, read_by_shardkit, unread_why
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME
 from shardkit.checkpoint.readers.fsdp1 import MODEL_FILE as FSDP_FULL_MODEL
 from shardkit.checkpoint.readers.universal import universal_tag_dir
@@ -84,11 +85,10 @@ def resolve_source(path: str | Path) -> Source:
             return Source("fsdp1-sharded", p / fsdp.model[0].rstrip("/"), p, notes)
         if fsdp.state_dict_type == "FULL_STATE_DICT" and (p / FSDP_FULL_MODEL).is_file():
             return Source("fsdp1-full", p, p, notes)  # pytorch_model_fsdp.bin (+ optimizer.bin): readers.fsdp1
+        if read_by_shardkit(fsdp, p):  # FSDP1's per-rank SHARDED_STATE_DICT files (use_dcp=False): readers.fsdp1_bins
+            return Source("fsdp1-sharded-bins", p, p, notes)
         raise CheckpointError(f"{p}: an FSDP Trainer checkpoint saved with {fsdp.state_dict_type} ({', '.join(fsdp.model)}): "
-                              "one torch.save file per rank, in FSDP's flat-parameter layout that only the same ranks "
-                              "load, without the names and shapes of the parameters inside it; export reads "
-                              "fsdp_state_dict_type SHARDED_STATE_DICT (DCP folders, the default) and FULL_STATE_DICT. "
-                              "Resume it at the same world size and save with SHARDED_STATE_DICT")
+                              f"{unread_why(fsdp)}. Nothing was written")
     tag = latest_tag(p) if (p / LATEST_NAME).exists() else None
     if tag is not None and (p / tag / METADATA_NAME).is_file():
         return Source("dcp", p / tag, p, notes)

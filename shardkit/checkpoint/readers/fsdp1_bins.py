@@ -1,0 +1,192 @@
+"""The reader of accelerate's FSDP1 ``SHARDED_STATE_DICT`` saved with ``use_dcp=False``
+(``save_fsdp_model``/``save_fsdp_optimizer``, accelerate 1.15): one ``torch.save`` per rank,
+``pytorch_model_fsdp_<i>_rank<R>.bin`` (the rank's sharded model state dict) and
+``optimizer_<i>_rank<R>.bin`` (``FSDP.optim_state_dict``: ``state.<fqn>.{step,exp_avg,...}`` and
+``param_groups`` with the FQNs), as the checkpoint model (kind ``fsdp1-sharded-bins``).
+
+Each value is a ``ShardedTensor`` (dim-0 chunks of the parameter in its own shape, whether FSDP1 kept
+flat parameters or not); ``readers.sharded_tensor_pickle`` reads the pickles without torch, and each
+local shard becomes one ``Piece`` of the logical tensor: its rows are contiguous elements of the
+row-major tensor. Only the pickles are read, one file at a time; tensor bytes are copied later by
+the writer. accelerate and torch load these files only at the same world size with a process group
+up; here every rank's file is read and the pieces are checked to cover each tensor exactly once.
+
+FSDP2 writes the same file names with ``DTensor`` values (``hf_trainer.fsdp_files`` tells them apart):
+not read here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import Piece, SourceTensor
+from shardkit.checkpoint.readers.deepspeed_scalars import step_value
+from shardkit.checkpoint.readers.fsdp1 import _finish_optimizer, _refuse_ids, _same_bytes, _tie, _whole
+from shardkit.checkpoint.readers.sharded_tensor_pickle import ShardedRef, read_sharded_file
+from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import TensorRef
+
+_MODEL_RANK = re.compile(r"^pytorch_model_fsdp_(\d+)_rank(\d+)\.bin$")
+_OPTIM_RANK = "optimizer_{index}_rank{rank}.bin"
+_RESAVE = ("Restore the file from a copy of the checkpoint, or resume it with accelerate at the world size it was "
+           "saved at and save again with fsdp_state_dict_type SHARDED_STATE_DICT")
+
+
+def read_fsdp1_bins(folder: Path) -> TrainingCheckpoint:
+    """The ``use_dcp=False`` SHARDED_STATE_DICT checkpoint ``folder`` (a Trainer/accelerate
+    ``checkpoint-N`` holding ``pytorch_model_fsdp_0_rank<R>.bin``)."""
+    index, model_files = _model_files(folder)
+    first = _read(model_files[min(model_files)], "model")
+    world = _world_size(first, model_files[min(model_files)])
+    _require_ranks(folder, {r: p.name for r, p in model_files.items()}, world,
+                   lambda r: f"pytorch_model_fsdp_{index}_rank{r}.bin", "model")
+    builder = _Merge()
+    for rank in range(world):
+        sd = first if rank == min(model_files) else _read(model_files[rank], "model")
+        for name, value in sd.items():
+            builder.add(str(name), value, model_files[rank], rank)
+    weights = builder.finish()
+    ckpt = TrainingCheckpoint("fsdp1-sharded-bins", folder, weights, world_size=world, notes=[
+        f"accelerate FSDP1 checkpoint {folder} saved with SHARDED_STATE_DICT and use_dcp=False "
+        f"(pytorch_model_fsdp_{index}_rank*.bin, {world} rank(s)), read without torch"])
+    optim = {r: folder / _OPTIM_RANK.format(index=index, rank=r) for r in range(world)}
+    present = {r: p.name for r, p in optim.items() if p.is_file()}
+    if not present:
+        ckpt.notes.append(f"no optimizer_{index}_rank*.bin beside the model files: saved without optimizer state")
+        return ckpt
+    _require_ranks(folder, present, world, lambda r: optim[r].name, "optimizer")
+    _read_optimizer(ckpt, optim)
+    _tie(ckpt, lambda a, b: _same_pieces(ckpt.weights[a], ckpt.weights[b]))
+    return ckpt
+
+
+def _model_files(folder: Path) -> tuple[int, dict[int, Path]]:
+    found: dict[int, dict[int, Path]] = {}
+    for entry in folder.iterdir():
+        m = _MODEL_RANK.match(entry.name)
+        if m:
+            found.setdefault(int(m.group(1)), {})[int(m.group(2))] = entry
+    if not found:
+        raise CheckpointError(f"{folder}: holds no pytorch_model_fsdp_<i>_rank<R>.bin; not accelerate's SHARDED_STATE_DICT "
+                              "save with use_dcp=False")
+    index = min(found)  # the Trainer saves model_index 0 only
+    return index, found[index]
+
+
+def _read(path: Path, what: str) -> dict[Any, Any]:
+    obj = read_sharded_file(path)
+    if not isinstance(obj, dict) or not obj:
+        raise CheckpointError(f"{path}: holds a {type(obj).__name__}{' (empty)' if isinstance(obj, dict) else ''}, not "
+                              f"the {what} state dict accelerate's save_fsdp_{'model' if what == 'model' else 'optimizer'} "
+                              "writes with use_dcp=False")
+    return obj
+
+
+def _world_size(sd: dict[Any, Any], path: Path) -> int:
+    sizes = {v.world_size for v in sd.values() if isinstance(v, ShardedRef) and v.world_size}
+    if len(sizes) != 1:
+        raise CheckpointError(f"{path}: its ShardedTensors record {sorted(sizes) or 'no'} world size(s); an FSDP1 "
+                              "SHARDED_STATE_DICT save records one (FSDP2 saves hold DTensors, not read here)")
+    return sizes.pop()
+
+
+def _require_ranks(folder: Path, present: dict[int, str], world: int, name: Any, what: str) -> None:
+    missing = [name(r) for r in range(world) if r not in present]
+    extra = sorted(n for r, n in present.items() if r >= world)
+    if missing:
+        raise CheckpointError(f"{folder}: {', '.join(missing)} missing: the {what} was saved by {world} ranks (the "
+                              f"ShardedTensor metadata records world size {world}) and every rank's file holds its own "
+                              f"shards, so without it those rows are lost. {_RESAVE}. Nothing was written")
+    if extra:
+        raise CheckpointError(f"{folder}: {', '.join(extra)} beyond the {world} ranks the ShardedTensor metadata records: "
+                              "files of two saves at different world sizes are mixed in one folder. Keep one save's "
+                              "files. Nothing was written")
+
+
+class _Merge:
+    """Every rank's shards of each tensor, as pieces of the logical tensor, in the order first seen."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, SourceTensor] = {}
+
+    def add(self, name: str, value: Any, path: Path, rank: int) -> None:
+        if isinstance(value, TensorRef):  # not sharded (a buffer, a scalar): every rank holds it whole
+            if name not in self.tensors:
+                self.tensors[name] = _whole(name, value)
+            return
+        if not isinstance(value, ShardedRef):
+            raise CheckpointError(f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor or ShardedTensor; "
+                                  "not a state dict FSDP1 writes under SHARDED_STATE_DICT")
+        t = self.tensors.setdefault(name, SourceTensor(name, value.dtype, value.shape))
+        if (t.dtype, t.shape) != (value.dtype, value.shape):
+            raise CheckpointError(f"{path}: {name!r} is {value.dtype}{list(value.shape)} on rank {rank}, "
+                                  f"{t.dtype}{list(t.shape)} on the ranks before: files of different saves are mixed")
+        inner = math.prod(value.shape[1:])
+        for shard in value.local:
+            ref = shard.tensor
+            if any(shard.offsets[1:]) or tuple(shard.sizes[1:]) != tuple(value.shape[1:]) \
+                    or tuple(ref.shape) != tuple(shard.sizes) or not ref.is_contiguous() or ref.file_offset is None:
+                raise CheckpointError(f"{path}: {name!r} shard at offsets {list(shard.offsets)} sizes {list(shard.sizes)} "
+                                      f"({ref!r}) is not whole rows stored contiguously; FSDP1 shards dim 0 only")
+            if ref.dtype != value.dtype:
+                raise CheckpointError(f"{path}: {name!r} shard holds {ref.dtype}, the tensor {value.dtype}: the file is "
+                                      "damaged")
+            if ref.numel:  # a rank past the last row holds an empty shard
+                t.pieces.append(Piece(Path(str(ref.path)), ref.file_offset, shard.offsets[0] * inner, ref.numel))
+
+    def finish(self) -> dict[str, SourceTensor]:
+        for t in self.tensors.values():
+            if not t.covered():
+                starts = sorted((p.start, p.numel) for p in t.pieces)
+                raise CheckpointError(f"{t.name!r}: the ranks' shards (start, elements) {starts[:6]} do not cover its "
+                                      f"{t.numel} elements exactly once: files of different saves are mixed. {_RESAVE}")
+        return self.tensors
+
+
+def _read_optimizer(ckpt: TrainingCheckpoint, files: dict[int, Path]) -> None:
+    states: dict[str, _Merge] = {}
+    steps: dict[str, float] = {}
+    groups: list[dict[str, Any]] | None = None
+    for rank, path in sorted(files.items()):
+        osd = _read(path, "optimizer")
+        state, param_groups = osd.get("state"), osd.get("param_groups")
+        if not isinstance(state, dict) or not isinstance(param_groups, list):
+            raise CheckpointError(f"{path}: holds no 'state' and 'param_groups' (keys seen: {sorted(map(str, osd))}); "
+                                  "not an optimizer state dict accelerate's save_fsdp_optimizer writes")
+        _refuse_ids(path, [*state, *(p for g in param_groups if isinstance(g, dict) for p in g.get("params") or [])],
+                    f"The weights alone are the pytorch_model_fsdp_*_rank*.bin files of {ckpt.folder}")
+        named = [list(g.get("params") or []) for g in param_groups if isinstance(g, dict)]
+        if groups is None:
+            groups = [dict(g) for g in param_groups]
+        elif named != [list(g.get("params") or []) for g in groups]:
+            raise CheckpointError(f"{path}: its param_groups name other parameters than rank 0's: files of different "
+                                  f"saves are mixed. {_RESAVE}")
+        for name, entry in state.items():
+            for key, value in (entry or {}).items():
+                if key == "step":
+                    if rank == 0:
+                        steps[str(name)] = step_value(value, f"{path}: state of {name!r}")
+                elif isinstance(value, (ShardedRef, TensorRef)):
+                    states.setdefault(str(name), _Merge()).add(str(key), value, path, rank)
+    order = {n: i for i, n in enumerate(ckpt.weights)}  # model order, as the other readers give it
+    for name, merged in sorted(states.items(), key=lambda kv: order.get(kv[0], len(order))):
+        ckpt.optimizer[name] = {key: SourceTensor(f"{name}.{key}", t.dtype, t.shape, t.pieces)
+                                for key, t in merged.finish().items()}
+    _finish_optimizer(ckpt, files[0].parent, steps, groups or [])
+
+
+def _same_pieces(a: SourceTensor, b: SourceTensor) -> bool:
+    """Two tensors split the same way hold the same bytes (a tied parameter listed under two names)."""
+    if len(a.pieces) != len(b.pieces) or not a.pieces:
+        return False
+    for pa, pb in zip(sorted(a.pieces, key=lambda p: p.start), sorted(b.pieces, key=lambda p: p.start)):
+        if (pa.start, pa.numel) != (pb.start, pb.numel):
+            return False
+        if not _same_bytes(SourceTensor(a.name, a.dtype, (pa.numel,), [Piece(pa.file, pa.offset, 0, pa.numel)]),
+                           SourceTensor(b.name, b.dtype, (pb.numel,), [Piece(pb.file, pb.offset, 0, pb.numel)])):
+            return False
+    return True

@@ -1,0 +1,225 @@
+"""FSDP1's per-rank ``torch.save`` files, read without torch: ``ShardedTensor`` values as their local
+shards (byte ranges of the file) and the global metadata they were pickled with.
+
+Under ``SHARDED_STATE_DICT`` FSDP1 returns ``ShardedTensor``s (``_state_dict_utils`` /
+``_optim_utils`` through ``_ext_chunk_tensor``: a ``ChunkShardingSpec`` over dim 0), and
+accelerate's ``use_dcp=False`` ``torch.save``\\s them as they are. torch 2.13 pickles one as
+``_rebuild_from_type_v2(_rebuild_wrapper_subclass, ShardedTensor, (ShardedTensor, dtype, size,
+stride, storage_offset, layout, device, requires_grad), state)`` where ``state`` is
+``ShardedTensor.__getstate__``'s tuple ``(local_shards, metadata, ProcessGroupState,
+sharding_spec, init_rrefs)``; each ``Shard`` holds its local tensor (a plain ``_rebuild_tensor_v2``
+record) and a ``ShardMetadata`` (``shard_offsets``, ``shard_sizes``, ``placement``), the metadata
+the global ``size`` and every rank's ``ShardMetadata``. torch's own load needs an initialised
+process group of the same world size (``ShardedTensor.__setstate__``); this reader needs neither.
+
+Every global resolves to an inert local stand-in (the restricted-unpickler recipe of
+``storage.torch_load.read_structure``, whose allow-list it extends); anything else is refused before
+it is called. ``getattr`` is allowed for ``ShardedTensor.ProcessGroupState`` only.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import (
+    _STORAGE_DTYPES,
+    TensorRef,
+    _check_file,
+    _extent,
+    _first_line,
+    _rebuild_tensor_v2,
+    _Storage,
+    _structure_globals,
+    _UnsupportedTensor,
+)
+from shardkit.storage.torch_load import _rebuild_from_type_v2 as _plain_from_type
+
+_SHARD_API = "torch.distributed._shard"
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One rank's shard of a ShardedTensor: where it sits in the global tensor and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: TensorRef
+
+
+@dataclass(frozen=True)
+class ShardedRef:
+    """A ShardedTensor as pickled by one rank: the global shape and dtype, that rank's shards, and how
+    many shards all ranks together hold (``shards_metadata``)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    local: tuple[LocalShard, ...]
+    global_shards: tuple[tuple[tuple[int, ...], tuple[int, ...], int | None], ...]
+    """Every shard of every rank: (offsets, sizes, placement rank)."""
+    world_size: int | None
+    """The process group's size when it was saved (``ProcessGroupState.global_world_size``)."""
+
+
+class _Record:
+    """A pickled torch.distributed object, kept as its attributes (BUILD state), nothing run."""
+
+    fields: tuple[Any, ...] = ()
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            vars(self).update(state[0] or {})  # dataclasses with slots pickle (dict or None, slot dict)
+            vars(self).update(state[1] or {})
+        elif isinstance(state, dict):
+            vars(self).update(state)
+        else:  # TensorProperties.__getstate__: a plain tuple
+            self.fields = tuple(state) if isinstance(state, tuple) else (state,)
+
+
+def _record_class(name: str) -> type[_Record]:
+    return type(name, (_Record,), {})
+
+
+class _ShardedTensorType:
+    """``ShardedTensor`` named in a pickle (the class argument of ``_rebuild_wrapper_subclass``)."""
+
+    ProcessGroupState = _record_class("ProcessGroupState")
+
+
+@dataclass(frozen=True)
+class _Wrapper:
+    """``_rebuild_wrapper_subclass``'s result: the subclass and its global dtype and size."""
+
+    cls: Any
+    dtype: str
+    size: tuple[int, ...]
+
+
+def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, storage_offset: Any, layout: Any,
+                              device: Any, requires_grad: Any) -> _Wrapper:
+    return _Wrapper(cls, str(dtype), tuple(int(d) for d in size))
+
+
+def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    if new_type is not _ShardedTensorType:
+        return _plain_from_type(func, new_type, args, state)
+    wrapper = func(*args)
+    if not isinstance(wrapper, _Wrapper) or not isinstance(state, tuple) or len(state) < 2:
+        raise _UnsupportedTensor(f"a ShardedTensor pickled as {args!r} with state {type(state).__name__}, not what "
+                                 "ShardedTensor.__getstate__ of torch 2.x writes")
+    shards, meta = state[0], state[1]
+    local = []
+    for shard in shards:
+        md, tensor = getattr(shard, "metadata", None), getattr(shard, "tensor", None)
+        if not isinstance(tensor, TensorRef) or md is None:
+            raise _UnsupportedTensor(f"a ShardedTensor's local shard holds {type(tensor).__name__}, not a tensor")
+        local.append(LocalShard(tuple(md.shard_offsets), tuple(md.shard_sizes), tensor))
+    everyone = tuple((tuple(m.shard_offsets), tuple(m.shard_sizes), getattr(getattr(m, "placement", None), "_rank", None))
+                     for m in getattr(meta, "shards_metadata", []))
+    size = tuple(int(d) for d in getattr(meta, "size", wrapper.size))
+    world = getattr(state[2], "global_world_size", None) if len(state) > 2 else None
+    return ShardedRef(wrapper.dtype, size, tuple(local), everyone, world if isinstance(world, int) else None)
+
+
+def _only_process_group_state(obj: Any, name: str) -> Any:
+    if obj is _ShardedTensorType and name == "ProcessGroupState":
+        return _ShardedTensorType.ProcessGroupState
+    raise CheckpointError(f"refused to load: the pickle calls getattr({obj!r}, {name!r}); only "
+                          "ShardedTensor.ProcessGroupState is allowed (nothing from the file was run)")
+
+
+def _mem_format(value: Any) -> int:
+    return int(value)
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    allowed = _structure_globals()
+    allowed.update({
+        ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
+        ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
+        (f"{_SHARD_API}.sharded_tensor.api", "ShardedTensor"): _ShardedTensorType,
+        ("__builtin__", "getattr"): _only_process_group_state,
+        ("builtins", "getattr"): _only_process_group_state,
+        ("torch.serialization", "_get_layout"): str,
+        ("torch", "device"): str,
+        (f"{_SHARD_API}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): _mem_format,
+    })
+    for module, name in ((f"{_SHARD_API}.sharded_tensor.shard", "Shard"), (f"{_SHARD_API}.metadata", "ShardMetadata"),
+                         ("torch.distributed.remote_device", "_remote_device"),
+                         (f"{_SHARD_API}.sharded_tensor.metadata", "ShardedTensorMetadata"),
+                         (f"{_SHARD_API}.sharded_tensor.metadata", "TensorProperties"),
+                         (f"{_SHARD_API}.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec")):
+        allowed[(module, name)] = _record_class(name)
+    return allowed
+
+
+def read_sharded_file(path: Path) -> Any:
+    """The object a per-rank FSDP1 ``torch.save`` file holds, every plain tensor a ``TensorRef`` and
+    every ShardedTensor a ``ShardedRef`` (no torch import, no tensor bytes read)."""
+    _check_file(path)
+    allowed = _allowed()
+    storages: dict[str, _Storage] = {}
+    refs: list[TensorRef] = []
+
+    def rebuild_tensor(*args: Any) -> TensorRef:
+        ref = _rebuild_tensor_v2(*args)
+        refs.append(ref)
+        return ref
+
+    allowed[("torch._utils", "_rebuild_tensor_v2")] = rebuild_tensor
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            try:
+                return allowed[(module, name)]
+            except KeyError:
+                module = {"__builtin__": "builtins"}.get(module, module)
+                raise CheckpointError(
+                    f"{path}: refused to load: the pickle references global '{module}.{name}', which is not on "
+                    "shardkit's allow-list of what FSDP1's per-rank state dict files contain (nothing from the file "
+                    "was run)") from None
+
+        def persistent_load(self, pid: Any) -> Any:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage") or pid[1] not in _STORAGE_DTYPES:
+                raise CheckpointError(f"{path}: unexpected persistent id {pid!r}: not a torch.save file of CPU tensors")
+            key = str(pid[2])
+            return storages.setdefault(key, _Storage(key, _STORAGE_DTYPES[pid[1]]))
+
+    try:
+        with zipfile.ZipFile(path) as z, open(path, "rb") as fh:
+            pkl = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if pkl is None:
+                raise CheckpointError(f"{path}: no data.pkl record: not a torch.save zip file")
+            prefix = pkl[: -len("data.pkl")]
+            obj = _Unpickler(io.BytesIO(z.read(pkl))).load()
+            offsets: dict[str, tuple[int, int]] = {}
+            for key in storages:
+                info = z.getinfo(f"{prefix}data/{key}")
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise CheckpointError(f"{path}: record data/{key} is compressed; torch.save never does that")
+                fh.seek(info.header_offset)
+                name_len, extra_len = struct.unpack("<HH", fh.read(30)[26:30])
+                offsets[key] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+    except CheckpointError:
+        raise
+    except _UnsupportedTensor as exc:
+        raise CheckpointError(f"{path}: {exc}, which shardkit's torch-free reader cannot carry over") from None
+    except (zipfile.BadZipFile, KeyError, EOFError, OSError, ValueError, IndexError, struct.error,
+            pickle.UnpicklingError, AttributeError, TypeError) as exc:
+        raise CheckpointError(f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: {_first_line(exc)}). "
+                              "The file is truncated or corrupted (an interrupted save or copy?). Re-copy it, or "
+                              "resume from the previous checkpoint") from None
+    for ref in refs:
+        ref.record_offset, ref.record_nbytes = offsets[ref.key]
+        ref.file_offset = ref.record_offset + ref.storage_offset * ref.itemsize
+        ref.path = str(path)
+        if (ref.storage_offset + _extent(ref)) * ref.itemsize > ref.record_nbytes:
+            raise CheckpointError(f"{path}: tensor {ref!r} reaches past the end of its storage record data/{ref.key} "
+                                  f"({ref.record_nbytes} bytes): the file is corrupted")
+    return obj
