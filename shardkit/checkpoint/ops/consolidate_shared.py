@@ -39,9 +39,15 @@ def write_shared(out: Path, launch: Launch, request: RunRequest, write_small: Ca
     """
     started = time.monotonic()
     made_parent = not out.parent.exists()
+    # process 0's claimed staging folder until it is removed: removed by the clean-up below whatever
+    # stops the run, even once the rmtree after the rename has taken the owner file that
+    # remove_own_claim looks for (as storage.shared_tag.write_tag_shared does)
+    claimed: Path | None = None
     try:
         # inside the try: an interrupt right as the claim returns still leaves nothing
         with meet(out.parent, out.name, launch, request, sweep=False) as staged, disk_full_named(out, outcome):
+            if launch.rank == 0:
+                claimed = staged
             data = staged / out.name
             error: BaseException | None = None
             try:
@@ -67,9 +73,13 @@ def write_shared(out: Path, launch: Launch, request: RunRequest, write_small: Ca
             os.replace(data, out)
             fsync_dir(out.parent)
             shutil.rmtree(staged, ignore_errors=True)
+            claimed = None
     except BaseException:
         if launch.rank == 0:
-            remove_own_claim(staging_dir(out.parent, out.name), launch)  # found by its owner file
+            if claimed is not None:
+                shutil.rmtree(claimed, ignore_errors=True)
+            else:
+                remove_own_claim(staging_dir(out.parent, out.name), launch)  # found by its owner file
             if made_parent:
                 with contextlib.suppress(OSError):
                     out.parent.rmdir()  # the folder this run made, if nothing else was put there meanwhile
