@@ -49,6 +49,9 @@ class Measured:
     walls: list[float]
     vs_copy: float
     """Median over the rounds of this step's time / the first step's time in the same round."""
+    cpu_s: float = 0.0
+    """Median CPU seconds (user + system, every thread and waited-for child): what a loaded machine moves less
+    than wall time, since a CPU-bound step waits for the cores while an in-kernel copy waits less."""
 
 
 @dataclass(frozen=True)
@@ -73,18 +76,25 @@ def warm(path: Path) -> None:
 
 
 def run_timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of ``argv``. GNU time reports ``ru_maxrss`` of its child (and that
+    """Wall seconds and peak RSS (MiB) of ``argv`` (``run_timed_cpu`` without the CPU seconds)."""
+    wall, rss, _ = run_timed_cpu(argv, env)
+    return wall, rss
+
+
+def run_timed_cpu(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (MiB) and CPU seconds (user + system, every thread) of ``argv``. GNU time reports ``ru_maxrss`` of its child (and that
     child's waited-for descendants: cp, sync): started from this process directly, a child's ru_maxrss would
     start at this process's own RSS, which exec records as the child's high-water mark."""
     t0 = time.perf_counter()
-    done = subprocess.run([TIME, "-f", f"{RSS_MARK}%M", *argv], env=env, stdout=subprocess.PIPE,
+    done = subprocess.run([TIME, "-f", f"{RSS_MARK}%M %U %S", *argv], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         sys.stdout.write(done.stdout[-4000:])
         raise SystemExit(f"[bench] {' '.join(argv)} failed with exit code {done.returncode}")
-    kib = [int(line[len(RSS_MARK):]) for line in done.stdout.splitlines() if line.startswith(RSS_MARK)]
-    return wall, kib[-1] / 1024
+    kib, user, system = [line[len(RSS_MARK):].split() for line in done.stdout.splitlines()
+                         if line.startswith(RSS_MARK)][-1]
+    return wall, int(kib) / 1024, float(user) + float(system)
 
 
 def measure_rounds(steps: list[Step], repeat: int, env: dict[str, str]) -> dict[str, Measured]:
@@ -92,14 +102,16 @@ def measure_rounds(steps: list[Step], repeat: int, env: dict[str, str]) -> dict[
     is taken within its round, so a burst of other work on this shared machine moves both sides alike."""
     walls: dict[str, list[float]] = {st.key: [] for st in steps}
     peaks: dict[str, list[float]] = {st.key: [] for st in steps}
+    cpus: dict[str, list[float]] = {st.key: [] for st in steps}
     for i in range(repeat):
         for st in steps:
             shutil.rmtree(st.output, ignore_errors=True)
             warm(st.source)
-            wall, peak = run_timed(st.argv, env)
+            wall, peak, cpu = run_timed_cpu(st.argv, env)
             shutil.rmtree(st.output, ignore_errors=True)
             walls[st.key].append(wall)
             peaks[st.key].append(peak)
+            cpus[st.key].append(cpu)
         print(f"[bench] round {i + 1}: " + ", ".join(f"{st.name} {walls[st.key][-1]:.2f} s" for st in steps)
               + f" (load average {os.getloadavg()[0]:.1f})", flush=True)
     first = walls[steps[0].key]
@@ -107,7 +119,7 @@ def measure_rounds(steps: list[Step], repeat: int, env: dict[str, str]) -> dict[
     for st in steps:
         ratios = sorted(w / c for w, c in zip(walls[st.key], first))
         out[st.key] = Measured(sorted(walls[st.key])[repeat // 2], max(peaks[st.key]), walls[st.key],
-                               ratios[repeat // 2])
+                               ratios[repeat // 2], sorted(cpus[st.key])[repeat // 2])
         print(f"[bench] {st.name}: median {out[st.key].wall_s:.2f} s, {out[st.key].vs_copy:.2f}x the first step, "
-              f"peak RSS {out[st.key].peak_rss_mib:,.0f} MiB", flush=True)
+              f"{out[st.key].cpu_s:.2f} CPU s, peak RSS {out[st.key].peak_rss_mib:,.0f} MiB", flush=True)
     return out

@@ -228,7 +228,7 @@ def run(sizes: list[float], repeat: int, workdir: Path, torch_route: bool) -> li
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| checkpoint | `cp -r` + sync (s) | reshard 2 -> 4 (s) | ratio | 2 -> 4 --no-verify (s) | ratio | "
              "reshard 4 -> 2 (s) | ratio | torch route 2 -> 4 (s) | ratio | peak RSS cp / 2->4 / no-verify / 4->2 / torch "
-             "(MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(MiB) | CPU s, same order |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cp = r["copy_fsync"]["wall_s"]
         t = r.get("torch_2to4")
@@ -239,6 +239,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         peaks = [r[k]["peak_rss_mib"] for k in ("copy_fsync", "reshard_2to4", "reshard_2to4_no_verify", "reshard_4to2",
                                                 "torch_2to4") if k in r]
         cells.append(" / ".join(f"{p:,.0f}" for p in peaks))
+        cells.append(" / ".join(f"{r[k].get('cpu_s', 0):.2f}" for k in ("copy_fsync", "reshard_2to4",
+                                                                        "reshard_2to4_no_verify", "reshard_4to2",
+                                                                        "torch_2to4") if k in r))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
