@@ -174,3 +174,29 @@ def test_local_state_dict_is_refused_saying_what_the_files_lack(saves, tmp_path,
         assert "Load it with FSDP1 at the same world size and wrapping, and save again with fsdp_state_dict_type " \
                "SHARDED_STATE_DICT" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rank_file_of_a_larger_save_is_refused_naming_it(saves, tmp_path, run_cli):
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(saves / "bins" / "checkpoint-2", ckpt)
+    shutil.copy(ckpt / "pytorch_model_fsdp_0_rank1.bin", ckpt / "pytorch_model_fsdp_0_rank2.bin")
+    code, _, err = run_cli("export", ckpt, "-o", tmp_path / "hf")
+    assert code == 1
+    assert (f"{ckpt}: pytorch_model_fsdp_0_rank2.bin beyond the 2 ranks the ShardedTensor metadata records: files of "
+            "two saves at different world sizes are mixed in one folder") in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_inspect_says_which_commands_take_each_layout(saves, run_cli):
+    import json
+
+    for label, applies in (("bins", True), ("bins_flat", True), ("local", False)):
+        code, stdout, err = run_cli("inspect", saves / label / "checkpoint-2", "--json")
+        assert code == 0, err
+        d = json.loads(stdout)
+        said = {c["command"]: (c["applies"], c["why"]) for c in d["commands"]}
+        assert said["reshard"][0] is False
+        assert {c: said[c][0] for c in ("convert --to fsdp2", "convert --to zero3", "consolidate", "export")} == \
+            dict.fromkeys(("convert --to fsdp2", "convert --to zero3", "consolidate", "export"), applies), said
+        if not applies:
+            assert "FSDP saves neither which parameters were flattened into it" in said["export"][1]
