@@ -20,8 +20,9 @@ FSDP2 (FSDP2 has no ``LOCAL_STATE_DICT``):
 
 ``tests/test_trainer_checkpoint.py`` writes each layout with accelerate's own save functions over
 real FSDP1 and FSDP2 models on 2 gloo ranks and checks what is said about it. ``readers.fsdp1``
-reads the SHARDED_STATE_DICT and FULL_STATE_DICT layouts (``read_by_shardkit``) for export,
-consolidate and convert; reshard refuses every layout here, and every command the per-rank ones.
+reads the SHARDED_STATE_DICT and FULL_STATE_DICT layouts and ``readers.fsdp1_bins`` FSDP1's per-rank
+SHARDED files (``read_by_shardkit``) for export, consolidate and convert; reshard refuses every layout
+here, and every command LOCAL_STATE_DICT and FSDP2's per-rank files (``unread_why`` says why).
 """
 
 from __future__ import annotations
