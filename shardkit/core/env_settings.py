@@ -40,6 +40,10 @@ class Setting:
     """For 'seconds': what 0 means (empty: 0 is refused as a wait of nothing)."""
     internal: bool = False
     """Set by shardkit launch for its ranks; a user does not set it."""
+    needs: tuple[tuple[str, str], ...] = ()
+    """For 'choice': (choice, Python package) pairs, a choice that works only with that package
+    importable. Refused (or, during a run, warned about) when the variable is read, so a command stops
+    at start rather than when it first hashes a file."""
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -55,7 +59,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "how long the processes of a split command (srun/torchrun) wait for each other to appear"),
     Setting("SHARDKIT_HASH", "choice", "blake3", "blake3 or sha256",
             "the content digest new manifests use (sha256 for tools that only know sha256)",
-            choices=("blake3", "sha256")),
+            choices=("blake3", "sha256"), needs=(("blake3", "blake3"),)),
     Setting("SHARDKIT_AUTOPREFLIGHT_TIMEOUT", "seconds", "120", "a number of seconds > 0",
             "how long a rank's automatic preflight waits for the other ranks to reach it"),
     Setting("SHARDKIT_AUTOPREFLIGHT_JSON", "path", "(none)", "a file path",
@@ -128,7 +132,33 @@ def read_choice(name: str, default: str, environ: Mapping[str, str] | None = Non
     if raw not in SETTINGS[name].choices:
         _bad(name, raw, "is not one of " + ", ".join(SETTINGS[name].choices), default, during_run)
         return default
+    missing = _missing_package(name, raw)
+    if missing is not None:
+        if not during_run:
+            raise UsageError(missing)
+        if (name, raw) not in _WARNED:
+            _WARNED.add((name, raw))
+            print(f"shardkit: warning: {missing}; using {default} for this run", file=sys.stderr, flush=True)
+        return default
     return raw
+
+
+def _missing_package(name: str, choice: str) -> str | None:
+    """Why ``name=choice`` cannot work here (a package it needs does not import) and the fix, else None."""
+    import importlib
+
+    setting = SETTINGS[name]
+    for needing, package in setting.needs:
+        if needing != choice:
+            continue
+        try:
+            importlib.import_module(package)
+        except ImportError as exc:
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            others = " or ".join(f"{name}={c}" for c in setting.choices if c != choice)
+            return (f"{name}={choice!r} needs the Python package {package} ({setting.what}), which does not import "
+                    f"here ({why}): pip install {package}, or set {others}")
+    return None
 
 
 def read_text(name: str, environ: Mapping[str, str] | None = None) -> str | None:

@@ -18,7 +18,7 @@ import hashlib
 from typing import Mapping, Protocol
 
 from shardkit.core.env_settings import read_choice
-from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.errors import CheckpointError
 
 #: What a manifest entry may name, in order of preference.
 ALGORITHMS: tuple[str, ...] = ("blake3", "sha256")
@@ -50,11 +50,9 @@ def default_algorithm(environ: Mapping[str, str] | None = None, *, during_run: b
     refused (``UsageError`` naming the variable, the value and the choices). The CLI refuses it at
     start either way (``env_settings.check_all``), before any work."""
     fallback = "blake3" if blake3_available() else "sha256"
-    chosen = read_choice(HASH_ENV, fallback, environ, during_run=during_run)
-    if chosen == "blake3" and not blake3_available():
-        raise UsageError(f"{HASH_ENV}=blake3 but the blake3 package is not installed: pip install blake3, or set "
-                         f"{HASH_ENV}=sha256")
-    return chosen
+    # blake3 chosen without its package: refused by read_choice (SETTINGS' needs), by the CLI at start
+    # (check_all); a run already under way is warned and falls back to sha256 rather than fail a save
+    return read_choice(HASH_ENV, fallback, environ, during_run=during_run)
 
 
 def new_hasher(algorithm: str) -> Hasher:
