@@ -64,7 +64,7 @@ def read_fsdp1_sharded(model_dir: Path) -> TrainingCheckpoint:
         _read_dcp_optimizer(optim_dir, ckpt)
         model_slices = DcpSlices(model_dir)
         try:
-            _tie(ckpt, lambda a, b: model_slices.same_bytes(f"model.{a}", f"model.{b}"))
+            tie_aliases(ckpt, lambda a, b: model_slices.same_bytes(f"model.{a}", f"model.{b}"))
         finally:
             model_slices.close()
     else:
@@ -85,19 +85,19 @@ def read_fsdp1_full(folder: Path) -> TrainingCheckpoint:
         if not isinstance(ref, TensorRef):
             raise CheckpointError(f"{model_file}: entry {name!r} is a {type(ref).__name__}, not a tensor; not a "
                                   "state dict accelerate's save_fsdp_model writes")
-        weights[str(name)] = _whole(str(name), ref)
+        weights[str(name)] = whole_tensor(str(name), ref)
     ckpt = TrainingCheckpoint("fsdp1-full", folder, weights, notes=[
         f"accelerate FSDP checkpoint {folder} saved with FULL_STATE_DICT ({MODEL_FILE})"])
     optim_file = folder / OPTIMIZER_FILE
     if optim_file.is_file():
         _read_full_optimizer(optim_file, ckpt)
-        _tie(ckpt, lambda a, b: _same_bytes(ckpt.weights[a], ckpt.weights[b]))
+        tie_aliases(ckpt, lambda a, b: same_bytes(ckpt.weights[a], ckpt.weights[b]))
     else:
         ckpt.notes.append(f"no {OPTIMIZER_FILE} beside {MODEL_FILE}: saved without optimizer state")
     return ckpt
 
 
-def _same_bytes(a: SourceTensor, b: SourceTensor) -> bool:
+def same_bytes(a: SourceTensor, b: SourceTensor) -> bool:
     """Two tensors stored whole (one piece each, same dtype and shape) hold the same bytes; compared
     16 MiB at a time (FSDP's full state dict clones each parameter, so a tied one is two records)."""
     if len(a.pieces) != 1 or len(b.pieces) != 1:
@@ -115,7 +115,7 @@ def _same_bytes(a: SourceTensor, b: SourceTensor) -> bool:
     return True
 
 
-def _tie(ckpt: TrainingCheckpoint, same: Callable[[str, str], bool | None]) -> None:
+def tie_aliases(ckpt: TrainingCheckpoint, same: Callable[[str, str], bool | None]) -> None:
     """Tied parameters: FSDP's state dict lists a tied parameter under each of its names while the
     optimizer holds it once, so a name without optimizer state whose tensor is a trained parameter's
     (the same storage in a torch.save file, the same bytes in a DCP folder) is its alias, not a frozen
@@ -131,7 +131,7 @@ def _tie(ckpt: TrainingCheckpoint, same: Callable[[str, str], bool | None]) -> N
             ckpt.frozen.discard(name)
 
 
-def _whole(name: str, ref: TensorRef) -> SourceTensor:
+def whole_tensor(name: str, ref: TensorRef) -> SourceTensor:
     """A tensor stored whole in one torch.save record: one piece."""
     if ref.file_offset is None or not ref.is_contiguous():
         raise CheckpointError(f"{ref.path}: tensor {name!r} ({ref!r}, stride {ref.stride}) is not stored contiguously; "
@@ -148,7 +148,7 @@ def _read_full_optimizer(path: Path, ckpt: TrainingCheckpoint) -> None:
         raise CheckpointError(f"{path}: holds no 'state' and 'param_groups' (keys seen: "
                               f"{sorted(map(str, osd)) if isinstance(osd, dict) else type(osd).__name__}); not an "
                               "optimizer state dict accelerate's save_fsdp_optimizer writes")
-    _refuse_ids(path, [*state, *(p for g in groups if isinstance(g, dict) for p in g.get("params") or [])],
+    refuse_ids(path, [*state, *(p for g in groups if isinstance(g, dict) for p in g.get("params") or [])],
                 f"The weights alone are {path.parent / MODEL_FILE}, a full state dict")
     steps: dict[str, float] = {}
     for name, entry in state.items():
@@ -157,9 +157,9 @@ def _read_full_optimizer(path: Path, ckpt: TrainingCheckpoint) -> None:
             if key == "step":
                 steps[name] = step_value(value, f"{path}: state of {name!r}")
             elif isinstance(value, TensorRef):
-                states[key] = _whole(f"{name}.{key}", value)
+                states[key] = whole_tensor(f"{name}.{key}", value)
         ckpt.optimizer[name] = states
-    _finish_optimizer(ckpt, path, steps, [dict(g) for g in groups])
+    finish_optimizer(ckpt, path, steps, [dict(g) for g in groups])
 
 
 def _read_dcp_optimizer(optim_dir: Path, ckpt: TrainingCheckpoint) -> None:
@@ -169,7 +169,7 @@ def _read_dcp_optimizer(optim_dir: Path, ckpt: TrainingCheckpoint) -> None:
     steps: dict[str, float] = {}
     try:
         paths = {k: md.planner_data.get(k) or tuple(k.split(".")) for k in md.keys}
-        _refuse_ids(optim_dir, [p[2] for p in paths.values() if len(p) >= 4 and p[:2] == (_OPTIM_ROOT, "state")]
+        refuse_ids(optim_dir, [p[2] for p in paths.values() if len(p) >= 4 and p[:2] == (_OPTIM_ROOT, "state")]
                     + [v for k, p in paths.items() if p[1:2] == ("param_groups",) and p[-1] == "params"
                        for v in (slices.value(k)[1] or [])],
                     f"For the weights alone, pass {ckpt.folder} itself (read as a plain DCP checkpoint)")
@@ -196,7 +196,7 @@ def _read_dcp_optimizer(optim_dir: Path, ckpt: TrainingCheckpoint) -> None:
                 ckpt.scalars.setdefault("optimizer_values", {})[f"{name}.{state}"] = value if ok else repr(value)
     finally:
         slices.close()
-    _finish_optimizer(ckpt, optim_dir, steps, [groups[i] for i in sorted(groups)])
+    finish_optimizer(ckpt, optim_dir, steps, [groups[i] for i in sorted(groups)])
 
 
 def _dcp_step(slices: DcpSlices, md: DcpMetadata, key: str, where: Path) -> float:
@@ -229,7 +229,7 @@ def _dcp_loader(folder: Path, key: str, meta: TensorMeta) -> Any:
     return load
 
 
-def _refuse_ids(where: Path, keys: list[Any], weights: str) -> None:
+def refuse_ids(where: Path, keys: list[Any], weights: str) -> None:
     """Refuse an optimizer state keyed by parameter ids (torch's ``optimizer.state_dict()``)."""
     ids = sorted({int(k) for k in keys if isinstance(k, int) or (isinstance(k, str) and k.isdigit())})
     if ids:
@@ -240,7 +240,7 @@ def _refuse_ids(where: Path, keys: list[Any], weights: str) -> None:
             f"which parameter and which elements each holds is not recorded; {_IDS_FIX}. {weights}. Nothing was written")
 
 
-def _finish_optimizer(ckpt: TrainingCheckpoint, where: Path, steps: dict[str, float], groups: list[dict[str, Any]]) -> None:
+def finish_optimizer(ckpt: TrainingCheckpoint, where: Path, steps: dict[str, float], groups: list[dict[str, Any]]) -> None:
     """Check the optimizer's entries against the weights and record the scalars."""
     for name, states in ckpt.optimizer.items():
         w = ckpt.weights.get(name)

@@ -25,7 +25,7 @@ from typing import Any
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import step_value
-from shardkit.checkpoint.readers.fsdp1 import _finish_optimizer, _refuse_ids, _same_bytes, _tie, _whole
+from shardkit.checkpoint.readers.fsdp1 import finish_optimizer, refuse_ids, same_bytes, tie_aliases, whole_tensor
 from shardkit.checkpoint.readers.sharded_tensor_pickle import ShardedRef, read_sharded_file
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef
@@ -60,7 +60,7 @@ def read_fsdp1_bins(folder: Path) -> TrainingCheckpoint:
         return ckpt
     _require_ranks(folder, present, world, lambda r: optim[r].name, "optimizer")
     _read_optimizer(ckpt, optim)
-    _tie(ckpt, lambda a, b: _same_pieces(ckpt.weights[a], ckpt.weights[b]))
+    tie_aliases(ckpt, lambda a, b: _same_pieces(ckpt.weights[a], ckpt.weights[b]))
     return ckpt
 
 
@@ -116,7 +116,7 @@ class _Merge:
     def add(self, name: str, value: Any, path: Path, rank: int) -> None:
         if isinstance(value, TensorRef):  # not sharded (a buffer, a scalar): every rank holds it whole
             if name not in self.tensors:
-                self.tensors[name] = _whole(name, value)
+                self.tensors[name] = whole_tensor(name, value)
             return
         if not isinstance(value, ShardedRef):
             raise CheckpointError(f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor or ShardedTensor; "
@@ -157,7 +157,7 @@ def _read_optimizer(ckpt: TrainingCheckpoint, files: dict[int, Path]) -> None:
         if not isinstance(state, dict) or not isinstance(param_groups, list):
             raise CheckpointError(f"{path}: holds no 'state' and 'param_groups' (keys seen: {sorted(map(str, osd))}); "
                                   "not an optimizer state dict accelerate's save_fsdp_optimizer writes")
-        _refuse_ids(path, [*state, *(p for g in param_groups if isinstance(g, dict) for p in g.get("params") or [])],
+        refuse_ids(path, [*state, *(p for g in param_groups if isinstance(g, dict) for p in g.get("params") or [])],
                     f"The weights alone are the pytorch_model_fsdp_*_rank*.bin files of {ckpt.folder}")
         named = [list(g.get("params") or []) for g in param_groups if isinstance(g, dict)]
         if groups is None:
@@ -176,7 +176,7 @@ def _read_optimizer(ckpt: TrainingCheckpoint, files: dict[int, Path]) -> None:
     for name, merged in sorted(states.items(), key=lambda kv: order.get(kv[0], len(order))):
         ckpt.optimizer[name] = {key: SourceTensor(f"{name}.{key}", t.dtype, t.shape, t.pieces)
                                 for key, t in merged.finish().items()}
-    _finish_optimizer(ckpt, files[0].parent, steps, groups or [])
+    finish_optimizer(ckpt, files[0].parent, steps, groups or [])
 
 
 def _same_pieces(a: SourceTensor, b: SourceTensor) -> bool:
@@ -186,7 +186,7 @@ def _same_pieces(a: SourceTensor, b: SourceTensor) -> bool:
     for pa, pb in zip(sorted(a.pieces, key=lambda p: p.start), sorted(b.pieces, key=lambda p: p.start)):
         if (pa.start, pa.numel) != (pb.start, pb.numel):
             return False
-        if not _same_bytes(SourceTensor(a.name, a.dtype, (pa.numel,), [Piece(pa.file, pa.offset, 0, pa.numel)]),
+        if not same_bytes(SourceTensor(a.name, a.dtype, (pa.numel,), [Piece(pa.file, pa.offset, 0, pa.numel)]),
                            SourceTensor(b.name, b.dtype, (pb.numel,), [Piece(pb.file, pb.offset, 0, pb.numel)])):
             return False
     return True
