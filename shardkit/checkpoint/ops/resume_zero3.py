@@ -29,15 +29,17 @@ cannot be).
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardkit.checkpoint.ops import resume_zero12
 from shardkit.checkpoint.ops.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
+from shardkit.checkpoint.ops.resume_state import Zero3LoadResult
+from shardkit.checkpoint.ops.resume_state import engine_precision as _engine_precision
+from shardkit.checkpoint.ops.resume_state import fit_to_current_optimizer as _fit_to_current_optimizer
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_numel
 from shardkit.checkpoint.zero3.rank_values import check_rank_values
@@ -51,7 +53,7 @@ from shardkit.checkpoint.zero3.repartition import (
 )
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.preflight import preflight as placement_preflight
-from shardkit.placement.replace import Move, replace_optimizer_state, summarize_moves
+from shardkit.placement.replace import replace_optimizer_state, summarize_moves
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.stream import materialize
 from shardkit.storage.tags import LATEST_NAME, read_latest
@@ -65,34 +67,6 @@ from shardkit.storage.verify import (
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-@dataclass
-class Zero3LoadResult:
-    """What ``load_zero3_checkpoint`` did on this rank."""
-
-    path: Path
-    """The tag folder that was read."""
-    tag: str
-    saved_world_size: int
-    world_size: int
-    client_state: dict[str, Any] = field(default_factory=dict)
-    """Entries of the checkpoint that are not DeepSpeed's own (``layout.DEEPSPEED_MODEL_KEYS``): the
-    ``client_state`` the training script saved. (DeepSpeed's ``load_checkpoint`` also hands back
-    some of its own entries, ds_config, param_shapes ..., as client state; they are left out here.)"""
-    fp32_devices: list[str] = field(default_factory=list)
-    """Device of each fp32 partition (sub-group) after loading."""
-    state_devices: list[str] = field(default_factory=list)
-    """Devices of the optimizer state tensors after loading."""
-    kernel_replays: list[KernelReplay] = field(default_factory=list)
-    """CPU Adam kernels whose hidden beta powers were brought to the loaded step."""
-    moves: list[Move] = field(default_factory=list)
-    """Optimizer tensors ``replace_optimizer_state`` moved next to their partition after the load
-    (a client optimizer's param_group tensors), before the placement preflight ran."""
-    placement_checked: bool = False
-    """True when shardkit's placement preflight ran (and passed)."""
-    notes: list[str] = field(default_factory=list)
-    """Things the user should know (client_state taken from rank 0 at another world size ...)."""
-
-
 def load_zero3_checkpoint(
     engine: "DeepSpeedEngine",
     path: str | Path,
@@ -105,6 +79,10 @@ def load_zero3_checkpoint(
 ) -> Zero3LoadResult:
     """Load the ZeRO-3 checkpoint at ``path`` into ``engine`` at the engine's world size and offload.
 
+    A ZeRO-1 or ZeRO-2 engine is handed to ``resume_zero12.load_zero12_checkpoint`` (a ZeRO-1/2
+    checkpoint saved at any world size, same arguments and result); a ZeRO-1/2 checkpoint given to a
+    ZeRO-3 engine is refused before anything is loaded.
+
     Collective: call on every rank. ``path`` is the checkpoint folder (with ``latest``), a tag
     folder, or a rank file. With ``verify`` a shardkit manifest, when the checkpoint has one, is
     checked first (files present, sizes, digests with each rank hashing its share; engine), and
@@ -113,7 +91,12 @@ def load_zero3_checkpoint(
     """
     import torch.distributed as dist
 
+    if resume_zero12.is_zero12_engine(engine):
+        return resume_zero12.load_zero12_checkpoint(
+            engine, path, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_strict=load_module_strict, verify=verify, preflight=preflight)
     opt = _zero3_optimizer(engine)
+    resume_zero12.refuse_zero12_source(path, 3)
     ckpt = open_zero3_checkpoint(path)
     # a link out of the tag folder is never read through, manifest or not (verify names it too)
     refuse_links_leaving(ckpt.tag_dir, "load")
@@ -193,7 +176,7 @@ def _zero3_optimizer(engine: Any) -> Any:
     if stage != 3:
         raise CheckpointError(
             f"load_zero3_checkpoint needs a ZeRO stage 3 engine; this engine runs stage {stage}. "
-            "Use engine.load_checkpoint for other stages."
+            "Stages 1 and 2 are loaded by load_zero3_checkpoint too; use engine.load_checkpoint for stage 0."
         )
     opt = engine.optimizer
     if getattr(opt, "swap_optimizer", False):
@@ -250,36 +233,6 @@ def engine_layout(engine: Any, ckpt: Zero3Checkpoint) -> TargetLayout:
     return layout
 
 
-def _fit_to_current_optimizer(osd: dict[str, Any], opt: Any) -> None:
-    """Make the saved inner-optimizer state fit the optimizer the engine has *now*.
-
-    Toggling ``offload_optimizer`` swaps the optimizer class (DeepSpeedCPUAdam <-> FusedAdam, or
-    torch.optim.AdamW with ``torch_adam``): keys only the current class has are kept from its
-    param groups (saved hyperparameters still win), and ``step`` takes the type that class expects
-    (an int for DeepSpeed's Adam kernels, a float32 tensor for torch's optimizers, which place it by
-    torch's own fused/capturable rule).
-    """
-    import torch
-
-    inner = opt.optimizer
-    current_groups = inner.param_groups
-    saved = osd["optimizer_state_dict"]
-    for g, group in enumerate(saved["param_groups"]):
-        if g < len(current_groups):
-            merged = {k: copy.copy(v) for k, v in current_groups[g].items() if k != "params"}
-            merged.update(group)
-            saved["param_groups"][g] = merged
-    torch_optimizer = type(inner).__module__.startswith("torch.optim")
-    for entry in saved["state"].values():
-        step = entry.get("step")
-        if step is None:
-            continue
-        if torch_optimizer and not torch.is_tensor(step):
-            entry["step"] = torch.tensor(float(step), dtype=torch.float32)
-        elif not torch_optimizer and torch.is_tensor(step):
-            entry["step"] = int(step.item())
-
-
 def _verify_manifest(ckpt: Zero3Checkpoint, world_size: int) -> None:
 
     # The manifest test gives the same answer on every rank (one shared filesystem), so either all
@@ -291,12 +244,8 @@ def _verify_manifest(ckpt: Zero3Checkpoint, world_size: int) -> None:
 
 
 def _run_preflight(engine: Any) -> bool:
-    placement_preflight(engine)
+    placement_preflight(engine)  # looked up here: tests/_ranks_real_optimizers patches this module's name
     return True
-
-
-def _engine_precision(engine: Any) -> str:
-    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
 
 
 def _precision_note(ckpt: Zero3Checkpoint, engine: Any) -> str | None:
