@@ -1,9 +1,10 @@
-"""`shardkit convert SRC --to fsdp2|zero3|zero2|zero1 -o OUT`: a checkpoint of one engine for the other, optimizer state included."""
+"""`shardkit convert SRC --to fsdp2|zero3|zero2|zero1|universal -o OUT`: a checkpoint of one engine for the other, optimizer state included."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shardkit.commands._parser import add_command, add_dry_run, add_json, add_no_verify, add_quiet
@@ -11,7 +12,7 @@ from shardkit.commands._parser import add_command, add_dry_run, add_json, add_no
 if TYPE_CHECKING:
     from shardkit.checkpoint.ops.convert.result import ConvertResult
 
-TARGETS = ("fsdp2", "zero3", "zero2", "zero1")
+TARGETS = ("fsdp2", "zero3", "zero2", "zero1", "universal")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "--to zero3 --world-size N: the reverse, per-rank files DeepSpeed's plain load_checkpoint accepts "
             "at N ranks; --to zero2|zero1 --world-size N: the ZeRO-2/ZeRO-1 files (per-rank optimizer files and the "
             "module states) DeepSpeed's plain load_checkpoint accepts at N ranks, from any source whose optimizer state "
-            "shardkit reads. What cannot be carried (loss scaler, LR scheduler, optimizers other than Adam/AdamW, "
+            "shardkit reads; --to universal: a DeepSpeed universal checkpoint (what ds_to_universal writes) that "
+            "DeepSpeed's load_checkpoint with checkpoint.load_universal: true resumes at any world size. What "
+            "cannot be carried (loss scaler, LR scheduler, optimizers other than Adam/AdamW, "
             "MoE experts, tensor-parallel checkpoints) is refused or reported by name. The source is first "
             "checked against its shardkit manifest (sizes and content digests; --no-verify: sizes only); the output is "
             "an atomic shardkit checkpoint with a manifest."
@@ -82,7 +85,13 @@ def convert_command(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers {args.workers}: must be at least 1 (files written at once)")
-    if args.to == "fsdp2":
+    if args.to == "universal":
+        r = _to_universal(args, warn)
+        if r is None:
+            return _dry_run(args)
+        resume = (f"engine.load_checkpoint({str(r.output)!r}) at any world size, with \"checkpoint\": "
+                  "{\"load_universal\": true} in the DeepSpeed config")
+    elif args.to == "fsdp2":
         if args.world_size is not None:
             raise UsageError(f"--world-size {args.world_size} with --to fsdp2: a DCP checkpoint loads at any world "
                              "size, so there is nothing to choose; drop --world-size")
@@ -144,6 +153,28 @@ def convert_command(args: argparse.Namespace) -> int:
     for note in r.notes:
         print(f"note: {note}")
     return 0
+
+
+def _to_universal(args: argparse.Namespace, warn: Callable[[str], None]) -> "ConvertResult | None":
+    """--to universal (None for --dry-run): the flags that choose per-rank files or names do not apply."""
+    from shardkit.checkpoint.ops.convert.to_universal import convert_to_universal
+    from shardkit.commands._plan import byte_progress
+    from shardkit.core.errors import UsageError
+
+    why = {"world_size": "a universal checkpoint loads at any world size, so there is nothing to choose",
+           "ds_config": "the files do not depend on the resuming run's config (its load_universal reads them)",
+           "name_prefix": "the files are named by the model's own parameter names, as DeepSpeed's engine reads them",
+           "adam_w_mode": "the param groups are written as the source records them",
+           "workers": "the universal writer writes one file at a time"}
+    for dest, reason in why.items():
+        if getattr(args, dest) is not None:
+            flag = "--" + dest.replace("_", "-")
+            raise UsageError(f"{flag} {getattr(args, dest)} with --to universal: {reason}; drop {flag}")
+    if args.dry_run:
+        return None
+    with byte_progress(args, "convert"):
+        return convert_to_universal(args.source, args.output, tag=args.tag, force=args.force,
+                                    verify=not args.no_verify, warn=warn)
 
 
 def _dry_run(args: argparse.Namespace) -> int:

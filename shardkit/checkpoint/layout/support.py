@@ -53,6 +53,7 @@ _ZERO12_TAKEN = {
     # not refused here so that a marker is named first; the command itself then sends ZeRO-1/2 to reshard
     "convert --to zero2": "none: it is ZeRO-1/2 already, use reshard for another world size",
     "convert --to zero1": "none: it is ZeRO-1/2 already, use reshard for another world size",
+    "convert --to universal": "a DeepSpeed universal checkpoint, resumed at any world size with load_universal",
     "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
     "export": "a from_pretrained folder (needs the model's config.json)",
 }
@@ -71,6 +72,7 @@ _UNIVERSAL_TAKEN = {
     "convert --to zero3": "per-rank ZeRO-3 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
     "convert --to zero2": "per-rank ZeRO-2 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
     "convert --to zero1": "per-rank ZeRO-1 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
+    "convert --to universal": "none: it is universal already (the command says so)",  # exit 2, as for DCP --to fsdp2
     "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
     "export": "a from_pretrained folder (needs the model's config.json)",
 }

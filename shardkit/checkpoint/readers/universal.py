@@ -53,12 +53,14 @@ _STEP = "step"
 
 def universal_tag_dir(path: Path) -> Path | None:
     """The universal checkpoint folder ``path`` designates: itself (``zero/`` beside model states), or
-    the tag its ``latest_universal`` names when it has no ``latest`` (which would name the ZeRO tag)."""
+    the tag its ``latest_universal`` names when it has no ``latest`` (which would name the ZeRO tag) or
+    ``latest`` names that tag too (``convert --to universal`` output: a sealed shardkit checkpoint)."""
     if _is_universal(path):
         return path
-    if (path / LATEST_UNIVERSAL).is_file() and not (path / LATEST_NAME).exists():
+    if (path / LATEST_UNIVERSAL).is_file():
         tag = read_latest(path, LATEST_UNIVERSAL)
-        if tag is not None and _is_universal(path / tag):
+        latest = read_latest(path, LATEST_NAME) if (path / LATEST_NAME).exists() else tag
+        if tag is not None and latest == tag and _is_universal(path / tag):
             return path / tag
     return None
 

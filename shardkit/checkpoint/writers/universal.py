@@ -51,9 +51,34 @@ _TRAINING_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def write_universal(ckpt: TrainingCheckpoint, root: Path, tag: str) -> Path:
     """Write ``ckpt`` as the universal checkpoint ``root/<tag>``; return that folder.
 
-    Refuses, before writing, a checkpoint without its optimizer state, a trainable parameter
-    missing a moment the others have, and tensors whose pieces do not cover them.
+    Refuses, before writing, what ``universal_state_keys`` refuses.
     """
+    keys = universal_state_keys(ckpt)
+    root.mkdir(parents=True, exist_ok=True)
+    staged = staging_dir(root, tag)
+    if staged.exists():
+        raise CheckpointError(f"{staged}: a staging folder is there (another writer, or a killed one): remove it "
+                              "after checking no write is running. Nothing was written")
+    try:
+        _write(ckpt, staged, ckpt.trainable, keys)
+        publish_dir(staged, root / tag)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    write_latest(root, tag, LATEST_UNIVERSAL)
+    return root / tag
+
+
+def write_universal_files(ckpt: TrainingCheckpoint, folder: Path) -> None:
+    """The universal files of ``ckpt`` into ``folder`` (a staging folder its caller seals and publishes,
+    as ``convert --to universal`` does through ``atomic_checkpoint``); refuses what ``universal_state_keys`` does."""
+    _write(ckpt, folder, ckpt.trainable, universal_state_keys(ckpt))
+
+
+def universal_state_keys(ckpt: TrainingCheckpoint) -> list[str]:
+    """The optimizer state keys every trainable parameter holds (one file each). Refuses a checkpoint
+    without its optimizer state, a trainable parameter missing a moment the others have, and tensors
+    whose pieces do not cover them: callers check before anything is written."""
     trainable = ckpt.trainable
     keys = sorted({k for states in ckpt.optimizer.values() for k in states})
     lacking = [n for n in trainable if sorted(ckpt.optimizer.get(n, {})) != keys]
@@ -66,19 +91,7 @@ def write_universal(ckpt: TrainingCheckpoint, root: Path, tag: str) -> Path:
     if uncovered:
         raise CheckpointError(f"{ckpt.folder}: the pieces of {', '.join(uncovered[:5])} do not cover them exactly once; "
                               "the source is damaged. Nothing was written")
-    root.mkdir(parents=True, exist_ok=True)
-    staged = staging_dir(root, tag)
-    if staged.exists():
-        raise CheckpointError(f"{staged}: a staging folder is there (another writer, or a killed one): remove it "
-                              "after checking no write is running. Nothing was written")
-    try:
-        _write(ckpt, staged, trainable, keys)
-        publish_dir(staged, root / tag)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
-    write_latest(root, tag, LATEST_UNIVERSAL)
-    return root / tag
+    return keys
 
 
 def _write(ckpt: TrainingCheckpoint, staged: Path, trainable: list[str], keys: list[str]) -> None:
