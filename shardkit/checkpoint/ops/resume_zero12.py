@@ -176,12 +176,20 @@ def _zero12_optimizer(engine: Any) -> Any:
     if stage not in (1, 2):
         raise CheckpointError(f"load_zero12_checkpoint needs a ZeRO stage 1 or 2 engine; this engine runs stage {stage}. "
                               "Call shardkit.load_zero3_checkpoint, which picks the loader by the engine's stage")
-    if not hasattr(opt, "single_partition_of_fp32_groups") or not hasattr(opt, "round_robin_bit16_offsets"):
+    if not hasattr(opt, "single_partition_of_fp32_groups"):
         raise CheckpointError(
             f"the engine's optimizer is {type(opt).__name__}, not DeepSpeed's ZeRO-1/2 optimizer "
             "(DeepSpeedZeroOptimizer): DeepSpeed picks its BF16_Optimizer for ZeRO-1 with bf16 and no offload, whose "
             "flat groups shardkit does not fill. Resume with zero_optimization.stage 2 (same memory for the optimizer "
             "state), or convert the checkpoint with DeepSpeed's ds_to_universal and use checkpoint.load_universal")
+    if not hasattr(opt, "round_robin_bit16_offsets"):
+        import deepspeed
+
+        raise CheckpointError(
+            f"DeepSpeed {deepspeed.__version__}'s ZeRO-1/2 optimizer does not record where each parameter sits in its "
+            "flat group (round_robin_bit16_offsets; 0.19.8 does), which the in-process resume places by. Install the "
+            "release shardkit is tested with (pip install 'deepspeed==0.19.8'), or reshard offline: shardkit reshard "
+            "SRC --world-size N, then engine.load_checkpoint")
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "partial_offload", 0):
         raise CheckpointError(
             "zero_optimization.offload_optimizer: NVMe-swapped or partially offloaded optimizer state is not "
