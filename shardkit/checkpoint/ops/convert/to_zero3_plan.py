@@ -46,7 +46,7 @@ _GROUP_FORMATS: dict[str, dict[str, Any]] = {
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 """Carried from each source param group into the target's (the state being resumed)."""
 _TORCH_FLAGS_MUST_BE_OFF = ("amsgrad", "maximize")
-"""torch Adam flags ZeRO-3's Adam has no state or code for (amsgrad keeps max_exp_avg_sq)."""
+"""torch Adam flags DeepSpeed's Adam has no state or code for (amsgrad keeps max_exp_avg_sq)."""
 
 
 
@@ -268,19 +268,19 @@ def plan_zero3_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, worl
 
 
 def check_adam(ckpt: TrainingCheckpoint) -> None:
-    """Only Adam/AdamW state (exp_avg, exp_avg_sq, step) has a place in ZeRO-3's Adam."""
+    """Only Adam/AdamW state (exp_avg, exp_avg_sq, step) has a place in DeepSpeed's Adam (every DeepSpeed target)."""
     kind = str(ckpt.scalars.get("optimizer_type") or "")
     if kind and kind.lower() not in ADAM_TYPES:
         raise UsageError(f"{ckpt.folder}: its optimizer is {kind!r}: only Adam/AdamW state (exp_avg, exp_avg_sq, step) "
-                         "converts to ZeRO-3's Adam; resume it with its own optimizer instead")
+                         "converts to DeepSpeed's Adam; resume it with its own optimizer instead")
     for name, states in ckpt.optimizer.items():
         if set(states) != set(ADAM_STATE_KEYS):
             raise UsageError(f"{ckpt.folder}: optimizer state of {name} holds {sorted(states)}, not exactly "
                              f"{list(ADAM_STATE_KEYS)}: not plain Adam/AdamW (amsgrad keeps max_exp_avg_sq), and "
-                             "ZeRO-3's Adam has no place for it. Only Adam/AdamW without amsgrad converts")
+                             "DeepSpeed's Adam has no place for it. Only Adam/AdamW without amsgrad converts")
     if not ckpt.optimizer:
         raise CheckpointError(f"{ckpt.folder}: holds no per-parameter optimizer state (the optimizer never stepped); "
-                              "a ZeRO-3 checkpoint needs fp32 masters and Adam moments. Convert a checkpoint saved "
+                              "the target checkpoint needs fp32 masters and Adam moments. Convert a checkpoint saved "
                               "after at least one step")
 
 
