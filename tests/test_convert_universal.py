@@ -172,7 +172,7 @@ def test_weights_only_source_and_per_rank_flags_are_refused_with_nothing_written
 
 def test_a_missing_moment_is_refused_before_anything_is_written(runs, tmp_path):
     """The writer's own refusal comes before the staging folder: a trainable parameter without exp_avg_sq."""
-    from shardkit.checkpoint.ops.convert import to_universal
+    from shardkit.checkpoint.ops.convert import single_source, to_universal
     from shardkit.checkpoint.readers.registry import read_checkpoint
     from shardkit.core.errors import CheckpointError
 
@@ -185,7 +185,7 @@ def test_a_missing_moment_is_refused_before_anything_is_written(runs, tmp_path):
         return ckpt
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(to_universal, "read_checkpoint", damaged)
+    mp.setattr(single_source, "read_checkpoint", damaged)  # where every one-process target reads its source
     try:
         with pytest.raises(CheckpointError, match=rf"lacks it for {victim}"):
             to_universal.convert_to_universal(runs["base"] / "zero2", tmp_path / "out")

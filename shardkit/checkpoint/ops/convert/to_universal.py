@@ -17,21 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.checkpoint.layout.detect import LATEST_UNIVERSAL
-from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.convert.result import ConvertResult
+from shardkit.checkpoint.ops.convert.single_source import open_source
 from shardkit.checkpoint.ops.convert.to_zero3_plan import check_adam, single_adam_step, source_param_groups
-from shardkit.checkpoint.ops.export.sources import resolve_source
-from shardkit.checkpoint.readers.registry import read_checkpoint
+from shardkit.checkpoint.ops.export.sources import Source
 from shardkit.checkpoint.writers.universal import universal_state_keys, write_universal_files
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS
 from shardkit.config.loading import config_digest
-from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import os_errors_named, write_latest
-from shardkit.storage.pipeline import check_output_root, output_tag, verify_before_reading, warn_unverified
-from shardkit.storage.shared_save import launch_from_env
+from shardkit.storage.pipeline import warn_unverified
 from shardkit.storage.staged_save import atomic_checkpoint
-from shardkit.storage.verify import refuse_links_leaving
 
 
 @os_errors_named("converting the checkpoint")
@@ -50,40 +46,17 @@ def convert_to_universal(
 
     ``output`` follows reshard's rules (new, empty or a shardkit checkpoint folder; an existing tag only
     with ``force``). Everything refused is refused before anything is written."""
-    launch = launch_from_env()
-    if launch.distributed:
-        raise UsageError(f"convert --to universal runs in one process, and {launch.launcher} started {launch.world}: "
-                         "run shardkit convert once, without srun/torchrun")
-    warn = warn or warn_unverified
-    refuse_unsupported(source, "convert --to universal")  # a layout nothing converts correctly: before any tensor
-    found = resolve_source(source)
-    tag_dir = found.tag_dir
-    if found.kind == "universal":  # the same format: DeepSpeed already resumes it at any world size
-        raise UsageError(f"{tag_dir}: is a DeepSpeed universal checkpoint already; DeepSpeed resumes it at any world "
-                         "size as it is (checkpoint.load_universal: true), so there is nothing to convert. For "
-                         "per-rank files: --to zero3 (or zero2/zero1) --world-size N; for FSDP2: --to fsdp2")
-    tag = output_tag(tag, source, tag_dir, tag_dir.name)
-    root = Path(output)
-    check_output_root(root, tag, tag_dir, force=force)
-    checked = verify_before_reading(tag_dir, checksums=verify)
-    refuse_links_leaving(tag_dir, "convert")
-    for note in checked.warnings:
-        warn(note)
-
-    ckpt = read_checkpoint(found.kind, tag_dir)
-    if not ckpt.optimizer_described:
-        raise CheckpointError(
-            f"{tag_dir}: shardkit's {found.kind} reader describes this checkpoint's weights only, not its optimizer "
-            "state, and a universal checkpoint holds every parameter's fp32 master and Adam moments; convert --to "
-            "universal takes the kinds whose reader describes the optimizer (`shardkit inspect` says which). For the "
-            "weights alone: shardkit export")
+    opened = open_source(source, output, target="universal", label="universal",
+                         needs="every parameter's fp32 master and Adam moments", same_format=_already_universal,
+                         tag=tag, force=force, verify=verify, warn=warn or warn_unverified)
+    ckpt, tag, root, checked, tag_dir = opened.ckpt, opened.tag, opened.root, opened.checked, opened.tag_dir
     keys = universal_state_keys(ckpt)  # the writer's own refusals (no state, a missing moment, gaps), before writing
     check_adam(ckpt)  # DeepSpeed loads the files into its Adam: other optimizers' state has no place there
     _check_one_step_per_group(ckpt)
-    notes: list[str] = [*found.notes]
+    notes: list[str] = [*opened.found.notes]
     not_carried, carried = _run_state(ckpt, keys, notes)
     origin = ckpt.scalars.get("source") or {}
-    engine = "fsdp2" if ckpt.format == "dcp" else str(origin.get("engine") or ckpt.format)
+    engine = opened.engine
     step = (ckpt.scalars.get("counters") or {}).get("global_steps")
     facts: dict[str, Any] = dict(world_size=1, step=step, dtype=ckpt.precision,
                                  config_digest=config_digest(origin.get("ds_config") or None),
@@ -102,6 +75,15 @@ def convert_to_universal(
         source_world_size=ckpt.world_size or 0, params=len(ckpt.trainable) + len(ckpt.frozen),
         bytes=sum(f.stat().st_size for f in written), carried=carried, not_carried=not_carried, notes=notes,
         verified=checked.level, route="torch", share_files=len(written), workers=1)
+
+
+def _already_universal(found: Source) -> str | None:
+    """The same format: DeepSpeed already resumes a universal checkpoint at any world size."""
+    if found.kind != "universal":
+        return None
+    return (f"{found.tag_dir}: is a DeepSpeed universal checkpoint already; DeepSpeed resumes it at any world size as "
+            "it is (checkpoint.load_universal: true), so there is nothing to convert. For per-rank files: --to zero3 "
+            "(or zero2/zero1) --world-size N; for FSDP2: --to fsdp2")
 
 
 def _check_one_step_per_group(ckpt: TrainingCheckpoint) -> None:

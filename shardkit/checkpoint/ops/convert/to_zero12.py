@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.convert.result import ConvertResult
+from shardkit.checkpoint.ops.convert.single_source import open_source
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     carry_run_state,
     check_adam,
@@ -34,23 +34,21 @@ from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     target_optimizer,
     target_param_groups,
 )
-from shardkit.checkpoint.ops.export.sources import resolve_source
-from shardkit.checkpoint.readers.registry import read_checkpoint
+from shardkit.checkpoint.ops.export.sources import Source
 from shardkit.checkpoint.writers.zero12 import Zero12Files, Zero12Target, write_files
 from shardkit.config.loading import config_digest
 from shardkit.config.paths import get
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import os_errors_named
-from shardkit.storage.pipeline import check_output_root, output_tag, verify_before_reading, warn_unverified
-from shardkit.storage.shared_save import launch_from_env, outcome_unchanged
+from shardkit.storage.pipeline import warn_unverified
+from shardkit.storage.shared_save import outcome_unchanged
 from shardkit.storage.staged_save import atomic_checkpoint
-from shardkit.storage.verify import refuse_links_leaving
 
 MAX_WORLD_SIZE = 2**20
 ZERO12_KINDS = ("zero12",)
+"""Source kinds that are ZeRO-1/2 already: ``shardkit reshard`` moves them."""
 GRADIENT_CLIPPING_DEFAULT = 1.0
 """DeepSpeed's ``gradient_clipping`` when a config does not set it (0.19, ``runtime/constants.py``)."""
-"""Source kinds that are ZeRO-1/2 already: ``shardkit reshard`` moves them."""
 
 
 @os_errors_named("converting the checkpoint")
@@ -84,43 +82,27 @@ def convert_to_zero12(
                          "parallel ranks of the resuming DeepSpeed run)")
     if workers is not None and workers < 1:
         raise UsageError(f"workers={workers}: must be at least 1 (files written at once)")
-    launch = launch_from_env()
-    if launch.distributed:
-        raise UsageError(f"convert --to zero{stage} runs in one process, and {launch.launcher} started {launch.world}: "
-                         "run shardkit convert once, without srun/torchrun")
-    warn = warn or warn_unverified
-    refuse_unsupported(source, f"convert --to zero{stage}")  # a layout nothing converts correctly: before any tensor
-    found = resolve_source(source)
-    tag_dir = found.tag_dir
-    if found.kind in ZERO12_KINDS:
-        raise UsageError(f"{tag_dir}: is a DeepSpeed ZeRO-1/2 checkpoint already; --to zero{stage} converts other "
-                         f"formats. For another world size use `shardkit reshard {source} --world-size N -o OUT`")
-    tag = output_tag(tag, source, tag_dir, tag_dir.name)
-    root = Path(output)
-    check_output_root(root, tag, tag_dir, force=force)
-    checked = verify_before_reading(tag_dir, checksums=verify)
-    refuse_links_leaving(tag_dir, "convert")
-    for note in checked.warnings:
-        warn(note)
 
-    ckpt = read_checkpoint(found.kind, tag_dir)
-    if not ckpt.optimizer_described:
-        raise CheckpointError(
-            f"{tag_dir}: shardkit's {found.kind} reader describes this checkpoint's weights only, not its optimizer "
-            f"state, and a ZeRO-{stage} checkpoint needs fp32 masters and Adam moments; convert --to zero{stage} "
-            "takes the kinds whose reader describes the optimizer (`shardkit inspect` says which). For the weights "
-            "alone: shardkit export")
+    def already_zero12(found: Source) -> str | None:
+        if found.kind not in ZERO12_KINDS:
+            return None
+        return (f"{found.tag_dir}: is a DeepSpeed ZeRO-1/2 checkpoint already; --to zero{stage} converts other "
+                f"formats. For another world size use `shardkit reshard {source} --world-size N -o OUT`")
+
+    opened = open_source(source, output, target=f"zero{stage}", label=f"ZeRO-{stage}",
+                         needs="fp32 masters and Adam moments", same_format=already_zero12, tag=tag, force=force,
+                         verify=verify, warn=warn or warn_unverified)
+    ckpt, tag, root, checked, tag_dir = opened.ckpt, opened.tag, opened.root, opened.checked, opened.tag_dir
     uncovered = ckpt.uncovered()
     if uncovered:
         raise CheckpointError(f"{tag_dir}: tensors {uncovered[:4]} are not fully stored (their pieces do not cover "
                               "them); the checkpoint is incomplete. Pass a complete checkpoint")
-    notes: list[str] = [*found.notes]
+    notes: list[str] = [*opened.found.notes]
     cfg = _config(read_ds_config(ds_config), ckpt, stage, notes)
     target, not_carried = plan_zero12_target(ckpt, cfg, stage, world_size, target_names(ckpt, name_prefix, notes),
                                              notes, given=ds_config is not None)
     files = Zero12Files(ckpt, target)
-    origin = ckpt.scalars.get("source") or {}
-    engine = "fsdp2" if ckpt.format == "dcp" else str(origin.get("engine") or ckpt.format)
+    engine = opened.engine
     facts: dict[str, Any] = dict(world_size=world_size, step=target.global_steps, zero_stage=stage,
                                  dtype=target.precision, config_digest=config_digest(target.cfg),
                                  extra={"converted_from": {"path": str(tag_dir), "engine": engine,

@@ -1,0 +1,75 @@
+"""The opening every one-process convert target shares (``--to zero1|zero2``, ``--to universal``): refuse
+a split run and the layouts nothing converts, resolve and verify the source, check the output folder,
+read the checkpoint model once, and refuse a reader that describes the weights only. Everything here
+runs before anything is written. (``--to fsdp2`` and ``--to zero3`` split across processes and hash
+the source while they write: their opening differs and stays theirs.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.ops.export.sources import Source, resolve_source
+from shardkit.checkpoint.readers.registry import read_checkpoint
+from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.pipeline import SourceCheck, check_output_root, output_tag, verify_before_reading
+from shardkit.storage.shared_save import launch_from_env
+from shardkit.storage.verify import refuse_links_leaving
+
+
+@dataclass
+class OpenedSource:
+    """A source ready to convert: where it is, where it goes, how it was checked, what it holds."""
+
+    found: Source
+    tag: str
+    """The output tag (``--tag``, else the source's)."""
+    root: Path
+    checked: SourceCheck
+    ckpt: TrainingCheckpoint
+
+    @property
+    def tag_dir(self) -> Path:
+        return self.found.tag_dir
+
+    @property
+    def engine(self) -> str:
+        """The engine that saved the source, as the manifests name it ('fsdp2' for a DCP folder)."""
+        origin = self.ckpt.scalars.get("source") or {}
+        return "fsdp2" if self.ckpt.format == "dcp" else str(origin.get("engine") or self.ckpt.format)
+
+
+def open_source(source: str | Path, output: str | Path, *, target: str, label: str, needs: str,
+                same_format: Callable[[Source], str | None], tag: str | None, force: bool, verify: bool,
+                warn: Callable[[str], None]) -> OpenedSource:
+    """``source`` opened for ``convert --to <target>`` into ``output``. ``same_format(found)``: the
+    refusal (exit 2) of a source already in the target's format, None otherwise; ``needs``: what the
+    target holds that a weights-only reader cannot give ("fp32 masters and Adam moments"); ``label``: the
+    target's name in that sentence ("ZeRO-2")."""
+    launch = launch_from_env()
+    if launch.distributed:
+        raise UsageError(f"convert --to {target} runs in one process, and {launch.launcher} started {launch.world}: "
+                         "run shardkit convert once, without srun/torchrun")
+    refuse_unsupported(source, f"convert --to {target}")  # a layout nothing converts correctly: before any tensor
+    found = resolve_source(source)
+    same = same_format(found)
+    if same is not None:
+        raise UsageError(same)
+    tag_dir = found.tag_dir
+    out_tag = output_tag(tag, source, tag_dir, tag_dir.name)
+    root = Path(output)
+    check_output_root(root, out_tag, tag_dir, force=force)
+    checked = verify_before_reading(tag_dir, checksums=verify)
+    refuse_links_leaving(tag_dir, "convert")
+    for note in checked.warnings:
+        warn(note)
+    ckpt = read_checkpoint(found.kind, tag_dir)
+    if not ckpt.optimizer_described:
+        raise CheckpointError(
+            f"{tag_dir}: shardkit's {found.kind} reader describes this checkpoint's weights only, not its optimizer "
+            f"state, and a {label} checkpoint needs {needs}; convert --to {target} takes the kinds whose reader "
+            "describes the optimizer (`shardkit inspect` says which). For the weights alone: shardkit export")
+    return OpenedSource(found, out_tag, root, checked, ckpt)
