@@ -296,7 +296,7 @@ class _Dtype(str):
     """A torch dtype named in a pickle (e.g. a loss scaler's ``dtype``): its name only."""
 
 
-def _structure_globals() -> dict[tuple[str, str], Any]:
+def structure_globals() -> dict[tuple[str, str], Any]:
     from collections import OrderedDict
 
     allowed: dict[tuple[str, str], Any] = {
@@ -317,13 +317,16 @@ def _structure_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-def read_structure(path: str | Path) -> Any:
+def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | None = None,
+                   what: str = "DeepSpeed checkpoints") -> Any:
     """The object a torch zip checkpoint holds, with every tensor as a ``TensorRef`` (no torch import).
 
     Uses the same allow-list idea as ``safe_torch_load`` on Python's own unpickler: ``find_class``
     returns inert stand-ins for the few globals ``torch.save`` writes and the DeepSpeed stubs, and
     refuses anything else before it could be called. Tensor bytes are not read; each TensorRef
-    gets the file offset of its first element (for ``os.copy_file_range``/``pread``).
+    gets the file offset of its first element (for ``os.copy_file_range``/``pread``). ``allowed``:
+    another allow-list (a reader of other files extends ``structure_globals()``), ``what`` names
+    those files in the refusal.
     """
     import io
     import pickle
@@ -331,8 +334,18 @@ def read_structure(path: str | Path) -> Any:
 
     p = Path(path)
     _check_file(p)
-    allowed = _structure_globals()
     storages: dict[str, _Storage] = {}
+    # every tensor record as it is rebuilt, wherever it ends up (inside a stand-in iter_leaves cannot
+    # walk, such as a ShardedTensor's shards): each gets its file offset below
+    refs: list[TensorRef] = []
+
+    def rebuild_tensor(*args: Any) -> TensorRef:
+        ref = _rebuild_tensor_v2(*args)
+        refs.append(ref)
+        return ref
+
+    allowed = {**(structure_globals() if allowed is None else allowed),
+               ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor}
 
     class _Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
@@ -342,7 +355,7 @@ def read_structure(path: str | Path) -> Any:
                 module = {"__builtin__": "builtins"}.get(module, module)  # pickle protocol 2 spelling
                 raise CheckpointError(
                     f"{p}: refused to load: the pickle references global '{module}.{name}', which is not on "
-                    "shardkit's allow-list of what DeepSpeed checkpoints contain (nothing from the file was run)."
+                    f"shardkit's allow-list of what {what} contain (nothing from the file was run)."
                 ) from None
 
         def persistent_load(self, pid: Any) -> Any:
@@ -382,7 +395,7 @@ def read_structure(path: str | Path) -> Any:
             "The file is truncated or corrupted (an interrupted save or copy?). Re-copy it, or resume "
             "from the previous checkpoint."
         ) from None
-    for ref in iter_leaves(obj, TensorRef):
+    for ref in refs:
         ref.record_offset, ref.record_nbytes = offsets[ref.key]
         ref.file_offset = ref.record_offset + ref.storage_offset * ref.itemsize
         ref.path = str(p)

@@ -19,26 +19,12 @@ it is called. ``getattr`` is allowed for ``ShardedTensor.ProcessGroupState`` onl
 
 from __future__ import annotations
 
-import io
-import pickle
-import struct
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import (
-    _STORAGE_DTYPES,
-    TensorRef,
-    _check_file,
-    _extent,
-    _first_line,
-    _rebuild_tensor_v2,
-    _Storage,
-    _structure_globals,
-    _UnsupportedTensor,
-)
+from shardkit.storage.torch_load import TensorRef, _UnsupportedTensor, read_structure, structure_globals
 from shardkit.storage.torch_load import _rebuild_from_type_v2 as _plain_from_type
 
 _SHARD_API = "torch.distributed._shard"
@@ -139,7 +125,7 @@ def _mem_format(value: Any) -> int:
 
 
 def _allowed() -> dict[tuple[str, str], Any]:
-    allowed = _structure_globals()
+    allowed = structure_globals()
     allowed.update({
         ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
         ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
@@ -161,65 +147,6 @@ def _allowed() -> dict[tuple[str, str], Any]:
 
 def read_sharded_file(path: Path) -> Any:
     """The object a per-rank FSDP1 ``torch.save`` file holds, every plain tensor a ``TensorRef`` and
-    every ShardedTensor a ``ShardedRef`` (no torch import, no tensor bytes read)."""
-    _check_file(path)
-    allowed = _allowed()
-    storages: dict[str, _Storage] = {}
-    refs: list[TensorRef] = []
-
-    def rebuild_tensor(*args: Any) -> TensorRef:
-        ref = _rebuild_tensor_v2(*args)
-        refs.append(ref)
-        return ref
-
-    allowed[("torch._utils", "_rebuild_tensor_v2")] = rebuild_tensor
-
-    class _Unpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            try:
-                return allowed[(module, name)]
-            except KeyError:
-                module = {"__builtin__": "builtins"}.get(module, module)
-                raise CheckpointError(
-                    f"{path}: refused to load: the pickle references global '{module}.{name}', which is not on "
-                    "shardkit's allow-list of what FSDP1's per-rank state dict files contain (nothing from the file "
-                    "was run)") from None
-
-        def persistent_load(self, pid: Any) -> Any:
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage") or pid[1] not in _STORAGE_DTYPES:
-                raise CheckpointError(f"{path}: unexpected persistent id {pid!r}: not a torch.save file of CPU tensors")
-            key = str(pid[2])
-            return storages.setdefault(key, _Storage(key, _STORAGE_DTYPES[pid[1]]))
-
-    try:
-        with zipfile.ZipFile(path) as z, open(path, "rb") as fh:
-            pkl = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            if pkl is None:
-                raise CheckpointError(f"{path}: no data.pkl record: not a torch.save zip file")
-            prefix = pkl[: -len("data.pkl")]
-            obj = _Unpickler(io.BytesIO(z.read(pkl))).load()
-            offsets: dict[str, tuple[int, int]] = {}
-            for key in storages:
-                info = z.getinfo(f"{prefix}data/{key}")
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise CheckpointError(f"{path}: record data/{key} is compressed; torch.save never does that")
-                fh.seek(info.header_offset)
-                name_len, extra_len = struct.unpack("<HH", fh.read(30)[26:30])
-                offsets[key] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
-    except CheckpointError:
-        raise
-    except _UnsupportedTensor as exc:
-        raise CheckpointError(f"{path}: {exc}, which shardkit's torch-free reader cannot carry over") from None
-    except (zipfile.BadZipFile, KeyError, EOFError, OSError, ValueError, IndexError, struct.error,
-            pickle.UnpicklingError, AttributeError, TypeError) as exc:
-        raise CheckpointError(f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: {_first_line(exc)}). "
-                              "The file is truncated or corrupted (an interrupted save or copy?). Re-copy it, or "
-                              "resume from the previous checkpoint") from None
-    for ref in refs:
-        ref.record_offset, ref.record_nbytes = offsets[ref.key]
-        ref.file_offset = ref.record_offset + ref.storage_offset * ref.itemsize
-        ref.path = str(path)
-        if (ref.storage_offset + _extent(ref)) * ref.itemsize > ref.record_nbytes:
-            raise CheckpointError(f"{path}: tensor {ref!r} reaches past the end of its storage record data/{ref.key} "
-                                  f"({ref.record_nbytes} bytes): the file is corrupted")
-    return obj
+    every ShardedTensor a ``ShardedRef`` (no torch import, no tensor bytes read): ``read_structure``
+    with the ShardedTensor stand-ins on its allow-list."""
+    return read_structure(path, allowed=_allowed(), what="FSDP1's per-rank state dict files")
