@@ -16,8 +16,9 @@ descendants, through GNU time), the source read once before each so every step s
   as the reshard's output does);
 - ``shardkit reshard`` 2 -> 4 and 4 -> 2 (byte ranges, the default route; the source's digests verified),
   and 2 -> 4 with ``--no-verify`` (sizes checked, digests not: what the verification costs);
-- ``shardkit reshard`` 2 -> 4 through the torch route (``repartition.plan_files``, what every ZeRO-1/2
-  reshard did before the byte route; forced here by making the byte plan refuse), unless ``--no-torch``.
+- ``shardkit reshard`` 2 -> 4 through the ZeRO-1/2 writer's torch route (each partition built by torch when
+  written, as for a source whose bytes cannot express it; forced here by making the writer's byte-range check
+  refuse), unless ``--no-torch``.
 
 ``--repeat`` rounds each run every step once, the copy first; the table has each step's median time and the
 median of its per-round ratios to the copy (a ratio within a round, where other work on a shared machine
@@ -85,8 +86,8 @@ def small_save(out: Path) -> Path:
 def scale_zero2(src_tag: Path, dst: Path, factor: int, world: int) -> Path:
     """``src_tag`` (a ZeRO-1/2 tag folder) with every parameter ``factor`` times larger, laid out for
     ``world`` ranks, written as ``dst/<tag>`` + ``dst/latest`` and sealed with a manifest."""
+    from shardkit.checkpoint.writers.zero12 import ALIGNMENT_FACTOR, FRAGMENT_ADDRESS
     from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, open_zero12_checkpoint
-    from shardkit.checkpoint.zero12.repartition import ALIGNMENT_FACTOR, FRAGMENT_ADDRESS
     from shardkit.storage.manifest import seal
     from shardkit.storage.torch_load import TensorRef, TorchSize, deepspeed_stub
     from shardkit.storage.torch_pickle import NewTensor, pickle_structure
@@ -180,15 +181,11 @@ def _reshard(src: Path, world: int, out: Path, torch_route: bool, *extra: str) -
 
 
 def child_torch_route(src: str, world: str, out: str) -> None:
-    """The reshard with the byte plan refusing: every file built with torch, as before the byte route."""
+    """The reshard with the writer's byte-range check refusing: every optimizer file built with torch."""
     from shardkit.checkpoint.ops.reshard import reshard_zero3
-    from shardkit.checkpoint.zero12 import reshard_plan
+    from shardkit.checkpoint.writers.zero12 import Zero12Files
 
-    class _Refuse(reshard_plan.Zero12ReshardPlan):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            raise reshard_plan.NotByteCopyable("the benchmark's torch-route row")
-
-    reshard_plan.Zero12ReshardPlan = _Refuse  # type: ignore[misc]
+    Zero12Files._first_not_byte_ranges = lambda self: "the benchmark's torch-route row"  # type: ignore[method-assign]
     result = reshard_zero3(src, out, int(world))
     assert result.notes and "torch" in result.notes[0], result.notes
 

@@ -190,18 +190,28 @@ def _values_equal(a: Any, b: Any, where: str) -> None:
         assert a == b, where
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("label", sorted(SOURCES))
-def test_writer_at_the_source_world_size_reproduces_every_value(sources, tmp_path, label):
-    """The bit-equal reference: planned for 2 ranks, the new files hold the source's own values, key for key
-    (fp32 partitions, moments with their padding, group_paddings, param_slice_mappings, dp_world_size)."""
-    from shardkit.checkpoint.zero12.reader import open_zero12_checkpoint
-    from shardkit.checkpoint.zero12.repartition import plan_files
+def _plan(tag_dir: Path, world: int, monkeypatch: pytest.MonkeyPatch | None = None):
+    """The reshard's plan (reader -> writer); with ``monkeypatch``, on the writer's torch route, as if the
+    source's bytes could not express the new partitions."""
+    from shardkit.checkpoint.ops.reshard_zero12 import plan_zero12_reshard
+    from shardkit.checkpoint.writers.zero12 import Zero12Files
 
+    if monkeypatch is not None:
+        monkeypatch.setattr(Zero12Files, "_first_not_byte_ranges", lambda self: "forced by the test")
+    return plan_zero12_reshard(tag_dir, world)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("torch_route", [False, True], ids=["bytes", "torch"])
+@pytest.mark.parametrize("label", sorted(SOURCES))
+def test_writer_at_the_source_world_size_reproduces_every_value(sources, tmp_path, monkeypatch, label, torch_route):
+    """The bit-equal reference: planned for 2 ranks, the new files hold the source's own values, key for key
+    (fp32 partitions, moments with their padding, group_paddings, param_slice_mappings, dp_world_size), on
+    either route."""
     tag_dir = sources[0] / label / f"global_step{SAVE_STEPS}"
-    files = plan_files(open_zero12_checkpoint(tag_dir), 2)
-    assert len(files) == 3
-    for f in files:
+    planned = _plan(tag_dir, 2, monkeypatch if torch_route else None)
+    assert len(planned.jobs) == 3 and bool(planned.notes) == torch_route, planned.notes
+    for f in planned.jobs:
         f.write(tmp_path / f.name)
         _values_equal(safe_torch_load(tag_dir / f.name), safe_torch_load(tmp_path / f.name), f.name)
 
@@ -264,25 +274,24 @@ def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources
     assert digests(two) == digests(one)  # same names, sizes and digests: byte-identical files
 
 
-# --- the torch-free byte-range route (zero12.reshard_plan) against the torch route (zero12.repartition) ----
+# --- the writer's torch-free byte-range route against its torch route -----------------------------------
 
 
 def _write_both(tag_dir: Path, world: int, out: Path) -> list[str]:
     """Every new file of ``tag_dir`` at ``world`` ranks, written by the byte route into ``out/bytes`` and by the
     torch route into ``out/torch``; returns the file names."""
-    from shardkit.checkpoint.zero12.reader import open_zero12_checkpoint
-    from shardkit.checkpoint.zero12.repartition import plan_files
-    from shardkit.checkpoint.zero12.reshard_plan import plan_zero12_reshard
-
-    planned = plan_zero12_reshard(tag_dir, world)
-    assert planned.torch_route is None and planned.ckpt.torch_free
+    planned = _plan(tag_dir, world)
+    assert planned.notes == []
     (out / "bytes").mkdir(parents=True)
     (out / "torch").mkdir()
-    for f in planned.files:
+    for f in planned.jobs:
         f.write(out / "bytes" / f.name)
-    for f in plan_files(open_zero12_checkpoint(tag_dir), world):
-        f.write(out / "torch" / f.name)
-    return [f.name for f in planned.files]
+    with pytest.MonkeyPatch.context() as patch:
+        forced = _plan(tag_dir, world, patch)
+        assert len(forced.notes) == 1 and "forced by the test" in forced.notes[0]
+        for f in forced.jobs:
+            f.write(out / "torch" / f.name)
+    return [f.name for f in planned.jobs]
 
 
 @pytest.mark.timeout(600)

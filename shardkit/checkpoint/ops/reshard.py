@@ -28,10 +28,10 @@ hashes its share of the source files), and nothing is published unless it matche
 the world size nor the sub-groups change, the rank files are copied byte for byte and that copy's
 hash is the check.
 
-ZeRO-1/2 sources (``checkpoint.zero12``) go through the same steps, torch-free as well: each new rank
-file is a pickle plus byte ranges of the old ranks' files and zero runs (``zero12.reshard_plan``). A
-source the byte ranges cannot express is written from memory-mapped tensors with torch instead
-(``zero12.repartition``), and the result's notes say why.
+ZeRO-1/2 sources go through the same steps, torch-free as well, as one reader + writer composition
+(``ops.reshard_zero12``: the ZeRO-1/2 reader, then the ZeRO-1/2 writer with the source's own dicts at the new
+world size): each new rank file is a pickle plus byte ranges of the old ranks' files and zero runs. A source
+the byte ranges cannot express is written through torch instead, and the result's notes say why.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ from pathlib import Path
 from typing import Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.ops.reshard_zero12 import Zero12Reshard, plan_zero12_reshard
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, plan_layout
 from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
-from shardkit.checkpoint.zero12.reader import Zero12Checkpoint, is_zero12_folder
-from shardkit.checkpoint.zero12.reshard_plan import plan_zero12_reshard
+from shardkit.checkpoint.zero12.reader import is_zero12_folder
 from shardkit.config.loading import config_digest
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
@@ -156,17 +156,17 @@ def reshard_zero3(
             warn(note)
     verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
     expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
-    ckpt: Zero3Checkpoint | Zero12Checkpoint
+    ckpt: Zero3Checkpoint | Zero12Reshard
     zero12_notes: list[str] = []
     if is_zero12_folder(source_dir):
         # ZeRO-1/2 (checkpoint.zero12): one partition per rank and parameter group, no sub-groups
         if sub_group_size is not None:
             raise UsageError(f"--sub-group-size {sub_group_size}: a ZeRO-3 setting, and {source_dir} is a ZeRO-1/2 "
                              "checkpoint (no sub-groups). Leave the flag out")
-        zero12 = plan_zero12_reshard(source_dir, world_size)
-        ckpt, unchanged = zero12.ckpt, world_size == zero12.ckpt.world_size
-        jobs = _copy_jobs(ckpt, expected) if unchanged else [_Job(f.name, f.nbytes, f.write) for f in zero12.files]
-        zero12_notes = [zero12.torch_route] if zero12.torch_route and not unchanged else []
+        ckpt = plan_zero12_reshard(source_dir, world_size)  # the ZeRO-1/2 reader -> the ZeRO-1/2 writer
+        unchanged = world_size == ckpt.world_size
+        jobs = _copy_jobs(ckpt, expected) if unchanged else [_Job(f.name, f.nbytes, f.write) for f in ckpt.jobs]
+        zero12_notes = [] if unchanged else ckpt.notes
     else:
         ckpt = open_zero3_checkpoint(source_dir, torch_free=True)
         layout = plan_layout(ckpt, world_size, sub_group_size)
@@ -187,7 +187,7 @@ def reshard_zero3(
             return None
         return Manifest(
             engine="deepspeed", tag=tag, world_size=world_size, step=ckpt.model_state.get("global_steps"),
-            zero_stage=ckpt.stage if isinstance(ckpt, Zero12Checkpoint) else 3,
+            zero_stage=ckpt.stage if isinstance(ckpt, Zero12Reshard) else 3,
             dtype=ckpt.precision, versions=library_versions(), config_digest=config_digest(ckpt.ds_config or None),
             extra={"resharded_from": {"path": str(ckpt.tag_dir), "world_size": ckpt.world_size,
                                       "ds_version": ckpt.ds_version, "verified": verified,
@@ -241,7 +241,7 @@ def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
     return new == [(s.sub_group, s.name, s.offset) for s in ckpt.slots]
 
 
-def _copy_jobs(ckpt: Zero3Checkpoint | Zero12Checkpoint, expected: dict[str, FileEntry]) -> list[_Job]:
+def _copy_jobs(ckpt: Zero3Checkpoint | Zero12Reshard, expected: dict[str, FileEntry]) -> list[_Job]:
     # Copies, never hard links: DeepSpeed's torch.save opens a rank file with O_TRUNC and rewrites it
     # in place when a run saves the same tag again, so a link would let the source run change the
     # resharded checkpoint under its manifest (and the other way round). The bytes are read anyway

@@ -22,17 +22,27 @@ updated). Buffers are ``module`` entries named in ``buffer_names``; tied paramet
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
-from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, open_zero12_checkpoint, training_precision
+from shardkit.checkpoint.zero12.reader import (
+    MODEL_FILE,
+    OPTIMIZER_KEY,
+    open_zero12_checkpoint,
+    tensor_from_ref,
+    training_precision,
+)
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
 
     weights: dict[str, SourceTensor] = {}
     optimizer: dict[str, dict[str, SourceTensor]] = {}
+    via_torch: dict[str, None] = {}  # notes on rank tensors read through torch (``_tensor``), once each
     frozen, buffers = _add_frozen_and_buffers(model, model_path, stage, shapes, weights)
     paddings = rank0.get("param_alignment_paddings")
     for g, group in enumerate(shapes):
@@ -86,18 +97,25 @@ def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
                 f"{tag_dir}: param group {g}: the ranks hold {held} fp32 elements, param_shapes and "
                 f"param_alignment_paddings say {offset}: a layout this reader does not know; nothing was written")
         for name, shape, at in params:
-            weights[name] = _tensor(name, "float32", shape, at, partition, [(r.path, r.fp32[g]) for r in ranks])
+            weights[name] = _tensor(name, "float32", shape, at, partition, [(r.path, r.fp32[g]) for r in ranks],
+                                    f"single_partition_of_fp32_groups[{g}]", via_torch)
             optimizer[name] = {
-                key: _tensor(name, ref.dtype, shape, at, partition, [(r.path, r.states[g].get(key)) for r in ranks])
+                key: _tensor(name, ref.dtype, shape, at, partition, [(r.path, r.states[g].get(key)) for r in ranks],
+                             f"base_optimizer_state.state[{g}].{key}", via_torch)
                 for key, ref in ranks[0].states[g].items()
                 if isinstance(ref, TensorRef) and ref.shape == (partition,)}
     precision = training_precision(config)
     aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
+    scalars = _scalars(model, config, stage, precision, rank0, ranks[0], shapes)
+    # the source's own dicts, for a writer of this format that keeps them key for key (the reshard: writers.zero12
+    # SameRun); what read_structure parsed, tensors as TensorRefs
+    scalars["native"] = {"optim_file": optims[0], "model_states": model, "prefix": opened.prefix}
     return TrainingCheckpoint(
         f"zero{stage}", tag_dir, _model_order(model, weights), world_size=world, tag=tag_dir.name, precision=precision,
         aliases=aliases, frozen=frozen, buffers=buffers, optimizer=optimizer, optimizer_described=True,
-        scalars=_scalars(model, config, stage, precision, rank0, ranks[0], shapes),
-        notes=[f"ZeRO-{stage} checkpoint {tag_dir} (saved by {world} rank(s), {precision} training): fp32 masters read"])
+        scalars=scalars,
+        notes=[f"ZeRO-{stage} checkpoint {tag_dir} (saved by {world} rank(s), {precision} training): fp32 masters read",
+               *via_torch])
 
 
 def _group_states(path: Path, sd: dict[str, Any]) -> list[dict[str, Any]]:
@@ -135,19 +153,37 @@ def _partition(tag_dir: Path, g: int, ranks: list[_Rank]) -> int:
 
 
 def _tensor(name: str, dtype: str, shape: tuple[int, ...], at: int, partition: int,
-            refs: list[tuple[Path, Any]]) -> SourceTensor:
-    """The parameter at buffer offset ``at`` as pieces of the ranks' tensors (rank r: buffer [rP, rP + P))."""
+            refs: list[tuple[Path, Any]], where: str, via_torch: dict[str, None]) -> SourceTensor:
+    """The parameter at buffer offset ``at`` as pieces of the ranks' tensors (rank r: buffer [rP, rP + P)).
+    Where a rank's tensor ``where`` is not a contiguous run of ``dtype`` in its file (no DeepSpeed save writes
+    one; another tool might), the parameter is read through torch instead (``load``), and ``via_torch`` says so."""
     numel = math.prod(shape)
     t = SourceTensor(name, dtype, shape)
+    held: list[tuple[TensorRef, int, int]] = []
     for r, (path, ref) in enumerate(refs):
         lo, hi = max(at, r * partition), min(at + numel, (r + 1) * partition)
         if lo >= hi:
             continue
-        if not isinstance(ref, TensorRef) or ref.dtype != dtype or ref.numel < hi - r * partition:
+        if not isinstance(ref, TensorRef) or ref.numel < hi - r * partition:
             raise CheckpointError(f"{path}: the tensor holding {name!r} here is {ref!r}, expected {dtype} with at least "
                                   f"{hi - r * partition} elements: rank files of different saves, or a damaged file")
-        t.pieces.append(Piece(path, _offset(ref) + (lo - r * partition) * ref.itemsize, lo - at, hi - lo))
+        held.append((ref, lo - r * partition, hi - r * partition))
+        if ref.dtype != dtype or len(ref.shape) != 1 or not ref.is_contiguous() or ref.file_offset is None:
+            via_torch[f"{path}: {where} is not a contiguous run of {dtype} in its file ({ref.dtype}, shape "
+                      f"{list(ref.shape)}, stride {list(ref.stride)}): read through torch"] = None
+        else:
+            t.pieces.append(Piece(path, ref.file_offset + (lo - r * partition) * ref.itemsize, lo - at, hi - lo))
+    if len(t.pieces) < len(held):
+        t.pieces, t.load = [], functools.partial(_load_with_torch, held, dtype, shape)
     return t
+
+
+def _load_with_torch(held: list[tuple[TensorRef, int, int]], dtype: str, shape: tuple[int, ...]) -> "torch.Tensor":
+    """The parameter from elements [lo, hi) of each rank's tensor, read and cast with torch."""
+    import torch  # lazy: only a source the byte ranges cannot describe
+
+    parts = [tensor_from_ref(ref).reshape(-1)[lo:hi] for ref, lo, hi in held]
+    return torch.cat(parts).to(getattr(torch, dtype)).reshape(shape)
 
 
 def _offset(ref: TensorRef) -> int:

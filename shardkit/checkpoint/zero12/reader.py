@@ -17,10 +17,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import read_structure, safe_torch_load
+from shardkit.storage.torch_load import TensorRef, read_structure, safe_torch_load
+
+if TYPE_CHECKING:
+    import torch
 
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 #: ZeRO-3's per-rank model-states files: beside ZeRO-1/2 files they mean two saves in one folder.
@@ -73,7 +76,7 @@ def open_zero12_checkpoint(tag_dir: Path, *, torch_free: bool = False) -> Zero12
     """Open ``tag_dir`` (a ZeRO-1/2 tag folder); raises CheckpointError naming the file for a missing rank,
     a stage other than 1/2, ranks that disagree, or a layout the repartition cannot move
     (``round_robin_gradients``, an elastic optimizer state). ``torch_free``: parse the pickles only
-    (``read_structure``), for the byte-range reshard (``zero12.reshard_plan``)."""
+    (``read_structure``), as the reader of the checkpoint model does (``readers.zero12``)."""
     found: dict[int, Path] = {}
     prefixes, other = set(), []
     for p in tag_dir.iterdir():
@@ -138,3 +141,18 @@ def _check_ranks(ckpt: Zero12Checkpoint) -> int:
             "the flat groups depends on the world size; shardkit does not move that order. Convert it with DeepSpeed's "
             "ds_to_universal and resume with checkpoint.load_universal")
     return only
+
+
+def tensor_from_ref(ref: TensorRef) -> "torch.Tensor":
+    """The tensor ``ref`` describes, read with torch from its file: its storage record, then the view (any
+    stride or offset). For what byte ranges cannot express: a strided view some tool saved, a cast."""
+    import torch  # lazy: only a source the byte ranges cannot describe pays for torch
+
+    if ref.path is None:
+        raise CheckpointError(f"{ref!r} was not read from a file: its bytes are unknown")
+    with open(ref.path, "rb") as fh:
+        fh.seek(ref.record_offset)
+        raw = bytearray(fh.read(ref.record_nbytes))
+    dtype = getattr(torch, ref.dtype)
+    storage = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+    return storage.as_strided(ref.shape, ref.stride, ref.storage_offset)

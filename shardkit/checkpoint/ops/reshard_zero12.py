@@ -1,0 +1,96 @@
+"""The ZeRO-1/2 reshard as one composition: the ZeRO-1/2 reader (``readers.zero12``: every rank file's pickle
+parsed without torch, each parameter's master and optimizer states as byte ranges of the ranks' flats) ->
+``TrainingCheckpoint`` -> the ZeRO-1/2 writer (``writers.zero12``) with a target planned from the source itself
+(``plan_same_run``: its own dicts, key for key, at the new world size).
+
+``reshard.reshard_zero3`` runs the rest as for ZeRO-3: each launched process writes its share of the jobs
+returned here, the source's digests are checked while writing, an unchanged world size is a byte copy. The
+files are written without torch where the source's bytes express every new partition; else through torch,
+and ``notes`` says why (a rank tensor some tool saved strided, a state whose dtype differs between ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.readers.registry import read_checkpoint
+from shardkit.checkpoint.writers.zero3 import TargetOptimizer
+from shardkit.checkpoint.writers.zero12 import OPTIM_FILE, FileJob, SameRun, Zero12Files, Zero12Target, file_jobs
+from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY
+from shardkit.core.errors import CheckpointError
+
+
+@dataclass
+class Zero12Reshard:
+    """The opened source, in the words ``reshard`` seals and reports with, and the files to write."""
+
+    tag_dir: Path
+    stage: int
+    world_size: int
+    """Ranks that saved the source."""
+    precision: str
+    ds_config: dict[str, Any]
+    ds_version: str | None
+    optim_files: list[Path]
+    model_files: list[Path]
+    model_state: dict[str, Any]
+    """The source's model-states dict (``global_steps``...)."""
+    jobs: list[FileJob]
+    """The new tag folder's files: one optimizer file per new rank, then the model states."""
+    notes: list[str] = field(default_factory=list)
+    """Why the files are built with torch, where they are (empty on the byte route)."""
+
+
+def plan_zero12_reshard(tag_dir: Path, world_size: int) -> Zero12Reshard:
+    """The ZeRO-1/2 tag folder ``tag_dir`` read once and planned at ``world_size`` ranks (nothing written yet).
+    Raises CheckpointError, naming the file, for a source the reader refuses."""
+    if world_size < 1:
+        raise CheckpointError(f"--world-size {world_size}: must be at least 1")
+    ckpt = read_checkpoint("zero12", tag_dir)
+    files = Zero12Files(ckpt, plan_same_run(ckpt, world_size))
+    source = ckpt.scalars["source"]
+    native = ckpt.scalars["native"]
+    saved = ckpt.world_size or 0
+    notes = []
+    if files.torch_route_reason is not None:
+        read_by_torch = [n for n in ckpt.notes if n.endswith("read through torch")]
+        notes.append("the new rank files were built in memory with torch (one partition of one state per writer "
+                     "thread, slower than the byte-range copy) because the byte-range writer cannot express the "
+                     f"source: {'; '.join([files.torch_route_reason, *read_by_torch])}")
+    return Zero12Reshard(
+        tag_dir=tag_dir, stage=int(source["zero_stage"]), world_size=saved, precision=ckpt.precision,
+        ds_config=dict(source.get("ds_config") or {}), ds_version=source.get("ds_version"),
+        optim_files=[tag_dir / OPTIM_FILE.format(prefix=native["prefix"], rank=r) for r in range(saved)],
+        model_files=[tag_dir / MODEL_FILE], model_state=native["model_states"], jobs=file_jobs(files), notes=notes)
+
+
+def plan_same_run(ckpt: TrainingCheckpoint, world_size: int) -> Zero12Target:
+    """The ZeRO-1/2 source ``ckpt`` as its own run at ``world_size`` ranks: everything but the partitions is the
+    source's own (``writers.zero12.SameRun``), so nothing the source run could resume is refused here (fp16
+    with its loss scaler, any optimizer and per-element state)."""
+    native = ckpt.scalars.get("native")
+    if not isinstance(native, dict):
+        raise CheckpointError(f"{ckpt.folder}: the {ckpt.format} reader kept no rank-0 dicts to write back; only a "
+                              "ZeRO-1/2 checkpoint is resharded as its own run. Use `shardkit convert --to zero2`")
+    optim, model = native["optim_file"], native["model_states"]
+    groups: list[dict[str, Any]] = list(ckpt.scalars.get("param_groups") or [])
+    group_params = [list(g["params"]) for g in groups]
+    saved = optim[OPTIMIZER_KEY].get("param_alignment_paddings")
+    paddings = [list(p) for p in saved] if saved is not None else [[0] * len(n) for n in group_params]
+    flat_keys = [list(ckpt.optimizer[names[0]]) if names else [] for names in group_params]
+    steps_by_name: dict[str, float] = dict(ckpt.scalars.get("step") or {})
+    counters = dict(ckpt.scalars.get("counters") or {})
+    source = ckpt.scalars.get("source") or {}
+    return Zero12Target(
+        stage=int(source.get("zero_stage") or 2), world_size=world_size, precision=ckpt.precision,
+        opt=TargetOptimizer(str(ckpt.scalars.get("optimizer_type") or "torch"), bool(ckpt.scalars.get("adam_w_mode")),
+                            step_as_tensor=False),
+        groups=groups, group_params=group_params,
+        steps=[int(steps_by_name.get(names[0], 0)) if names else 0 for names in group_params],
+        parameter_alignment=any(any(p) for p in paddings), global_steps=int(counters.pop("global_steps", 0)),
+        counters=counters, client=dict(ckpt.scalars.get("client_state") or {}),
+        cfg=dict(source.get("ds_config") or {}), names={}, clip_grad=float(ckpt.scalars.get("clip_grad") or 0.0),
+        same_run=SameRun(optim, model, str(native.get("prefix") or ""), paddings, flat_keys))
