@@ -42,7 +42,7 @@ from shardkit.checkpoint.ops.resume_state import (
 )
 from shardkit.checkpoint.readers.zero12 import read_zero12
 from shardkit.checkpoint.writers.zero3 import read_slice
-from shardkit.checkpoint.zero3.files import resolve_tag_dir
+from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_tag_dir
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, client_state_keys
 from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIM_FILE, OPTIMIZER_KEY, is_zero12_folder
 from shardkit.core.errors import CheckpointError
@@ -202,12 +202,21 @@ def _zero12_optimizer(engine: Any) -> Any:
 
 def _tag_dir(path: str | Path, engine: Any) -> Path:
     tag_dir, _ = resolve_tag_dir(path)
-    if not is_zero12_folder(tag_dir):
+    if is_zero12_folder(tag_dir):
+        return tag_dir
+    stage = engine.zero_optimization_stage()
+    if any(RANK_FILE.match(p.name) and p.name.endswith("_model_states.pt") for p in tag_dir.iterdir()):
+        # refused rather than read: the ZeRO-3 reader describes the same tensors, but the run state this resume
+        # hands DeepSpeed (param groups, steps, loss scaler) is taken from a ZeRO-1/2 rank file
         raise CheckpointError(
-            f"{tag_dir}: not a ZeRO-1/2 checkpoint (no {MODEL_FILE} beside per-rank optimizer files: a ZeRO-3 save?), "
-            f"but this engine runs ZeRO stage {engine.zero_optimization_stage()}. Nothing was loaded. Resume it with "
-            "zero_optimization.stage 3, or convert it first: shardkit convert SRC --to zero2 -o OUT")
-    return tag_dir
+            f"{tag_dir}: a ZeRO-3 checkpoint (per-rank zero_pp_rank_*_model_states.pt files), but this engine runs "
+            f"ZeRO stage {stage}, whose optimizer keeps flat partitions of whole param groups. Nothing was loaded. "
+            f"Convert it first: shardkit convert SRC --to zero{stage} -o OUT (then load OUT), or resume with "
+            "zero_optimization.stage 3")
+    raise CheckpointError(
+        f"{tag_dir}: not a DeepSpeed ZeRO checkpoint (no {MODEL_FILE} beside per-rank optimizer files, no ZeRO-3 rank "
+        f"files), and this engine runs ZeRO stage {stage}. Nothing was loaded. Pass the tag folder (or its parent with "
+        "a latest file) that engine.save_checkpoint wrote; `shardkit inspect SRC` says what the folder holds")
 
 
 def _optim_file(tag_dir: Path, rank: int) -> Path:
