@@ -20,9 +20,10 @@ FSDP2 (FSDP2 has no ``LOCAL_STATE_DICT``):
 
 ``tests/test_trainer_checkpoint.py`` writes each layout with accelerate's own save functions over
 real FSDP1 and FSDP2 models on 2 gloo ranks and checks what is said about it. ``readers.fsdp1``
-reads the SHARDED_STATE_DICT and FULL_STATE_DICT layouts and ``readers.fsdp1_bins`` FSDP1's per-rank
-SHARDED files (``read_by_shardkit``) for export, consolidate and convert; reshard refuses every layout
-here, and every command LOCAL_STATE_DICT and FSDP2's per-rank files (``unread_why`` says why).
+reads the SHARDED_STATE_DICT and FULL_STATE_DICT layouts and ``readers.fsdp1_bins`` the per-rank
+SHARDED files of FSDP1 (ShardedTensors) and FSDP2 (DTensors) (``read_by_shardkit``) for export,
+consolidate and convert; reshard refuses every layout here, and every command LOCAL_STATE_DICT
+(``unread_why`` says why).
 """
 
 from __future__ import annotations
@@ -98,27 +99,47 @@ def fsdp_layout(folder: Path) -> FsdpLayout | None:
 def read_by_shardkit(layout: FsdpLayout, folder: Path) -> bool:
     """True for the layouts ``readers.fsdp1`` and ``readers.fsdp1_bins`` read (export, consolidate, convert
     take them): SHARDED_STATE_DICT's DCP folders, FULL_STATE_DICT's ``pytorch_model_fsdp.bin``, and
-    FSDP1's per-rank SHARDED_STATE_DICT files (``use_dcp=False``; FSDP2's DTensor ones are not read)."""
+    the per-rank SHARDED_STATE_DICT files (``use_dcp=False``) of FSDP1 and FSDP2."""
     return layout.state_dict_type == "SHARDED_STATE_DICT" or (
         layout.state_dict_type == "FULL_STATE_DICT" and (folder / f"{FSDP_MODEL_NAME}.bin").is_file()) or (
-        layout.state_dict_type == SHARDED_PER_RANK and holds_sharded_tensors(folder / layout.model[0]))
+        layout.state_dict_type == SHARDED_PER_RANK and (holds_sharded_tensors(folder / layout.model[0])
+                                                        or holds_dtensors(folder / layout.model[0])))
 
 
 #: ``fsdp_layout``'s name for accelerate's ``use_dcp=False`` SHARDED_STATE_DICT files.
 SHARDED_PER_RANK = "SHARDED_STATE_DICT (use_dcp=False)"
 #: The pickle's GLOBAL opcode naming FSDP1's ShardedTensor (protocol 2, as torch.save writes it).
 _SHARDED_TENSOR_GLOBAL = b"ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n"
+#: FSDP2's DTensor (``torch.distributed.tensor`` since torch 2.5, ``torch.distributed._tensor...`` before).
+_DTENSOR_GLOBAL = re.compile(rb"ctorch\.distributed\.[\w.]*\nDTensor\n")
+
+
+def _rank_pickle(rank_file: Path) -> bytes | None:
+    """The ``data.pkl`` of a per-rank ``torch.save`` file (no tensor byte is read); None when damaged."""
+    try:
+        with zipfile.ZipFile(rank_file) as z:
+            pkl = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            return z.read(pkl) if pkl is not None else b""
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return None
 
 
 def holds_sharded_tensors(rank_file: Path) -> bool:
     """True when a per-rank ``torch.save`` file holds FSDP1 ShardedTensors (FSDP2's holds DTensors under
-    the same name): its ``data.pkl`` names the class; no tensor byte is read."""
-    try:
-        with zipfile.ZipFile(rank_file) as z:
-            pkl = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
-            return pkl is not None and _SHARDED_TENSOR_GLOBAL in z.read(pkl)
-    except (OSError, zipfile.BadZipFile, KeyError):
-        return True  # a damaged file: the reader names the damage, where a refusal would name the layout
+    the same name): its ``data.pkl`` names the class."""
+    pkl = _rank_pickle(rank_file)
+    return pkl is None or _SHARDED_TENSOR_GLOBAL in pkl  # damaged: the reader names the damage, not the layout
+
+
+def holds_dtensors(rank_file: Path) -> bool:
+    """True when a per-rank ``torch.save`` file names FSDP2's DTensor class (and not FSDP1's ShardedTensor)."""
+    pkl = _rank_pickle(rank_file)
+    return pkl is not None and _SHARDED_TENSOR_GLOBAL not in pkl and _DTENSOR_GLOBAL.search(pkl) is not None
+
+
+def per_rank_kind(rank_file: Path) -> str:
+    """The reader kind of a per-rank SHARDED_STATE_DICT save whose rank file is ``rank_file``."""
+    return "fsdp2-sharded-bins" if holds_dtensors(rank_file) else "fsdp1-sharded-bins"
 
 
 def fsdp_refusal(head: str, layout: FsdpLayout, folder: Path) -> str:
@@ -130,8 +151,8 @@ def fsdp_refusal(head: str, layout: FsdpLayout, folder: Path) -> str:
     read = read_by_shardkit(layout, folder)
     not_ours = ("shardkit's reshard reads DeepSpeed checkpoint-N folders, not accelerate's FSDP files; export, "
                 "consolidate and convert --to fsdp2 read its SHARDED_STATE_DICT and FULL_STATE_DICT layouts (DCP "
-                "folders or FSDP1's per-rank files)" if read else
-                "shardkit's export, consolidate and convert read accelerate's SHARDED_STATE_DICT (DCP, or FSDP1's "
+                "folders or per-rank files)" if read else
+                "shardkit's export, consolidate and convert read accelerate's SHARDED_STATE_DICT (DCP, or "
                 f"per-rank files) and FULL_STATE_DICT layouts, not accelerate's FSDP files of this kind: {unread_why(layout)}")
     if not layout.optimizer:
         return (f"{head}; {what}. It holds no optimizer state (TrainingArguments.save_only_model=True, or the save "
@@ -168,6 +189,6 @@ def unread_why(layout: FsdpLayout) -> str:
     if layout.state_dict_type != SHARDED_PER_RANK:
         return (f"its model file is {', '.join(layout.model)}, not the {FSDP_MODEL_NAME}.bin of model_index 0 the "
                 "Trainer writes. Rename it or pass the weights file to the command that reads it")
-    return ("FSDP2's per-rank files hold DTensors (each rank's dim-0 chunk with its device mesh), which shardkit does "
-            "not read. Resume at the same world size and save again with fsdp_state_dict_type SHARDED_STATE_DICT and "
-            "use_dcp=True (the default): DCP folders")
+    return ("its per-rank files hold neither FSDP1's ShardedTensors nor FSDP2's DTensors, so which rows of each tensor "
+            "a rank holds is not recorded. Resume at the same world size and save again with fsdp_state_dict_type "
+            "SHARDED_STATE_DICT and use_dcp=True (the default): DCP folders")

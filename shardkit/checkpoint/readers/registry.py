@@ -9,7 +9,7 @@ from typing import Callable
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.readers.dcp import read_dcp
 from shardkit.checkpoint.readers.fsdp1 import read_fsdp1_full, read_fsdp1_sharded
-from shardkit.checkpoint.readers.fsdp1_bins import read_fsdp1_bins
+from shardkit.checkpoint.readers.fsdp1_bins import read_fsdp1_bins, read_fsdp2_bins
 from shardkit.checkpoint.readers.universal import read_universal
 from shardkit.checkpoint.readers.zero3 import read_zero3
 from shardkit.checkpoint.readers.zero12 import read_zero12
@@ -25,6 +25,7 @@ READERS: dict[str, Reader] = {
     "fsdp1-sharded": read_fsdp1_sharded,
     "fsdp1-full": read_fsdp1_full,
     "fsdp1-sharded-bins": read_fsdp1_bins,
+    "fsdp2-sharded-bins": read_fsdp2_bins,
 }
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.hf_trainer.folder import checkpoint_dirs
-from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, read_by_shardkit, unread_why
+from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, per_rank_kind, read_by_shardkit, unread_why
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME
 from shardkit.checkpoint.readers.fsdp1 import MODEL_FILE as FSDP_FULL_MODEL
 from shardkit.checkpoint.readers.universal import universal_tag_dir
@@ -85,8 +85,8 @@ def resolve_source(path: str | Path) -> Source:
             return Source("fsdp1-sharded", p / fsdp.model[0].rstrip("/"), p, notes)
         if fsdp.state_dict_type == "FULL_STATE_DICT" and (p / FSDP_FULL_MODEL).is_file():
             return Source("fsdp1-full", p, p, notes)  # pytorch_model_fsdp.bin (+ optimizer.bin): readers.fsdp1
-        if read_by_shardkit(fsdp, p):  # FSDP1's per-rank SHARDED_STATE_DICT files (use_dcp=False): readers.fsdp1_bins
-            return Source("fsdp1-sharded-bins", p, p, notes)
+        if read_by_shardkit(fsdp, p):  # per-rank SHARDED_STATE_DICT files (use_dcp=False): readers.fsdp1_bins
+            return Source(per_rank_kind(p / fsdp.model[0]), p, p, notes)
         raise CheckpointError(f"{p}: an FSDP Trainer checkpoint saved with {fsdp.state_dict_type} ({', '.join(fsdp.model)}): "
                               f"{unread_why(fsdp)}. Nothing was written")
     tag = latest_tag(p) if (p / LATEST_NAME).exists() else None
