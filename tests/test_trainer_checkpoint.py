@@ -502,7 +502,7 @@ def test_fsdp_trainer_checkpoints_are_refused_saying_what_accelerate_wrote(fsdp_
     assert listing[label] == files  # what accelerate 1.15 writes, as the refusal describes it
     ckpt = base / label / "checkpoint-2"
     refused = [["reshard", ckpt, "--world-size", "3", "-o", tmp_path / "x"]]
-    if label in ("fsdp1_local", "fsdp2_sharded_per_rank"):  # one file per rank: no reader (readers.fsdp1 takes the rest)
+    if label == "fsdp1_local":  # no reader (readers.fsdp1 and fsdp1_bins take the rest)
         refused += [["consolidate", ckpt, "-o", tmp_path / "x.safetensors"], ["convert", ckpt, "--to", "fsdp2", "-o", tmp_path / "y"]]
     for argv in refused:
         code, _, err = _cli(*argv)
