@@ -206,11 +206,11 @@ def test_output_dir_resolves_to_the_newest_checkpoint(runs, tmp_path):
     assert code == 0, err
     a, b = load_file(tmp_path / "dir.safetensors"), load_file(tmp_path / "four.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
-    code, out, _ = _cli("verify", src, "--json")
+    code, out, _ = _cli("verify", src, "--json")  # no manifest: the structural check of checkpoint-4's tag
     report = json.loads(out)
-    assert code == 1 and report["tag_dir"] == str(src / "checkpoint-4" / "global_step4")
+    assert code == 0 and report["tensor_folder"] == str(src / "checkpoint-4" / "global_step4")
     rules = {f["rule"] for f in report["findings"]}
-    assert rules == {"ckpt.trainer.newest", "ckpt.manifest.missing"}
+    assert rules == {"ckpt.trainer.newest"} and report["check"] == "structure"
     # convert --to fsdp2 takes it too: fp32 masters and moments of checkpoint-4 into a DCP checkpoint
     code, out, err = _cli("convert", src, "--to", "fsdp2", "-o", tmp_path / "dcp")
     assert code == 0, err
@@ -226,12 +226,12 @@ def test_output_dir_resolves_to_the_newest_checkpoint(runs, tmp_path):
 def test_verify_on_checkpoint_folders(runs):
     base = runs["base"]
     src, new = base / "src" / "checkpoint-2", base / "new" / "checkpoint-2"
-    # the Trainer's own save: no manifest, said as for any plain DeepSpeed checkpoint (exit 1)
+    # the Trainer's own save: no manifest, so the structural check; saved by 2 ranks, refused for 3 (exit 1)
     code, out, _ = _cli("verify", src, "--json", "--world-size", "3")
     report = json.loads(out)
-    assert code == 1
+    assert code == 1 and "no digests" in report["digests"]
     by_rule = {f["rule"]: f for f in report["findings"]}
-    assert "no shardkit_manifest.json" in by_rule["ckpt.manifest.missing"]["message"]
+    assert "cannot repartition ZeRO state" in by_rule["ckpt.world_size.mismatch"]["message"]
     assert "no RNG state for rank(s) 2" in by_rule["ckpt.trainer.rng"]["message"]
     # the resharded one: complete, for 3 ranks, refused for 2 with the Trainer-shaped fix
     code, out, err = _cli("verify", new, "--world-size", "3")

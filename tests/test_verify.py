@@ -164,9 +164,9 @@ def test_verify_cli_flags_are_frozen():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     p = sub.choices["verify"]
     flags = sorted(s for a in p._actions for s in a.option_strings)
-    # --no-checksum: the old spelling of --no-verify, kept so no script breaks
+    # --no-checksum: the old spelling of --no-verify, kept so no script breaks; --write-manifest: plain saves
     assert flags == sorted(["--engine", "--json", "--json-file", "--no-verify", "--no-checksum", "--world-size", "-h",
-                            "--help"])
+                            "--help", "--write-manifest"])
     assert "example:\n  shardkit verify checkpoints/ --world-size 8" in p.epilog
 
 

@@ -1,0 +1,165 @@
+"""The byte-level half of verifying a checkpoint that has no shardkit manifest: one file at a time,
+nothing kept but a few scalars per file, so a 1,024-rank folder costs one file's structure at once.
+
+- a torch zip file (``torch.save``'s format: rank files, ``*.bin``): its central directory reads,
+  every record's local header and data lie inside the file (a truncated copy loses the directory
+  or the tail of a record), and where a reader will parse it, ``data.pkl`` parses through the
+  allow-list (``storage.torch_load.read_structure``), tensors as offsets, never their bytes;
+- a DCP folder: ``.metadata`` parses (``dcp.plain_metadata``, no torch), every ``.distcp`` file it
+  references is there and holds every byte range it names, every tensor chunk has a storage entry.
+
+Digests cannot be checked (there are none to compare with): what these checks see is a file that
+is missing, cut short, or whose structure no longer parses, not a changed byte inside a tensor.
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardkit.checkpoint.dcp.plain_metadata import read_plain_metadata
+from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import DeepSpeedObjectStub, read_structure
+
+#: A zip record's local header: signature, then fixed fields; name and extra lengths at bytes 26-30.
+_LOCAL_HEADER = 30
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+#: Items named per file in a message (a file that lost its tail loses many items at once).
+_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """One thing wrong with one file, as a verify finding needs it."""
+
+    file: str
+    """The file, relative to the folder checked (``zero_pp_rank_5_mp_rank_00_optim_states.pt``)."""
+    message: str
+    fix: str
+    rule: str
+    warning: bool = False
+    """True for what does not stop a resume (a .distcp file nothing references)."""
+
+
+_RECOPY = "re-copy the file from the machine that saved it, or resume from another checkpoint"
+
+
+def torch_zip_problem(path: Path) -> str | None:
+    """What is wrong with the zip structure of ``path`` (None: every record lies inside the file).
+
+    Reads the central directory and 30 bytes per record (a DeepSpeed rank file has a few dozen)."""
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as z, open(path, "rb") as fh:
+            for info in z.infolist():
+                fh.seek(info.header_offset)
+                header = fh.read(_LOCAL_HEADER)
+                if len(header) < _LOCAL_HEADER or header[:4] != _LOCAL_SIGNATURE:
+                    return (f"record {info.filename} should start at byte {info.header_offset} but no zip record "
+                            f"header is there (the file has {size:,} bytes): overwritten or spliced")
+                name_len, extra_len = struct.unpack("<HH", header[26:30])
+                end = info.header_offset + _LOCAL_HEADER + name_len + extra_len + info.compress_size
+                if end > size:
+                    return (f"record {info.filename} ends at byte {end:,} but the file has {size:,} bytes: "
+                            "cut short (an interrupted save or copy)")
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error) as exc:
+        return (f"not a readable torch zip file ({type(exc).__name__}: {exc}; {size:,} bytes): truncated (the zip "
+                "directory is at the end of the file, so a cut copy loses it) or overwritten")
+    return None
+
+
+def check_torch_file(folder: Path, rel: str, *, parse: bool) -> tuple[Any, FileProblem | None]:
+    """(its structure when ``parse`` and readable, else None; its problem or None) for ``folder/rel``."""
+    path = folder / rel
+    problem = torch_zip_problem(path)
+    if problem is not None:
+        return None, FileProblem(rel, f"{path}: {problem}", _RECOPY, "ckpt.structure.zip")
+    if not parse:
+        return None, None
+    try:
+        return read_structure(path), None
+    except CheckpointError as exc:
+        return None, FileProblem(rel, str(exc), _RECOPY, "ckpt.structure.pickle")
+    except RecursionError:
+        return None, FileProblem(rel, f"{path}: data.pkl nests deeper than Python can read: not a pickle torch.save "
+                                 "writes", _RECOPY, "ckpt.structure.pickle")
+
+
+def _inside(rel: str) -> bool:
+    parts = Path(rel).parts
+    return bool(parts) and not Path(rel).is_absolute() and ".." not in parts
+
+
+def dcp_problems(folder: Path, *, prefix: str = "") -> list[FileProblem]:
+    """What is wrong with the DCP folder ``folder`` (``.metadata`` and the ``.distcp`` files it names);
+    file names are reported as ``prefix + name`` (the folder's path inside the checkpoint)."""
+    meta = folder / ".metadata"
+    try:
+        md = read_plain_metadata(meta)
+    except CheckpointError as exc:
+        return [FileProblem(f"{prefix}.metadata", str(exc), "re-copy .metadata from the machine that saved it (it "
+                            "is written last, by rank 0), or resume from another checkpoint", "ckpt.structure.metadata")]
+    out: list[FileProblem] = []
+    # per file: the furthest byte any item needs, and which item that is (one pass, one entry per file)
+    reach: dict[str, tuple[int, str]] = {}
+    items: dict[str, int] = {}
+    for (key, _offsets), info in md.storage.items():
+        rel = info.relative_path
+        if not _inside(rel):
+            out.append(FileProblem(f"{prefix}.metadata", f"{meta}: item {key!r} is stored in {rel!r}, outside the "
+                                   "folder: not what torch's FileSystemWriter writes", "re-copy .metadata, or resume "
+                                   "from another checkpoint", "ckpt.structure.metadata"))
+            continue
+        end = info.offset + info.length
+        if end > reach.get(rel, (-1, ""))[0]:
+            reach[rel] = (end, key)
+        items[rel] = items.get(rel, 0) + 1
+    for rel in sorted(reach):
+        end, key = reach[rel]
+        path = folder / rel
+        if not path.is_file():
+            out.append(FileProblem(f"{prefix}{rel}", f"{path}: missing; {meta} places {items[rel]:,} item(s) in it "
+                                   f"(e.g. {key!r})", "re-copy it from the machine that saved it (each rank writes "
+                                   "its own .distcp file), or resume from another checkpoint", "ckpt.structure.distcp"))
+            continue
+        size = path.stat().st_size
+        if size < end:
+            out.append(FileProblem(f"{prefix}{rel}", f"{path}: {size:,} bytes, but {meta} places item {key!r} up to "
+                                   f"byte {end:,}: cut short (an interrupted save or copy)", _RECOPY,
+                                   "ckpt.structure.distcp"))
+    for name, tensor in md.tensors.items():
+        lost = [c.offsets for c in tensor.chunks if md.storage_info(name, c.offsets) is None]
+        if lost:
+            out.append(FileProblem(f"{prefix}.metadata", f"{meta}: tensor {name!r} has {len(lost)} chunk(s) with no "
+                                   f"storage entry (offsets {lost[:_SHOWN]}): its bytes are nowhere",
+                                   "re-copy .metadata, or resume from another checkpoint", "ckpt.structure.metadata"))
+    for extra in sorted(f.name for f in folder.iterdir() if f.name.endswith(".distcp") and f.name not in reach):
+        out.append(FileProblem(f"{prefix}{extra}", f"{folder / extra}: a .distcp file {meta} does not reference (from "
+                               "another save into the same folder?); no load reads it", "remove it if it is left "
+                               "over from another save", "ckpt.structure.distcp_extra", warning=True))
+    return out
+
+
+def _value(obj: Any) -> Any:
+    """A ZeroStageEnum stand-in's value, lists of them as lists; plain values as they are."""
+    if isinstance(obj, (list, tuple)):
+        return [_value(v) for v in obj]
+    return obj.value if isinstance(obj, DeepSpeedObjectStub) else obj
+
+
+def deepspeed_facts(structure: Any) -> dict[str, Any]:
+    """The run-wide values a DeepSpeed rank file records that every rank must agree on (only those
+    present): ``dp_world_size``, ``global_steps``, ``ds_version`` from model states; ``zero_stage``,
+    ``partition_count`` from optimizer states."""
+    if not isinstance(structure, dict):
+        return {}
+    out = {k: structure[k] for k in ("dp_world_size", "global_steps", "ds_version") if k in structure}
+    osd = structure.get("optimizer_state_dict")
+    if isinstance(osd, dict):
+        for key in ("zero_stage", "partition_count"):
+            if key in osd:
+                out[key] = _value(osd[key])
+    return {k: v for k, v in out.items() if isinstance(v, (int, str, list)) and not isinstance(v, bool)}
