@@ -6,8 +6,8 @@ A Trainer's DeepSpeed ``checkpoint-N`` *is* the DeepSpeed root (``hf_trainer.fol
 ``checkpoint-N`` (``hf_trainer.fsdp_files``) is kind ``fsdp1-sharded`` under ``SHARDED_STATE_DICT``
 (the tensors' folder is the model DCP folder ``pytorch_model_fsdp_0/``, ``optimizer_0/`` beside it)
 and ``fsdp1-full`` under ``FULL_STATE_DICT`` (the ``checkpoint-N`` itself), both read by
-``readers.fsdp1``; FSDP1's per-rank SHARDED files (``use_dcp=False``) are ``fsdp1-sharded-bins``
-(``readers.fsdp1_bins``), the other per-rank files are refused. The config is looked for in ``--model-config``
+``readers.fsdp1``; per-rank SHARDED files (``use_dcp=False``) are ``fsdp1-sharded-bins`` (ShardedTensors)
+or ``fsdp2-sharded-bins`` (DTensors) (``readers.fsdp1_bins``), LOCAL_STATE_DICT files are refused. The config is looked for in ``--model-config``
 first, then in the folder holding the tag (the Trainer's ``checkpoint-N``, which holds the
 ``config.json``, ``generation_config.json`` and tokenizer files the Trainer saved), then the tag
 folder itself.
