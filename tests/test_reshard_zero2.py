@@ -30,11 +30,26 @@ SEQ_LEN = 8
 SAVE_STEPS, RESUME_STEPS = 2, 2
 
 
+def _fp16_supported() -> bool:
+    # what DeepSpeed's CPU accelerator asks before it trains in fp16 (accelerator/cpu_accelerator.py is_fp16_supported)
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # noqa: BLE001 - a torch build without the op: no fp16 on this CPU
+        return False
+
+
 #: label -> (ZeRO stage, precision, offload_optimizer to CPU): the sources, saved at 2 ranks in one spawn.
 SOURCES = {"zero2_fp32": (2, "fp32", False), "zero2_bf16": (2, "bf16", False), "zero1_fp32": (1, "fp32", False),
-           "zero2_offload": (2, "fp32", True)}
+           "zero2_offload": (2, "fp32", True), "zero2_fp16": (2, "fp16", False)}
 #: new world size -> the sources resumed there (offload kept as saved).
-LOADS = {1: ["zero2_fp32", "zero1_fp32", "zero2_offload"], 3: ["zero2_fp32", "zero2_bf16"]}
+LOADS = {1: ["zero2_fp32", "zero1_fp32", "zero2_offload"], 3: ["zero2_fp32", "zero2_bf16", "zero2_fp16"]}
+if not _fp16_supported():  # this CPU's oneDNN has no fp16: DeepSpeed's CPU accelerator refuses fp16 training
+    del SOURCES["zero2_fp16"]
+    LOADS[3].remove("zero2_fp16")
+#: fp16's dynamic loss scaler: 2**8, doubled after every clean step but the first (loss_scale_window 1), so the
+#: saved state (scale 2**9, iteration 2) differs from a fresh engine's and a reshard that dropped it would be seen
+FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1, "hysteresis": 2, "min_loss_scale": 1}
+SCALER_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def _config(stage: int, dtype: str, offload: bool, world: int) -> dict[str, Any]:
@@ -49,6 +64,8 @@ def _config(stage: int, dtype: str, offload: bool, world: int) -> dict[str, Any]
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = dict(FP16)
     return cfg
 
 
@@ -78,7 +95,9 @@ def _full_states(engine) -> dict[str, dict[str, torch.Tensor]]:
     # DeepSpeed links the moment views of each parameter at its first step (stage_1_and_2.py
     # _lazy_init_hp_params_optimizer_state); right after load_checkpoint they are not linked yet
     engine.optimizer._lazy_init_hp_params_optimizer_state()
-    out: dict[str, dict[str, torch.Tensor]] = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    out: dict[str, dict[str, Any]] = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    scaler = engine.optimizer.loss_scaler
+    out["loss_scaler"] = {k: getattr(scaler, k, None) for k in SCALER_KEYS}
     for name, p in engine.module.named_parameters():
         out["fp32"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
         for key in ("exp_avg", "exp_avg_sq"):
@@ -164,6 +183,8 @@ def test_resharded_checkpoint_resumes_bit_equal_at_new_world_size(sources, resum
     _, saved = sources
     got = resumed[world][label]
     assert got["global_steps"] == SAVE_STEPS
+    # fp16's dynamic loss scaler resumes where it was (bf16/fp32: a static scale of 1 on both sides)
+    assert got["states"]["loss_scaler"] == saved[label]["states"]["loss_scaler"]
     for kind in ("fp32", "exp_avg", "exp_avg_sq"):
         want = saved[label]["states"][kind]
         assert got["states"][kind].keys() == want.keys()
