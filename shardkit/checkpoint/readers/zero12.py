@@ -18,6 +18,11 @@ when gradients are partitioned) are whole tensors in ``frozen_param_fragments`` 
 file; under ZeRO-1 they are read from its ``module`` (the training dtype's value, which is never
 updated). Buffers are ``module`` entries named in ``buffer_names``; tied parameters are stored once
 (``shared_params``: ``{alias: holder}``).
+
+Beside ``deepspeed_scalars``' keys, ``scalars["native"]`` keeps rank 0's optimizer file and the model-states
+file as parsed (``optim_file``, ``model_states``, the files' ``prefix``): what ``writers.zero12``'s same-run
+target writes back key for key (the reshard). A rank tensor that is not a contiguous run of its dtype in its
+file (no DeepSpeed save writes one) makes its parameters' tensors torch loaders, with a note naming it.
 """
 
 from __future__ import annotations
