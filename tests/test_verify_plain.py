@@ -23,12 +23,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MANIFEST = "shardkit_manifest.json"
 
 
-def save_fsdp1(base: str) -> dict[str, list[str]]:
-    """Rank target: tests/test_fsdp1_sources' own saver, for the two accelerate layouts verified here."""
+def save_fsdp1(base: str) -> None:
+    """Rank target: tests/test_fsdp1_sources' and tests/test_fsdp1_bins' own savers, for the three accelerate
+    layouts verified here (SHARDED_STATE_DICT as DCP and as per-rank files, FULL_STATE_DICT)."""
+    from tests import test_fsdp1_bins as B
     from tests import test_fsdp1_sources as F
 
     F.FSDP1_SAVES = {label: F.FSDP1_SAVES[label] for label in ("sharded", "full")}
-    return F.save_fsdp1_checkpoints(base)
+    F.save_fsdp1_checkpoints(base)
+    B.SAVES = {"bins": B.SAVES["bins"]}
+    B.save_checkpoints(base)
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +48,25 @@ def saves(sweep_sources: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[
     shutil.copytree(sweep_sources.root("fsdp2"), fsdp2)
     for m in fsdp2.rglob(MANIFEST):  # shardkit's own save: made a plain DCP save
         m.unlink()
+    from shardkit.cli import main
+
+    assert main(["convert", str(base / "zero12" / "zero2"), "--to", "universal", "-o", str(base / "universal")]) == 0
+    for m in (base / "universal").rglob(MANIFEST):  # as ds_to_universal writes it: no manifest
+        m.unlink()
     trainer = base / "trainer" / "checkpoint-2"
     shutil.copytree(base / "zero12" / "zero2", trainer)
     (trainer / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
     return {"zero3": sweep_sources.root("zero3"), "zero2": base / "zero12" / "zero2", "fsdp2": fsdp2,
             "trainer_zero2": trainer, "fsdp1_sharded": base / "fsdp1" / "sharded" / "checkpoint-2",
-            "fsdp1_full": base / "fsdp1" / "full" / "checkpoint-2"}
+            "fsdp1_full": base / "fsdp1" / "full" / "checkpoint-2", "fsdp1_bins": base / "fsdp1" / "bins" / "checkpoint-2",
+            "universal": base / "universal"}
 
 
 KINDS = {"zero3": "zero3", "zero2": "zero12", "fsdp2": "dcp", "trainer_zero2": "zero12",
-         "fsdp1_sharded": "fsdp1-sharded", "fsdp1_full": "fsdp1-full"}
+         "fsdp1_sharded": "fsdp1-sharded", "fsdp1_full": "fsdp1-full", "fsdp1_bins": "fsdp1-sharded-bins",
+         "universal": "universal"}
+#: Layouts whose files do not record how many ranks wrote them.
+NO_WORLD_SIZE = ("fsdp1_full", "universal")
 
 
 def _copy(saves: dict[str, Path], label: str, tmp_path: Path) -> Path:
@@ -84,8 +97,7 @@ def test_a_whole_plain_save_verifies_as_a_structural_check(saves, run_cli, label
     assert report["check"] == "structure" and "no digests" in report["digests"]
     assert report["kind"] == KINDS[label]
     assert report["files"] >= 2 and report["bytes"] > 0 and report["tensors"] > 0
-    if label != "fsdp1_full":  # a full state dict does not record how many ranks wrote it
-        assert report["world_size"] == 2
+    assert report["world_size"] == (None if label in NO_WORLD_SIZE else 2)
     code, out, _ = run_cli("verify", saves[label])
     assert code == 0
     assert "whole as far as its structure tells" in out and "no digests exist" in out and "--write-manifest" in out
@@ -132,6 +144,22 @@ def test_a_missing_distcp_of_an_fsdp1_optimizer_is_named(saves, run_cli, tmp_pat
     code, report = _verify(run_cli, root)
     assert code == 1
     assert any(f["key"] == f"optimizer_0/{victim.name}" for f in _errors(report))
+
+
+def test_a_lost_fsdp1_rank_file_is_named_with_the_world_size(saves, run_cli, tmp_path):
+    root = _copy(saves, "fsdp1_bins", tmp_path)
+    (root / "optimizer_0_rank1.bin").unlink()
+    code, report = _verify(run_cli, root)
+    assert code == 1
+    assert any(f["message"].startswith("optimizer_0_rank1.bin of 2: missing") for f in _errors(report)), _errors(report)
+
+
+def test_a_universal_checkpoint_missing_a_moment_is_named(saves, run_cli, tmp_path):
+    root = _copy(saves, "universal", tmp_path)
+    (_tag(root) / "zero" / "model.norm.weight" / "exp_avg.pt").unlink()
+    code, report = _verify(run_cli, root)
+    assert code == 1
+    assert any("model.norm.weight (no exp_avg)" in f["message"] for f in _errors(report)), _errors(report)
 
 
 def _record_offset(path: Path, tensor: bool = False) -> int:

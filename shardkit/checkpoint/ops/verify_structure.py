@@ -44,6 +44,8 @@ _DEEPSPEED_KINDS = ("zero3", "zero12", "universal")
 #: Kinds whose manifest ``shardkit verify`` then finds (the tag or DCP folder it resolves to).
 MANIFEST_KINDS = {"zero3": "deepspeed", "zero12": "deepspeed", "dcp": "fsdp2"}
 _SHOWN = 5
+#: Where torch's ``CheckpointException`` lives (a BaseException: ``_check_reader`` reports it).
+_DCP_EXCEPTION_MODULE = "torch.distributed.checkpoint.api"
 
 NO_DIGESTS = ("structural check only: this checkpoint has no shardkit manifest, so no digests exist to compare its "
               "bytes with (a flipped bit inside a tensor is not seen)")
@@ -97,9 +99,9 @@ def _parsed(kind: str, rel: str) -> bool:
 
 def _walk(source: Source) -> tuple[Path, list[str]]:
     """(the folder checked, its files relative to it, sorted): the tag folder for DeepSpeed and DCP
-    (other tags of the same root are not this checkpoint), the whole checkpoint-N for FSDP1, plus the
+    (other tags of the same root are not this checkpoint), the whole checkpoint-N for FSDP, plus the
     Trainer's own files beside a DeepSpeed tag (as ``../name``)."""
-    top = source.folder if source.kind.startswith("fsdp1") else source.tag_dir
+    top = source.folder if source.kind.startswith("fsdp") else source.tag_dir
     rels = []
     for dirpath, dirnames, filenames in os.walk(top):
         dirnames.sort()
@@ -204,7 +206,7 @@ def _check_ranks(report: StructureReport, source: Source, names: set[str], desc:
             _error(report, extra[0], len(extra), f"{source.tag_dir}: {len(extra)} rank file(s) beyond rank {world - 1} "
                    f"({', '.join(extra[:3])}) although {why}: files of a save at another world size are mixed in",
                    "remove the other save's files, or re-copy the tag folder", "ckpt.structure.ranks")
-    elif source.kind == "fsdp1-sharded-bins":
+    elif source.kind.endswith("-sharded-bins"):  # FSDP1's and FSDP2's per-rank files (use_dcp=False)
         per: dict[str, set[int]] = {}
         for n in names:
             if (m := _FSDP_PER_RANK.match(n)):
@@ -224,9 +226,16 @@ def _check_reader(report: StructureReport, source: Source) -> None:
         _error(report, source.kind, None, str(exc), "re-copy the file it names, or resume from another checkpoint",
                "ckpt.structure.reader")
         return
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+    except BaseException as exc:
+        # verify reports, it never ends in a traceback: a reader that meets damage it does not name itself is
+        # one more finding, the exception's first line shown. torch's DCP CheckpointException (from an item
+        # whose bytes were zeroed, seen in a byte-flip sweep) derives from BaseException, not Exception;
+        # interrupts and other BaseExceptions go on
+        if not isinstance(exc, Exception) and type(exc).__module__ != _DCP_EXCEPTION_MODULE:
+            raise
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         _error(report, source.kind, None, f"{source.tag_dir}: its files do not hold what their names promise "
-               f"({type(exc).__name__}: {exc})", "re-copy the checkpoint, or resume from another one",
+               f"({type(exc).__name__}: {first})", "re-copy the checkpoint, or resume from another one",
                "ckpt.structure.reader")
         return
     report.tensors = len(ckpt.weights) + sum(len(states) for states in ckpt.optimizer.values())
@@ -248,7 +257,7 @@ def _describe(report: StructureReport, path: str | Path) -> CheckpointDescriptio
     """The layout's description, or None when its small files do not read (step 2 names the damage)."""
     try:
         desc = describe_checkpoint(path, check_manifest=False)
-    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
         return None
     report.layout, report.stage, report.step = desc.layout, desc.stage, desc.step
     for r in desc.refusals:
