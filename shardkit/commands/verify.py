@@ -98,6 +98,11 @@ def _run_plain(args: argparse.Namespace, engine: str | None, clock: Stopwatch, c
     if report.kind is None:
         return None
     report.extend(carried)
+    if args.no_verify:
+        import sys
+
+        print("note: --no-verify changes nothing here: a checkpoint without a manifest has no digests to skip, and "
+              "the structural check reads no tensor bytes", file=sys.stderr)
     written = write_plain_manifest(report) if args.write_manifest and report.ok else None
     manifest_note = (f"wrote {report.tensor_folder}/shardkit_manifest.json ({len(written.files)} files hashed): later "
                      "verifies compare digests" if written is not None else None)
