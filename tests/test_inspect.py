@@ -69,15 +69,20 @@ def test_deepspeed_saves_are_described(layouts, run_cli, tiny_counts, label):
     on_disk = sum(f.stat().st_size for f in Path(d["folder"]).rglob("*") if f.is_file())
     assert d["size_bytes"] == on_disk
     applies = {c["command"]: c["applies"] for c in d["commands"]}
+    # every save here has no manifest: verify's structural check takes each (tests/test_inspect_table.py
+    # runs every command on these layouts and holds each cell to what the command does)
     if label == "zero3":
-        assert applies == {"reshard": True, "convert --to fsdp2": True, "convert --to zero3": False,
-                           "consolidate": True, "export": True}
+        assert applies == {"reshard": True, "convert --to zero1": True, "convert --to zero2": True,
+                           "convert --to zero3": False, "convert --to fsdp2": True, "convert --to universal": True,
+                           "consolidate": True, "export": True, "verify": True}
     elif label == "universal":  # tests/test_universal_source.py
-        assert applies == {"reshard": False, "convert --to fsdp2": True, "convert --to zero3": True,
-                           "consolidate": True, "export": True}
-    else:  # ZeRO-1/2: reshard, convert --to fsdp2/zero3, consolidate and export take it
-        assert applies == {"reshard": True, "convert --to fsdp2": True, "convert --to zero3": True,
-                           "consolidate": True, "export": True}
+        assert applies == {"reshard": False, "convert --to zero1": True, "convert --to zero2": True,
+                           "convert --to zero3": True, "convert --to fsdp2": True, "convert --to universal": False,
+                           "consolidate": True, "export": True, "verify": True}
+    else:  # ZeRO-1/2: every command but convert --to zero1/zero2 (reshard changes its world size)
+        assert applies == {"reshard": True, "convert --to zero1": False, "convert --to zero2": False,
+                           "convert --to zero3": True, "convert --to fsdp2": True, "convert --to universal": True,
+                           "consolidate": True, "export": True, "verify": True}
 
 
 def test_text_output_says_what_it_is_and_where_to_go(layouts, run_cli):
@@ -87,10 +92,13 @@ def test_text_output_says_what_it_is_and_where_to_go(layouts, run_cli):
     assert lines[1].split(None, 1) == ["layout", "DeepSpeed ZeRO-2"]
     assert "world size  2" in stdout and "precision   bf16" in stdout
     assert "optimizer   AdamW (state: exp_avg, exp_avg_sq, step)" in stdout
-    # every command takes ZeRO-2 now (convert --to zero3 through readers.zero12 + writers.zero3)
-    assert "  yes  reshard" in stdout and "  yes  convert --to zero3" in stdout and "  no " not in stdout
+    assert "  yes  reshard                new per-rank ZeRO-2 files for --world-size M" in stdout
+    assert "  yes  convert --to zero3     per-rank ZeRO-3 files for --world-size N" in stdout
+    assert ("  no   convert --to zero2     is a DeepSpeed ZeRO-1/2 checkpoint already; --to zero2 converts other "
+            f"formats. For another world size: shardkit reshard {layouts['zero2_bf16']} --world-size N -o OUT") in stdout
     code, stdout, _ = run_cli("inspect", layouts["zero3"])
-    assert code == 0 and "  yes  reshard" in stdout and "  no   convert --to zero3  it is ZeRO-3 already" in stdout
+    assert code == 0 and "  yes  reshard" in stdout
+    assert "  no   convert --to zero3     is a DeepSpeed ZeRO-3 checkpoint already" in stdout
 
 
 @pytest.mark.parametrize("label,marker", [
@@ -100,7 +108,10 @@ def test_text_output_says_what_it_is_and_where_to_go(layouts, run_cli):
 def test_markers_are_listed_as_refusals(layouts, run_cli, label, marker):
     d = _inspect(run_cli, layouts[label])
     assert d["refusals"] and marker in d["refusals"][0]["marker"]
-    assert not any(c["applies"] for c in d["commands"]) and marker in d["commands"][0]["why"]
+    converting = [c for c in d["commands"] if c["command"] != "verify"]
+    assert not any(c["applies"] for c in converting) and all(marker in c["why"] for c in converting)
+    verify = next(c for c in d["commands"] if c["command"] == "verify")  # checks the files, names the marker
+    assert verify["applies"] and verify["why"].startswith("a structural check")
     code, stdout, _ = run_cli("inspect", layouts[label])
     assert code == 0 and "refused: " in stdout and marker in stdout
 
@@ -118,7 +129,7 @@ FSDP = {
     "fsdp2_sharded": ("accelerate-fsdp", "SHARDED_STATE_DICT", 2, True),
     "fsdp2_full": ("accelerate-fsdp", "FULL_STATE_DICT", None, True),
     "fsdp1_local": ("accelerate-fsdp", "LOCAL_STATE_DICT", 2, False),
-    "fsdp2_sharded_per_rank": ("accelerate-fsdp", "SHARDED_STATE_DICT (use_dcp=False)", 2, False),
+    "fsdp2_sharded_per_rank": ("accelerate-fsdp", "SHARDED_STATE_DICT (use_dcp=False)", 2, True),
 }
 
 
@@ -128,13 +139,18 @@ def test_accelerate_fsdp_saves_are_described(fsdp_saves, run_cli, label):
     d = _inspect(run_cli, fsdp_saves / label / "checkpoint-2")
     assert (d["format"], d["state_dict_type"], d["world_size"]) == (fmt, kind, world)
     applies = {c["command"]: c["applies"] for c in d["commands"]}
-    assert applies == {"reshard": False, "convert --to fsdp2": export, "convert --to zero3": export,
-                       "consolidate": export, "export": export}  # readers.fsdp1 takes SHARDED and FULL
-    if kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-        # Sequential(Linear(16, 16), Linear(16, 4)): 4 tensors, 16*16 + 16 + 16*4 + 4 elements
-        assert (d["parameters"], d["elements"]) == (4, 340)
-    if kind == "SHARDED_STATE_DICT":
+    # readers.fsdp1 takes SHARDED and FULL, readers.fsdp1_bins the per-rank files; reshard none (the Trainer
+    # resumes SHARDED and FULL at any world size), LOCAL_STATE_DICT nothing
+    assert applies == {"reshard": False, **dict.fromkeys(("convert --to zero1", "convert --to zero2",
+                       "convert --to zero3", "convert --to fsdp2", "convert --to universal", "consolidate", "export",
+                       "verify"), export)}
+    if export:
+        # Sequential(Linear(16, 16), Linear(16, 4)): 4 tensors, 16*16 + 16 + 16*4 + 4 elements; the torch.save
+        # layouts' shapes, dtypes and Adam state from their readers (pickled structures, no tensor bytes)
+        assert (d["parameters"], d["elements"], d["dtypes"]["weights"]) == (4, 340, "float32")
         assert d["optimizer_state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    if kind != "SHARDED_STATE_DICT" and export:
+        assert d["step"] == 1  # Adam's step, the same for every parameter (no trainer_state.json in these saves)
 
 
 def test_a_dcp_folder_and_a_hugging_face_folder(fsdp_saves, tmp_path, run_cli):

@@ -246,8 +246,9 @@ def test_inspect_says_which_commands_take_it(saves, run_cli):
     assert d["format"] == "deepspeed-universal" and d["parameters"] == 20
     assert d["optimizer_state_keys"] == ["exp_avg", "exp_avg_sq"]
     applies = {c["command"]: c["applies"] for c in d["commands"]}
-    assert applies == {"reshard": False, "convert --to fsdp2": True, "convert --to zero3": True, "consolidate": True,
-                       "export": True}
+    assert applies == {"reshard": False, "convert --to zero1": True, "convert --to zero2": True,
+                       "convert --to zero3": True, "convert --to fsdp2": True, "convert --to universal": False,
+                       "consolidate": True, "export": True, "verify": True}
 
 
 def load_universal_and_report(root: str, stage: int, precision: str, universal: bool = True) -> dict[str, Any] | None:

@@ -65,9 +65,22 @@ def _lines(desc: "CheckpointDescription", verdicts: "list[Verdict]") -> list[str
         out.append(f"commands: none takes it today: {verdicts[0].why}")
     else:
         out.append("commands:")
-        out.extend(f"  {'yes' if v.applies else 'no ':<3}  {v.command:<19} {v.why}" for v in verdicts)
+        out.extend(f"  {'yes' if v.applies else 'no ':<3}  {v.command:<22} {v.why}" for v in verdicts)
     out.extend(f"note: {n}" for n in desc.notes)
     return out
+
+
+def _fill(desc: "CheckpointDescription", kind: str) -> None:
+    """What the reader of ``desc`` says beyond its small files (a reader that cannot read it: a note)."""
+    from pathlib import Path
+
+    from shardkit.checkpoint.readers.registry import read_checkpoint
+    from shardkit.core.errors import CheckpointError
+
+    try:
+        desc.fill_from(read_checkpoint(kind, Path(desc.folder)))
+    except CheckpointError as exc:
+        desc.notes.append(f"parameters, dtypes and step unread: {exc}")
 
 
 def inspect_command(args: argparse.Namespace) -> int:
@@ -77,6 +90,8 @@ def inspect_command(args: argparse.Namespace) -> int:
 
     clock = Stopwatch()
     desc = describe_checkpoint(args.checkpoint)
+    if desc.reader_kind is not None:
+        _fill(desc, desc.reader_kind)
     found = verdicts(desc)
     if args.json or args.json_file:
         emit_json(args, {"command": "inspect", "ok": True, **desc.to_dict(),

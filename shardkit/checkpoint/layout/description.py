@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -72,6 +74,30 @@ class CheckpointDescription:
     """What no command converts correctly (AutoEP, MoE experts, tensor/pipeline parallel, NVMe)."""
     notes: list[str] = field(default_factory=list)
     """What else the user should know (a Trainer output_dir resolved to its newest checkpoint ...)."""
+    reader_kind: str | None = None
+    """The ``readers.registry`` kind that fills in what the small files do not say (parameters, dtypes,
+    optimizer state, step of accelerate's torch.save layouts); None where the files say it all."""
+
+    def fill_from(self, ckpt: TrainingCheckpoint) -> None:
+        """Parameters, dtypes, optimizer state and step from the checkpoint model its reader built (from
+        pickled structures: shapes, dtypes, offsets; no tensor byte), where the small files left them unsaid."""
+        params = {n: t for n, t in ckpt.weights.items() if n not in ckpt.buffers}
+        self.parameters, self.elements = len(params), sum(t.numel for t in params.values())
+        if params:
+            self.dtypes["weights"] = ", ".join(sorted({t.dtype for t in params.values()}))
+        states = {k: t for per in ckpt.optimizer.values() for k, t in per.items()}
+        steps = ckpt.scalars.get("step")
+        if states:
+            self.optimizer_state_keys = sorted({*states, *(["step"] if steps else [])})
+        moments = {t.dtype for t in states.values() if t.numel > 1}
+        if moments:
+            self.dtypes["optimizer state"] = ", ".join(sorted(moments))
+        # Adam's per-parameter step is the training step when every parameter took the same number of steps
+        values = set(steps.values()) if isinstance(steps, dict) else set()
+        if self.step is None and len(values) == 1:
+            (value,) = values
+            if isinstance(value, (int, float)) and float(value).is_integer():
+                self.step = int(value)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

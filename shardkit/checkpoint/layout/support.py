@@ -1,13 +1,22 @@
-"""The one place that decides which checkpoint layouts each shardkit command takes today, and why
-the others are refused: ``verdicts`` for ``shardkit inspect``, ``refuse_unsupported`` for the
-commands themselves, called by each operation's entry point before anything is read or written.
+"""Which checkpoint commands take each layout, in one table: ``TABLE`` has a row per layout and a cell
+per command in ``COMMANDS`` saying what the command does with it, or why it refuses and where to go.
+``verdicts`` reads the row of a described checkpoint for ``shardkit inspect``; ``refuse_unsupported``
+raises, at each operation's entry point before anything is read, for the cells marked ``guarded``.
 
-``refuse_unsupported`` raises for the layouts no command converts correctly (``Refusal`` markers:
-AutoEP, native MoE experts, tensor/pipeline parallel ranks, NVMe-swapped optimizer state), for
-ZeRO-0/1/2 (reshard, convert --to fsdp2, consolidate and export take ZeRO-1/2) and for universal checkpoints. The other layouts a command does not take (an FSDP
-FULL_STATE_DICT folder given to ``export``, a DCP folder given to ``reshard``) keep the command's
-own refusal, which already says what the folder is and what to do. A path this module cannot
-describe is left to the command, whose reader names the problem.
+Rules the table keeps (``tests/test_inspect_table.py`` runs every command on a real save of every
+layout and checks each cell against what the command does):
+
+- A refusal marker (AutoEP, native MoE experts, tensor/pipeline parallel ranks, NVMe-swapped
+  optimizer state) refuses every command that reads tensors, first, naming the marker; ``verify``
+  still checks the files (its structural check names the marker as a warning).
+- A refusal's first sentence is the command's own words: either the command's own check says it
+  (``guarded=False``: "is a DeepSpeed ZeRO-3 checkpoint already", FSDP's per-rank refusals), or
+  ``refuse_unsupported`` raises with it (``guarded=True``: markers, a universal or DCP checkpoint
+  given to reshard, a from_pretrained folder).
+- ``verify`` is decided by the files, not the row alone: with a shardkit manifest it checks sizes
+  and digests; without one, the row's ``plain_verify`` cell (a structural check, or a refusal).
+
+Adding a layout: one ``_key`` branch and one row.
 """
 
 from __future__ import annotations
@@ -15,14 +24,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardkit.checkpoint.hf_trainer.folder import CHECKPOINT_DIR, TRAINER_STATE
 from shardkit.checkpoint.hf_trainer.fsdp_files import SHARDED_PER_RANK, fsdp_layout, read_by_shardkit, unread_why
 from shardkit.checkpoint.layout.deepspeed_files import describe_deepspeed, is_deepspeed_folder
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.checkpoint.layout.detect import locate_checkpoint, read_folder
+from shardkit.checkpoint.layout.torch_files import HF_WEIGHTS, METADATA_NAME
 from shardkit.core.errors import CheckpointError
 
 #: The checkpoint commands, as ``inspect`` lists them.
-COMMANDS = ("reshard", "convert --to fsdp2", "convert --to zero3", "consolidate", "export")
+COMMANDS = ("reshard", "convert --to zero1", "convert --to zero2", "convert --to zero3", "convert --to fsdp2",
+            "convert --to universal", "consolidate", "export", "verify")
 
 
 @dataclass(frozen=True)
@@ -33,146 +45,205 @@ class Verdict:
     applies: bool
     why: str
     """What it would do, or why it refuses and where to go instead."""
+    guarded: bool = False
+    """A refusal ``refuse_unsupported`` raises (the command's own check would say less, or nothing)."""
 
 
-def _zero12_why(desc: CheckpointDescription) -> str:
-    root = Path(desc.folder).parent
-    return (f"a DeepSpeed ZeRO-{desc.stage} checkpoint ({desc.stage_source}): shardkit reshard, convert --to fsdp2, "
-            "consolidate and export take it. For "
-            f"the full weights, run the zero_to_fp32.py DeepSpeed saved beside it (python {root}/zero_to_fp32.py "
-            f"{root} OUT_DIR --safe_serialization); for a universal checkpoint, DeepSpeed's ds_to_universal "
-            f"(python -m deepspeed.checkpoint.ds_to_universal --input_folder {desc.folder} "
-            "--output_folder UNIVERSAL --inject_missing_state) and checkpoint.load_universal: true")
+@dataclass(frozen=True)
+class Cell:
+    """One command on one layout; ``why`` may name {path}, {folder}, {world}, {stage} and {unread}."""
+
+    applies: bool
+    why: str
+    guarded: bool = False
 
 
-#: What each command that takes a ZeRO-1/2 checkpoint (without a refusal marker) does with it.
-_ZERO12_TAKEN = {
-    "reshard": "new per-rank ZeRO-1/2 files for another world size, loaded by DeepSpeed's plain load_checkpoint",
-    "convert --to fsdp2": "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state",
-    "convert --to zero3": "per-rank ZeRO-3 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
-    # not refused here so that a marker is named first; the command itself then sends ZeRO-1/2 to reshard
-    "convert --to zero2": "none: it is ZeRO-1/2 already, use reshard for another world size",
-    "convert --to zero1": "none: it is ZeRO-1/2 already, use reshard for another world size",
-    "convert --to universal": "a DeepSpeed universal checkpoint, resumed at any world size with load_universal",
-    "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
-    "export": "a from_pretrained folder (needs the model's config.json)",
+def _yes(why: str) -> Cell:
+    return Cell(True, why)
+
+
+def _own(why: str) -> Cell:
+    """Refused by the command's own check, whose message begins with ``why``'s first sentence."""
+    return Cell(False, why)
+
+
+def _guard(why: str) -> Cell:
+    """Refused by ``refuse_unsupported`` with ``why``, before anything is read."""
+    return Cell(False, why, guarded=True)
+
+
+_RESUMED = "loaded by DeepSpeed's plain load_checkpoint at that world size, masters and Adam state"
+_TO_ZERO = {f"convert --to zero{n}": _yes(f"per-rank ZeRO-{n} files for --world-size N, {_RESUMED}") for n in (1, 2, 3)}
+_TO_FSDP2 = _yes("a DCP checkpoint FSDP2 resumes at any world size (load_fsdp_checkpoint), masters and Adam state")
+_TO_UNIVERSAL = _yes("a DeepSpeed universal checkpoint, resumed at any world size with checkpoint.load_universal: true")
+_MASTERS = _yes("the fp32 masters (and frozen parameters, buffers) as one safetensors file")
+_WEIGHTS = _yes("the weights as one safetensors file")
+_EXPORT = _yes("a from_pretrained folder (the model's config.json: --model-config DIR, or the one beside it)")
+_STRUCTURE = _yes("a structural check (no shardkit manifest: every rank file present, byte ranges inside their "
+                  "files, ranks agreeing, every tensor covered; no digests to compare)")
+_MANIFEST = _yes("checks every file's size and content digest against its shardkit manifest")
+
+_ZERO12_ALREADY = ("is a DeepSpeed ZeRO-1/2 checkpoint already; --to zero{n} converts other formats. For another "
+                   "world size: shardkit reshard {path} --world-size N -o OUT")
+_FSDP_RESHARD = ("The Trainer resumes it at any world size as it is{how}, so there is nothing to reshard. For DeepSpeed: "
+                 "convert --to zero3 (or zero2/zero1) --world-size N; for FSDP2: convert --to fsdp2")
+_HF = ("a from_pretrained folder holds full weights already and no optimizer state: from_pretrained loads it as it "
+       "is, so there is nothing to {what}")
+
+#: layout -> command -> what it does or why not. ``plain_verify`` is verify's cell without a manifest.
+TABLE: dict[str, dict[str, Cell]] = {
+    "zero3": {
+        "reshard": _yes("new per-rank ZeRO-3 files for --world-size M, loaded by DeepSpeed's plain load_checkpoint"),
+        **_TO_ZERO,
+        "convert --to zero3": _own("is a DeepSpeed ZeRO-3 checkpoint already; --to zero3 converts other formats. "
+                                   "For another world size: shardkit reshard {path} --world-size N -o OUT"),
+        "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _MASTERS,
+        "export": _EXPORT, "plain_verify": _STRUCTURE,
+    },
+    "zero12": {
+        "reshard": _yes("new per-rank ZeRO-{stage} files for --world-size M, loaded by DeepSpeed's plain "
+                        "load_checkpoint"),
+        "convert --to zero1": _own(_ZERO12_ALREADY.replace("{n}", "1")),
+        "convert --to zero2": _own(_ZERO12_ALREADY.replace("{n}", "2")),
+        "convert --to zero3": _TO_ZERO["convert --to zero3"],
+        "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _MASTERS,
+        "export": _EXPORT, "plain_verify": _STRUCTURE,
+    },
+    "zero0": {
+        **{c: _guard("a DeepSpeed ZeRO-0 checkpoint (no optimizer partition files): shardkit reads ZeRO-1/2/3 "
+                     "partitions. Load it with DeepSpeed and save with ZeRO-1, 2 or 3") for c in COMMANDS if c != "verify"},
+    },
+    "universal": {
+        "reshard": _guard("a DeepSpeed universal checkpoint needs no reshard: DeepSpeed's load_checkpoint resumes it "
+                          "at any world size with checkpoint.load_universal: true. For per-rank files: convert --to "
+                          "zero3 (or zero2/zero1) --world-size N"),
+        **_TO_ZERO, "convert --to fsdp2": _TO_FSDP2,
+        "convert --to universal": _own("is a DeepSpeed universal checkpoint already; DeepSpeed resumes it at any "
+                                       "world size as it is (checkpoint.load_universal: true), so there is nothing "
+                                       "to convert"),
+        "consolidate": _MASTERS, "export": _EXPORT, "plain_verify": _STRUCTURE,
+    },
+    "dcp": {
+        "reshard": _guard("a DCP checkpoint needs no reshard: FSDP2 loads it at any world size (DCP reshards while "
+                          "loading). For DeepSpeed: convert --to zero3 (or zero2/zero1) --world-size N"),
+        **_TO_ZERO,
+        "convert --to fsdp2": _own("is an FSDP2/DCP checkpoint already; FSDP2 loads it at any world size as it is "
+                                   "(load_fsdp_checkpoint), so there is nothing to convert"),
+        "convert --to universal": _TO_UNIVERSAL, "consolidate": _WEIGHTS, "export": _EXPORT, "plain_verify": _STRUCTURE,
+    },
+    # accelerate's FSDP files (the Trainer's checkpoint-N), FSDP1 or FSDP2 (hf_trainer.fsdp_files)
+    "fsdp-sharded": {
+        "reshard": _own(_FSDP_RESHARD.replace("{how}", " (DCP reshards while loading)")),
+        **_TO_ZERO, "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _WEIGHTS,
+        "export": _EXPORT, "plain_verify": _STRUCTURE,
+    },
+    "fsdp-full": {
+        "reshard": _own(_FSDP_RESHARD.replace("{how}", "")),
+        **_TO_ZERO, "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _WEIGHTS,
+        "export": _EXPORT, "plain_verify": _STRUCTURE,
+    },
+    "fsdp-per-rank": {  # use_dcp=False: FSDP1's ShardedTensors (and FSDP2's DTensors where read_by_shardkit reads them)
+        "reshard": _own("each rank's own shard in its own file, which only {world} ranks can load (accelerate does "
+                        "not repartition it). convert --to fsdp2 writes DCP folders that load at any world size"),
+        **_TO_ZERO, "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _WEIGHTS,
+        "export": _EXPORT, "plain_verify": _STRUCTURE,
+    },
+    "fsdp-unread": {  # LOCAL_STATE_DICT, per-rank files of a kind no reader reads: unread_why says what they lack
+        **{c: _own("{unread}") for c in COMMANDS if c != "verify"}, "plain_verify": _own("{unread}"),
+    },
+    "hf-model": {
+        "reshard": _guard(_HF.replace("{what}", "reshard")),
+        **{c: _guard(_HF.replace("{what}", "convert")) for c in COMMANDS if c.startswith("convert")},
+        "consolidate": _guard(_HF.replace("{what}", "consolidate")),
+        "export": _guard(_HF.replace("{what}", "export")),
+        "plain_verify": _own("no completed checkpoint under {path}. A from_pretrained folder holds no training state "
+                             "to verify"),
+    },
+    # a Trainer checkpoint-N saved without DeepSpeed or sharded FSDP (DDP, one process, save_only_model): the
+    # Trainer's own checks say what it holds
+    "trainer-weights": {
+        **{c: _own("holds full weights already. from_pretrained loads it as it is; there is no sharded training "
+                   "state to convert") for c in COMMANDS if c != "verify"},
+        **{c: _own("a Hugging Face Trainer checkpoint without a DeepSpeed checkpoint inside (no 'latest', no "
+                   "global_step*/ folder). It holds the full weights, which from_pretrained loads as they are")
+           for c in ("reshard", "convert --to fsdp2", "consolidate", "plain_verify")},
+    },
 }
 
 
-def _reshard_takes(desc: CheckpointDescription, command: str) -> bool:
-    """ZeRO-1/2 without a refusal marker: reshard writes its rank files for another world size
-    (``checkpoint.zero12``), consolidate and export read it (``readers.zero12``)."""
-    return command in _ZERO12_TAKEN and desc.format == "deepspeed" and desc.stage in (1, 2) and not desc.refusals
-
-
-#: What each command that takes a universal checkpoint (without a refusal marker) does with it
-#: (``readers.universal``); reshard refuses it with ``_universal_why``.
-_UNIVERSAL_TAKEN = {
-    "convert --to fsdp2": "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state",
-    "convert --to zero3": "per-rank ZeRO-3 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
-    "convert --to zero2": "per-rank ZeRO-2 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
-    "convert --to zero1": "per-rank ZeRO-1 files for --world-size N, loaded by DeepSpeed's plain load_checkpoint",
-    "convert --to universal": "none: it is universal already (the command says so)",  # exit 2, as for DCP --to fsdp2
-    "consolidate": "the fp32 masters (and frozen parameters, buffers) as one safetensors file",
-    "export": "a from_pretrained folder (needs the model's config.json)",
-}
-
-
-def _universal_why(desc: CheckpointDescription) -> str:
-    return ("a DeepSpeed universal checkpoint (ds_to_universal output): shardkit export, consolidate and convert --to "
-            "fsdp2 read it; it needs no reshard (DeepSpeed resumes it at any world size with "
-            "checkpoint.load_universal: true); convert --to zero3 writes ZeRO-3 files from it")
-
-
-def _taken(desc: CheckpointDescription, command: str) -> str | None:
-    """What ``command`` does with a layout ``blocking_reason`` refuses to the other commands (ZeRO-1/2,
-    universal), or None when it refuses it too."""
-    if _reshard_takes(desc, command):
-        return _ZERO12_TAKEN[command]
-    if desc.format == "deepspeed-universal" and not desc.refusals:
-        return _UNIVERSAL_TAKEN.get(command)
-    return None
-
-
-def blocking_reason(desc: CheckpointDescription) -> str | None:
-    """Why no checkpoint command takes ``desc`` at all (a marker, ZeRO-0/1/2, universal), or None."""
-    if desc.refusals:
-        return "; and ".join(r.message() for r in desc.refusals)
-    if desc.format == "deepspeed" and desc.stage != 3:
-        return _zero12_why(desc)
+def _key(desc: CheckpointDescription) -> str:
+    """The ``TABLE`` row of a described checkpoint."""
+    if desc.format == "deepspeed":
+        return "zero3" if desc.stage == 3 else "zero12" if desc.stage in (1, 2) else "zero0"
     if desc.format == "deepspeed-universal":
-        return _universal_why(desc)
-    return None
-
-
-def _per_format(desc: CheckpointDescription) -> dict[str, tuple[bool, str]]:
-    if desc.format == "deepspeed":  # ZeRO-3 (the others are blocked)
-        return {
-            "reshard": (True, "new per-rank files for another world size, loaded by DeepSpeed's plain load_checkpoint"),
-            "convert --to fsdp2": (True, "a DCP checkpoint FSDP2 resumes at any world size, masters and Adam state"),
-            "convert --to zero3": (False, "it is ZeRO-3 already: use reshard for another world size"),
-            "consolidate": (True, "the fp32 masters as one safetensors file"),
-            "export": (True, "a from_pretrained folder (needs the model's config.json)"),
-        }
+        return "universal"
     if desc.format == "dcp":
-        return {
-            "reshard": (False, "DCP loads at any world size: there is nothing to reshard"),
-            "convert --to fsdp2": (False, "it is DCP already"),
-            "convert --to zero3": (True, "per-rank ZeRO-3 files for --world-size N (shardkit's FSDP2 saves)"),
-            "consolidate": (True, "the weights as one safetensors file (the parameters as FSDP2 saved them)"),
-            "export": (True, "a from_pretrained folder (needs the model's config.json)"),
-        }
-    if desc.format == "accelerate-fsdp":  # readers.fsdp1 reads SHARDED (DCP) and FULL; per-rank files are refused
-        if desc.state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-            files = "pytorch_model_fsdp_0/ + optimizer_0/" if desc.state_dict_type == "SHARDED_STATE_DICT" else \
-                "pytorch_model_fsdp.bin + optimizer.bin"
-            return {"reshard": (False, "the Trainer resumes it at any world size as it is: there is nothing to reshard"),
-                    "convert --to fsdp2": (True, f"a DCP checkpoint FSDP2 resumes at any world size, weights and Adam "
-                                                 f"state from {files} (the optimizer keyed by parameter names)"),
-                    "convert --to zero3": (True, f"per-rank ZeRO-3 files for --world-size N, weights and Adam state "
-                                                 f"from {files}"),
-                    "consolidate": (True, "the weights as one safetensors file"),
-                    "export": (True, "a from_pretrained folder (needs the model's config.json)")}
+        return "dcp"
+    if desc.format == "accelerate-fsdp":
         layout = fsdp_layout(Path(desc.folder))
-        if layout is not None and layout.state_dict_type == SHARDED_PER_RANK and read_by_shardkit(layout, Path(desc.folder)):
-            files = "pytorch_model_fsdp_0_rank*.bin + optimizer_0_rank*.bin (FSDP1 ShardedTensors, read without torch)"
-            return {"reshard": (False, "shardkit does not rewrite per-rank FSDP files; convert --to fsdp2 writes a DCP "
-                                       "checkpoint that loads at any world size"),
-                    "convert --to fsdp2": (True, f"a DCP checkpoint FSDP2 resumes at any world size, from {files}"),
-                    "convert --to zero3": (True, f"per-rank ZeRO-3 files for --world-size N, from {files}"),
-                    "consolidate": (True, "the weights as one safetensors file"),
-                    "export": (True, "a from_pretrained folder (needs the model's config.json)")}
-        why = unread_why(layout) if layout is not None else "no accelerate FSDP files found"
-        return {c: (False, why) for c in COMMANDS}
-    why = "a from_pretrained folder already: load it as it is"
-    return {c: (False, why) for c in COMMANDS}
+        if layout is None or not read_by_shardkit(layout, Path(desc.folder)):
+            return "fsdp-unread"
+        return {"SHARDED_STATE_DICT": "fsdp-sharded", "FULL_STATE_DICT": "fsdp-full",
+                SHARDED_PER_RANK: "fsdp-per-rank"}.get(layout.state_dict_type, "fsdp-unread")
+    return "hf-model" if desc.trainer_folder is None else "trainer-weights"
+
+
+def _facts(desc: CheckpointDescription) -> dict[str, str]:
+    layout = fsdp_layout(Path(desc.folder)) if desc.format == "accelerate-fsdp" else None
+    return {"path": desc.path, "folder": desc.folder, "stage": str(desc.stage),
+            "world": str(desc.world_size) if desc.world_size else "the same number of",
+            "unread": unread_why(layout) if layout is not None else "no accelerate FSDP files found"}
 
 
 def verdicts(desc: CheckpointDescription) -> list[Verdict]:
-    """What each checkpoint command does with ``desc`` today, or why it refuses it."""
-    blocked = blocking_reason(desc)
-    if blocked is not None:
-        return [Verdict(c, True, taken) if (taken := _taken(desc, c)) else Verdict(c, False, blocked) for c in COMMANDS]
-    table = _per_format(desc)
-    return [Verdict(c, *table[c]) for c in COMMANDS]
+    """What each command in ``COMMANDS`` does with ``desc`` today, or why it refuses it."""
+    row, facts = TABLE[_key(desc)], _facts(desc)
+    blocked = "; and ".join(r.message() for r in desc.refusals)
+    out = []
+    for command in COMMANDS:
+        if command == "verify":
+            has_manifest = desc.manifest != "absent"
+            cell = _MANIFEST if has_manifest else row.get("plain_verify", _own("no shardkit manifest, and no "
+                                                                               "structural check of this layout"))
+        elif blocked:
+            cell = _guard(blocked)
+        else:
+            cell = row[command]
+        why = cell.why
+        for name, value in facts.items():
+            why = why.replace("{" + name + "}", value)
+        out.append(Verdict(command, cell.applies, why, cell.guarded))
+    return out
+
+
+def _cheap_description(folder: Path, given: str) -> CheckpointDescription | None:
+    """What ``refuse_unsupported`` needs of ``folder``, reading names and, for DeepSpeed, rank 0's small
+    pickles only (a DCP ``.metadata``, megabytes at scale, is left unread); None for the layouts whose
+    refusals are the commands' own (accelerate's FSDP files) or that this module does not know."""
+    if is_deepspeed_folder(folder):
+        return read_folder(folder, given, describe_deepspeed)
+    if (folder / METADATA_NAME).is_file():
+        return CheckpointDescription(path=given, folder=str(folder), format="dcp", layout="DCP")
+    if fsdp_layout(folder) is None and any((folder / n).is_file() for n in HF_WEIGHTS) and not _trainer(folder):
+        return CheckpointDescription(path=given, folder=str(folder), format="hf-model", layout="Hugging Face")
+    return None  # a Trainer checkpoint-N's own refusals say what the Trainer saved and why it does not resume
+
+
+def _trainer(folder: Path) -> bool:
+    return (folder / TRAINER_STATE).is_file() or CHECKPOINT_DIR.match(folder.name) is not None
 
 
 def refuse_unsupported(path: str | Path, command: str) -> None:
-    """Raise CheckpointError when ``path`` is a layout ``command`` must not read (see the module doc),
-    naming the marker, the file and where to go; nothing has been written when it raises.
-
-    Reads small files only: the names of the folder, then rank 0's DeepSpeed model-states and
-    optimizer pickles (no manifest, no DCP metadata). A path it cannot describe is not refused here:
-    the command's own reader says what is wrong with it.
+    """Raise CheckpointError when ``path`` is a layout whose ``command`` cell is a guarded refusal (see
+    the module doc), naming the marker or the layout and where to go; nothing has been written when it
+    raises. A path it cannot describe is not refused here: the command's own reader names the problem.
     """
     try:
-        where = locate_checkpoint(path)
-        # every layout refused here is DeepSpeed's: a DCP source's .metadata (megabytes at scale) is left unread
-        if not is_deepspeed_folder(where.folder):
-            return
-        desc = read_folder(where.folder, str(path), describe_deepspeed)
+        desc = _cheap_description(locate_checkpoint(path).folder, str(path))
     except (CheckpointError, OSError):
         return  # not a layout this module knows, or unreadable: the command's own reader names the problem
-    blocked = blocking_reason(desc)
-    if blocked is not None and _taken(desc, command) is None:
-        raise CheckpointError(f"shardkit {command} refuses {path}: {blocked}. Nothing was written")
+    if desc is None:
+        return
+    found = next((v for v in verdicts(desc) if v.command == command), None)
+    if found is not None and not found.applies and found.guarded:
+        raise CheckpointError(f"shardkit {command} refuses {path}: {found.why}. Nothing was written")

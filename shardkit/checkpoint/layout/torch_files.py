@@ -12,7 +12,12 @@ import struct
 from pathlib import Path
 
 from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, read_plain_metadata
-from shardkit.checkpoint.hf_trainer.fsdp_files import FsdpLayout
+from shardkit.checkpoint.hf_trainer.fsdp_files import (
+    SHARDED_PER_RANK,
+    FsdpLayout,
+    holds_sharded_tensors,
+    read_by_shardkit,
+)
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef, read_structure
@@ -105,11 +110,14 @@ def describe_accelerate_fsdp(folder: Path, layout: FsdpLayout, given: str) -> Ch
         optim = folder / layout.optimizer[0].rstrip("/") if layout.optimizer else None
         _fill_from_dcp(desc, folder / layout.model[0].rstrip("/"), optim)
         desc.world_size = layout.ranks
-    elif layout.state_dict_type == "FULL_STATE_DICT":
-        _full_state_file(desc, folder / layout.model[0])
-        desc.optimizer = "saved" if layout.optimizer else None
     else:
         desc.optimizer = "saved" if layout.optimizer else None
+        if layout.state_dict_type == "FULL_STATE_DICT":
+            _full_state_file(desc, folder / layout.model[0])
+        if layout.state_dict_type in ("FULL_STATE_DICT", SHARDED_PER_RANK) and read_by_shardkit(layout, folder):
+            # what their pickles hold beyond names (ShardedTensor/DTensor shapes, the optimizer) is the reader's to say
+            desc.reader_kind = "fsdp1-full" if layout.state_dict_type == "FULL_STATE_DICT" else (
+                "fsdp1-sharded-bins" if holds_sharded_tensors(folder / layout.model[0]) else "fsdp2-sharded-bins")
     if not layout.optimizer:
         desc.notes.append("no optimizer state saved: it can start a run, not resume one")
     return desc

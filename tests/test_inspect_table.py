@@ -1,0 +1,122 @@
+"""The command table ``shardkit inspect`` prints (``checkpoint.layout.support.TABLE``) says the truth:
+for a real save of every layout, every command inspect says applies is run and succeeds, and every
+command it says does not apply is run and refuses (exit 1 or 2) with inspect's reason in its message
+(the reason's first sentence, the words the command itself refuses with). A layout added to the table
+without a source here, or a command changed without its cell, fails this test.
+
+Sources: DeepSpeed ZeRO-1/2/3 and universal saves, the refusal markers and a Trainer checkpoint-N
+(tests/_ranks_layouts.py); accelerate's FSDP saves of the same tiny Llama in each layout
+(tests/_ranks_inspect.py); shardkit's FSDP2 save, a resharded ZeRO-3 with a manifest and a converted
+DCP folder (the hostile sweep's sources); a from_pretrained folder, and the same weights as a Trainer
+checkpoint-N saved without DeepSpeed or sharded FSDP.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import _ranks_inspect as I
+from tests import _ranks_layouts as L
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+DEEPSPEED = ("zero1", "zero2_bf16", "zero2_offload", "zero3", "universal", "trainer_zero2",
+             "autoep", "tensor_parallel", "pipeline", "moe", "nvme")
+SWEEP = ("fsdp2", "zero3_sealed", "fsdp2_converted")
+KINDS = (*DEEPSPEED, *I.ACCELERATE_SAVES, *SWEEP, "hf", "trainer_weights")
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory, sweep_sources) -> dict[str, Path]:
+    from shardkit.engines.model_factory import tiny_llama
+    from shardkit.run.spawn.process import run_ranks
+
+    base = tmp_path_factory.getbasetemp()
+    out: dict[str, Path] = dict(L.build_layouts(base / "layouts"))
+    run_ranks(I.save_accelerate_layouts, 2, args=(str(base / "accelerate"),), timeout=400, device="cpu")
+    out.update({label: base / "accelerate" / label / "checkpoint-2" for label in I.ACCELERATE_SAVES})
+    out.update({kind: sweep_sources.root(kind) for kind in SWEEP})
+    tiny_llama("tiny", seed=0).save_pretrained(base / "hf_model")
+    out["hf"] = base / "hf_model"
+    # a Trainer checkpoint-N saved without DeepSpeed or sharded FSDP: the weights and the Trainer's state
+    out["trainer_weights"] = base / "trainer_weights" / "checkpoint-3"
+    shutil.copytree(out["hf"], out["trainer_weights"])
+    (out["trainer_weights"] / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    configs = base / "ds_configs"
+    configs.mkdir(exist_ok=True)
+    for stage in (1, 2, 3):
+        (configs / f"zero{stage}.json").write_text(json.dumps(L.ds_config(stage, "bf16", False, 1)))
+    out["ds_configs"], out["model_config"] = configs, sweep_sources.root("model_config")
+    return out
+
+
+def _argv(command: str, src: Path, out: Path, sources: dict[str, Path]) -> list[Any]:
+    """The command line a user would type for ``command`` on ``src``, writing under ``out``."""
+    if command == "reshard":
+        return ["reshard", src, "--world-size", "1", "-o", out]
+    if command.startswith("convert --to zero"):
+        target = command.split()[-1]
+        return ["convert", src, "--to", target, "--world-size", "1", "--ds-config",
+                sources["ds_configs"] / f"{target}.json", "-o", out]
+    if command.startswith("convert --to "):
+        return ["convert", src, "--to", command.split()[-1], "-o", out]
+    if command == "consolidate":
+        return ["consolidate", src, "-o", out / "model.safetensors"]
+    if command == "export":
+        return ["export", src, "-o", out, "--model-config", sources["model_config"]]
+    assert command == "verify", command
+    return ["verify", src, "--json"]
+
+
+def _texts(value: Any) -> str:
+    """Every string in a --json report, one per line (verify's findings are in its JSON, not stderr)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return "\n".join(_texts(v) for v in value.values())
+    if isinstance(value, list):
+        return "\n".join(_texts(v) for v in value)
+    return ""
+
+
+def _reason(why: str) -> str:
+    """The part of a refusal inspect shows that the command's own message must contain."""
+    return why.split(". ")[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_cell_is_what_the_command_does(sources, tmp_path, run_cli, kind):
+    from shardkit.checkpoint.layout.support import COMMANDS
+
+    src = sources[kind]
+    code, stdout, err = run_cli("inspect", src, "--json")
+    assert code == 0, err
+    cells = {c["command"]: c for c in json.loads(stdout)["commands"]}
+    assert tuple(cells) == COMMANDS
+    wrong = []
+    for n, command in enumerate(COMMANDS):
+        out = tmp_path / f"out{n}"
+        code, stdout, err = run_cli(*_argv(command, src, out, sources))
+        said = err + (_texts(json.loads(stdout)) if command == "verify" and stdout.lstrip().startswith("{") else "")
+        cell = cells[command]
+        if cell["applies"] and code != 0:
+            wrong.append(f"{command}: inspect says it applies ({cell['why']}) but it exits {code}: {said[-600:]}")
+        elif not cell["applies"] and (code not in (1, 2) or _reason(cell["why"]) not in said):
+            wrong.append(f"{command}: inspect says {cell['why']!r}, the command exits {code}: {said[-600:]}")
+        elif not cell["applies"] and command != "verify":
+            assert not out.exists(), f"{command} refused {src} but wrote {out}"
+    assert not wrong, f"{kind} ({src}):\n" + "\n".join(wrong)
+
+
+def test_every_row_has_a_cell_for_every_command():
+    """A new layout or command is one row or one column: no row may leave a command out."""
+    from shardkit.checkpoint.layout.support import COMMANDS, TABLE
+
+    for key, row in TABLE.items():
+        missing = [c for c in COMMANDS if c != "verify" and c not in row]
+        assert not missing, f"row {key} has no cell for {missing}"
