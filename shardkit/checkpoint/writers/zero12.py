@@ -246,12 +246,15 @@ class Zero12Files:
         if self.plain:
             segs: list[Segment] = []
             for part in parts:
-                if isinstance(part, int):
-                    segs.append(Segment(None, 0, part * _ITEMSIZE[dtype]))
-                else:
-                    got = tensor_segments(*part)
-                    assert got is not None  # plain: every tensor is byte ranges (_first_not_byte_ranges)
-                    segs.extend(got)
+                got = [Segment(None, 0, part * _ITEMSIZE[dtype])] if isinstance(part, int) else tensor_segments(*part)
+                assert got is not None  # plain: every tensor is byte ranges (_first_not_byte_ranges)
+                for seg in got:
+                    # neighbours in the buffer are neighbours in a source rank's file: one read, not one per parameter
+                    last = segs[-1] if segs else None
+                    if last is not None and last.path == seg.path and (seg.path is None or last.offset + last.nbytes == seg.offset):
+                        segs[-1] = Segment(last.path, last.offset, last.nbytes + seg.nbytes)
+                    else:
+                        segs.append(seg)
             return NewTensor(dtype, total, segs)
         import torch  # lazy: the torch route only
 
