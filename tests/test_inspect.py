@@ -114,6 +114,7 @@ def test_markers_are_listed_as_refusals(layouts, run_cli, label, marker):
     assert verify["applies"] and verify["why"].startswith("a structural check")
     code, stdout, _ = run_cli("inspect", layouts[label])
     assert code == 0 and "refused: " in stdout and marker in stdout
+    assert stdout.count(marker) == 1 and "  no   export                 refused for the marker above" in stdout
 
 
 def test_a_trainer_checkpoint_wrapping_zero2(layouts, run_cli):

@@ -24,9 +24,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
             "safetensors headers; never tensor bytes, so time and memory do not grow with the checkpoint): "
             "DeepSpeed ZeRO-0..3 (precision, offload), universal checkpoints, FSDP2/DCP, the FSDP files "
             "Accelerate and the Trainer write, Hugging Face folders, and a Trainer checkpoint-N or output_dir "
-            "wrapping any of them. Lists each checkpoint command (reshard, convert, consolidate, export) with "
-            "what it would do or why it refuses, and the markers nothing converts correctly (AutoEP, MoE "
-            "expert files, tensor/pipeline parallel ranks, NVMe-swapped optimizer state). A shardkit manifest "
+            "wrapping any of them. Lists each checkpoint command (reshard, convert --to zero1|zero2|zero3|fsdp2|"
+            "universal, consolidate, export, verify) with what it would do or why it refuses, and the markers "
+            "nothing converts correctly (AutoEP, MoE expert files, tensor/pipeline parallel ranks, NVMe-swapped "
+            "optimizer state). A shardkit manifest "
             "is checked for sizes (`shardkit verify` checks the digests). Exit 0: described; 1: not a "
             "checkpoint shardkit knows."
         ),
@@ -65,7 +66,10 @@ def _lines(desc: "CheckpointDescription", verdicts: "list[Verdict]") -> list[str
         out.append(f"commands: none takes it today: {verdicts[0].why}")
     else:
         out.append("commands:")
-        out.extend(f"  {'yes' if v.applies else 'no ':<3}  {v.command:<22} {v.why}" for v in verdicts)
+        marked = "; and ".join(r.message() for r in desc.refusals)
+        for v in verdicts:  # a marker's refusal is printed once, above; --json carries it in every cell
+            why = "refused for the marker above" if desc.refusals and v.why == marked else v.why
+            out.append(f"  {'yes' if v.applies else 'no ':<3}  {v.command:<22} {why}")
     out.extend(f"note: {n}" for n in desc.notes)
     return out
 
