@@ -252,6 +252,16 @@ def test_a_folder_no_reader_knows_keeps_the_manifest_checks_words(run_cli, tmp_p
     assert code == 1 and "check" not in report  # nothing structural was claimed
     assert _errors(report)[0]["rule"] == "ckpt.none_complete"
     assert _errors(report)[0]["message"] == f"no completed checkpoint under {tmp_path}"
+    assert "not a checkpoint shardkit knows (it holds ['notes.txt'])" in _errors(report)[1]["message"]
+
+
+def test_plain_tags_without_latest_are_named_as_ambiguous(saves, run_cli, tmp_path):
+    for tag in ("global_step2", "global_step4"):
+        shutil.copytree(_tag(saves["zero2"]), tmp_path / "root" / tag)
+    code, report = _verify(run_cli, tmp_path / "root")
+    assert code == 1
+    assert any("has no 'latest' file, so which tag to read is ambiguous" in f["message"] and "global_step4" in f["message"]
+               for f in _errors(report)), _errors(report)
 
 
 def test_at_eight_ranks_a_lost_rank_and_a_rank_of_another_save_are_named(saves, run_cli, tmp_path):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from shardkit.commands._parser import Stopwatch, add_command, add_engine, add_json, add_no_verify, add_world_size
 
 if TYPE_CHECKING:
-    from shardkit.core.findings import Finding
+    from shardkit.core.findings import Report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     # a Trainer checkpoint-N or output_dir (None: not Trainer-shaped, the plain rules apply)
     report = verify_trainer_checkpoint(args.checkpoint, **kw) or verify_checkpoint(args.checkpoint, **kw)
     if report.manifest is None and any(f.rule in _NO_MANIFEST for f in report.errors):
-        code = _run_plain(args, engine, clock, [f for f in report.findings if f.rule not in _NO_MANIFEST])
+        code = _run_plain(args, engine, clock, report)
         if code is not None:
             return code
     if args.write_manifest:
@@ -85,19 +85,23 @@ def run(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-def _run_plain(args: argparse.Namespace, engine: str | None, clock: Stopwatch, carried: list[Finding]) -> int | None:
+def _run_plain(args: argparse.Namespace, engine: str | None, clock: Stopwatch, manifest_report: Report) -> int | None:
     """The structural check of a checkpoint without a manifest (and, on request, its manifest written);
     None when it is no checkpoint a reader knows: the manifest check's own words then say what is missing
-    (a Trainer checkpoint-N without its DeepSpeed save, a root with only interrupted saves). ``carried``:
-    that check's findings that hold without a manifest (the Trainer's newest checkpoint, its RNG files)."""
+    (a Trainer checkpoint-N without its DeepSpeed save, a root with only interrupted saves; for a folder
+    with no complete checkpoint the readers' reason is added: tags without 'latest', what the folder holds).
+    The manifest check's findings that hold without a manifest (the Trainer's newest checkpoint, its RNG
+    files) are carried over."""
     from shardkit.checkpoint.ops.verify_structure import NO_DIGESTS, verify_structure, write_plain_manifest
     from shardkit.commands._parser import emit_json
     from shardkit.core.render import print_report
 
     report = verify_structure(args.checkpoint, world_size=args.world_size, engine=engine)
     if report.kind is None:
+        if any(f.rule == "ckpt.none_complete" for f in manifest_report.errors):
+            manifest_report.extend(report.errors)
         return None
-    report.extend(carried)
+    report.extend(f for f in manifest_report.findings if f.rule not in _NO_MANIFEST)
     if args.no_verify:
         import sys
 

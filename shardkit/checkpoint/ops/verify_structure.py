@@ -277,7 +277,14 @@ def verify_structure(path: str | Path, *, world_size: int | None = None,
     try:
         source = resolve_source(path)
     except (CheckpointError, UsageError) as exc:
-        _error(report, "path", str(path), str(exc), "pass a checkpoint root, tag folder, DCP folder or Trainer "
+        why = str(exc)
+        try:  # the layout detection's words say what the folder holds, where it knows none of it
+            describe_checkpoint(path, check_manifest=False)
+        except CheckpointError as unknown:
+            why = str(unknown)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
+            pass
+        _error(report, "path", str(path), why, "pass a checkpoint root, tag folder, DCP folder or Trainer "
                "checkpoint-N (`shardkit inspect PATH` says what a folder is)", "ckpt.structure.unknown")
         return report
     report.kind, report.tensor_folder = source.kind, str(source.tag_dir)
