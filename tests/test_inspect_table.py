@@ -6,7 +6,7 @@ without a source here, or a command changed without its cell, fails this test.
 
 Sources: DeepSpeed ZeRO-1/2/3 and universal saves, the refusal markers and a Trainer checkpoint-N
 (tests/_ranks_layouts.py); accelerate's FSDP saves of the same tiny Llama in each layout
-(tests/_ranks_inspect.py); shardkit's FSDP2 save, a resharded ZeRO-3 with a manifest and a converted
+(tests/_ranks_inspect.py), two of them without optimizer state, one outside a Trainer checkpoint-N; shardkit's FSDP2 save, a resharded ZeRO-3 with a manifest and a converted
 DCP folder (the hostile sweep's sources); a from_pretrained folder, and the same weights as a Trainer
 checkpoint-N saved without DeepSpeed or sharded FSDP.
 """
@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 DEEPSPEED = ("zero1", "zero2_bf16", "zero2_offload", "zero3", "universal", "trainer_zero2",
              "autoep", "tensor_parallel", "pipeline", "moe", "nvme")
 SWEEP = ("fsdp2", "zero3_sealed", "fsdp2_converted")
-KINDS = (*DEEPSPEED, *I.ACCELERATE_SAVES, *SWEEP, "hf", "trainer_weights")
+WEIGHTS_ONLY = ("fsdp1_bins_weights_only", "fsdp2_full_plain_weights_only")
+KINDS = (*DEEPSPEED, *I.ACCELERATE_SAVES, *WEIGHTS_ONLY, *SWEEP, "hf", "trainer_weights")
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +48,12 @@ def sources(tmp_path_factory, sweep_sources) -> dict[str, Path]:
     out["trainer_weights"] = base / "trainer_weights" / "checkpoint-3"
     shutil.copytree(out["hf"], out["trainer_weights"])
     (out["trainer_weights"] / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    # saved without optimizer state (save_only_model, or accelerate's save_fsdp_model alone): inside a Trainer
+    # checkpoint-N, and as a plain folder (accelerate's save_state outside the Trainer)
+    out["fsdp1_bins_weights_only"] = base / "weights_only" / "checkpoint-2"
+    shutil.copytree(out["fsdp1_bins"], out["fsdp1_bins_weights_only"], ignore=shutil.ignore_patterns("optimizer_*"))
+    out["fsdp2_full_plain_weights_only"] = base / "weights_only" / "accelerate_state"
+    shutil.copytree(out["fsdp2_full"], out["fsdp2_full_plain_weights_only"], ignore=shutil.ignore_patterns("optimizer*"))
     configs = base / "ds_configs"
     configs.mkdir(exist_ok=True)
     for stage in (1, 2, 3):

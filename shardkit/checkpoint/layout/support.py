@@ -192,7 +192,32 @@ def _facts(desc: CheckpointDescription) -> dict[str, str]:
     layout = fsdp_layout(Path(desc.folder)) if desc.format == "accelerate-fsdp" else None
     return {"path": desc.path, "folder": desc.folder, "stage": str(desc.stage),
             "world": str(desc.world_size) if desc.world_size else "the same number of",
-            "unread": unread_why(layout) if layout is not None else "no accelerate FSDP files found"}
+            "unread": unread_why(layout) if layout is not None else "no accelerate FSDP files found",
+            "reader": desc.reader_kind or _READER.get(_key(desc), "")}
+
+
+#: The registry kind each row's reader is (the weights-only refusals name it); per-rank files: ``reader_kind``.
+_READER = {"fsdp-sharded": "fsdp1-sharded", "fsdp-full": "fsdp1-full", "dcp": "dcp"}
+_WEIGHTS_ONLY = _own("shardkit's {reader} reader describes this checkpoint's weights only, not its optimizer state. "
+                     "For the weights alone: shardkit export or consolidate")
+_NO_OPTIMIZER = _own("It holds no optimizer state (TrainingArguments.save_only_model=True, or the save was "
+                     "interrupted), so it can start a new run but not resume one")
+_NOT_TRAINER = _guard("accelerate's FSDP files need no reshard: shardkit reshard rewrites DeepSpeed rank files. For "
+                      "DeepSpeed: convert --to zero3 (or zero2/zero1) --world-size N; for FSDP2: convert --to fsdp2")
+
+
+def _wrapped(desc: CheckpointDescription, command: str) -> Cell | None:
+    """What the save around a layout changes in its row, or None: accelerate's FSDP files or a DCP folder
+    saved without optimizer state (no convert target), accelerate's files outside a Trainer checkpoint-N
+    (reshard's Trainer check does not see them)."""
+    if desc.format not in ("accelerate-fsdp", "dcp") or _key(desc) == "fsdp-unread":
+        return None
+    already = desc.format == "dcp" and command == "convert --to fsdp2"  # the command says so first
+    if desc.optimizer is None and command.startswith("convert --to ") and not already:
+        return _WEIGHTS_ONLY
+    if desc.format == "accelerate-fsdp" and command == "reshard":
+        return _NOT_TRAINER if desc.trainer_folder is None else _NO_OPTIMIZER if desc.optimizer is None else None
+    return None
 
 
 def verdicts(desc: CheckpointDescription) -> list[Verdict]:
@@ -208,7 +233,7 @@ def verdicts(desc: CheckpointDescription) -> list[Verdict]:
         elif blocked:
             cell = _guard(blocked)
         else:
-            cell = row[command]
+            cell = _wrapped(desc, command) or row[command]
         why = cell.why
         for name, value in facts.items():
             why = why.replace("{" + name + "}", value)
@@ -224,7 +249,11 @@ def _cheap_description(folder: Path, given: str) -> CheckpointDescription | None
         return read_folder(folder, given, describe_deepspeed)
     if (folder / METADATA_NAME).is_file():
         return CheckpointDescription(path=given, folder=str(folder), format="dcp", layout="DCP")
-    if fsdp_layout(folder) is None and any((folder / n).is_file() for n in HF_WEIGHTS) and not _trainer(folder):
+    fsdp = fsdp_layout(folder)
+    if fsdp is not None and not _trainer(folder):  # reshard's Trainer check names the Trainer's own FSDP folders
+        return CheckpointDescription(path=given, folder=str(folder), format="accelerate-fsdp", layout="FSDP",
+                                     state_dict_type=fsdp.state_dict_type, optimizer="saved" if fsdp.optimizer else None)
+    if fsdp is None and any((folder / n).is_file() for n in HF_WEIGHTS) and not _trainer(folder):
         return CheckpointDescription(path=given, folder=str(folder), format="hf-model", layout="Hugging Face")
     return None  # a Trainer checkpoint-N's own refusals say what the Trainer saved and why it does not resume
 
