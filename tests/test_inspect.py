@@ -111,7 +111,7 @@ def test_markers_are_listed_as_refusals(layouts, run_cli, label, marker):
     converting = [c for c in d["commands"] if c["command"] != "verify"]
     assert not any(c["applies"] for c in converting) and all(marker in c["why"] for c in converting)
     verify = next(c for c in d["commands"] if c["command"] == "verify")  # checks the files, names the marker
-    assert verify["applies"] and verify["why"].startswith("a structural check")
+    assert verify["applies"] and verify["why"].startswith("a structural check, there being no manifest")
     code, stdout, _ = run_cli("inspect", layouts[label])
     assert code == 0 and "refused: " in stdout and marker in stdout
     assert stdout.count(marker) == 1 and "  no   export                 refused for the marker above" in stdout
@@ -161,7 +161,10 @@ def test_a_dcp_folder_and_a_hugging_face_folder(fsdp_saves, tmp_path, run_cli):
     d = _inspect(run_cli, fsdp_saves / "fsdp2_sharded" / "checkpoint-2" / "pytorch_model_fsdp_0")
     assert (d["format"], d["world_size"], d["parameters"], d["elements"]) == ("dcp", 2, 4, 340)
     applies = {c["command"]: c["applies"] for c in d["commands"]}
-    assert applies["convert --to zero3"] is True and applies["consolidate"] is True  # consolidate_model reads DCP
+    # the model folder alone holds no optimizer state: export and consolidate take it, no convert target does
+    assert applies["consolidate"] is True and applies["export"] is True
+    said = {c["command"]: c["why"] for c in d["commands"] if not c["applies"]}
+    assert said["convert --to zero3"].startswith("shardkit's dcp reader describes this checkpoint's weights only")
     save_file({"w": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(4)}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text("{}")
     d = _inspect(run_cli, tmp_path)

@@ -79,7 +79,7 @@ _TO_UNIVERSAL = _yes("a DeepSpeed universal checkpoint, resumed at any world siz
 _MASTERS = _yes("the fp32 masters (and frozen parameters, buffers) as one safetensors file")
 _WEIGHTS = _yes("the weights as one safetensors file")
 _EXPORT = _yes("a from_pretrained folder (the model's config.json: --model-config DIR, or the one beside it)")
-_STRUCTURE = _yes("a structural check (no shardkit manifest: every rank file present, byte ranges inside their "
+_STRUCTURE = _yes("a structural check, there being no manifest (every rank file present, byte ranges inside their "
                   "files, ranks agreeing, every tensor covered; no digests to compare)")
 _MANIFEST = _yes("checks every file's size and content digest against its shardkit manifest")
 
