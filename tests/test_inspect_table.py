@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 DEEPSPEED = ("zero1", "zero2_bf16", "zero2_offload", "zero3", "universal", "trainer_zero2",
              "autoep", "tensor_parallel", "pipeline", "moe", "nvme")
 SWEEP = ("fsdp2", "zero3_sealed", "fsdp2_converted")
-WEIGHTS_ONLY = ("fsdp1_bins_weights_only", "fsdp2_full_plain_weights_only")
+WEIGHTS_ONLY = ("fsdp1_bins_weights_only", "fsdp2_full_plain_weights_only", "dcp_model_folder")
 KINDS = (*DEEPSPEED, *I.ACCELERATE_SAVES, *WEIGHTS_ONLY, *SWEEP, "hf", "trainer_weights")
 
 
@@ -54,6 +54,7 @@ def sources(tmp_path_factory, sweep_sources) -> dict[str, Path]:
     shutil.copytree(out["fsdp1_bins"], out["fsdp1_bins_weights_only"], ignore=shutil.ignore_patterns("optimizer_*"))
     out["fsdp2_full_plain_weights_only"] = base / "weights_only" / "accelerate_state"
     shutil.copytree(out["fsdp2_full"], out["fsdp2_full_plain_weights_only"], ignore=shutil.ignore_patterns("optimizer*"))
+    out["dcp_model_folder"] = out["fsdp1_sharded"] / "pytorch_model_fsdp_0"  # a DCP folder of the weights alone
     configs = base / "ds_configs"
     configs.mkdir(exist_ok=True)
     for stage in (1, 2, 3):
