@@ -22,7 +22,7 @@ from typing import Any
 from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.storage.manifest import seal
-from shardkit.storage.torch_load import _ITEMSIZE, TensorRef, TorchSize, read_structure
+from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, read_structure
 from shardkit.storage.torch_pickle import NewTensor, pickle_structure
 from shardkit.storage.torch_zip import Segment, write_torch_zip
 
@@ -30,7 +30,7 @@ from shardkit.storage.torch_zip import Segment, write_torch_zip
 def _repeat(ref: TensorRef, numel: int) -> NewTensor:
     """``numel`` elements: ``ref``'s bytes over and over."""
     assert ref.path is not None and ref.file_offset is not None
-    unit, want = ref.numel * ref.itemsize, numel * _ITEMSIZE[ref.dtype]
+    unit, want = ref.numel * ref.itemsize, numel * ITEMSIZE[ref.dtype]
     segs, done = [], 0
     while done < want:
         n = min(unit, want - done)

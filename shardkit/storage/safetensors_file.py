@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import _ITEMSIZE
+from shardkit.storage.torch_load import ITEMSIZE
 
 #: torch dtype name (without ``torch.``) -> safetensors dtype code.
 ST_DTYPE = {
@@ -37,7 +37,7 @@ class TensorEntry:
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:

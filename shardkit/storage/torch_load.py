@@ -198,12 +198,12 @@ def _first_line(exc: BaseException) -> str:
 
 # torch.save's pickle names only these globals for plain CPU tensors; each maps to an inert local
 # stand-in, everything else is refused before it is called (Python's "restricting globals" recipe).
-_STORAGE_DTYPES = {
+STORAGE_DTYPES = {
     "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16", "DoubleStorage": "float64",
     "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
     "ByteStorage": "uint8", "BoolStorage": "bool",
 }
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
              "int8": 1, "uint8": 1, "bool": 1}
 
 
@@ -236,7 +236,7 @@ class TensorRef:
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     def is_contiguous(self) -> bool:
         expected, acc = [], 1
@@ -292,7 +292,7 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
     return out
 
 
-class _Dtype(str):
+class Dtype(str):
     """A torch dtype named in a pickle (e.g. a loss scaler's ``dtype``): its name only."""
 
 
@@ -307,10 +307,10 @@ def structure_globals() -> dict[tuple[str, str], Any]:
         ("torch", "Tensor"): _TensorType,
         ("torch", "Size"): TorchSize,
     }
-    for name in _STORAGE_DTYPES:
+    for name in STORAGE_DTYPES:
         allowed[("torch", name)] = name
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"):
-        allowed[("torch", name)] = _Dtype(name)
+        allowed[("torch", name)] = Dtype(name)
     for full, stub in _STUBS.items():
         module, attr = full.rsplit(".", 1)
         allowed[(module, attr)] = stub
@@ -362,9 +362,9 @@ def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | No
             if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
                 raise CheckpointError(f"{p}: unexpected persistent id {pid!r}: not a torch.save file")
             storage_type, key = pid[1], str(pid[2])
-            if storage_type not in _STORAGE_DTYPES:
+            if storage_type not in STORAGE_DTYPES:
                 raise CheckpointError(f"{p}: storage type {storage_type!r} is not supported")
-            return storages.setdefault(key, _Storage(key, _STORAGE_DTYPES[storage_type]))
+            return storages.setdefault(key, _Storage(key, STORAGE_DTYPES[storage_type]))
 
     try:
         with zipfile.ZipFile(p) as z, open(p, "rb") as fh:

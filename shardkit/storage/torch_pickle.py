@@ -22,17 +22,17 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from shardkit.storage.torch_load import (
-    _ITEMSIZE,
-    _STORAGE_DTYPES,
+    ITEMSIZE,
+    STORAGE_DTYPES,
     DeepSpeedObjectStub,
+    Dtype,
     TensorRef,
     TorchSize,
-    _Dtype,
 )
 from shardkit.storage.torch_zip import RecordData, Segment, SegmentedRecord
 
 #: ``float32`` -> ``FloatStorage``: the storage class torch.save names for each element type.
-STORAGE_TYPE = {dtype: name for name, dtype in _STORAGE_DTYPES.items()}
+STORAGE_TYPE = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class NewTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _ITEMSIZE[self.dtype]
+        return self.numel * ITEMSIZE[self.dtype]
 
 
 _GLOBALS: dict[tuple[str, str], type] = {}
@@ -71,7 +71,7 @@ class StubPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
             return (copyreg.__newobj__, (type(o), *args), state) if state else (type(o), args)  # type: ignore[attr-defined]
         if isinstance(o, TorchSize):
             return (torch_global("torch", "Size"), (tuple(o),))
-        if isinstance(o, _Dtype):
+        if isinstance(o, Dtype):
             return str(o)  # a string reduce means "save as a global": see save_global
         return NotImplemented
 
@@ -80,7 +80,7 @@ class StubPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
             module, attr = o.deepspeed_name.rsplit(".", 1)
         elif isinstance(o, type) and hasattr(o, "pickle_global"):
             module, attr = o.pickle_global
-        elif isinstance(o, _Dtype):
+        elif isinstance(o, Dtype):
             module, attr = "torch", str(o)  # torch.dtype.__reduce__ is its name in module torch
         else:
             super().save_global(o, name)  # type: ignore[misc]
@@ -137,7 +137,7 @@ class _StructurePickler(StubPickler):
 
     def persistent_id(self, o: Any) -> Any:
         if isinstance(o, _Storage):
-            numel = o.data.nbytes // _ITEMSIZE[o.dtype]
+            numel = o.data.nbytes // ITEMSIZE[o.dtype]
             return ("storage", torch_global("torch", STORAGE_TYPE[o.dtype]), o.key, "cpu", numel)
         return None
 

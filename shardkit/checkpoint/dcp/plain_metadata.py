@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import _Dtype
+from shardkit.storage.torch_load import Dtype
 
 _MD = "torch.distributed.checkpoint.metadata"
 #: The allow-list, shared with ``reader`` (which resolves the same names to torch's classes).
@@ -120,7 +120,7 @@ class _Unpickler(pickle.Unpickler):
         if module == "torch" and name == "Size":
             return tuple
         if module == "torch" and _DTYPE_NAME.match(name):
-            return _Dtype(name)
+            return Dtype(name)
         if module == "pathlib" and name in PATH_CLASSES:
             import pathlib
 
@@ -209,7 +209,7 @@ def _convert(raw: Any, p: Path) -> DcpMetadata:
             raise ValueError(f"{key}: properties is {type(props).__name__}")
         state = props.state
         dtype = state[0] if isinstance(state, tuple) else state.get("dtype") if isinstance(state, dict) else None
-        if not isinstance(dtype, _Dtype):
+        if not isinstance(dtype, Dtype):
             raise ValueError(f"{key}: dtype is {dtype!r}")
         chunks = tuple(ChunkMeta(_ints(c["offsets"], f"{key} chunk offsets"), _ints(c["sizes"], f"{key} chunk sizes"))
                        for c in (_fields(c, "ChunkStorageMetadata", key) for c in f["chunks"]))

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, StorageInfo, read_plain_metadata
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
-from shardkit.storage.torch_load import _ITEMSIZE, _STORAGE_DTYPES, TensorRef
+from shardkit.storage.torch_load import ITEMSIZE, STORAGE_DTYPES, TensorRef
 from shardkit.storage.torch_zip import pread_exact
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class _Probe(pickle.Unpickler):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return lambda storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None: (
                 "tensor", storage, offset, tuple(size), tuple(stride), bool(requires_grad), bool(hooks) or bool(metadata))
-        if module == "torch" and name in _STORAGE_DTYPES:
+        if module == "torch" and name in STORAGE_DTYPES:
             return name
         if (module, name) == ("collections", "OrderedDict"):
             import collections
@@ -163,11 +163,11 @@ def _tensor_record(fh: Any, base: int, length: int) -> _Record | None:
     if not (isinstance(got, tuple) and len(got) == 7 and got[0] == "tensor") or got[5] or got[6]:
         return None
     _, pid, storage_offset, size, stride, _, _ = got
-    dtype = _STORAGE_DTYPES.get(str(pid[1])) if len(pid) >= 3 else None
+    dtype = STORAGE_DTYPES.get(str(pid[1])) if len(pid) >= 3 else None
     if dtype is None or f"/data/{pid[2]}" not in record.filename or type(storage_offset) is not int:
         return None
     extent = 0 if 0 in size else 1 + sum((d - 1) * st for d, st in zip(size, stride))
-    if storage_offset < 0 or (storage_offset + extent) * _ITEMSIZE[dtype] > record.file_size:
+    if storage_offset < 0 or (storage_offset + extent) * ITEMSIZE[dtype] > record.file_size:
         return None
     fh.seek(base + record.header_offset)
     header = fh.read(30)
@@ -182,7 +182,7 @@ def _chunk_data_offset(fh: Any, base: int, length: int, shape: tuple[int, ...], 
     """Where a stored chunk's elements start, when its record is exactly them, row-major."""
     r = _tensor_record(fh, base, length)
     if (r is None or r.dtype != dtype or r.storage_offset != 0 or r.shape != shape or r.stride != _contiguous(shape)
-            or r.nbytes != math.prod(shape) * _ITEMSIZE[dtype]):
+            or r.nbytes != math.prod(shape) * ITEMSIZE[dtype]):
         return None
     return r.data_offset
 
@@ -323,7 +323,7 @@ class DcpSlices:
             return None
         if (ma.dtype, ma.size) != (mb.dtype, mb.size):
             return False
-        elsize, step, total = _ITEMSIZE[ma.dtype], (16 * 2**20) // _ITEMSIZE[ma.dtype], math.prod(ma.size)
+        elsize, step, total = ITEMSIZE[ma.dtype], (16 * 2**20) // ITEMSIZE[ma.dtype], math.prod(ma.size)
         for start in range(0, total, step):
             n = min(step, total - start)
             x, y = bytearray(n * elsize), bytearray(n * elsize)
@@ -347,7 +347,7 @@ class DcpSlices:
         return True
 
     def _read(self, key: str, chunks: list[_Chunk], start: int, view: memoryview) -> None:
-        elsize = _ITEMSIZE[self.md.tensors[key].dtype]
+        elsize = ITEMSIZE[self.md.tensors[key].dtype]
         stop = start + len(view) // elsize
         for ch in chunks:
             a, b = max(start, ch.start), min(stop, ch.start + ch.numel)

@@ -38,7 +38,7 @@ from shardkit.core.errors import CheckpointError, ShardkitError, UsageError
 from shardkit.storage.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.shared_save import Launch, launch_from_env
-from shardkit.storage.torch_load import _ITEMSIZE
+from shardkit.storage.torch_load import ITEMSIZE
 
 _OUT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: Kinds consolidate does not route here: ZeRO-3 keeps its own split path (each process copies its
@@ -106,7 +106,7 @@ def consolidate_model(
     ckpt = read_checkpoint(source.kind, source.tag_dir)
     out_name = _OUT_NAMES[dtype]
     tensors = output_tensors(ckpt, include_frozen)
-    nbytes = sum(t.numel * _ITEMSIZE[entry_dtype(t, out_name)] for t in tensors.values())
+    nbytes = sum(t.numel * ITEMSIZE[entry_dtype(t, out_name)] for t in tensors.values())
     job = ShardJob(Shard(out.name, tuple(tensors), nbytes), tensors, out_name)
     stored = {n for n in tensors if n not in ckpt.aliases and n not in ckpt.buffers}
     parameters = sum(tensors[n].numel for n in stored)

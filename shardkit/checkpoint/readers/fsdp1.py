@@ -36,7 +36,7 @@ from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.dcp import dcp_tensors
 from shardkit.checkpoint.readers.deepspeed_scalars import step_value
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import _ITEMSIZE, TensorRef, read_structure
+from shardkit.storage.torch_load import ITEMSIZE, TensorRef, read_structure
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +103,7 @@ def same_bytes(a: SourceTensor, b: SourceTensor) -> bool:
     if len(a.pieces) != 1 or len(b.pieces) != 1:
         return False
     pa, pb = a.pieces[0], b.pieces[0]
-    left, step = pa.numel * _ITEMSIZE[a.dtype], 16 * 2**20
+    left, step = pa.numel * ITEMSIZE[a.dtype], 16 * 2**20
     with open(pa.file, "rb") as fa, open(pb.file, "rb") as fb:
         fa.seek(pa.offset)
         fb.seek(pb.offset)

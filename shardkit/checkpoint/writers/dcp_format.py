@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from shardkit.storage.torch_load import _ITEMSIZE, TorchSize, _Dtype
+from shardkit.storage.torch_load import ITEMSIZE, Dtype, TorchSize
 from shardkit.storage.torch_pickle import STORAGE_TYPE, StubPickler, torch_global
 from shardkit.storage.torch_zip import (
     RecordData,
@@ -76,7 +76,7 @@ class TensorItem:
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of the torch dtype named ``dtype`` (``float32``...)."""
-    return _ITEMSIZE[dtype]
+    return ITEMSIZE[dtype]
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def metadata_pickle(tensors: list[TensorItem], values: list[ValueItem], stored: 
     for t in tensors:
         zeros = TorchSize((0,) * len(t.shape))
         # TensorProperties.__getstate__: (dtype, layout, requires_grad, memory-format encoding, pin_memory)
-        props = _instance(_MD, "TensorProperties", (_Dtype(t.dtype), layout, False, contiguous, False))
+        props = _instance(_MD, "TensorProperties", (Dtype(t.dtype), layout, False, contiguous, False))
         chunk = _instance(_MD, "ChunkStorageMetadata", {"offsets": zeros, "sizes": TorchSize(t.shape)})
         state_dict_md[t.key] = _instance(_MD, "TensorStorageMetadata",
                                          {"properties": props, "size": TorchSize(t.shape), "chunks": [chunk]})

@@ -53,7 +53,7 @@ from shardkit.platform.versions import package_version
 from shardkit.storage.manifest import FileEntry
 from shardkit.storage.pipeline import default_workers
 from shardkit.storage.stream import LazyTensor, Segment, WrittenFile, stream_save, write_parallel
-from shardkit.storage.torch_load import _ITEMSIZE, TensorRef, TorchSize, deepspeed_stub
+from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, deepspeed_stub
 from shardkit.storage.torch_pickle import NewTensor, pickle_structure
 from shardkit.storage.torch_zip import write_torch_zip
 
@@ -210,7 +210,7 @@ class Zero12Files:
 
     def optim_bytes(self) -> int:
         """About how many bytes one rank's optimizer file holds: its partitions of masters and states."""
-        return sum(layout.new_partition(self.world) * sum(_ITEMSIZE[self._dtype(g, k)] for k in (FP32, *self.flat_keys[g]))
+        return sum(layout.new_partition(self.world) * sum(ITEMSIZE[self._dtype(g, k)] for k in (FP32, *self.flat_keys[g]))
                    for g, layout in enumerate(self.layouts))
 
     def model_bytes(self) -> int:
@@ -246,7 +246,7 @@ class Zero12Files:
         if self.plain:
             segs: list[Segment] = []
             for part in parts:
-                got = [Segment(None, 0, part * _ITEMSIZE[dtype])] if isinstance(part, int) else tensor_segments(*part)
+                got = [Segment(None, 0, part * ITEMSIZE[dtype])] if isinstance(part, int) else tensor_segments(*part)
                 assert got is not None  # plain: every tensor is byte ranges (_first_not_byte_ranges)
                 for seg in got:
                     # neighbours in the buffer are neighbours in a source rank's file: one read, not one per parameter

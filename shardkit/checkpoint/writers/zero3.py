@@ -50,7 +50,7 @@ from shardkit.platform.versions import package_version
 from shardkit.storage.manifest import FileEntry
 from shardkit.storage.pipeline import default_workers
 from shardkit.storage.stream import LazyTensor, Segment, WrittenFile, stream_save, write_parallel
-from shardkit.storage.torch_load import TensorRef, TorchSize, deepspeed_stub
+from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, deepspeed_stub
 from shardkit.storage.torch_pickle import NewTensor, pickle_structure
 from shardkit.storage.torch_zip import write_torch_zip
 
@@ -63,7 +63,6 @@ ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 ZERO_STAGE = "deepspeed.runtime.zero.config.ZeroStageEnum"
 LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
 
 
 @dataclass
@@ -145,7 +144,7 @@ def tensor_segments(t: SourceTensor, lo: int, hi: int) -> list[Segment] | None:
     """Elements ``[lo, hi)`` of ``t`` as byte ranges of its pieces; None when a loader holds it."""
     if t.load is not None:
         return None
-    size = _ITEMSIZE[t.dtype]
+    size = ITEMSIZE[t.dtype]
     out = []
     for p in sorted(t.pieces, key=lambda p: p.start):
         a, b = max(lo, p.start), min(hi, p.start + p.numel)
@@ -156,7 +155,7 @@ def tensor_segments(t: SourceTensor, lo: int, hi: int) -> list[Segment] | None:
 
 def _whole_ref(t: SourceTensor, key: str) -> TensorRef | None:
     """``t`` stored whole as one piece (a buffer, an Adam step) as a record ``torch_pickle`` copies."""
-    if t.load is not None or len(t.pieces) != 1 or t.dtype not in _ITEMSIZE:
+    if t.load is not None or len(t.pieces) != 1 or t.dtype not in ITEMSIZE:
         return None
     p = t.pieces[0]
     stride, acc = [], 1
@@ -164,7 +163,7 @@ def _whole_ref(t: SourceTensor, key: str) -> TensorRef | None:
         stride.append(acc)
         acc *= d
     ref = TensorRef(key, t.dtype, 0, t.shape, tuple(reversed(stride)))
-    ref.path, ref.file_offset, ref.record_offset, ref.record_nbytes = str(p.file), p.offset, p.offset, p.numel * _ITEMSIZE[t.dtype]
+    ref.path, ref.file_offset, ref.record_offset, ref.record_nbytes = str(p.file), p.offset, p.offset, p.numel * ITEMSIZE[t.dtype]
     return ref
 
 
@@ -174,7 +173,7 @@ def read_slice(t: SourceTensor, lo: int, hi: int) -> "torch.Tensor":
 
     if t.load is not None:
         return t.load().reshape(-1)[lo:hi]
-    size = _ITEMSIZE[t.dtype]
+    size = ITEMSIZE[t.dtype]
     buf = bytearray((hi - lo) * size)
     for p in t.pieces:
         a, b = max(lo, p.start), min(hi, p.start + p.numel)
@@ -269,7 +268,7 @@ class RankStates:
         n = self.layout.world_size
         flat = sum(self.layout.sub_group_numel(j) for j in range(len(self.layout.sub_groups)))
         frozen = sum(partition_numel(self.ckpt.weights[f].numel, n) for f in self.frozen)
-        return len(ranks) * (flat * 4 * (1 + len(ADAM_STATE_KEYS)) + frozen * _ITEMSIZE[self.module_dtype])
+        return len(ranks) * (flat * 4 * (1 + len(ADAM_STATE_KEYS)) + frozen * ITEMSIZE[self.module_dtype])
 
     def model_states(self, rank: int) -> dict[str, Any]:
         """``DeepSpeedEngine._common_checkpoint_state`` (+ client state, last, as ``state.update``)."""
@@ -330,7 +329,7 @@ class RankStates:
         lo, hi = rank_range(rank, pn, t.numel)
         segments = tensor_segments(t, lo, hi) if t.dtype == self.module_dtype else None
         if segments is not None and pn > hi - lo:
-            segments.append(Segment(None, 0, (pn - (hi - lo)) * _ITEMSIZE[self.module_dtype]))
+            segments.append(Segment(None, 0, (pn - (hi - lo)) * ITEMSIZE[self.module_dtype]))
         if self.plain and segments is not None:
             return NewTensor(self.module_dtype, pn, segments)
         import torch  # lazy: the torch route only

@@ -25,7 +25,7 @@ from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.repartition import TargetLayout, optim_dict
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import _ITEMSIZE, TensorRef, TorchSize, read_structure
+from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, read_structure
 from shardkit.storage.torch_pickle import NewTensor, pickle_structure
 from shardkit.storage.torch_zip import RecordData, Segment
 
@@ -65,7 +65,7 @@ class ReshardPlan:
         """Every output file: the optimizer files first (the large ones), then the model files."""
         ranks = range(self.layout.world_size)
         flat_bytes = sum(self.layout.sub_group_numel(j) for j in range(len(self.layout.sub_groups)))
-        per_element = 4 + sum(_ITEMSIZE[d] for d in self._state_dtypes().values())
+        per_element = 4 + sum(ITEMSIZE[d] for d in self._state_dtypes().values())
         optim = [OutputFile(OPTIM_FILE.format(prefix=self.prefix, rank=r), flat_bytes * per_element,
                             functools.partial(self._build_optim, r)) for r in ranks]
         model = [OutputFile(MODEL_FILE.format(rank=r), 0, functools.partial(self._build_model, r)) for r in ranks]
@@ -102,7 +102,7 @@ class ReshardPlan:
 
     def _partition(self, rank: int, sub_group: int, key: str, dtype: str) -> NewTensor:
         """New rank ``rank``'s flat ``key`` tensor of ``sub_group``: source byte ranges and zero runs."""
-        size = _ITEMSIZE[dtype]
+        size = ITEMSIZE[dtype]
         segs: list[Segment] = []
 
         def add(path: str | None, offset: int, nbytes: int) -> None:
@@ -192,5 +192,5 @@ class ReshardPlan:
                 segs.append(Segment(frag.path, frag.file_offset + (a - at) * frag.itemsize, (b - a) * frag.itemsize))
         assert dtype is not None
         if pn > hi - lo:
-            segs.append(Segment(None, 0, (pn - (hi - lo)) * _ITEMSIZE[dtype]))
+            segs.append(Segment(None, 0, (pn - (hi - lo)) * ITEMSIZE[dtype]))
         return NewTensor(dtype, pn, segs)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import _ITEMSIZE
+from shardkit.storage.torch_load import ITEMSIZE
 
 if TYPE_CHECKING:
     import torch
@@ -297,7 +297,7 @@ def _windowed(src: SourceTensor, view: View, name: str) -> SourceTensor:
         return SourceTensor(src.name, src.dtype, view.shape, load=lambda: _strided(_read(src), view))
     pieces, at = [], 0
     ordered = sorted(src.pieces, key=lambda p: p.start)
-    size = _ITEMSIZE[src.dtype]
+    size = ITEMSIZE[src.dtype]
     for first, count in runs:
         for p in ordered:  # the source pieces this run overlaps, clipped to it
             lo, hi = max(first, p.start), min(first + count, p.start + p.numel)
@@ -334,7 +334,7 @@ def _read(t: SourceTensor) -> torch.Tensor:
 
     if t.load is not None:
         return t.load()
-    size = _ITEMSIZE[t.dtype]
+    size = ITEMSIZE[t.dtype]
     buf = bytearray(t.numel * size)
     for p in t.pieces:
         fd = os.open(p.file, os.O_RDONLY)

@@ -42,7 +42,7 @@ from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import atomic_write_text, disk_full_named, os_errors_named, publish_dir
 from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
-from shardkit.storage.torch_load import _ITEMSIZE
+from shardkit.storage.torch_load import ITEMSIZE
 
 OUTPUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -128,7 +128,7 @@ def export_hf_folder(
             _model_plan(tensors, aliases, src, config_dir, dtype))
     notes += plan.notes
     out_name = OUTPUT_DTYPES[plan.dtype]
-    sizes = {n: t.numel * _ITEMSIZE[entry_dtype(t, out_name)] for n, t in plan.tensors.items()}
+    sizes = {n: t.numel * ITEMSIZE[entry_dtype(t, out_name)] for n, t in plan.tensors.items()}
     shards = [Shard(ADAPTER_WEIGHTS, tuple(sizes), sum(sizes.values()))] if plan.adapter_dir else plan_shards(sizes, limit)
     jobs = [ShardJob(s, {n: plan.tensors[n] for n in s.names}, out_name) for s in shards]
     n_workers = min(workers or default_workers(len(jobs)), len(jobs))

@@ -22,7 +22,7 @@ from shardkit.checkpoint.ops.export.shard_plan import Shard
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.safetensors_file import TensorEntry, copy_bytes, header_layout, write_header
-from shardkit.storage.torch_load import _ITEMSIZE
+from shardkit.storage.torch_load import ITEMSIZE
 
 if TYPE_CHECKING:
     import torch
@@ -72,11 +72,11 @@ def write_shard(path: Path, job: ShardJob, stop: threading.Event) -> int:
 def _write_tensor(fd: int, at: int, t: SourceTensor, out: str, sources: dict[Path, int], stop: threading.Event) -> None:
     if stop.is_set():
         raise Stopped()
-    out_size = _ITEMSIZE[out]
+    out_size = ITEMSIZE[out]
     if t.load is not None:
         _write_cast(fd, at, t.load(), out)
         return
-    src_size = _ITEMSIZE[t.dtype]
+    src_size = ITEMSIZE[t.dtype]
     buf: bytearray | None = None
     for p in t.pieces:
         sfd = sources.get(p.file)
