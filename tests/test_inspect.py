@@ -190,9 +190,11 @@ def test_not_a_checkpoint_is_exit_1_naming_the_folder(tmp_path, run_cli):
     assert code == 1 and f"{tmp_path}: not a checkpoint shardkit knows (it holds ['notes.txt'])" in err
 
 
-def test_inspect_never_imports_torch(layouts):
+def test_inspect_never_imports_torch(layouts, fsdp_saves):
+    # accelerate's torch.save layouts too: their readers parse the pickles for shapes, dtypes and Adam state
+    accelerate = [str(fsdp_saves / label / "checkpoint-2") for label in ("fsdp2_full", "fsdp2_sharded_per_rank")]
     code = ("import sys; from shardkit.cli import main\n"
-            f"for p in {[str(layouts[k]) for k in ('zero3', 'zero1', 'universal', 'autoep')]!r}:\n"
+            f"for p in {[str(layouts[k]) for k in ('zero3', 'zero1', 'universal', 'autoep')] + accelerate!r}:\n"
             "    assert main(['inspect', p, '--json']) == 0\n"
             "assert not {'torch', 'deepspeed'} & set(sys.modules), 'heavy import'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
