@@ -388,6 +388,14 @@ def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | No
     except _UnsupportedTensor as exc:
         raise CheckpointError(f"{p}: {exc}, which shardkit's torch-free reader cannot carry over (torch.save of a "
                               "plain CPU tensor writes neither). Save such objects outside the checkpoint") from None
+    except (MemoryError, OverflowError, RecursionError) as exc:
+        # a damaged length field makes the unpickler allocate that length before it reads (a byte-flip
+        # sweep of real data.pkl records asked for more than exists), a damaged nesting recurses: both
+        # are damage, not a shortage (data.pkl is small: no tensor bytes)
+        raise CheckpointError(
+            f"{p}: data.pkl cannot be parsed ({type(exc).__name__}: a damaged length or nesting field): not a "
+            "pickle torch.save writes; the file is corrupted. Re-copy it, or resume from the previous checkpoint."
+        ) from None
     except (zipfile.BadZipFile, KeyError, EOFError, OSError, ValueError, IndexError, struct.error,
             pickle.UnpicklingError, AttributeError, TypeError) as exc:
         raise CheckpointError(

@@ -144,6 +144,11 @@ def unreadable(p: Path, exc: BaseException) -> CheckpointError:
     if isinstance(exc, FileNotFoundError):
         return CheckpointError(f"{p}: missing; a DCP checkpoint directory needs its .metadata file (the save did not "
                                "complete). Resume from another checkpoint")
+    if isinstance(exc, (MemoryError, OverflowError, RecursionError)):
+        return CheckpointError(f"{p}: cannot be read as DCP metadata ({type(exc).__name__}: a damaged length or "
+                               "nesting field asks for more than the file holds); the file is truncated or corrupted. "
+                               "Re-copy it from the machine that saved it (rank 0 writes it last), or resume from "
+                               "another checkpoint")
     return CheckpointError(f"{p}: cannot be read as DCP metadata ({type(exc).__name__}: {exc}); the file is "
                            "truncated or corrupted. Resume from another checkpoint")
 
@@ -153,8 +158,12 @@ def not_metadata(p: Path, obj: Any) -> CheckpointError:
                            "checkpoint. Pass the folder save_fsdp_checkpoint (or dcp.save) wrote")
 
 
-#: What a damaged ``.metadata`` raises while it is unpickled or checked.
-READ_ERRORS = (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError, OSError)
+#: What a damaged ``.metadata`` raises while it is unpickled or checked. MemoryError and OverflowError:
+#: a flipped bit in a length field makes the unpickler allocate that length before it reads (a byte-flip
+#: sweep of a real 43 KB file asked for exabytes); RecursionError: a damaged nesting. The file is small,
+#: so neither is a real shortage.
+READ_ERRORS = (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError, OSError,
+               MemoryError, OverflowError, RecursionError)
 
 
 def read_plain_metadata(path: str | os.PathLike[str]) -> DcpMetadata:

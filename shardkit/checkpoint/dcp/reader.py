@@ -106,7 +106,16 @@ def _reader_class() -> type:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):
-        """FileSystemReader whose ``read_metadata`` uses the restricted unpickler."""
+        """FileSystemReader whose ``read_metadata`` uses the restricted unpickler; ``reading`` is the
+        storage item (file, offset, length) it read last, so a failure names the file it came from."""
+
+        reading: Any = None
+
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            # torch's read_data names no file when an item's bytes fail to load (a zeroed range gives
+            # an UnpicklingError from torch.load): remember which one is being read
+            self.reading = sinfo
+            return super()._slice_file(file, sinfo)
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             # torch 2.6's reader has no _get_metadata_path (nor per-rank metadata): its file is .metadata
@@ -164,8 +173,9 @@ def load_dcp_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     read_dcp_metadata(p / METADATA_NAME)
     from torch.distributed.checkpoint.api import CheckpointException
 
+    reader = _reader_class()(str(p))
     try:
-        dcp.load(state, storage_reader=_reader_class()(str(p)), planner=_planner_class()())
+        dcp.load(state, storage_reader=reader, planner=_planner_class()())
     except CheckpointException as exc:
         # DCP gathers every rank's failure and raises them, wrapped, on all ranks: surface ours
         # (the lowest rank's) as the one CheckpointError every rank raises.
@@ -173,16 +183,37 @@ def load_dcp_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
         if ours:
             raise CheckpointError(f"rank {ours[0][0]}: {ours[0][1]}") from None
         rank, (first, _tb) = sorted(exc.failures.items())[0]
-        if isinstance(first, (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError,
-                              RuntimeError, EOFError, OSError)):
-            # DCP's planner and reader trusting a .metadata whose chunks, sizes or storage entries
-            # do not fit together (an edited or bit-flipped file the manifest vouched for): named,
-            # not a wrapped traceback (the hostile sweep's finding)
-            detail = str(first).strip().splitlines()
-            raise CheckpointError(
-                f"{p / METADATA_NAME}: rank {rank}: torch's DCP load failed on it ({type(first).__name__}: "
-                f"{detail[0] if detail else 'no detail'}): its chunks, sizes or storage entries do not describe "
-                "the files beside it. The checkpoint is corrupted or was edited; re-copy it or resume from the "
-                "previous one"
-            ) from None
+        if isinstance(first, Exception):  # an interrupt or exit inside a rank goes on as itself
+            raise _load_failure(p, rank, first, reader.reading if rank == _own_rank() else None) from None
         raise
+
+
+def _own_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _load_failure(p: Path, rank: int, first: Exception, reading: Any) -> CheckpointError:
+    """What a failed ``dcp.load`` says: the ``.distcp`` item it was reading when it failed (a zeroed or
+    flipped item makes torch.load raise, a bare UnpicklingError or RuntimeError wrapped in DCP's
+    CheckpointException, a BaseException), else ``.metadata`` (its chunks, sizes or storage entries do
+    not fit together: DCP's planner trusts them)."""
+    text = str(first)
+    # torch.load's weights-only refusal opens with a paragraph on its default; what failed follows this tag
+    text = text.split("WeightsUnpickler error:", 1)[-1]
+    detail = [line for line in text.strip().splitlines() if line.strip()]
+    seen = f"{type(first).__name__}: {detail[0].strip()[:300] if detail else 'no detail'}"
+    if reading is not None:
+        at, length = getattr(reading, "offset", None), getattr(reading, "length", None)
+        return CheckpointError(
+            f"{p / str(reading.relative_path)}: rank {rank}: torch's DCP load failed on the item at bytes {at}.."
+            f"{None if at is None or length is None else at + length} that .metadata places there ({seen}): the "
+            "file is damaged there (a truncated, zeroed or flipped copy), or .metadata describes another save. "
+            "Re-copy the checkpoint, or resume from the previous one")
+    # DCP's planner and reader trusting a .metadata whose chunks, sizes or storage entries do not fit
+    # together (an edited or bit-flipped file the manifest vouched for): named, not a wrapped traceback
+    return CheckpointError(
+        f"{p / METADATA_NAME}: rank {rank}: torch's DCP load failed on it ({seen}): its chunks, sizes or storage "
+        "entries do not describe the files beside it. The checkpoint is corrupted or was edited; re-copy it or "
+        "resume from the previous one")

@@ -81,11 +81,8 @@ def check_torch_file(folder: Path, rel: str, *, parse: bool) -> tuple[Any, FileP
         return None, None
     try:
         return read_structure(path), None
-    except CheckpointError as exc:
+    except CheckpointError as exc:  # read_structure names a damaged length or nesting field too
         return None, FileProblem(rel, str(exc), _RECOPY, "ckpt.structure.pickle")
-    except (RecursionError, MemoryError) as exc:
-        return None, FileProblem(rel, f"{path}: data.pkl cannot be parsed ({type(exc).__name__}: a damaged length or "
-                                 "nesting field): not a pickle torch.save writes", _RECOPY, "ckpt.structure.pickle")
 
 
 def _inside(rel: str) -> bool:
@@ -99,12 +96,8 @@ def dcp_problems(folder: Path, *, prefix: str = "") -> list[FileProblem]:
     meta = folder / ".metadata"
     try:
         md = read_plain_metadata(meta)
-    except (CheckpointError, MemoryError, RecursionError) as exc:
-        # MemoryError: a damaged length field in the pickle asks for more bytes than exist (the unpickler
-        # allocates before it reads), seen in a byte-flip sweep of a real .metadata
-        why = str(exc) if isinstance(exc, CheckpointError) else (
-            f"{meta}: cannot be parsed ({type(exc).__name__}: a damaged length or nesting field): truncated or corrupted")
-        return [FileProblem(f"{prefix}.metadata", why, "re-copy .metadata from the machine that saved it (it "
+    except CheckpointError as exc:  # read_plain_metadata names a damaged length or nesting field too
+        return [FileProblem(f"{prefix}.metadata", str(exc), "re-copy .metadata from the machine that saved it (it "
                             "is written last, by rank 0), or resume from another checkpoint", "ckpt.structure.metadata")]
     out: list[FileProblem] = []
     # per file: the furthest byte any item needs, and which item that is (one pass, one entry per file)

@@ -44,8 +44,6 @@ _DEEPSPEED_KINDS = ("zero3", "zero12", "universal")
 #: Kinds whose manifest ``shardkit verify`` then finds (the tag or DCP folder it resolves to).
 MANIFEST_KINDS = {"zero3": "deepspeed", "zero12": "deepspeed", "dcp": "fsdp2"}
 _SHOWN = 5
-#: Where torch's ``CheckpointException`` lives (a BaseException: ``_check_reader`` reports it).
-_DCP_EXCEPTION_MODULE = "torch.distributed.checkpoint.api"
 
 NO_DIGESTS = ("structural check only: this checkpoint has no shardkit manifest, so no digests exist to compare its "
               "bytes with (a flipped bit inside a tensor is not seen)")
@@ -226,13 +224,10 @@ def _check_reader(report: StructureReport, source: Source) -> None:
         _error(report, source.kind, None, str(exc), "re-copy the file it names, or resume from another checkpoint",
                "ckpt.structure.reader")
         return
-    except BaseException as exc:
+    except Exception as exc:
         # verify reports, it never ends in a traceback: a reader that meets damage it does not name itself is
-        # one more finding, the exception's first line shown. torch's DCP CheckpointException (from an item
-        # whose bytes were zeroed, seen in a byte-flip sweep) derives from BaseException, not Exception;
-        # interrupts and other BaseExceptions go on
-        if not isinstance(exc, Exception) and type(exc).__module__ != _DCP_EXCEPTION_MODULE:
-            raise
+        # one more finding, the exception's first line shown (torch's DCP CheckpointException, a BaseException,
+        # no longer leaves the readers: dcp.reader.load_dcp_state names the item's file instead)
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         _error(report, source.kind, None, f"{source.tag_dir}: its files do not hold what their names promise "
                f"({type(exc).__name__}: {first})", "re-copy the checkpoint, or resume from another one",
@@ -257,7 +252,7 @@ def _describe(report: StructureReport, path: str | Path) -> CheckpointDescriptio
     """The layout's description, or None when its small files do not read (step 2 names the damage)."""
     try:
         desc = describe_checkpoint(path, check_manifest=False)
-    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
+    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
     report.layout, report.stage, report.step = desc.layout, desc.stage, desc.step
     for r in desc.refusals:
@@ -282,7 +277,7 @@ def verify_structure(path: str | Path, *, world_size: int | None = None,
             describe_checkpoint(path, check_manifest=False)
         except CheckpointError as unknown:
             why = str(unknown)
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             pass
         _error(report, "path", str(path), why, "pass a checkpoint root, tag folder, DCP folder or Trainer "
                "checkpoint-N (`shardkit inspect PATH` says what a folder is)", "ckpt.structure.unknown")
