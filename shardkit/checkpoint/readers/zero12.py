@@ -101,14 +101,16 @@ def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
             raise CheckpointError(
                 f"{tag_dir}: param group {g}: the ranks hold {held} fp32 elements, param_shapes and "
                 f"param_alignment_paddings say {offset}: a layout this reader does not know; nothing was written")
+        # each rank's tensors listed once per group (not per parameter: that too was parameters x ranks)
+        fp32_refs = [(r.path, r.fp32[g]) for r in ranks]
+        state_refs = {key: (ref.dtype, [(r.path, r.states[g].get(key)) for r in ranks])
+                      for key, ref in ranks[0].states[g].items() if isinstance(ref, TensorRef) and ref.shape == (partition,)}
         for name, shape, at in params:
-            weights[name] = _tensor(name, "float32", shape, at, partition, [(r.path, r.fp32[g]) for r in ranks],
+            weights[name] = _tensor(name, "float32", shape, at, partition, fp32_refs,
                                     f"single_partition_of_fp32_groups[{g}]", via_torch)
-            optimizer[name] = {
-                key: _tensor(name, ref.dtype, shape, at, partition, [(r.path, r.states[g].get(key)) for r in ranks],
-                             f"base_optimizer_state.state[{g}].{key}", via_torch)
-                for key, ref in ranks[0].states[g].items()
-                if isinstance(ref, TensorRef) and ref.shape == (partition,)}
+            optimizer[name] = {key: _tensor(name, dtype, shape, at, partition, refs,
+                                            f"base_optimizer_state.state[{g}].{key}", via_torch)
+                               for key, (dtype, refs) in state_refs.items()}
     precision = training_precision(config)
     aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
     scalars = _scalars(model, config, stage, precision, rank0, ranks[0], shapes)
@@ -165,7 +167,11 @@ def _tensor(name: str, dtype: str, shape: tuple[int, ...], at: int, partition: i
     numel = math.prod(shape)
     t = SourceTensor(name, dtype, shape)
     held: list[tuple[TensorRef, int, int]] = []
-    for r, (path, ref) in enumerate(refs):
+    # only the ranks whose partition the parameter overlaps (an empty group's: none): looping over every
+    # rank made the reader's work parameters x ranks (0.3 s of pieces for 21 tensors at 2,048 source ranks)
+    overlapped = range(at // partition, min(len(refs), (at + numel - 1) // partition + 1)) if partition else range(0)
+    for r in overlapped:
+        path, ref = refs[r]
         lo, hi = max(at, r * partition), min(at + numel, (r + 1) * partition)
         if lo >= hi:
             continue
