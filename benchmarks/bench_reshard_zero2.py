@@ -93,7 +93,7 @@ def scale_zero2(src_tag: Path, dst: Path, factor: int, world: int) -> Path:
     from shardkit.storage.torch_pickle import NewTensor, pickle_structure
     from shardkit.storage.torch_zip import Segment, write_torch_zip
 
-    ckpt = open_zero12_checkpoint(src_tag, torch_free=True)
+    ckpt = open_zero12_checkpoint(src_tag)
     rank0 = ckpt.optim_states[0]
     osd = rank0[OPTIMIZER_KEY]
     if any(any(pads) for pads in osd.get("param_alignment_paddings") or []):

@@ -11,7 +11,7 @@ file's ``param_slice_mappings`` lists only the parameters in its partition, as D
 Per N, in this process, warm page cache, median of ``--repeat`` runs:
 
 - ``read_zero12``: the reader's whole description (every file parsed; what each resuming rank does today);
-- ``open``: ``zero12.reader.open_zero12_checkpoint(torch_free=True)``, the part of the first row that parses
+- ``open``: ``zero12.reader.open_zero12_checkpoint``, the part of the first row that parses
   and cross-checks every file; the rest is the pieces, built per parameter over every rank (params x N);
 - ``parse 1 file``: ``read_structure`` of one rank file (the unit the open is N of);
 - ``overlap only``: parsing the model file, rank 0's file and the files whose ranges overlap one rank's new
@@ -82,7 +82,7 @@ def reader_rows(sources: dict[int, Path], repeat: int) -> list[dict[str, Any]]:
         rows.append({
             "source_ranks": n,
             "read_zero12_s": _median(lambda: read_zero12(tag), repeat),
-            "open_s": _median(lambda: open_zero12_checkpoint(tag, torch_free=True), repeat),
+            "open_s": _median(lambda: open_zero12_checkpoint(tag), repeat),
             "parse_one_file_s": _median(lambda: read_structure(one), repeat),
             "overlap_files": len(overlap),
             "overlap_only_s": _median(lambda: [read_structure(p) for p in [tag / MODEL_FILE, *overlap]], repeat),

@@ -264,6 +264,8 @@ def test_trainer_checkpoint_of_zero2_is_resharded_with_its_files(sources, tmp_pa
     code, stdout, err = run_cli("reshard", trainer, "--world-size", "3", "-o", out)
     assert code == 0, err
     assert "world size 2 -> 3" in stdout and (out / "trainer_state.json").is_file()
+    # the global batch note, from the ds_config the reshard read (micro 3 x accumulation 1 x ranks)
+    assert "stepped on 3 x 1 x 2 = 6 samples" in " ".join(stdout.split()) and "at 3 ranks it is 9" in " ".join(stdout.split()), stdout
     assert (out / "latest").read_text().strip() == f"global_step{SAVE_STEPS}"
     assert sorted(p.name for p in (out / f"global_step{SAVE_STEPS}").glob("*_optim_states.pt")) == [
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]

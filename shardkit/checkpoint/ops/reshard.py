@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.reshard_zero12 import Zero12Reshard, plan_zero12_reshard
@@ -101,6 +101,8 @@ class ReshardResult:
     workers: int = 1
     """Writer threads this process ran."""
     launcher: str = "single process"
+    ds_config: dict[str, Any] = field(default_factory=dict)
+    """The DeepSpeed config the source recorded (the new rank files record it unchanged)."""
 
 
 @os_errors_named("resharding the checkpoint")
@@ -221,6 +223,7 @@ def reshard_zero3(
         share_bytes=sum(j.nbytes for j in share),
         workers=workers,
         launcher=launch.launcher,
+        ds_config=dict(ckpt.ds_config or {}),
     )
 
 

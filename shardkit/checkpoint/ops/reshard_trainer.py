@@ -13,7 +13,7 @@ import dataclasses
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from shardkit.checkpoint.hf_trainer.folder import (
     CHECKPOINT_DIR,
@@ -26,8 +26,6 @@ from shardkit.checkpoint.hf_trainer.rng_files import RngPlan, plan_rng_files
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
-from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
-from shardkit.checkpoint.zero12.reader import is_zero12_folder, open_zero12_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import os_errors_named, publish_dir
 from shardkit.storage.manifest import MANIFEST_NAME
@@ -119,9 +117,9 @@ def _copy_trainer_files(src: Path, staged: Path, tags: set[str], rng: RngPlan) -
     return copied, skipped
 
 
-def _batch_note(tag_dir: Path, source_world: int, world_size: int) -> str | None:
-    """The global batch at the new world size when the Trainer keeps its per-device settings."""
-    cfg = (open_zero12_checkpoint(tag_dir, torch_free=True) if is_zero12_folder(tag_dir) else open_zero3_checkpoint(tag_dir, torch_free=True)).ds_config
+def _batch_note(cfg: dict[str, Any], source_world: int, world_size: int) -> str | None:
+    """The global batch at the new world size when the Trainer keeps its per-device settings (``cfg``: the
+    DeepSpeed config the reshard read from the source, which the new rank files record unchanged)."""
     micro, accum = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")
     if not isinstance(micro, int) or not isinstance(accum, int) or source_world == world_size:
         return None
@@ -191,7 +189,7 @@ def reshard_trainer_checkpoint(
     if not CHECKPOINT_DIR.match(final.name):
         notes.append(f"{final.name!r} is not named checkpoint-<step>: resume with resume_from_checkpoint={str(final)!r}; "
                      "resume_from_checkpoint=True (get_last_checkpoint) only finds folders named checkpoint-<step>")
-    batch = _batch_note(final / r.tag, r.source_world_size, world_size)
+    batch = _batch_note(r.ds_config, r.source_world_size, world_size)
     if batch:
         notes.append(batch)
     if (src / "scheduler.pt").is_file():

@@ -68,7 +68,7 @@ def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
     that disagree, ZeRO-3 files beside, MoE expert files); nothing is read beyond small pickles then."""
     # the files found and checked by the one ZeRO-1/2 opener reshard uses too (rank files, stage, mixed saves,
     # round_robin_gradients, elastic and BF16_Optimizer saves), parsed without torch
-    opened = open_zero12_checkpoint(tag_dir, torch_free=True)
+    opened = open_zero12_checkpoint(tag_dir)
     optim_files, optims, model, stage = opened.optim_files, opened.optim_states, opened.model_state, opened.stage
     model_path = tag_dir / MODEL_FILE
     if not isinstance(model, dict) or "param_shapes" not in model:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import TensorRef, read_structure, safe_torch_load
+from shardkit.storage.torch_load import TensorRef, read_structure
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +36,8 @@ OPTIMIZER_KEY = "optimizer_state_dict"
 
 @dataclass
 class Zero12Checkpoint:
-    """One ZeRO-1/2 tag folder, its rank files opened memory-mapped (tensor bytes are read only when used)."""
+    """One ZeRO-1/2 tag folder, its rank files' pickles parsed without torch (``read_structure``: every tensor a
+    ``TensorRef``, its bytes never read)."""
 
     tag_dir: Path
     stage: int
@@ -47,12 +48,9 @@ class Zero12Checkpoint:
     optim_files: list[Path]
     model_files: list[Path]
     optim_states: list[dict[str, Any]]
-    """Each rank's whole optimizer file (``optimizer_state_dict``, ``ds_config``, ``ds_version``), mmap'd
-    (``torch_free``: its structure, every tensor a ``TensorRef``)."""
+    """Each rank's whole optimizer file (``optimizer_state_dict``, ``ds_config``, ``ds_version``)."""
     model_state: dict[str, Any]
-    """The model-states file (module weights mmap'd, ``param_shapes``, ``dp_world_size``...)."""
-    torch_free: bool = False
-    """Read by ``read_structure`` (no torch import; tensors are ``TensorRef``s, their bytes never read)."""
+    """The model-states file (module weights as ``TensorRef``s, ``param_shapes``, ``dp_world_size``...)."""
     ds_config: dict[str, Any] = field(default_factory=dict)
     ds_version: str | None = None
     precision: str = "fp32"
@@ -72,11 +70,11 @@ def training_precision(config: dict[str, Any]) -> str:
     return "fp32"
 
 
-def open_zero12_checkpoint(tag_dir: Path, *, torch_free: bool = False) -> Zero12Checkpoint:
+def open_zero12_checkpoint(tag_dir: Path) -> Zero12Checkpoint:
     """Open ``tag_dir`` (a ZeRO-1/2 tag folder); raises CheckpointError naming the file for a missing rank,
     a stage other than 1/2, ranks that disagree, or a layout the repartition cannot move
-    (``round_robin_gradients``, an elastic optimizer state). ``torch_free``: parse the pickles only
-    (``read_structure``), as the reader of the checkpoint model does (``readers.zero12``)."""
+    (``round_robin_gradients``, an elastic optimizer state). The pickles only are parsed (``read_structure``,
+    no torch), for the reader of the checkpoint model (``readers.zero12``)."""
     found: dict[int, Path] = {}
     prefixes, other = set(), []
     for p in tag_dir.iterdir():
@@ -97,12 +95,11 @@ def open_zero12_checkpoint(tag_dir: Path, *, torch_free: bool = False) -> Zero12
             f"{tag_dir}: optimizer files for ranks {sorted(found)} (prefixes {sorted(prefixes)}), expected ranks 0..N-1 "
             "with one naming: a rank's file is missing or two saves were mixed in one folder. Re-copy the tag folder")
     optim_files = [found[r] for r in range(world)]
-    load = read_structure if torch_free else (lambda p: safe_torch_load(p, mmap=True))
-    states = [load(p) for p in optim_files]
-    model_state = load(tag_dir / MODEL_FILE)
+    states = [read_structure(p) for p in optim_files]
+    model_state = read_structure(tag_dir / MODEL_FILE)
     ckpt = Zero12Checkpoint(tag_dir=tag_dir, stage=0, world_size=world, prefix=prefixes.pop(), optim_files=optim_files,
                             model_files=[tag_dir / MODEL_FILE], optim_states=states, model_state=model_state,
-                            torch_free=torch_free, ds_config=dict(model_state.get("ds_config") or {}),
+                            ds_config=dict(model_state.get("ds_config") or {}),
                             ds_version=model_state.get("ds_version"))
     ckpt.precision = training_precision(ckpt.ds_config)
     ckpt.stage = _check_ranks(ckpt)
