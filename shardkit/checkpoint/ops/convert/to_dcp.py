@@ -31,6 +31,7 @@ from pathlib import Path
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.ops.convert.arguments import check_workers
 from shardkit.checkpoint.ops.convert.names import not_carried_lines, refuse_if_any
 from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.to_dcp_plan import DcpTarget, plan_dcp_target
@@ -82,8 +83,7 @@ def convert_to_dcp(
     ``launch``: this process's share of the files (default: from ``srun``/``torchrun``'s variables;
     one process does everything without them).
     """
-    if workers is not None and workers < 1:
-        raise UsageError(f"workers={workers}: must be at least 1 (files written at once)")
+    check_workers(workers)
     launch = launch or launch_from_env()
     warn = warn or warn_unverified
     refuse_unsupported(source, "convert --to fsdp2")  # a layout nothing converts correctly: refused before anything is read

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
 from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.single_source import open_source
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
@@ -44,7 +45,6 @@ from shardkit.storage.pipeline import warn_unverified
 from shardkit.storage.shared_save import outcome_unchanged
 from shardkit.storage.staged_save import atomic_checkpoint
 
-MAX_WORLD_SIZE = 2**20
 ZERO12_KINDS = ("zero12",)
 """Source kinds that are ZeRO-1/2 already: ``shardkit reshard`` moves them."""
 GRADIENT_CLIPPING_DEFAULT = 1.0
@@ -77,11 +77,8 @@ def convert_to_zero12(
     records (refused when it does not tell). ``name_prefix``: as ``convert_to_zero3``'s."""
     if stage not in (1, 2):
         raise UsageError(f"stage {stage!r}: --to zero1 or zero2 writes ZeRO stage 1 or 2")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise UsageError(f"--world-size {world_size!r}: must be a whole number from 1 to {MAX_WORLD_SIZE} (the data-"
-                         "parallel ranks of the resuming DeepSpeed run)")
-    if workers is not None and workers < 1:
-        raise UsageError(f"workers={workers}: must be at least 1 (files written at once)")
+    check_world_size(world_size)
+    check_workers(workers)
 
     def already_zero12(found: Source) -> str | None:
         if found.kind not in ZERO12_KINDS:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
 from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     check_target_config,
@@ -65,8 +66,6 @@ from shardkit.storage.shared_save import Launch, launch_from_env, outcome_unchan
 from shardkit.storage.shared_tag import signatures, write_tag_shared
 from shardkit.storage.staged_save import atomic_checkpoint
 from shardkit.storage.verify import refuse_links_leaving
-
-MAX_WORLD_SIZE = 2**20
 
 
 @os_errors_named("converting the checkpoint")
@@ -109,14 +108,11 @@ def convert_to_zero3(
     (``io.shared_tag``), each writing the files of the new ranks ``r`` with ``r % processes ==
     its rank``, hashing its share of the source beside them, and process 0 seals one manifest.
     """
-    if workers is not None and workers < 1:
-        raise UsageError(f"workers={workers}: must be at least 1 (rank files written at once)")
+    check_workers(workers, "rank files")
     unknown = sorted(set(options) - {"sub_group_size"})
     if unknown:
         raise UsageError(f"convert_to_zero3: unknown option(s) {unknown}; accepted: ds_config, sub_group_size")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise UsageError(f"--world-size {world_size!r}: must be a whole number from 1 to {MAX_WORLD_SIZE} (the data-"
-                         "parallel ranks of the resuming DeepSpeed run)")
+    check_world_size(world_size)
     if process_group_active():
         raise UsageError("convert_to_zero3 runs in one process, but a torch.distributed process group is "
                          "initialized here (its DCP reads would become collective); run `shardkit convert` outside "
