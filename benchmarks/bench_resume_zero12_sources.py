@@ -12,7 +12,9 @@ Per N, in this process, warm page cache, median of ``--repeat`` runs:
 
 - ``read_zero12``: the reader's whole description (every file parsed; what each resuming rank does today);
 - ``open``: ``zero12.reader.open_zero12_checkpoint``, the part of the first row that parses
-  and cross-checks every file; the rest is the pieces, built per parameter over every rank (params x N);
+  and cross-checks every file;
+- ``pieces``: the rest of the first row, with the files parsed once beforehand: each parameter's pieces,
+  built from the source ranks its range overlaps (it was every rank, params x N, before 2026-11-27);
 - ``parse 1 file``: ``read_structure`` of one rank file (the unit the open is N of);
 - ``overlap only``: parsing the model file, rank 0's file and the files whose ranges overlap one rank's new
   partition at N/2 ranks (2 or 3 files): what a rank would pay if the reader parsed only those (the
@@ -69,6 +71,18 @@ def _overlapping(tag: Path, new_world: int) -> list[Path]:
     return [files[r] for r in sorted(wanted)]
 
 
+def _pieces_only(tag: Path, repeat: int) -> float:
+    """``read_zero12`` with the rank files already parsed: the time it spends building pieces."""
+    import shardkit.checkpoint.readers.zero12 as reader
+
+    opened, real = reader.open_zero12_checkpoint(tag), reader.open_zero12_checkpoint
+    reader.open_zero12_checkpoint = lambda _tag: opened  # parsed once, outside the timing
+    try:
+        return _median(lambda: reader.read_zero12(tag), repeat)
+    finally:
+        reader.open_zero12_checkpoint = real
+
+
 def reader_rows(sources: dict[int, Path], repeat: int) -> list[dict[str, Any]]:
     from shardkit.checkpoint.readers.zero12 import read_zero12
     from shardkit.checkpoint.zero12.reader import MODEL_FILE, open_zero12_checkpoint
@@ -83,6 +97,7 @@ def reader_rows(sources: dict[int, Path], repeat: int) -> list[dict[str, Any]]:
             "source_ranks": n,
             "read_zero12_s": _median(lambda: read_zero12(tag), repeat),
             "open_s": _median(lambda: open_zero12_checkpoint(tag), repeat),
+            "pieces_s": _pieces_only(tag, repeat),
             "parse_one_file_s": _median(lambda: read_structure(one), repeat),
             "overlap_files": len(overlap),
             "overlap_only_s": _median(lambda: [read_structure(p) for p in [tag / MODEL_FILE, *overlap]], repeat),
@@ -131,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                           timeout=1800, device="cpu")[0].value
         for row, load in zip(rows, loads):
             row.update(load)
-    print("\n| source ranks | read_zero12 (every file) | of it: open | 1 file | overlap only (files) | in-process load "
-          "verified / not |\n|---|---|---|---|---|---|")
+    print("\n| source ranks | read_zero12 (every file) | of it: open | pieces | 1 file | overlap only (files) | "
+          "in-process load verified / not |\n|---|---|---|---|---|---|---|")
     for r in rows:
         load = (f"{r['verified_s'] * 1e3:.0f} / {r['unverified_s'] * 1e3:.0f} ms" if "verified_s" in r else "-")
         print(f"| {r['source_ranks']} | {r['read_zero12_s'] * 1e3:.1f} ms | {r['open_s'] * 1e3:.1f} ms | "
+              f"{r['pieces_s'] * 1e3:.1f} ms | "
               f"{r['parse_one_file_s'] * 1e3:.2f} ms | "
               f"{r['overlap_only_s'] * 1e3:.1f} ms ({r['overlap_files']}) | {load} |")
     if args.json:
