@@ -49,6 +49,23 @@ def step_value(value: Any, where: str) -> float:
                           "tensor; not what DeepSpeed's optimizers save")
 
 
+def agreed_steps(ranks: list[tuple[str, list[dict[str, Any]]]]) -> list[float]:
+    """Each param group's ``step``, from ``(file, group states)`` per rank: every rank of one save steps every
+    group together, so a rank whose step differs holds another save's state (files of two saves copied into
+    one folder, which the layout checks cannot see: same world size, same shapes)."""
+    (first, first_states), others = ranks[0], ranks[1:]
+    steps = [step_value(state.get("step", 0), f"{first}: param group {g}") for g, state in enumerate(first_states)]
+    for path, states in others:
+        for g, state in enumerate(states[:len(steps)]):
+            seen = step_value(state.get("step", 0), f"{path}: param group {g}")
+            if seen != steps[g]:
+                raise CheckpointError(
+                    f"{path}: param group {g}: Adam step {seen:g}, but {first} records {steps[g]:g}: rank files of two "
+                    "saves (different training steps) are mixed in one folder, and reading them would join two "
+                    "states into one. Nothing was written; copy the tag folder again from one save")
+    return steps
+
+
 def optimizer_facts(ds_config: dict[str, Any]) -> dict[str, Any]:
     """``optimizer_type`` and ``adam_w_mode`` from the run's DeepSpeed config (runtime/engine.py
     ``_configure_basic_optimizer``: ``Adam`` is AdamW unless ``adam_w_mode: false``)."""

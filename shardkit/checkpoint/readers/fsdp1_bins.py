@@ -200,9 +200,11 @@ def _read_optimizer(engine: _Engine, ckpt: TrainingCheckpoint, files: dict[int, 
                                   f"saves are mixed. {_RESAVE}")
         for name, entry in state.items():
             for key, value in (entry or {}).items():
-                if key == "step":
-                    if rank == 0:
-                        steps[str(name)] = step_value(value, f"{path}: state of {name!r}")
+                if key == "step":  # every rank steps every parameter: a step that differs is another save's file
+                    seen = step_value(value, f"{path}: state of {name!r}")
+                    if steps.setdefault(str(name), seen) != seen:
+                        raise CheckpointError(f"{path}: state of {name!r}: step {seen:g}, but rank 0's file records "
+                                              f"{steps[str(name)]:g}: files of different saves are mixed. {_RESAVE}")
                 elif isinstance(value, (ShardedRef, TensorRef)):
                     states.setdefault(str(name), _Merge()).add(str(key), value, path, rank)
     order = {n: i for i, n in enumerate(ckpt.weights)}  # model order, as the other readers give it

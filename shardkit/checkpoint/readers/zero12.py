@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
-from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
+from shardkit.checkpoint.readers.deepspeed_scalars import agreed_steps, loss_scaler, per_parameter_steps, run_scalars
 from shardkit.checkpoint.zero12.reader import (
     MODEL_FILE,
     OPTIMIZER_KEY,
@@ -113,7 +113,7 @@ def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
                                for key, (dtype, refs) in state_refs.items()}
     precision = training_precision(config)
     aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
-    scalars = _scalars(model, config, stage, precision, rank0, ranks[0], shapes)
+    scalars = _scalars(model, config, stage, precision, rank0, ranks, shapes)
     # the source's own dicts, for a writer of this format that keeps them key for key (the reshard: writers.zero12
     # SameRun); what read_structure parsed, tensors as TensorRefs
     scalars["native"] = {"optim_file": optims[0], "model_states": model, "prefix": opened.prefix}
@@ -242,10 +242,10 @@ def _dict(value: Any) -> dict[str, Any]:
 
 
 def _scalars(model: dict[str, Any], config: dict[str, Any], stage: int, precision: str, sd: dict[str, Any],
-             rank0: _Rank, shapes: list[dict[str, Any]]) -> dict[str, Any]:
+             ranks: list[_Rank], shapes: list[dict[str, Any]]) -> dict[str, Any]:
     """The scalars in ``readers.deepspeed_scalars``' words: ``step`` per parameter (from its param group),
     the param groups with their parameters' names, the loss scaler, and rank 0's run values."""
-    steps = [step_value(state.get("step", 0), f"{rank0.path}: param group {g}") for g, state in enumerate(rank0.states)]
+    steps = agreed_steps([(str(r.path), r.states) for r in ranks])  # one step per group, the same on every rank
     names = [list(group) for group in shapes]
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names[g]}
               for g, group in enumerate(sd["base_optimizer_state"].get("param_groups") or [])]

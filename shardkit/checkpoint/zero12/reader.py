@@ -129,8 +129,13 @@ def _check_ranks(ckpt: Zero12Checkpoint) -> int:
                 "does not move. Convert it with DeepSpeed's ds_to_universal and resume with checkpoint.load_universal")
     only = next(iter(stages)) if len(stages) == 1 else None
     if not isinstance(only, int) or only not in (1, 2):
+        # name the files that differ from rank 0's (a few: the folder may hold thousands)
+        seen = [getattr(s[OPTIMIZER_KEY]["zero_stage"], "value", s[OPTIMIZER_KEY]["zero_stage"]) for s in ckpt.optim_states]
+        odd = [f"{p.name} records {v}" for p, v in zip(ckpt.optim_files, seen) if v != seen[0]][:3]
+        mixed = (f" ({', '.join(odd)}, {ckpt.optim_files[0].name} {seen[0]}): files of saves of different stages are "
+                 "mixed in one folder; copy the tag folder again from one save") if odd else ""
         raise CheckpointError(f"{ckpt.tag_dir}: zero_stage is {sorted(map(str, stages))} across the rank files, expected "
-                              "one of 1 or 2 for this reader")
+                              f"one of 1 or 2 for this reader{mixed}")
     zero = ckpt.ds_config.get("zero_optimization") or {}
     if zero.get("round_robin_gradients"):
         raise CheckpointError(
