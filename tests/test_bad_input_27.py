@@ -157,7 +157,8 @@ FSDP2: dict[str, tuple[Any, str]] = {
     "model_file_is_a_directory": (lambda s, f: _directory(f / "pytorch_model_fsdp_0_rank1.bin"),
                                   "pytorch_model_fsdp_0_rank1.bin: is a directory|"
                                   "pytorch_model_fsdp_0_rank1.bin of 2: missing"),
-    "optimizer_file_is_a_directory": (lambda s, f: _directory(f / "optimizer_0_rank1.bin"), "optimizer_0_rank1.bin"),
+    "optimizer_file_is_a_directory": (lambda s, f: _directory(f / "optimizer_0_rank1.bin"),
+                                      "optimizer_0_rank1.bin: is a directory|optimizer_0_rank1.bin"),
     "unreadable_model_file": (lambda s, f: _unreadable(f / "pytorch_model_fsdp_0_rank1.bin"),
                               "pytorch_model_fsdp_0_rank1.bin"),
 }

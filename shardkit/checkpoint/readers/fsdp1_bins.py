@@ -87,7 +87,7 @@ def _read_bins(folder: Path, engine: _Engine) -> TrainingCheckpoint:
         f"(pytorch_model_fsdp_{index}_rank*.bin, {world} rank(s)), read without torch"])
     optim = {r: folder / _OPTIM_RANK.format(index=index, rank=r) for r in range(world)}
     named = re.compile(rf"^optimizer_{index}_rank(\d+)\.bin$")  # every rank's, so a stray one is named
-    present = {int(m.group(1)): e.name for e in folder.iterdir() if (m := named.match(e.name)) and e.is_file()}
+    present = {int(m.group(1)): e.name for e in folder.iterdir() if (m := named.match(e.name))}  # a directory: named
     if not present:
         ckpt.notes.append(f"no optimizer_{index}_rank*.bin beside the model files: saved without optimizer state")
         return ckpt
