@@ -165,6 +165,11 @@ def _check_file(p: Path) -> None:
             f"{p}: checkpoint file is empty (0 bytes): the save that wrote it did not finish. "
             "Resume from the previous checkpoint."
         )
+    if not os.access(p, os.R_OK):
+        # said before the read, which would raise PermissionError and be taken for damage below
+        raise CheckpointError(f"{p}: permission denied: this user (uid {os.getuid()}) cannot read it (mode "
+                              f"{stat.filemode(mode)}, owner uid {p.stat().st_uid}). The file is not damaged: fix its "
+                              "permissions (chmod a+r), or run as a user who can read the checkpoint")
 
 
 def _unsafe_error(p: Path, exc: Exception) -> CheckpointError:
