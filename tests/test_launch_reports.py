@@ -172,13 +172,14 @@ def test_a_child_process_of_an_armed_rank_neither_arms_nor_reports():
     assert [(m["event"], m["rank"], str(m["pid"])) for m in lines] == [("armed", 0, rank_pid)], lines
 
 
-def test_rank_0_reports_its_failure_from_the_verdict_before_the_other_ranks_can_read_it(monkeypatch):
+def test_rank_0_reports_its_failure_from_the_verdict_before_the_other_ranks_can_read_it(monkeypatch, capfd):
     """torchrun's agent SIGTERMs rank 0 as soon as another rank exits on the failed verdict: rank 0's
-    "failed" report must already be sent when the verdict is published (``preflight``'s
-    ``on_verdict``), not only by stop_rank afterwards (CI: the launch named rank(s) [1] of 2)."""
+    "failed" report and its stop lines must already be out when the verdict is published
+    (``preflight``'s ``on_verdict``), not only by stop_rank afterwards (CI: the launch named rank(s)
+    [1] of 2; the 2-rank Trainer test saw rank 1's stop line alone)."""
     import torch
 
-    from shardkit.autopreflight.run import _report_rank0_failure
+    from shardkit.autopreflight.run import rank0_stops_first
     from shardkit.core.errors import PreflightError
     from shardkit.placement.preflight import preflight
 
@@ -188,10 +189,14 @@ def test_rank_0_reports_its_failure_from_the_verdict_before_the_other_ranks_can_
     model = torch.nn.Linear(4, 4)
     model.weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))  # a tensor off the model's device
     heard_before_raise: list[dict[int, str]] = []
+    said_before_raise: list[str] = []
+
+    stops_first = rank0_stops_first("0", "placement preflight failed before the first optimizer step", "skip it")
 
     def on_verdict(ok: bool, text: str) -> None:
-        _report_rank0_failure(ok, text)
+        stops_first(ok, text)
         heard_before_raise.append(_wait_for_failure(reports))
+        said_before_raise.append(capfd.readouterr().err)
 
     try:
         with pytest.raises(PreflightError) as caught:
@@ -201,6 +206,8 @@ def test_rank_0_reports_its_failure_from_the_verdict_before_the_other_ranks_can_
     first = str(caught.value).strip().splitlines()[0]
     assert heard_before_raise == [{0: first}]  # reported from the verdict, before preflight raised
     assert seen[0].events == {"failed"} and seen[0].line == first
+    assert f"shardkit autopreflight: rank 0: placement preflight failed before the first optimizer step: {first}\n" \
+        "shardkit autopreflight: rank 0: stopping (exit 3); see the table above. Fix it, or skip it." in said_before_raise[0]
 
 
 def _wait_for_failure(reports: RankReports, timeout: float = 10.0) -> dict[int, str]:

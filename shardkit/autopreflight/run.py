@@ -58,15 +58,16 @@ def run_or_exit(
     from shardkit.core.errors import PreflightError
 
     rank = os.environ.get("RANK", "?")
+    what_failed = f"placement preflight failed {when}"
     try:
         from shardkit.placement.preflight import preflight
 
         report = preflight(**kwargs, timeout=preflight_timeout(timeout), json_path=json_path or read_text(ENV_JSON),
-                           on_verdict=_report_rank0_failure)
+                           on_verdict=rank0_stops_first(rank, what_failed, skip_hint))
     except PreflightError as exc:
-        first = _first_line(str(exc))
-        where = "the table above" if rank == "0" else "rank 0's output"
-        stop_rank(rank, f"placement preflight failed {when}", first, where, skip_hint)
+        if rank in ("0", "?"):
+            os._exit(EXIT_CODE)  # its stop lines and report went out before the verdict was published
+        stop_rank(rank, what_failed, _first_line(str(exc)), "rank 0's output", skip_hint)
     except ImportError as exc:
         print(f"shardkit autopreflight: rank {rank}: preflight unavailable ({exc}); continuing", file=sys.stderr)
         send_report("skipped", f"preflight unavailable ({exc})")
@@ -82,12 +83,18 @@ def run_or_exit(
     return report
 
 
-def _report_rank0_failure(ok: bool, text: str) -> None:
-    """Rank 0 tells `shardkit launch` it failed before the other ranks can read the verdict: they
-    then exit at once and torchrun's agent SIGTERMs rank 0, whose report (sent by ``stop_rank``
-    afterwards) was lost under load (CI: the launch named rank(s) [1] of 2, not [0, 1])."""
-    if not ok:
-        send_report("failed", _first_line(text))
+def rank0_stops_first(rank: str, what_failed: str, skip_hint: str) -> Callable[[bool, str], None]:
+    """``preflight``'s ``on_verdict`` for rank 0: on a failed verdict it writes its stop lines and tells
+    `shardkit launch` before the other ranks can read the verdict. They then exit at once and torchrun's
+    agent SIGTERMs rank 0, whose lines and report, written after preflight raised, were lost under load
+    (CI: the launch named rank(s) [1] of 2; the 2-rank Trainer test saw rank 1's stop line alone)."""
+
+    def on_verdict(ok: bool, text: str) -> None:
+        if not ok:
+            _write_stop_lines(rank, what_failed, _first_line(text), "the table above", skip_hint)
+            send_report("failed", _first_line(text))
+
+    return on_verdict
 
 
 def _first_line(text: str) -> str:
@@ -112,15 +119,19 @@ def _write_whole(text: str) -> None:
         sys.stderr.flush()
 
 
-def stop_rank(rank: str, what_failed: str, first_line: str, where: str, skip_hint: str = LAUNCH_SKIP_HINT) -> NoReturn:
-    """End this rank with EXIT_CODE after one line saying what failed and why (the same on every
-    rank); ``first_line`` (the cause) goes to `shardkit launch`, which summarizes the failed ranks."""
+def _write_stop_lines(rank: str, what_failed: str, first_line: str, where: str, skip_hint: str) -> None:
     _write_whole(
         f"shardkit autopreflight: rank {rank}: {what_failed}: {first_line}\n"
         f"shardkit autopreflight: rank {rank}: stopping (exit {EXIT_CODE}); see {where}. "
         f"Fix it, or {skip_hint}.\n"
     )
     sys.stdout.flush()
+
+
+def stop_rank(rank: str, what_failed: str, first_line: str, where: str, skip_hint: str = LAUNCH_SKIP_HINT) -> NoReturn:
+    """End this rank with EXIT_CODE after one line saying what failed and why (the same on every
+    rank); ``first_line`` (the cause) goes to `shardkit launch`, which summarizes the failed ranks."""
+    _write_stop_lines(rank, what_failed, first_line, where, skip_hint)
     # the launch names the failed ranks (with this line) after the launcher's own output
     send_report("failed", first_line)
     # os._exit: atexit handlers can block in a collective the other ranks never join.
