@@ -352,3 +352,28 @@ def test_latest_naming_no_folder_inside_the_root_is_refused_with_the_pointer_fil
         latest_tag(root)
     with pytest.raises(CheckpointError, match=msg):
         resolve_tag_dir(root)
+
+
+def test_a_signal_during_a_deferred_clean_up_waits_for_it_then_runs_its_handler():
+    """torchrun SIGTERMs a process that is already removing its staging folder: the clean-up must finish
+    (nothing left behind) and the signal still take effect right after it."""
+    import signal
+
+    from shardkit.storage.atomic import signals_deferred
+
+    steps: list[str] = []
+
+    def handler(signum, frame):
+        steps.append(f"handler {signal.Signals(signum).name}")
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                steps.append("clean-up finished")
+        assert steps == ["clean-up finished", "handler SIGTERM"]
+        assert signal.getsignal(signal.SIGTERM) is handler  # put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)

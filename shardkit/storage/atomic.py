@@ -13,6 +13,8 @@ import functools
 import os
 import re
 import shutil
+import signal
+import threading
 import uuid
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
@@ -27,6 +29,30 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: . unexpected pos 704 vs 598". No errno survives; on a local file a short write is a full disk
 #: (or quota).
 _TORCH_SHORT_WRITE = re.compile(r"inline_container\.cc.*(unexpected pos|file write failed)", re.S)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM off while the block runs (a clean-up), then deliver the first that came.
+
+    Under torchrun a process that is already cleaning up after its own error is SIGTERMed as soon as
+    another process exits, and the CLI turns SIGTERM into an exception: that exception cut
+    ``shutil.rmtree`` of the staging folder short (CI: ``.shardkit-tmp-global_step2`` left by two
+    processes given different world sizes). Outside the main thread (where Python runs signal
+    handlers) the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, _frame: came.append(signum)) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if came:
+            signal.raise_signal(came[0])  # the handler the block held off now runs as it would have
 
 def is_disk_full(exc: BaseException) -> bool:
     """True for the errors a full disk (or an exhausted quota) surfaces as: OSError ENOSPC/EDQUOT,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.atomic import staging_dir
+from shardkit.storage.atomic import signals_deferred, staging_dir
 from shardkit.storage.manifest import FileEntry, Manifest
 from shardkit.storage.pipeline import check_source_digests, hash_beside
 from shardkit.storage.request import RunRequest
@@ -117,13 +117,14 @@ def write_tag_shared(
             claimed = None  # renamed into place: no longer this run's to remove
     except BaseException:
         if launch.rank == 0:
-            if claimed is not None:
-                shutil.rmtree(claimed, ignore_errors=True)
-            else:
-                remove_own_claim(staging_dir(root, tag), launch)  # found by its owner file, however far it got
-            if made_root:
-                with contextlib.suppress(OSError):
-                    root.rmdir()  # the folder this run made, if nothing else was put there meanwhile
+            with signals_deferred():  # torchrun's SIGTERM, when another process exits first, waits for this
+                if claimed is not None:
+                    shutil.rmtree(claimed, ignore_errors=True)
+                else:
+                    remove_own_claim(staging_dir(root, tag), launch)  # found by its owner file, however far it got
+                if made_root:
+                    with contextlib.suppress(OSError):
+                        root.rmdir()  # the folder this run made, if nothing else was put there meanwhile
         raise
     return entries
 

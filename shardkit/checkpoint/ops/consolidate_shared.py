@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.atomic import disk_full_named, fsync_dir, staging_dir
+from shardkit.storage.atomic import disk_full_named, fsync_dir, signals_deferred, staging_dir
 from shardkit.storage.manifest import FileEntry
 from shardkit.storage.pipeline import check_source_digests, hash_beside
 from shardkit.storage.request import RunRequest
@@ -76,13 +76,14 @@ def write_shared(out: Path, launch: Launch, request: RunRequest, write_small: Ca
             claimed = None
     except BaseException:
         if launch.rank == 0:
-            if claimed is not None:
-                shutil.rmtree(claimed, ignore_errors=True)
-            else:
-                remove_own_claim(staging_dir(out.parent, out.name), launch)  # found by its owner file
-            if made_parent:
-                with contextlib.suppress(OSError):
-                    out.parent.rmdir()  # the folder this run made, if nothing else was put there meanwhile
+            with signals_deferred():  # a SIGTERM from torchrun waits for the clean-up (storage.atomic)
+                if claimed is not None:
+                    shutil.rmtree(claimed, ignore_errors=True)
+                else:
+                    remove_own_claim(staging_dir(out.parent, out.name), launch)  # found by its owner file
+                if made_parent:
+                    with contextlib.suppress(OSError):
+                        out.parent.rmdir()  # the folder this run made, if nothing else was put there meanwhile
         raise
 
 
