@@ -23,6 +23,7 @@ from shardkit.platform.dist import rank_env_problems
 from shardkit.run.launch_env import launch_env_findings
 from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_hostile as targets
+from tests._slow_writes import slow_fsync_cli
 
 TIMEOUT_S = 180
 
@@ -342,9 +343,9 @@ def big_source(tmp_path_factory) -> Path:
 def test_a_stopped_consolidate_removes_its_temporary_file_and_publishes_nothing(big_source, tmp_path, sig, code):
     out = tmp_path / "model.safetensors"
     # bf16 output: every piece is cast in memory, slow enough to be caught mid-write
-    proc = subprocess.Popen([sys.executable, "-m", "shardkit", "consolidate", str(big_source), "-o", str(out),
-                             "--dtype", "bf16", "--no-verify"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_launch_env())
+    # fsyncs slowed (tests/_slow_writes.py): on an idle machine the whole write ended before the signal came
+    proc = subprocess.Popen(slow_fsync_cli("consolidate", big_source, "-o", out, "--dtype", "bf16", "--no-verify"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_launch_env())
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob(".model.safetensors.tmp-*")):

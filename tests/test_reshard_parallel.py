@@ -23,6 +23,7 @@ from shardkit.storage.manifest import read_manifest
 from shardkit.storage.shared_save import launch_from_env
 from shardkit.storage.tags import STAGING_PREFIX
 from tests import _ranks_zero3 as R
+from tests._slow_writes import slow_fsync_cli
 
 pytestmark = pytest.mark.slow
 
@@ -267,7 +268,8 @@ def test_an_interrupt_mid_write_leaves_no_staging_folder(big, tmp_path, command,
     out = tmp_path / "out"
     argv = (["reshard", big, "--world-size", "3", "-o", out] if command == "reshard"
             else ["convert", big, "--to", "fsdp2", "-o", out])
-    run = subprocess.Popen(_cli(*argv), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # fsyncs slowed: the signal must land mid-write, not after a run that finished first (tests/_slow_writes.py)
+    run = subprocess.Popen(slow_fsync_cli(*argv), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(out, f"{STAGING_PREFIX}*")
         run.send_signal(sig)

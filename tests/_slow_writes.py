@@ -1,0 +1,26 @@
+"""A shardkit CLI whose fsyncs each take seconds, for the tests that interrupt a write: on an idle machine
+the whole write of their 250 MB source took under a second, and the signal the test sent once the staging
+folder appeared came after the run had finished (CI: exit 0, not 130). Only the time changes: each
+file is written, then fsynced, exactly as without it."""
+
+from __future__ import annotations
+
+import sys
+
+FSYNC_DELAY_S = 3.0
+
+_CODE = f"""
+import os, runpy, sys, time
+_fsync = os.fsync
+def _slow_fsync(fd):
+    time.sleep({FSYNC_DELAY_S})
+    _fsync(fd)
+os.fsync = _slow_fsync
+sys.argv = ["shardkit", *sys.argv[1:]]
+runpy.run_module("shardkit", run_name="__main__", alter_sys=True)
+"""
+
+
+def slow_fsync_cli(*args: object) -> list[str]:
+    """``python -m shardkit ARGS`` with every ``os.fsync`` delayed by FSYNC_DELAY_S."""
+    return [sys.executable, "-c", _CODE, *map(str, args)]
