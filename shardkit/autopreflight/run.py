@@ -63,11 +63,13 @@ def run_or_exit(
         from shardkit.placement.preflight import preflight
 
         report = preflight(**kwargs, timeout=preflight_timeout(timeout), json_path=json_path or read_text(ENV_JSON),
-                           on_verdict=rank0_stops_first(rank, what_failed, skip_hint))
+                           on_verdict=(stops_first := rank0_stops_first(rank, what_failed, skip_hint)))
     except PreflightError as exc:
-        if rank in ("0", "?"):
+        if stops_first.said:
             os._exit(EXIT_CODE)  # its stop lines and report went out before the verdict was published
-        stop_rank(rank, what_failed, _first_line(str(exc)), "rank 0's output", skip_hint)
+        # another rank, or a failure before any verdict (a rank that never arrived)
+        where = "the table above" if rank in ("0", "?") else "rank 0's output"
+        stop_rank(rank, what_failed, _first_line(str(exc)), where, skip_hint)
     except ImportError as exc:
         print(f"shardkit autopreflight: rank {rank}: preflight unavailable ({exc}); continuing", file=sys.stderr)
         send_report("skipped", f"preflight unavailable ({exc})")
@@ -83,18 +85,22 @@ def run_or_exit(
     return report
 
 
-def rank0_stops_first(rank: str, what_failed: str, skip_hint: str) -> Callable[[bool, str], None]:
+class rank0_stops_first:  # noqa: N801 - used as preflight's on_verdict callback, named for what it does
     """``preflight``'s ``on_verdict`` for rank 0: on a failed verdict it writes its stop lines and tells
     `shardkit launch` before the other ranks can read the verdict. They then exit at once and torchrun's
     agent SIGTERMs rank 0, whose lines and report, written after preflight raised, were lost under load
-    (CI: the launch named rank(s) [1] of 2; the 2-rank Trainer test saw rank 1's stop line alone)."""
+    (CI: the launch named rank(s) [1] of 2; the 2-rank Trainer test saw rank 1's stop line alone).
+    ``said`` tells the caller they are out (a failure before any verdict still goes through stop_rank)."""
 
-    def on_verdict(ok: bool, text: str) -> None:
+    def __init__(self, rank: str, what_failed: str, skip_hint: str) -> None:
+        self.rank, self.what_failed, self.skip_hint = rank, what_failed, skip_hint
+        self.said = False
+
+    def __call__(self, ok: bool, text: str) -> None:
         if not ok:
-            _write_stop_lines(rank, what_failed, _first_line(text), "the table above", skip_hint)
+            _write_stop_lines(self.rank, self.what_failed, _first_line(text), "the table above", self.skip_hint)
             send_report("failed", _first_line(text))
-
-    return on_verdict
+            self.said = True
 
 
 def _first_line(text: str) -> str:
