@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.readers.sharded_tensor_pickle import LocalShard, ShardedRef
+from shardkit.checkpoint.readers.sharded_tensor_pickle import LocalShard, ShardedRef, Wrapper, rebuild_wrapper_subclass
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef, _UnsupportedTensor, read_structure, structure_globals
 from shardkit.storage.torch_load import _rebuild_from_type_v2 as _plain_from_type
@@ -94,18 +94,6 @@ class _DTensorType:
     """``DTensor`` named in a pickle (the class argument of ``_rebuild_wrapper_subclass``)."""
 
 
-@dataclass(frozen=True)
-class _Wrapper:
-    cls: Any
-    dtype: str
-    size: tuple[int, ...]
-
-
-def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, storage_offset: Any, layout: Any,
-                              device: Any, requires_grad: Any) -> _Wrapper:
-    return _Wrapper(cls, str(dtype), tuple(int(d) for d in size))
-
-
 def _mesh_shape(mesh: Any) -> tuple[int, ...]:
     layout = getattr(mesh, "_layout", None)
     if layout is not None:
@@ -124,7 +112,7 @@ def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     wrapper = func(*args)
     attrs = state[1] if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) else state
     local, spec = (attrs.get("_local_tensor"), attrs.get("_spec")) if isinstance(attrs, dict) else (None, None)
-    if not isinstance(wrapper, _Wrapper) or not isinstance(local, TensorRef) or spec is None:
+    if not isinstance(wrapper, Wrapper) or not isinstance(local, TensorRef) or spec is None:
         raise _UnsupportedTensor(f"a DTensor pickled as {args!r} with state {type(state).__name__} and local tensor "
                                  f"{type(local).__name__}, not what DTensor.__reduce_ex__ of torch 2.x writes")
     mesh = getattr(spec, "mesh", None)
@@ -138,7 +126,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
     allowed = structure_globals()
     allowed.update({
         ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
-        ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
+        ("torch._utils", "_rebuild_wrapper_subclass"): rebuild_wrapper_subclass,
         (_TENSOR_API, "DTensor"): _DTensorType,
         ("torch.serialization", "_get_layout"): str,
         ("torch", "device"): str,

@@ -79,24 +79,25 @@ class _ShardedTensorType:
 
 
 @dataclass(frozen=True)
-class _Wrapper:
-    """``_rebuild_wrapper_subclass``'s result: the subclass and its global dtype and size."""
+class Wrapper:
+    """``_rebuild_wrapper_subclass``'s result: the subclass and its global dtype and size (ShardedTensor and
+    DTensor pickles both name it: ``dtensor_pickle`` uses these too)."""
 
     cls: Any
     dtype: str
     size: tuple[int, ...]
 
 
-def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, storage_offset: Any, layout: Any,
-                              device: Any, requires_grad: Any) -> _Wrapper:
-    return _Wrapper(cls, str(dtype), tuple(int(d) for d in size))
+def rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, storage_offset: Any, layout: Any,
+                              device: Any, requires_grad: Any) -> Wrapper:
+    return Wrapper(cls, str(dtype), tuple(int(d) for d in size))
 
 
 def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     if new_type is not _ShardedTensorType:
         return _plain_from_type(func, new_type, args, state)
     wrapper = func(*args)
-    if not isinstance(wrapper, _Wrapper) or not isinstance(state, tuple) or len(state) < 2:
+    if not isinstance(wrapper, Wrapper) or not isinstance(state, tuple) or len(state) < 2:
         raise _UnsupportedTensor(f"a ShardedTensor pickled as {args!r} with state {type(state).__name__}, not what "
                                  "ShardedTensor.__getstate__ of torch 2.x writes")
     shards, meta = state[0], state[1]
@@ -128,7 +129,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
     allowed = structure_globals()
     allowed.update({
         ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
-        ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
+        ("torch._utils", "_rebuild_wrapper_subclass"): rebuild_wrapper_subclass,
         (f"{_SHARD_API}.sharded_tensor.api", "ShardedTensor"): _ShardedTensorType,
         ("__builtin__", "getattr"): _only_process_group_state,
         ("builtins", "getattr"): _only_process_group_state,
