@@ -12,6 +12,7 @@ import pytest
 from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
 from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
 from shardkit.checkpoint.ops.convert.to_zero12 import convert_to_zero12
+from shardkit.checkpoint.ops.reshard import reshard_zero3
 from shardkit.core.errors import UsageError
 
 
@@ -19,7 +20,12 @@ def _zero12(src: Path, out: Path, **kw: Any) -> Any:
     return convert_to_zero12(src, out, stage=2, **kw)
 
 
-DEEPSPEED_TARGETS: dict[str, Callable[..., Any]] = {"zero2": _zero12, "zero3": convert_to_zero3}
+def _reshard(src: Path, out: Path, world_size: Any, **kw: Any) -> Any:
+    return reshard_zero3(src, out, world_size, **kw)
+
+
+#: reshard (ZeRO-1/2/3 alike) says the same as the convert targets
+DEEPSPEED_TARGETS: dict[str, Callable[..., Any]] = {"zero2": _zero12, "zero3": convert_to_zero3, "reshard": _reshard}
 
 
 @pytest.mark.parametrize("target", sorted(DEEPSPEED_TARGETS))
@@ -31,7 +37,7 @@ def test_a_world_size_outside_1_to_2_20_is_refused_naming_it(tmp_path, target, w
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("target, what", [("zero2", "files"), ("zero3", "rank files"), ("fsdp2", "files")])
+@pytest.mark.parametrize("target, what", [("zero2", "files"), ("zero3", "rank files"), ("fsdp2", "files"), ("reshard", "rank files")])
 def test_a_worker_count_below_one_is_refused_naming_it(tmp_path, target, what):
     call = convert_to_dcp if target == "fsdp2" else DEEPSPEED_TARGETS[target]
     kw: dict[str, Any] = {} if target == "fsdp2" else {"world_size": 2}

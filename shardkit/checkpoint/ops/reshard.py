@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
 from shardkit.checkpoint.ops.reshard_zero12 import Zero12Reshard, plan_zero12_reshard
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
@@ -137,8 +138,8 @@ def reshard_zero3(
     this process's share of the files (default: from ``srun``/``torchrun``'s variables; one
     process does everything without them).
     """
-    if workers is not None and workers < 1:
-        raise UsageError(f"workers={workers}: must be at least 1 (threads writing rank files at once)")
+    check_world_size(world_size)
+    check_workers(workers, "rank files")
     launch = launch or launch_from_env()
     warn = warn or warn_unverified
     refuse_unsupported(checkpoint, "reshard")  # a layout nothing converts correctly: refused before anything is read

@@ -47,8 +47,6 @@ class Zero12Reshard:
 def plan_zero12_reshard(tag_dir: Path, world_size: int) -> Zero12Reshard:
     """The ZeRO-1/2 tag folder ``tag_dir`` read once and planned at ``world_size`` ranks (nothing written yet).
     Raises CheckpointError, naming the file, for a source the reader refuses."""
-    if world_size < 1:
-        raise CheckpointError(f"--world-size {world_size}: must be at least 1")
     ckpt = read_checkpoint("zero12", tag_dir)
     files = Zero12Files(ckpt, plan_same_run(ckpt, world_size))
     source = ckpt.scalars["source"]
