@@ -45,11 +45,18 @@ def join_process_group(backend: str, init_file: str, rank: int, world_size: int)
     first take their GPU)."""
     import torch.distributed as dist
 
+    device_ids = None
     if backend == "nccl":  # pragma: no cover - GPU only
         import torch
 
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device_ids = [rank % torch.cuda.device_count()]
+        torch.cuda.set_device(device_ids[0])
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    # gloo's init returns on a rank before its peers have finished connecting to it: a target that
+    # fails at once (a model factory DeepSpeed refuses) exits and breaks the peers' connectFullMesh,
+    # so they report "Connection closed by peer" instead of their own error. One barrier here lets
+    # every rank finish joining before any target runs.
+    dist.barrier(device_ids=device_ids)
 
 
 def leave_process_group() -> None:
