@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,67 +62,110 @@ class _Rank:
     """``group_paddings``: the tail padding cut from each group's fp32 slice on this rank."""
 
 
-def read_zero12(tag_dir: Path) -> TrainingCheckpoint:
+@dataclass(frozen=True)
+class Zero12Layout:
+    """Where each trainable parameter sits in the source's flat param groups, known from the model-states file
+    and rank 0's optimizer file alone: DeepSpeed cuts every group into ``world_size`` equal partitions of P
+    elements (``get_data_parallel_partitions``), rank r holding ``[rP, rP + P)``."""
+
+    world_size: int
+    partitions: list[int]
+    """P of each param group (rank 0's fp32 slice + its ``group_paddings``)."""
+    offsets: dict[str, tuple[int, int]]
+    """Each trainable parameter's param group and offset in that group's flat buffer."""
+
+    def ranks_holding(self, name: str, lo: int, hi: int) -> range:
+        """The source ranks whose files hold elements ``[lo, hi)`` of trainable parameter ``name``."""
+        group, at = self.offsets[name]
+        size = self.partitions[group]
+        if hi <= lo or not size:
+            return range(0)
+        return range((at + lo) // size, min(self.world_size, (at + hi - 1) // size + 1))
+
+
+def zero12_layout(ckpt: TrainingCheckpoint) -> Zero12Layout:
+    """The layout ``read_zero12`` found (also when it parsed rank 0's file only: ``ranks=()``)."""
+    layout = (ckpt.scalars.get("native") or {}).get("layout")
+    if not isinstance(layout, Zero12Layout):
+        raise CheckpointError(f"{ckpt.folder}: a {ckpt.format} checkpoint not described by the ZeRO-1/2 reader")
+    return layout
+
+
+def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None) -> TrainingCheckpoint:
     """Describe the ZeRO-1/2 tag folder ``tag_dir`` (already verified by the caller): weights, Adam
     moments per trainable parameter, scalars. Raises CheckpointError, naming the file and the key, for
     a layout it would read wrongly (round_robin_gradients, an elastic save, a BF16_Optimizer save, ranks
-    that disagree, ZeRO-3 files beside, MoE expert files); nothing is read beyond small pickles then."""
+    that disagree, ZeRO-3 files beside, MoE expert files); nothing is read beyond small pickles then.
+
+    ``ranks``: parse only rank 0's optimizer file (the layout, the scalars) and these ranks' (a resuming rank's
+    share: the in-process resume at 2,048 source ranks parsed every file on every rank, 1.9 s each). Tensors
+    then have pieces in those files only: ``covered()`` is False for one that reaches into another (writers
+    refuse it), and ``zero12_layout(ckpt).ranks_holding`` says which ranks a range needs. Each file parsed is
+    checked against rank 0's (stage, partition_count, partition size, Adam step); the others are only listed."""
     # the files found and checked by the one ZeRO-1/2 opener reshard uses too (rank files, stage, mixed saves,
     # round_robin_gradients, elastic and BF16_Optimizer saves), parsed without torch
-    opened = open_zero12_checkpoint(tag_dir)
-    optim_files, optims, model, stage = opened.optim_files, opened.optim_states, opened.model_state, opened.stage
+    opened = open_zero12_checkpoint(tag_dir, ranks)
+    optims, model, stage = opened.optim_states, opened.model_state, opened.stage
+    optim_files = [opened.optim_files[r] for r in opened.parsed_ranks]
     model_path = tag_dir / MODEL_FILE
     if not isinstance(model, dict) or "param_shapes" not in model:
         raise CheckpointError(f"{model_path}: no param_shapes: not a DeepSpeed ZeRO-1/2 model-states file. Pass the tag "
                               "folder a ZeRO-1/2 engine.save_checkpoint wrote")
     config = _dict(model.get("ds_config"))
-    world = len(optim_files)
-    ranks = [_Rank(p, o[OPTIMIZER_KEY]["single_partition_of_fp32_groups"], _group_states(p, o[OPTIMIZER_KEY]),
-                   [int(x) for x in o[OPTIMIZER_KEY].get("group_paddings") or []]) for p, o in zip(optim_files, optims)]
+    world, every = opened.world_size, len(opened.parsed_ranks) == opened.world_size
+    parsed = {r: _Rank(p, o[OPTIMIZER_KEY]["single_partition_of_fp32_groups"], _group_states(p, o[OPTIMIZER_KEY]),
+                       [int(x) for x in o[OPTIMIZER_KEY].get("group_paddings") or []])
+              for r, p, o in zip(opened.parsed_ranks, optim_files, optims)}
+    files = list(parsed.values())
     shapes: list[dict[str, Any]] = list(model["param_shapes"] or [])
     rank0 = optims[0][OPTIMIZER_KEY]
-    if len(shapes) != len(ranks[0].fp32):
+    if len(shapes) != len(files[0].fp32):
         raise CheckpointError(f"{model_path}: param_shapes has {len(shapes)} groups, {optim_files[0].name} "
-                              f"{len(ranks[0].fp32)}: the model states and optimizer files are of different saves")
+                              f"{len(files[0].fp32)}: the model states and optimizer files are of different saves")
 
     weights: dict[str, SourceTensor] = {}
     optimizer: dict[str, dict[str, SourceTensor]] = {}
     via_torch: dict[str, None] = {}  # notes on rank tensors read through torch (``_tensor``), once each
     frozen, buffers = _add_frozen_and_buffers(model, model_path, stage, shapes, weights)
     paddings = rank0.get("param_alignment_paddings")
+    layout = Zero12Layout(world, [], {})
     for g, group in enumerate(shapes):
         pads = [int(x) for x in (paddings[g] if paddings is not None else [0] * len(group))]
-        partition = _partition(tag_dir, g, ranks)
+        partition = _partition(tag_dir, g, files)
         params, offset = [], 0
         for (name, shape), pad in zip(group.items(), pads):
             params.append((name, tuple(int(d) for d in shape), offset))
+            layout.offsets[name] = (g, offset)
             offset += math.prod(shape) + pad
-        held = sum(r.fp32[g].numel for r in ranks)
-        if len(pads) != len(group) or offset != held:
+        layout.partitions.append(partition)
+        # all files parsed: their slices add up to the data exactly; a share of them: the data fits the partitions
+        held = sum(r.fp32[g].numel for r in files) if every else partition * world
+        if len(pads) != len(group) or (offset != held if every else offset > held):
             raise CheckpointError(
                 f"{tag_dir}: param group {g}: the ranks hold {held} fp32 elements, param_shapes and "
                 f"param_alignment_paddings say {offset}: a layout this reader does not know; nothing was written")
         # each rank's tensors listed once per group (not per parameter: that too was parameters x ranks)
-        fp32_refs = [(r.path, r.fp32[g]) for r in ranks]
-        state_refs = {key: (ref.dtype, [(r.path, r.states[g].get(key)) for r in ranks])
-                      for key, ref in ranks[0].states[g].items() if isinstance(ref, TensorRef) and ref.shape == (partition,)}
+        fp32_refs = {r: (rank.path, rank.fp32[g]) for r, rank in parsed.items()}
+        state_refs = {key: (ref.dtype, {r: (rank.path, rank.states[g].get(key)) for r, rank in parsed.items()})
+                      for key, ref in files[0].states[g].items() if isinstance(ref, TensorRef) and ref.shape == (partition,)}
         for name, shape, at in params:
-            weights[name] = _tensor(name, "float32", shape, at, partition, fp32_refs,
+            weights[name] = _tensor(name, "float32", shape, at, partition, world, fp32_refs,
                                     f"single_partition_of_fp32_groups[{g}]", via_torch)
-            optimizer[name] = {key: _tensor(name, dtype, shape, at, partition, refs,
+            optimizer[name] = {key: _tensor(name, dtype, shape, at, partition, world, refs,
                                             f"base_optimizer_state.state[{g}].{key}", via_torch)
                                for key, (dtype, refs) in state_refs.items()}
     precision = training_precision(config)
     aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
-    scalars = _scalars(model, config, stage, precision, rank0, ranks, shapes)
+    scalars = _scalars(model, config, stage, precision, rank0, files, shapes)
     # the source's own dicts, for a writer of this format that keeps them key for key (the reshard: writers.zero12
     # SameRun); what read_structure parsed, tensors as TensorRefs
-    scalars["native"] = {"optim_file": optims[0], "model_states": model, "prefix": opened.prefix}
+    scalars["native"] = {"optim_file": optims[0], "model_states": model, "prefix": opened.prefix, "layout": layout}
     return TrainingCheckpoint(
         f"zero{stage}", tag_dir, _model_order(model, weights), world_size=world, tag=tag_dir.name, precision=precision,
         aliases=aliases, frozen=frozen, buffers=buffers, optimizer=optimizer, optimizer_described=True,
         scalars=scalars,
-        notes=[f"ZeRO-{stage} checkpoint {tag_dir} (saved by {world} rank(s), {precision} training): fp32 masters read",
+        notes=[f"ZeRO-{stage} checkpoint {tag_dir} (saved by {world} rank(s), {precision} training): fp32 masters read"
+               + ("" if every else f" from {len(parsed)} of the {world} rank files (rank(s) {_few(list(parsed))})"),
                *via_torch])
 
 
@@ -159,9 +203,10 @@ def _partition(tag_dir: Path, g: int, ranks: list[_Rank]) -> int:
     return sizes.pop()
 
 
-def _tensor(name: str, dtype: str, shape: tuple[int, ...], at: int, partition: int,
-            refs: list[tuple[Path, Any]], where: str, via_torch: dict[str, None]) -> SourceTensor:
-    """The parameter at buffer offset ``at`` as pieces of the ranks' tensors (rank r: buffer [rP, rP + P)).
+def _tensor(name: str, dtype: str, shape: tuple[int, ...], at: int, partition: int, world: int,
+            refs: dict[int, tuple[Path, Any]], where: str, via_torch: dict[str, None]) -> SourceTensor:
+    """The parameter at buffer offset ``at`` as pieces of the ranks' tensors (rank r: buffer [rP, rP + P));
+    of the ranks in ``refs`` only (the files parsed): the rest of it is left undescribed.
     Where a rank's tensor ``where`` is not a contiguous run of ``dtype`` in its file (no DeepSpeed save writes
     one; another tool might), the parameter is read through torch instead (``load``), and ``via_torch`` says so."""
     numel = math.prod(shape)
@@ -169,8 +214,10 @@ def _tensor(name: str, dtype: str, shape: tuple[int, ...], at: int, partition: i
     held: list[tuple[TensorRef, int, int]] = []
     # only the ranks whose partition the parameter overlaps (an empty group's: none): looping over every
     # rank made the reader's work parameters x ranks (0.3 s of pieces for 21 tensors at 2,048 source ranks)
-    overlapped = range(at // partition, min(len(refs), (at + numel - 1) // partition + 1)) if partition else range(0)
+    overlapped = range(at // partition, min(world, (at + numel - 1) // partition + 1)) if partition else range(0)
     for r in overlapped:
+        if r not in refs:
+            continue
         path, ref = refs[r]
         lo, hi = max(at, r * partition), min(at + numel, (r + 1) * partition)
         if lo >= hi:
@@ -235,6 +282,10 @@ def _model_order(model: dict[str, Any], weights: dict[str, SourceTensor]) -> dic
     ordered = {n: weights[n] for n in module if n in weights}
     ordered.update({n: t for n, t in weights.items() if n not in ordered})
     return ordered
+
+
+def _few(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:4])) + (f" ... ({len(ranks)})" if len(ranks) > 4 else "")
 
 
 def _dict(value: Any) -> dict[str, Any]:

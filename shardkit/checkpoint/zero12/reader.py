@@ -15,6 +15,7 @@ So the old ranks' unpadded slices, concatenated, are the world-size-free part of
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,12 +49,15 @@ class Zero12Checkpoint:
     optim_files: list[Path]
     model_files: list[Path]
     optim_states: list[dict[str, Any]]
-    """Each rank's whole optimizer file (``optimizer_state_dict``, ``ds_config``, ``ds_version``)."""
+    """The whole optimizer file (``optimizer_state_dict``, ``ds_config``, ``ds_version``) of each of ``parsed_ranks``."""
     model_state: dict[str, Any]
     """The model-states file (module weights as ``TensorRef``s, ``param_shapes``, ``dp_world_size``...)."""
     ds_config: dict[str, Any] = field(default_factory=dict)
     ds_version: str | None = None
     precision: str = "fp32"
+    parsed_ranks: list[int] = field(default_factory=list)
+    """The ranks whose optimizer files were parsed (``optim_states``, in this order): every rank unless the opener
+    was given ``ranks``."""
 
 
 def is_zero12_folder(tag_dir: Path) -> bool:
@@ -70,11 +74,12 @@ def training_precision(config: dict[str, Any]) -> str:
     return "fp32"
 
 
-def open_zero12_checkpoint(tag_dir: Path) -> Zero12Checkpoint:
+def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None) -> Zero12Checkpoint:
     """Open ``tag_dir`` (a ZeRO-1/2 tag folder); raises CheckpointError naming the file for a missing rank,
     a stage other than 1/2, ranks that disagree, or a layout the repartition cannot move
     (``round_robin_gradients``, an elastic optimizer state). The pickles only are parsed (``read_structure``,
-    no torch), for the reader of the checkpoint model (``readers.zero12``)."""
+    no torch), for the reader of the checkpoint model (``readers.zero12``). ``ranks``: parse only rank 0's and
+    these ranks' optimizer files (a resuming rank's share; every file is still listed, none other opened)."""
     found: dict[int, Path] = {}
     prefixes, other = set(), []
     for p in tag_dir.iterdir():
@@ -91,16 +96,22 @@ def open_zero12_checkpoint(tag_dir: Path) -> Zero12Checkpoint:
             "files do not hold). Nothing was read; pass a folder one ZeRO-1/2 save wrote")
     world = len(found)
     if world == 0 or sorted(found) != list(range(world)) or len(prefixes) != 1:
+        # the missing ranks named, not every rank found (a folder may hold thousands)
+        gaps = sorted(set(range(max(found, default=0) + 1)) - set(found))
         raise CheckpointError(
-            f"{tag_dir}: optimizer files for ranks {sorted(found)} (prefixes {sorted(prefixes)}), expected ranks 0..N-1 "
-            "with one naming: a rank's file is missing or two saves were mixed in one folder. Re-copy the tag folder")
+            f"{tag_dir}: {len(found)} optimizer file(s), rank(s) {gaps[:5]} missing (prefixes {sorted(prefixes)}), "
+            "expected ranks 0..N-1 with one naming: a rank's file is missing or two saves were mixed in one folder. "
+            "Re-copy the tag folder")
     optim_files = [found[r] for r in range(world)]
-    states = [read_structure(p) for p in optim_files]
+    parsed = list(range(world)) if ranks is None else sorted({0, *ranks})
+    if parsed[-1] >= world or parsed[0] < 0:
+        raise CheckpointError(f"{tag_dir}: rank files {parsed} asked for, but the folder holds ranks 0..{world - 1}")
+    states = [read_structure(optim_files[r]) for r in parsed]
     model_state = read_structure(tag_dir / MODEL_FILE)
     ckpt = Zero12Checkpoint(tag_dir=tag_dir, stage=0, world_size=world, prefix=prefixes.pop(), optim_files=optim_files,
                             model_files=[tag_dir / MODEL_FILE], optim_states=states, model_state=model_state,
                             ds_config=dict(model_state.get("ds_config") or {}),
-                            ds_version=model_state.get("ds_version"))
+                            ds_version=model_state.get("ds_version"), parsed_ranks=parsed)
     ckpt.precision = training_precision(ckpt.ds_config)
     ckpt.stage = _check_ranks(ckpt)
     return ckpt
@@ -108,7 +119,8 @@ def open_zero12_checkpoint(tag_dir: Path) -> Zero12Checkpoint:
 
 def _check_ranks(ckpt: Zero12Checkpoint) -> int:
     stages: set[object] = set()
-    for path, state in zip(ckpt.optim_files, ckpt.optim_states):
+    files = [ckpt.optim_files[r] for r in ckpt.parsed_ranks]
+    for path, state in zip(files, ckpt.optim_states):
         sd = state.get(OPTIMIZER_KEY) if isinstance(state, dict) else None
         if not isinstance(sd, dict) or not isinstance(sd.get("single_partition_of_fp32_groups"), list):
             raise CheckpointError(f"{path}: no optimizer_state_dict.single_partition_of_fp32_groups: not a ZeRO-1/2 "
@@ -131,7 +143,7 @@ def _check_ranks(ckpt: Zero12Checkpoint) -> int:
     if not isinstance(only, int) or only not in (1, 2):
         # name the files that differ from rank 0's (a few: the folder may hold thousands)
         seen = [getattr(s[OPTIMIZER_KEY]["zero_stage"], "value", s[OPTIMIZER_KEY]["zero_stage"]) for s in ckpt.optim_states]
-        odd = [f"{p.name} records {v}" for p, v in zip(ckpt.optim_files, seen) if v != seen[0]][:3]
+        odd = [f"{p.name} records {v}" for p, v in zip(files, seen) if v != seen[0]][:3]
         mixed = (f" ({', '.join(odd)}, {ckpt.optim_files[0].name} {seen[0]}): files of saves of different stages are "
                  "mixed in one folder; copy the tag folder again from one save") if odd else ""
         raise CheckpointError(f"{ckpt.tag_dir}: zero_stage is {sorted(map(str, stages))} across the rank files, expected "
