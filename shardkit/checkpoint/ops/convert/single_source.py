@@ -67,9 +67,24 @@ def open_source(source: str | Path, output: str | Path, *, target: str, label: s
     for note in checked.warnings:
         warn(note)
     ckpt = read_checkpoint(found.kind, tag_dir)
+    refuse_weights_only(ckpt, found, target, f"and a {label} checkpoint needs {needs}")
+    return OpenedSource(found, out_tag, root, checked, ckpt)
+
+
+def refuse_weights_only(ckpt: TrainingCheckpoint, found: Source, target: str, why: str) -> None:
+    """CheckpointError when ``found``'s reader described the weights only: every convert target carries
+    the optimizer state. ``why``: what the target would lose ("so an FSDP2 resume would start Adam from
+    zero")."""
     if not ckpt.optimizer_described:
         raise CheckpointError(
-            f"{tag_dir}: shardkit's {found.kind} reader describes this checkpoint's weights only, not its optimizer "
-            f"state, and a {label} checkpoint needs {needs}; convert --to {target} takes the kinds whose reader "
-            "describes the optimizer (`shardkit inspect` says which). For the weights alone: shardkit export")
-    return OpenedSource(found, out_tag, root, checked, ckpt)
+            f"{found.tag_dir}: shardkit's {found.kind} reader describes this checkpoint's weights only, not its "
+            f"optimizer state, {why}; convert --to {target} takes the kinds whose reader describes the optimizer "
+            "(`shardkit inspect` says which). For the weights alone: shardkit export")
+
+
+def refuse_uncovered(ckpt: TrainingCheckpoint, tag_dir: Path) -> None:
+    """CheckpointError naming the tensors whose pieces do not cover them (a rank's file missing)."""
+    uncovered = ckpt.uncovered()
+    if uncovered:
+        raise CheckpointError(f"{tag_dir}: tensors {uncovered[:4]} are not fully stored (their pieces do not cover "
+                              "them); the checkpoint is incomplete. Pass a complete checkpoint")

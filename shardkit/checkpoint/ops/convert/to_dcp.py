@@ -34,13 +34,14 @@ from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.convert.arguments import check_workers
 from shardkit.checkpoint.ops.convert.names import not_carried_lines, refuse_if_any
 from shardkit.checkpoint.ops.convert.result import ConvertResult
+from shardkit.checkpoint.ops.convert.single_source import refuse_weights_only
 from shardkit.checkpoint.ops.convert.to_dcp_plan import DcpTarget, plan_dcp_target
 from shardkit.checkpoint.ops.export.sources import resolve_source
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.writers.dcp import MODEL_KEY, OPTIM_KEY, dcp_items
 from shardkit.checkpoint.writers.dcp_files import ShareResult, source_files, write_dcp
 from shardkit.config.loading import config_digest
-from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.errors import UsageError
 from shardkit.platform.versions import library_versions
 from shardkit.storage.atomic import os_errors_named
 from shardkit.storage.manifest import Manifest
@@ -113,11 +114,7 @@ def convert_to_dcp(
         refuse_links_leaving(found.folder, "convert")
     # the files whose bytes are copied, as they are now: one rewritten during the copy fails the run
     before = signatures(files)
-    if not ckpt.optimizer_described:
-        raise CheckpointError(
-            f"{source_dir}: shardkit's {found.kind} reader describes this checkpoint's weights only, not its optimizer "
-            "state, so an FSDP2 resume would start Adam from zero; convert --to fsdp2 takes the kinds whose reader "
-            "describes the optimizer (`shardkit inspect` says which). For the weights alone: shardkit export")
+    refuse_weights_only(ckpt, found, "fsdp2", "so an FSDP2 resume would start Adam from zero")
     plan = plan_dcp_target(ckpt, adam_w_mode)
     refuse_if_any(plan.uncarried, source_dir, "fsdp2")
     items = dcp_items(ckpt, plan.layout)

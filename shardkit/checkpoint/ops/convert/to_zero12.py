@@ -20,7 +20,7 @@ from typing import Any, Callable
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
 from shardkit.checkpoint.ops.convert.result import ConvertResult
-from shardkit.checkpoint.ops.convert.single_source import open_source
+from shardkit.checkpoint.ops.convert.single_source import open_source, refuse_uncovered
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     carry_run_state,
     check_adam,
@@ -39,7 +39,7 @@ from shardkit.checkpoint.ops.export.sources import Source
 from shardkit.checkpoint.writers.zero12 import Zero12Files, Zero12Target, write_files
 from shardkit.config.loading import config_digest
 from shardkit.config.paths import get
-from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.errors import UsageError
 from shardkit.storage.atomic import os_errors_named
 from shardkit.storage.pipeline import warn_unverified
 from shardkit.storage.shared_save import outcome_unchanged
@@ -90,10 +90,7 @@ def convert_to_zero12(
                          needs="fp32 masters and Adam moments", same_format=already_zero12, tag=tag, force=force,
                          verify=verify, warn=warn or warn_unverified)
     ckpt, tag, root, checked, tag_dir = opened.ckpt, opened.tag, opened.root, opened.checked, opened.tag_dir
-    uncovered = ckpt.uncovered()
-    if uncovered:
-        raise CheckpointError(f"{tag_dir}: tensors {uncovered[:4]} are not fully stored (their pieces do not cover "
-                              "them); the checkpoint is incomplete. Pass a complete checkpoint")
+    refuse_uncovered(ckpt, tag_dir)
     notes: list[str] = [*opened.found.notes]
     cfg = _config(read_ds_config(ds_config), ckpt, stage, notes)
     target, not_carried = plan_zero12_target(ckpt, cfg, stage, world_size, target_names(ckpt, name_prefix, notes),

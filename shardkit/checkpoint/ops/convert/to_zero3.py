@@ -35,6 +35,7 @@ from typing import Any, Callable
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
 from shardkit.checkpoint.ops.convert.result import ConvertResult
+from shardkit.checkpoint.ops.convert.single_source import refuse_uncovered, refuse_weights_only
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     check_target_config,
     decide_precision,
@@ -48,7 +49,7 @@ from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.writers.dcp_files import CONVERT
 from shardkit.checkpoint.writers.zero3 import RankStates, rank_file_workers, write_rank_files
 from shardkit.config.loading import config_digest
-from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.errors import UsageError
 from shardkit.platform.dist import process_group_active
 from shardkit.platform.versions import library_versions
 from shardkit.storage.atomic import os_errors_named
@@ -152,15 +153,8 @@ def convert_to_zero3(
     before = signatures(sorted(f for f in tag_dir.iterdir() if f.is_file()))
 
     ckpt = read_checkpoint(found.kind, tag_dir)
-    if not ckpt.optimizer_described:
-        raise CheckpointError(
-            f"{tag_dir}: shardkit's {found.kind} reader describes this checkpoint's weights only, not its optimizer "
-            "state, and a ZeRO-3 checkpoint needs fp32 masters and Adam moments; convert --to zero3 takes the kinds "
-            "whose reader describes the optimizer (`shardkit inspect` says which). For the weights alone: shardkit export")
-    uncovered = ckpt.uncovered()
-    if uncovered:
-        raise CheckpointError(f"{tag_dir}: tensors {uncovered[:4]} are not fully stored (their pieces do not cover "
-                              "them); the checkpoint is incomplete. Pass a complete checkpoint")
+    refuse_weights_only(ckpt, found, "zero3", "and a ZeRO-3 checkpoint needs fp32 masters and Adam moments")
+    refuse_uncovered(ckpt, tag_dir)
     notes: list[str] = [*found.notes]
     precision = decide_precision(cfg, precision, source_precision(ckpt), tag_dir, notes)
     names = target_names(ckpt, name_prefix, notes)
