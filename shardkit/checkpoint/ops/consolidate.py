@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Callable
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.consolidate_model import consolidate_model, model_source
 from shardkit.checkpoint.ops.consolidate_output import (
-    OUTPUT_DTYPES,
     ConsolidateResult,
     check_output_file,
     remove_stale_temps,
 )
 from shardkit.checkpoint.ops.consolidate_shared import write_shared
+from shardkit.checkpoint.ops.export.writer import output_dtype
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.gather import full_frozen_params
@@ -69,9 +69,6 @@ if TYPE_CHECKING:
 
 #: A parameter's name -> the absolute byte offsets of its tensor (and of its tied aliases) in the output.
 Targets = Callable[[str], list[int]]
-
-
-_OUT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _dtype_name(dtype: "torch.dtype") -> str:
@@ -109,9 +106,7 @@ def consolidate_zero3(
 
     if workers is not None and workers < 1:
         raise UsageError(f"workers={workers}: must be at least 1 (rank files copied at once)")
-    if dtype not in OUTPUT_DTYPES:
-        raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
-    out_name = _OUT_NAMES[dtype]
+    out_name = output_dtype(dtype)
     refuse_unsupported(checkpoint, "consolidate")  # a layout nothing converts correctly: refused before anything is read
     routed = model_source(checkpoint)  # ZeRO-1/2 and other readers' kinds: the checkpoint model's path
     if routed is not None:

@@ -24,23 +24,21 @@ from typing import Callable
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.ops.consolidate_output import (
-    OUTPUT_DTYPES,
     ConsolidateResult,
     check_output_file,
     remove_stale_temps,
 )
 from shardkit.checkpoint.ops.export.shard_plan import Shard
 from shardkit.checkpoint.ops.export.sources import Source, resolve_source
-from shardkit.checkpoint.ops.export.writer import ShardJob, entry_dtype, write_shard
+from shardkit.checkpoint.ops.export.writer import ShardJob, entry_dtype, output_dtype, write_shard
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.core import progress
-from shardkit.core.errors import CheckpointError, ShardkitError, UsageError
+from shardkit.core.errors import CheckpointError, ShardkitError
 from shardkit.storage.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.shared_save import Launch, launch_from_env
 from shardkit.storage.torch_load import ITEMSIZE
 
-_OUT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: Kinds consolidate does not route here: ZeRO-3 keeps its own split path (each process copies its
 #: ranks' byte ranges into one pre-sized file).
 _OWN_PATHS = ("zero3",)
@@ -89,10 +87,6 @@ def consolidate_model(
     ``output`` (.safetensors; a folder gets ``model.safetensors``). Arguments as ``consolidate_zero3``'s;
     ``workers`` hashes source files at once. Under srun/torchrun only process 0 writes (the file is
     one sequential stream here); the others return at once with an empty share."""
-    if dtype not in OUTPUT_DTYPES:
-        raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
-    if workers is not None and workers < 1:
-        raise UsageError(f"workers={workers}: must be at least 1 (source files hashed at once)")
     say = warn or warn_unverified
     launch = launch or launch_from_env()
     out = check_output_file(Path(output), source.tag_dir, force=force)
@@ -104,7 +98,7 @@ def consolidate_model(
     for note in [*source.notes, *checked.warnings]:
         say(note)
     ckpt = read_checkpoint(source.kind, source.tag_dir)
-    out_name = _OUT_NAMES[dtype]
+    out_name = output_dtype(dtype)
     tensors = output_tensors(ckpt, include_frozen)
     nbytes = sum(t.numel * ITEMSIZE[entry_dtype(t, out_name)] for t in tensors.values())
     job = ShardJob(Shard(out.name, tuple(tensors), nbytes), tensors, out_name)

@@ -15,8 +15,6 @@ from shardkit.core.errors import UsageError
 from shardkit.core.files import file_kind
 from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX
 
-OUTPUT_DTYPES = ("fp32", "bf16", "fp16")
-
 
 @dataclass
 class ConsolidateResult:

@@ -36,15 +36,13 @@ from shardkit.checkpoint.ops.export.shard_plan import (
     plan_shards,
 )
 from shardkit.checkpoint.ops.export.sources import COMPANION_FILES, Source, find_config_dir, resolve_source
-from shardkit.checkpoint.ops.export.writer import ShardJob, entry_dtype, write_shards
+from shardkit.checkpoint.ops.export.writer import ShardJob, entry_dtype, output_dtype, write_shards
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import atomic_write_text, disk_full_named, os_errors_named, publish_dir
 from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
 from shardkit.storage.torch_load import ITEMSIZE
-
-OUTPUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass
@@ -104,8 +102,8 @@ def export_hf_folder(
     ``default_workers``); ``force``: replace an earlier shardkit export at ``output``;
     ``verify=False``: check the source's file sizes only, not their digests.
     """
-    if dtype is not None and dtype not in OUTPUT_DTYPES:
-        raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
+    if dtype is not None:
+        output_dtype(dtype)
     if workers is not None and workers < 1:
         raise UsageError(f"--workers {workers}: must be at least 1 (shard files written at once)")
     limit = parse_shard_size(max_shard_size)
@@ -127,7 +125,7 @@ def export_hf_folder(
     plan = (_adapter_plan(tensors, lora, src, config_dir, model_config, dtype) if lora else
             _model_plan(tensors, aliases, src, config_dir, dtype))
     notes += plan.notes
-    out_name = OUTPUT_DTYPES[plan.dtype]
+    out_name = output_dtype(plan.dtype)
     sizes = {n: t.numel * ITEMSIZE[entry_dtype(t, out_name)] for n, t in plan.tensors.items()}
     shards = [Shard(ADAPTER_WEIGHTS, tuple(sizes), sum(sizes.values()))] if plan.adapter_dir else plan_shards(sizes, limit)
     jobs = [ShardJob(s, {n: plan.tensors[n] for n in s.names}, out_name) for s in shards]

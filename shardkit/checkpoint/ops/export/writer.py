@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.ops.export.shard_plan import Shard
 from shardkit.core import progress
-from shardkit.core.errors import CheckpointError
+from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.safetensors_file import TensorEntry, copy_bytes, header_layout, write_header
 from shardkit.storage.torch_load import ITEMSIZE
 
@@ -30,6 +30,16 @@ if TYPE_CHECKING:
 #: Bytes of source data read per cast step: large enough to amortize the syscalls, small enough
 #: that a writer thread's memory stays a few tens of MB.
 CHUNK_BYTES = 16 << 20
+
+#: ``--dtype`` of export and consolidate -> the safetensors dtype of the floating-point tensors written.
+OUTPUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def output_dtype(dtype: str) -> str:
+    """``dtype`` (an ``--dtype`` choice) as the safetensors dtype name; UsageError naming the choices."""
+    if dtype not in OUTPUT_DTYPES:
+        raise UsageError(f"--dtype {dtype!r}: choose one of {list(OUTPUT_DTYPES)}")
+    return OUTPUT_DTYPES[dtype]
 
 
 class Stopped(Exception):
