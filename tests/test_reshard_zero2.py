@@ -406,3 +406,47 @@ def test_source_the_byte_route_cannot_express_takes_the_torch_route_and_says_why
     assert plain.notes == []
     for f in plain.files:
         _values_equal(safe_torch_load(f), safe_torch_load(tmp_path / "via_torch" / tag / f.name), f.name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_a_sealed_source_is_verified_from_the_bytes_the_copy_reads(sources, tmp_path, monkeypatch, world):
+    """With a manifest, the byte route checks the source from the ranges its copies read (``SourceDigests``),
+    not from a second read: the files are byte for byte the unverified route's (one thread per file, the source
+    not hashed), almost every source byte is hashed in the copy, and a flipped bit in an old rank's file is
+    refused, naming it, with nothing published."""
+    import re
+    import shutil
+
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.core.errors import CheckpointError
+    from shardkit.storage import stream
+    from shardkit.storage.manifest import seal
+    from tests._corrupt import flip_a_byte
+
+    src = tmp_path / "src"
+    shutil.copytree(sources[0] / "zero2_bf16", src)
+    tag = src / f"global_step{SAVE_STEPS}"
+    seal(tag, engine="deepspeed", world_size=2, zero_stage=2, dtype="bf16")
+    in_copy: list[tuple[int, int]] = []
+    real_finish = stream.SourceDigests.finish
+
+    def finish(self: stream.SourceDigests) -> dict[Path, str]:
+        in_copy.append((self.hashed_in_copy(), sum(p.stat().st_size for p in tag.glob("*.pt"))))
+        return real_finish(self)
+
+    monkeypatch.setattr(stream.SourceDigests, "finish", finish)
+    verified = reshard_zero3(src, tmp_path / "verified", world)
+    plain = reshard_zero3(src, tmp_path / "plain", world, verify=False, warn=lambda note: None)
+    assert (verified.verified, plain.verified, verified.notes) == ("hash", "sizes", [])
+    for name in (p.name for p in verified.files):
+        assert (verified.output / verified.tag / name).read_bytes() == (plain.output / plain.tag / name).read_bytes(), name
+    [(hashed, total)] = in_copy
+    assert hashed >= 0.95 * total, (hashed, total)  # the rest: the zip end records after the last tensor, read at the end
+
+    victim = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    flip_a_byte(victim)
+    with pytest.raises(CheckpointError, match=rf"refusing to publish the reshard of .*: {re.escape(str(victim))} fails "
+                       r"verification: its blake3 is [0-9a-f]{64}, its manifest says [0-9a-f]{64}.*Nothing was written"):
+        reshard_zero3(src, tmp_path / "refused", world)
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())

@@ -7,6 +7,7 @@ import os
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,3 +269,82 @@ def test_several_produced_tensors_in_one_file_pickle_as_torch_save_does(tmp_path
         for x in ref.infolist():
             if not x.filename.endswith(SID):
                 assert ref.read(x) == mine.read(x.filename), (d, x.filename)
+
+
+def _old_rank_file(tmp_path: Path) -> tuple[Path, list[tuple[int, int]]]:
+    """A stand-in for an old rank's file: a header, then three 'flat buffers' of random bytes with small gaps
+    between them (zip headers) and a tail nothing copies; returns the file and each buffer's (offset, size)."""
+    rng = np.random.default_rng(0)
+    parts, flats, at = [], [], 0
+    for size in (300_000, 300_004, 299_996):
+        gap = rng.bytes(97)  # a record's zip header: read by no copy
+        parts += [gap, rng.bytes(size)]
+        flats.append((at + len(gap), size))
+        at += len(gap) + size
+    parts.append(b"central directory and the end records")
+    path = tmp_path / "old_rank_0.pt"
+    path.write_bytes(b"".join(parts))
+    return path, flats
+
+
+def test_interleaved_files_equal_their_own_writes_and_hash_the_source_from_the_copy(tmp_path):
+    """Two new ranks cut from one old rank's buffers (ZeRO-2 2 -> 4): written from one thread, each file is byte
+    for byte what ``write_torch_zip`` writes alone, and the old file's digest comes from the copy's own reads,
+    every byte the copies take read only once (what is left to ``finish``: the tail after the last buffer)."""
+    from shardkit.storage.manifest import file_digest
+    from shardkit.storage.stream import SourceDigests, write_interleaved
+    from shardkit.storage.torch_zip import SegmentedRecord, write_torch_zip
+
+    src, flats = _old_rank_file(tmp_path)
+    path = str(src)
+
+    def new_rank(half: int) -> tuple[bytes, list]:
+        records = []
+        for i, (offset, size) in enumerate(flats):
+            lo = 0 if half == 0 else size // 2
+            hi = size // 2 if half == 0 else size
+            segs = [Segment(path, offset + lo, hi - lo)] + ([Segment(None, 0, 4)] if half else [])
+            records.append((str(i), SegmentedRecord(hi - lo + (4 if half else 0), segs)))
+        return f"pickle of rank {half}".encode(), records
+
+    files = [(tmp_path / f"new_{r}.pt", *new_rank(r)) for r in (0, 1)]
+    digests = SourceDigests([(src, "blake3")], gap_bytes=200)  # a zip header, never another rank's half
+    written = write_interleaved(files, on_read=digests.seen, chunk_bytes=65536)
+    (tmp_path / "alone").mkdir()
+    alone = [write_torch_zip(tmp_path / "alone" / f"new_{r}.pt", pkl, records, chunk_bytes=65536)
+             for r, (_, pkl, records) in enumerate(files)]
+    for r in (0, 1):
+        assert (tmp_path / f"new_{r}.pt").read_bytes() == (tmp_path / "alone" / f"new_{r}.pt").read_bytes()
+        assert written[r].digest == alone[r].digest and written[r].size == alone[r].size
+    assert digests.hashed_in_copy() == flats[-1][0] + flats[-1][1]  # up to the end of the last buffer, in order
+    assert digests.finish() == {src: file_digest(src, "blake3")}
+
+
+@pytest.mark.parametrize("order", ["forward", "backward", "shuffled"])
+def test_source_digests_hash_every_byte_once_in_any_read_order(tmp_path, order):
+    """Windows delivered out of order (threads of other files reading the same source) are left and read again
+    at the end: the digest is the file's in every order, and a changed byte changes it."""
+    import random
+
+    from shardkit.storage.manifest import file_digest
+    from shardkit.storage.stream import SourceDigests
+
+    src, _ = _old_rank_file(tmp_path)
+    data = src.read_bytes()
+    windows = [(o, min(50_000, len(data) - o)) for o in range(0, len(data), 50_000)]
+    if order == "backward":
+        windows.reverse()
+    elif order == "shuffled":
+        random.Random(1).shuffle(windows)
+    digests = SourceDigests([(src, "blake3")], gap_bytes=100)
+    for offset, size in windows:
+        digests.seen(str(src), offset, memoryview(data[offset:offset + size]))
+    digests.seen(str(tmp_path / "another_file"), 0, memoryview(b"not one of the checked files"))
+    assert digests.finish() == {src: file_digest(src, "blake3")}
+    # one bit flipped on disk: the copy reads it, the digest is no longer the one the good file had
+    good = file_digest(src, "blake3")
+    bad = data[:1000] + bytes([data[1000] ^ 1]) + data[1001:]
+    src.write_bytes(bad)
+    changed = SourceDigests([(src, "blake3")])
+    changed.seen(str(src), 0, memoryview(bad[:5000]))
+    assert changed.finish()[src] != good

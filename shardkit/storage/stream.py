@@ -10,17 +10,24 @@ the file's digest (blake3 by default) computed from the bytes as they are writte
   buffers, so several files are written in parallel by threads (torch's own writer computes its
   crc32 and calls back into Python holding the GIL: two threads ran no faster than one).
 
-``write_parallel`` runs such file jobs on threads; ``copy_file_hashed`` copies one file, hashed.
+``write_parallel`` runs such file jobs on threads; ``copy_file_hashed`` copies one file, hashed;
+``write_interleaved`` writes several files from one thread with their records in the order a source file holds
+them, so ``SourceDigests`` hashes that source from the bytes the copy reads (one read of each source byte, not two).
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import io
+import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 from shardkit.storage.atomic import disk_full_named, fsync_file
+from shardkit.storage.digest import Hasher, new_hasher
 from shardkit.storage.torch_pickle import StubPickler
 from shardkit.storage.torch_zip import (
     CHUNK_BYTES,
@@ -30,13 +37,17 @@ from shardkit.storage.torch_zip import (
     SegmentedRecord,
     WriteCancelled,
     WrittenFile,
+    archive_name,
+    begin_torch_zip,
     check_cancelled,
     set_cancel_event,
     write_torch_zip,
 )
 
-__all__ = ["CHUNK_BYTES", "FileJob", "LazyTensor", "Segment", "WrittenFile", "all_segmented", "copy_file_hashed",
-           "materialize", "stream_save", "write_parallel"]
+__all__ = ["CHUNK_BYTES", "FileJob", "LazyTensor", "Segment", "SourceDigests", "WrittenFile", "all_segmented",
+           "copy_file_hashed", "main_source", "materialize", "stream_save", "write_interleaved", "write_parallel"]
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     import torch
@@ -179,9 +190,10 @@ def all_segmented(obj: Any) -> bool:
 FileJob = tuple[Path, Callable[[Path], WrittenFile]]
 
 
-def write_parallel(jobs: Sequence[FileJob], workers: int, *, outcome: str,
-                   thread_name: str = "shardkit-write") -> list[WrittenFile]:
-    """Write every job's file, ``workers`` at a time on threads, and return their digests in job order.
+def write_parallel(jobs: Sequence[tuple[Path, Callable[[Path], _T]]], workers: int, *, outcome: str,
+                   thread_name: str = "shardkit-write") -> list[_T]:
+    """Write every job's file, ``workers`` at a time on threads, and return their digests in job order
+    (a job of ``write_interleaved`` writes several files: its path is the first, its result their digests).
 
     Each file is fsynced by the thread that wrote it (the fsyncs overlap the other files' writes;
     the staging folder's ``fsync_tree`` then finds nothing dirty). The first failure cancels the
@@ -196,7 +208,7 @@ def write_parallel(jobs: Sequence[FileJob], workers: int, *, outcome: str,
 
     cancel = threading.Event()
 
-    def run(path: Path, write: Callable[[Path], WrittenFile]) -> WrittenFile:
+    def run(path: Path, write: Callable[[Path], _T]) -> _T:
         # a worker freed by a failure picks the next queued job before the waiting thread wakes to
         # cancel the queue (seconds on a loaded machine): a job that starts after a failure stops here
         if cancel.is_set():
@@ -258,3 +270,134 @@ def copy_file_hashed(src: str | Path, dst: str | Path, *, chunk_bytes: int = CHU
                 break
             out.write(buf[:n])
         return out.written()
+
+
+class _Cursor:
+    """One source file's hasher and how far into the file it has hashed (``SourceDigests``)."""
+
+    def __init__(self, path: Path, hasher: Hasher):
+        self.path, self.hasher, self.pos = path, hasher, 0
+        self.lock = threading.Lock()
+        self.fd: int | None = None
+        self.buf: memoryview | None = None
+
+    def read_to(self, end: int | None) -> None:
+        """Hash the file from ``pos`` up to ``end`` (None: its end), read here through one buffer."""
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self.buf = memoryview(bytearray(CHUNK_BYTES))
+        assert self.buf is not None
+        while end is None or self.pos < end:
+            check_cancelled()
+            want = len(self.buf) if end is None else min(len(self.buf), end - self.pos)
+            got = os.preadv(self.fd, [self.buf[:want]], self.pos)
+            if got <= 0:
+                return  # shorter than the windows the copy read: the digest says it (and check_unchanged)
+            self.hasher.update(self.buf[:got])
+            self.pos += got
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class SourceDigests:
+    """Each source file's digest (with its manifest's algorithm), computed from the windows the copies read of it
+    (``ZipWriter.on_read``) instead of a second read of the whole file.
+
+    A hash runs front to back, so a window is taken only where it continues the part hashed so far; a short gap
+    before it (a zip header, the pickle: bytes no output copies, up to ``gap_bytes``) is read here first; a window
+    further on is left, and ``finish`` reads whatever no copy delivered in order. Every byte is hashed once in any
+    order the threads read in; a byte is read twice only where no copy reached it in order
+    (``write_interleaved`` orders the copies so they do). ``files``: (path, algorithm) of the files to check."""
+
+    def __init__(self, files: Sequence[tuple[Path, str]], gap_bytes: int = CHUNK_BYTES):
+        self._cursors = {os.path.realpath(p): _Cursor(p, new_hasher(algorithm)) for p, algorithm in files}
+        self._by_name: dict[str, _Cursor | None] = {}
+        self.gap_bytes = gap_bytes
+
+    def seen(self, path: str, offset: int, window: memoryview) -> None:
+        """``window`` was read from ``path`` at ``offset`` (called by the copy, before its buffer is reused)."""
+        try:
+            cursor = self._by_name[path]
+        except KeyError:  # realpath once per name, not once per window
+            cursor = self._by_name[path] = self._cursors.get(os.path.realpath(path))
+        if cursor is None:
+            return
+        end = offset + len(window)
+        with cursor.lock:
+            if end <= cursor.pos or offset - cursor.pos > self.gap_bytes:
+                return
+            if offset > cursor.pos:
+                cursor.read_to(offset)
+            cursor.hasher.update(window[cursor.pos - offset:])
+            cursor.pos = end
+
+    def finish(self) -> dict[Path, str]:
+        """Every file's digest, once the rest of each (what the copies did not hash in order) is read here."""
+        try:
+            for cursor in self._cursors.values():
+                with cursor.lock:
+                    cursor.read_to(None)
+            return {c.path: c.hasher.hexdigest() for c in self._cursors.values()}
+        finally:
+            for cursor in self._cursors.values():
+                cursor.close()
+
+    def hashed_in_copy(self) -> int:
+        """Bytes hashed so far (before ``finish``: those the copies delivered in order, and the gaps read here)."""
+        return sum(c.pos for c in self._cursors.values())
+
+
+def main_source(records: Sequence[tuple[str, RecordData]]) -> str | None:
+    """The source file most of ``records``' bytes are copied from (None: none are)."""
+    counts: dict[str, int] = {}
+    for _, data in records:
+        if isinstance(data, SegmentedRecord):
+            for seg in data.segments:
+                if seg.path is not None:
+                    counts[seg.path] = counts.get(seg.path, 0) + seg.nbytes
+    return max(counts, key=lambda p: counts[p]) if counts else None
+
+
+def write_interleaved(files: Sequence[tuple[Path, bytes, list[tuple[str, RecordData]]]], *,
+                      on_read: Callable[[str, int, memoryview], None] | None = None,
+                      chunk_bytes: int = CHUNK_BYTES) -> list[WrittenFile]:
+    """Write several torch zips (``write_torch_zip``'s (path, data.pkl, records) each) from this thread, each
+    file's records in its own order but the files' records interleaved by where they start in their main source
+    (``main_source`` of the first file): the new ranks cut from one old rank's flat buffers read that rank's
+    file front to back, so ``SourceDigests`` hashes it from the copy's own reads. Each file is fsynced;
+    returns their digests in order."""
+    source = main_source([r for _, _, records in files[:1] for r in records])
+
+    def start(data: RecordData, before: int) -> int:
+        if isinstance(data, SegmentedRecord):
+            for seg in data.segments:
+                if seg.path == source:
+                    return max(before, seg.offset)
+        return before  # nothing from the main source: written right after the record before it
+
+    buf = memoryview(bytearray(chunk_bytes))
+    with contextlib.ExitStack() as stack:
+        raws = [stack.enter_context(open(path, "wb", buffering=0)) for path, _, _ in files]
+        outs = [HashingWriter(raw) for raw in raws]
+        writers = [begin_torch_zip(out, archive_name(path), pkl) for out, (path, pkl, _) in zip(outs, files)]
+        for zw in writers:
+            zw.on_read = on_read
+        heap = [(start(records[0][1], -1), i, 0) for i, (_, _, records) in enumerate(files) if records]
+        heapq.heapify(heap)
+        while heap:
+            at, i, k = heapq.heappop(heap)
+            key, data = files[i][2][k]
+            if isinstance(data, SegmentedRecord):
+                writers[i].add_segments(f"data/{key}", data.nbytes, data.segments, buf)
+            else:
+                writers[i].add_bytes(f"data/{key}", data)
+            if k + 1 < len(files[i][2]):
+                heapq.heappush(heap, (start(files[i][2][k + 1][1], at), i, k + 1))
+        for zw in writers:
+            zw.finish()
+        for raw in raws:
+            os.fsync(raw.fileno())
+        return [out.written() for out in outs]

@@ -123,6 +123,9 @@ class ZipWriter:
     def __init__(self, out: HashingWriter, archive: str):
         self.out, self.prefix = out, f"{archive}/"
         self.entries: list[_Entry] = []
+        self.on_read: Callable[[str, int, memoryview], None] | None = None
+        """Called with (path, offset, bytes) for each window read from a source file (``stream.SourceDigests``
+        hashes the sources from the bytes the copy reads anyway)."""
 
     def _header(self, name: str, size: int) -> _Entry:
         full = (self.prefix + name).encode()
@@ -180,6 +183,8 @@ class ZipWriter:
                         if fd is None:
                             fd = fds[seg.path] = os.open(seg.path, os.O_RDONLY)
                         pread_exact(fd, window, seg.offset + done, seg.path)
+                        if self.on_read is not None:
+                            self.on_read(seg.path, seg.offset + done, window)
                     done += n
                     fill += n
                     if fill == len(buf):
@@ -292,17 +297,24 @@ def write_torch_zip(path: str | Path, data_pkl: bytes, records: Iterable[tuple[s
         return written
 
 
+def begin_torch_zip(out: HashingWriter, archive: str, data_pkl: bytes) -> ZipWriter:
+    """The records ``torch.save`` writes before the storages (``data.pkl`` and three small ones); the
+    storages and ``finish`` follow on the returned writer."""
+    zw = ZipWriter(out, archive)
+    zw.add_bytes("data.pkl", data_pkl)
+    zw.add_bytes(".format_version", b"1")
+    zw.add_bytes(".storage_alignment", str(ALIGNMENT).encode())
+    zw.add_bytes("byteorder", sys.byteorder.encode())
+    return zw
+
+
 def write_torch_zip_to(raw: BinaryIO, archive: str, data_pkl: bytes, records: Iterable[tuple[str, RecordData]], *,
                        chunk_bytes: int = CHUNK_BYTES) -> WrittenFile:
     """``write_torch_zip`` into an open stream from its current position, the archive's own offsets
     counted from there: what ``torch.save(obj, stream)`` writes (archive name ``"archive"`` for a
     stream), e.g. one item of a DCP ``.distcp`` file (``FileSystemWriter._write_item``)."""
     out = HashingWriter(raw)
-    zw = ZipWriter(out, archive)
-    zw.add_bytes("data.pkl", data_pkl)
-    zw.add_bytes(".format_version", b"1")
-    zw.add_bytes(".storage_alignment", str(ALIGNMENT).encode())
-    zw.add_bytes("byteorder", sys.byteorder.encode())
+    zw = begin_torch_zip(out, archive, data_pkl)
     buf: memoryview | None = None
     for key, data in records:
         if isinstance(data, SegmentedRecord):

@@ -26,7 +26,8 @@ write at once; under ``srun``/``torchrun`` every launched process writes its sha
 The source's digests are checked while the output is written (each process
 hashes its share of the source files), and nothing is published unless it matched; when neither
 the world size nor the sub-groups change, the rank files are copied byte for byte and that copy's
-hash is the check.
+hash is the check. A ZeRO-1/2 repartition hashes the source from the byte ranges its copies read
+(``reshard_zero12.write_hashing_sources``), not from a second read on threads of their own.
 
 ZeRO-1/2 sources go through the same steps, torch-free as well, as one reader + writer composition
 (``ops.reshard_zero12``: the ZeRO-1/2 reader, then the ZeRO-1/2 writer with the source's own dicts at the new
@@ -42,7 +43,7 @@ from typing import Any, Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
-from shardkit.checkpoint.ops.reshard_zero12 import Zero12Reshard, plan_zero12_reshard
+from shardkit.checkpoint.ops.reshard_zero12 import Zero12Reshard, plan_zero12_reshard, write_hashing_sources
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
@@ -67,7 +68,7 @@ from shardkit.storage.shared_save import Launch, launch_from_env, outcome_unchan
 from shardkit.storage.shared_tag import Activity, signatures, write_tag_shared
 from shardkit.storage.stream import WrittenFile, copy_file_hashed, write_parallel
 from shardkit.storage.torch_load import read_structure
-from shardkit.storage.torch_zip import write_torch_zip
+from shardkit.storage.torch_zip import RecordData, write_torch_zip
 
 RESHARD = Activity("the reshard", "re-run the reshard", "publish the reshard of", "reshard another tag")
 
@@ -168,7 +169,7 @@ def reshard_zero3(
                              "checkpoint (no sub-groups). Leave the flag out")
         ckpt = plan_zero12_reshard(source_dir, world_size)  # the ZeRO-1/2 reader -> the ZeRO-1/2 writer
         unchanged = world_size == ckpt.world_size
-        jobs = _copy_jobs(ckpt, expected) if unchanged else [_Job(f.name, f.nbytes, f.write) for f in ckpt.jobs]
+        jobs = _copy_jobs(ckpt, expected) if unchanged else [_Job(f.name, f.nbytes, f.write, f.contents) for f in ckpt.jobs]
         zero12_notes = [] if unchanged else ckpt.notes
     else:
         ckpt = open_zero3_checkpoint(source_dir, torch_free=True)
@@ -183,6 +184,8 @@ def reshard_zero3(
     to_hash = [] if unchanged else [f for i, f in enumerate(sources) if i % launch.world == launch.rank and f.name in expected]
     if workers is None:
         workers = default_workers(max(1, len(share)))
+    # torch-free ZeRO-1/2 files: the copies deliver the source bytes to the hashers themselves (one read, not two)
+    hash_in_copy = bool(to_hash) and all(j.contents is not None for j in share)
     before = signatures(sources)
 
     def facts(entries: list[FileEntry]) -> Manifest | None:
@@ -203,8 +206,10 @@ def reshard_zero3(
         "--no-manifest": not manifest})
     entries = write_tag_shared(
         root, tag, launch, request=request,
-        write_mine=lambda staged: _write_share(staged, share, workers, outcome_unchanged(root)),
-        to_hash=[(f, expected[f.name]) for f in to_hash], hash_workers=workers, before=before, activity=RESHARD,
+        write_mine=lambda staged: _write_share(staged, share, workers, outcome_unchanged(root),
+                                               [(f, expected[f.name]) for f in to_hash] if hash_in_copy else None),
+        to_hash=[] if hash_in_copy else [(f, expected[f.name]) for f in to_hash],
+        hash_workers=workers, before=before, activity=RESHARD,
         facts=facts)
     final = root / tag
     return ReshardResult(
@@ -235,6 +240,8 @@ class _Job:
     name: str
     nbytes: int
     write: Callable[[Path], WrittenFile]
+    contents: Callable[[], tuple[bytes, list[tuple[str, RecordData]]]] | None = None
+    """The file as ``data.pkl`` + source byte ranges, where it is written without torch (``writers.zero12``)."""
 
 
 def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
@@ -278,9 +285,14 @@ def _reshard_jobs(ckpt: Zero3Checkpoint, layout: TargetLayout) -> list[_Job]:
     return [_Job(f.name, f.nbytes, write(f)) for f in ReshardPlan(ckpt, layout).files()]
 
 
-def _write_share(staged: Path, share: list[_Job], workers: int, outcome: str) -> list[FileEntry]:
+def _write_share(staged: Path, share: list[_Job], workers: int, outcome: str,
+                 sources: list[tuple[Path, FileEntry]] | None = None) -> list[FileEntry]:
     """Write this process's files into ``staged`` (``stream.write_parallel``: fsynced by their
-    writers, described by the digest computed while written, the first failure cancels the rest)."""
+    writers, described by the digest computed while written, the first failure cancels the rest).
+    ``sources``: the source files to check from the bytes the copies read (every job has ``contents``)."""
+    if sources is not None:
+        return write_hashing_sources(staged, [(j.name, j.contents) for j in share if j.contents is not None], sources,
+                                     workers, outcome=outcome, refusing=RESHARD.publish, retry=RESHARD.other_tag)
     progress.expect(sum(j.nbytes for j in share))
     written = write_parallel([(staged / j.name, j.write) for j in share], workers, outcome=outcome,
                              thread_name="shardkit-reshard")

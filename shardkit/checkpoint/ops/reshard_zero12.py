@@ -7,20 +7,31 @@ parsed without torch, each parameter's master and optimizer states as byte range
 returned here, the source's digests are checked while writing, an unchanged world size is a byte copy. The
 files are written without torch where the source's bytes express every new partition; else through torch,
 and ``notes`` says why (a rank tensor some tool saved strided, a state whose dtype differs between ranks).
+
+Without torch, ``write_hashing_sources`` writes the new ranks cut from one old rank's file on one thread,
+their records interleaved in that file's order (``stream.write_interleaved``), so the old file is hashed from
+the very bytes the copy reads (``stream.SourceDigests``): each source byte is read once and hashed once,
+instead of a second read of every source file on threads of its own.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.writers.zero3 import TargetOptimizer
 from shardkit.checkpoint.writers.zero12 import OPTIM_FILE, FileJob, SameRun, Zero12Files, Zero12Target, file_jobs
 from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY
+from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.manifest import FileEntry
+from shardkit.storage.pipeline import check_source_digests
+from shardkit.storage.stream import SourceDigests, WrittenFile, main_source, write_interleaved, write_parallel
+from shardkit.storage.torch_zip import RecordData
 
 
 @dataclass
@@ -92,3 +103,46 @@ def plan_same_run(ckpt: TrainingCheckpoint, world_size: int) -> Zero12Target:
         counters=counters, client=dict(ckpt.scalars.get("client_state") or {}),
         cfg=dict(source.get("ds_config") or {}), names={}, clip_grad=float(ckpt.scalars.get("clip_grad") or 0.0),
         same_run=SameRun(optim, model, str(native.get("prefix") or ""), paddings, flat_keys))
+
+
+#: One output file without torch: its name and its contents as ``data.pkl`` + records.
+Contents = tuple[str, Callable[[], tuple[bytes, list[tuple[str, RecordData]]]]]
+
+
+def write_hashing_sources(staged: Path, share: Sequence[Contents], sources: Sequence[tuple[Path, FileEntry]],
+                          workers: int, *, outcome: str, refusing: str, retry: str) -> list[FileEntry]:
+    """Write ``share``'s files into ``staged`` and check ``sources`` against their manifest entries from the bytes
+    the copies read (module doc). The files whose bytes come mostly from one source file are one job
+    (``write_interleaved``), at most ``workers`` jobs at once; a source digest that differs from its entry raises
+    ``check_source_digests``'s CheckpointError naming the file, after the writes and before anything is published
+    (or instead of a failed write's own error: a corrupted source is the likelier cause). Returns the written
+    files' entries in ``share``'s order."""
+    built = {name: contents() for name, contents in share}
+    groups: dict[str | None, list[str]] = {}
+    for name, (_, records) in built.items():
+        groups.setdefault(main_source(records), []).append(name)
+    digests = SourceDigests([(path, entry.algorithm) for path, entry in sources])
+
+    def job(names: list[str]) -> Callable[[Path], list[WrittenFile]]:
+        return lambda _first: write_interleaved([(staged / n, *built[n]) for n in names], on_read=digests.seen)
+
+    def check() -> None:
+        got = digests.finish()
+        hashed: list[tuple[Path, FileEntry, Future[str]]] = []
+        for path, entry in sources:
+            done: Future[str] = Future()
+            done.set_result(got[path])
+            hashed.append((path, entry, done))
+        check_source_digests(hashed, refusing, retry)
+
+    progress.expect(sum(len(pkl) + sum(len(d) if isinstance(d, (bytes, memoryview)) else d.nbytes for _, d in records)
+                        for pkl, records in built.values()))
+    try:
+        written = write_parallel([(staged / names[0], job(names)) for names in groups.values()],
+                                 max(1, min(workers, len(groups))), outcome=outcome, thread_name="shardkit-reshard")
+    except Exception:
+        check()
+        raise
+    check()
+    by_name = {n: w for names, files in zip(groups.values(), written) for n, w in zip(names, files)}
+    return [FileEntry.of(name, by_name[name].size, by_name[name].algorithm, by_name[name].digest) for name, _ in share]

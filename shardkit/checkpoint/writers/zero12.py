@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -55,7 +56,7 @@ from shardkit.storage.pipeline import default_workers
 from shardkit.storage.stream import LazyTensor, Segment, WrittenFile, stream_save, write_parallel
 from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, deepspeed_stub
 from shardkit.storage.torch_pickle import NewTensor, pickle_structure
-from shardkit.storage.torch_zip import write_torch_zip
+from shardkit.storage.torch_zip import RecordData, write_torch_zip
 
 if TYPE_CHECKING:
     import torch
@@ -396,27 +397,32 @@ class FileJob:
     name: str
     nbytes: int
     write: Callable[[Path], WrittenFile]
+    contents: Callable[[], tuple[bytes, list[tuple[str, RecordData]]]] | None = None
+    """The file as ``data.pkl`` + records (source byte ranges) where it is written without torch, for a caller that
+    writes several files at once (``stream.write_interleaved``); None where torch builds it."""
 
 
 def file_jobs(files: Zero12Files) -> list[FileJob]:
     """Every rank's optimizer file (the large ones, first), then the model-states file; each job writes its file
     (hashed as written, fsynced by ``torch_zip``) without torch where ``files.plain`` (and, for a same run, the
     model states always), else through ``stream_save``."""
-    def optim_job(rank: int) -> Callable[[Path], WrittenFile]:
+    def optim_contents(rank: int) -> Callable[[], tuple[bytes, list[tuple[str, RecordData]]]] | None:
+        # no torch: the pickle torch.save would write, tensors as source byte ranges
+        return (lambda: pickle_structure(files.optim_states(rank))) if files.plain else None
+
+    def model_contents() -> tuple[bytes, list[tuple[str, RecordData]]]:
+        return pickle_structure(files.model_states())  # a same run's: the source's records copied as stored
+
+    def job(name: str, nbytes: int, plain: Callable[[], tuple[bytes, list[tuple[str, RecordData]]]] | None,
+            built: Callable[[], dict[str, Any]]) -> FileJob:
         def write(out: Path) -> WrittenFile:
-            if files.plain:  # no torch: the pickle torch.save would write, tensors as source byte ranges
-                return write_torch_zip(out, *pickle_structure(files.optim_states(rank)))
-            return stream_save(files.optim_states(rank), out)
-        return write
+            return write_torch_zip(out, *plain()) if plain is not None else stream_save(built(), out)
+        return FileJob(name, nbytes, write, plain)
 
-    def model_job(out: Path) -> WrittenFile:
-        if files.target.same_run is not None:  # the source's records copied as stored: no torch
-            return write_torch_zip(out, *pickle_structure(files.model_states()))
-        return stream_save(files.model_states(), out)
-
-    jobs = [FileJob(OPTIM_FILE.format(prefix=files.prefix, rank=r), files.optim_bytes(), optim_job(r))
-            for r in range(files.world)]
-    jobs.append(FileJob(MODEL_FILE, files.model_bytes(), model_job))
+    jobs = [job(OPTIM_FILE.format(prefix=files.prefix, rank=r), files.optim_bytes(), optim_contents(r),
+                partial(files.optim_states, r)) for r in range(files.world)]
+    jobs.append(job(MODEL_FILE, files.model_bytes(), model_contents if files.target.same_run is not None else None,
+                    files.model_states))
     return jobs
 
 
