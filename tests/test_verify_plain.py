@@ -283,3 +283,63 @@ def test_at_eight_ranks_a_lost_rank_and_a_rank_of_another_save_are_named(saves, 
                             "zero_pp_rank_0_mp_rank_00_model_states.pt is 8)") for m in messages), messages
     assert any("ranks disagree: zero_pp_rank_3_mp_rank_00_model_states.pt records dp_world_size=4 where "
                "zero_pp_rank_0_mp_rank_00_model_states.pt records 8" in m for m in messages), messages
+
+
+def test_a_rank_file_that_is_a_directory_is_named_as_one(saves, run_cli, tmp_path):
+    """A copy that made a folder of a rank file: said to be a directory (what the readers say), not 'missing'."""
+    root = _copy(saves, "zero3", tmp_path)
+    victim = _tag(root) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.unlink()
+    victim.mkdir()
+    code, report = _verify(run_cli, root)
+    assert code == 1
+    found = [f for f in _errors(report) if f["key"] == victim.name]
+    assert found and f"{victim} is a directory, not the rank file" in found[0]["message"], _errors(report)
+    assert "missing" not in found[0]["message"] and "replace it with the file" in found[0]["fix"]
+
+
+def test_a_distcp_file_that_is_a_directory_is_named_as_one(saves, run_cli, tmp_path):
+    root = _copy(saves, "fsdp2", tmp_path)
+    victim = sorted(next(p.parent for p in root.rglob(".metadata")).glob("*.distcp"))[-1]
+    victim.unlink()
+    victim.mkdir()
+    code, report = _verify(run_cli, root)
+    assert code == 1
+    found = [f for f in _errors(report) if f["key"].endswith(victim.name)]
+    assert found and "is a directory, not the .distcp file" in found[0]["message"], _errors(report)
+    assert "missing" not in found[0]["message"]
+
+
+@pytest.mark.parametrize("label", ["zero3", "zero2"])
+def test_each_rank_file_is_parsed_once(saves, tmp_path, label):
+    """The file checks take the reader's parses (verify read every pickle twice before): at 8 ranks, rank 0's files
+    and ZeRO-1/2's one model file (which the layout detection reads too) aside, each rank file's data.pkl is
+    parsed exactly once."""
+    from collections import Counter
+
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.verify_structure import verify_structure
+    from shardkit.storage.torch_load import observe_structures
+
+    reshard_zero3(saves[label], tmp_path / "eight", 8, manifest=False, warn=lambda _: None)
+    parses: Counter[str] = Counter()
+    with observe_structures(lambda path, _: parses.update([path.name])):
+        report = verify_structure(tmp_path / "eight")
+    assert report.ok and report.world_size == 8 and report.tensors > 0, report.findings
+    files = [f.name for f in _tag(tmp_path / "eight").iterdir() if f.name.endswith(".pt")]
+    others = {n: parses[n] for n in files if "rank_0_" not in n and n != "mp_rank_00_model_states.pt"}
+    assert len(others) >= 7 and set(others.values()) == {1}, others
+
+
+def test_a_weights_only_folder_for_another_engine_is_not_sent_to_convert(saves, run_cli, tmp_path):
+    """The DCP model folder of an accelerate save (no optimizer state) checked for a DeepSpeed resume: every convert
+    target refuses it, so the fix names a fresh start from its weights instead of `convert --to zero3`."""
+    src = tmp_path / "weights_only"
+    shutil.copytree(saves["fsdp1_sharded"] / "pytorch_model_fsdp_0", src)
+    code, report = _verify(run_cli, src, "--engine", "zero3")
+    assert code == 1
+    (engine,) = [f for f in _errors(report) if f["rule"] == "ckpt.structure.engine"]
+    assert "no optimizer state" in engine["fix"] and "shardkit export" in engine["fix"], engine
+    assert "convert" not in engine["fix"].replace("no convert", "")
+    code, report = _verify(run_cli, saves["fsdp2"], "--engine", "zero3")  # with optimizer state: convert takes it
+    assert code == 1 and "convert it first: shardkit convert" in _errors(report)[0]["fix"]

@@ -71,14 +71,16 @@ def torch_zip_problem(path: Path) -> str | None:
     return None
 
 
-def check_torch_file(folder: Path, rel: str, *, parse: bool) -> tuple[Any, FileProblem | None]:
-    """(its structure when ``parse`` and readable, else None; its problem or None) for ``folder/rel``."""
+def check_torch_zip(folder: Path, rel: str) -> FileProblem | None:
+    """What is wrong with the zip structure of ``folder/rel``, as a finding; None: every record lies inside it."""
     path = folder / rel
     problem = torch_zip_problem(path)
-    if problem is not None:
-        return None, FileProblem(rel, f"{path}: {problem}", _RECOPY, "ckpt.structure.zip")
-    if not parse:
-        return None, None
+    return None if problem is None else FileProblem(rel, f"{path}: {problem}", _RECOPY, "ckpt.structure.zip")
+
+
+def parse_torch_file(folder: Path, rel: str) -> tuple[Any, FileProblem | None]:
+    """(its structure, None) or (None, its problem) for ``folder/rel``, whose zip ``check_torch_zip`` passed."""
+    path = folder / rel
     try:
         return read_structure(path), None
     except CheckpointError as exc:  # read_structure names a damaged length or nesting field too
@@ -117,6 +119,12 @@ def dcp_problems(folder: Path, *, prefix: str = "") -> list[FileProblem]:
     for rel in sorted(reach):
         end, key = reach[rel]
         path = folder / rel
+        if path.is_dir():
+            out.append(FileProblem(f"{prefix}{rel}", f"{path}: is a directory, not the .distcp file {meta} places "
+                                   f"{items[rel]:,} item(s) in (e.g. {key!r})", "a copy made a folder of the file: "
+                                   "replace it with the file from the machine that saved it, or resume from another "
+                                   "checkpoint", "ckpt.structure.distcp"))
+            continue
         if not path.is_file():
             out.append(FileProblem(f"{prefix}{rel}", f"{path}: missing; {meta} places {items[rel]:,} item(s) in it "
                                    f"(e.g. {key!r})", "re-copy it from the machine that saved it (each rank writes "

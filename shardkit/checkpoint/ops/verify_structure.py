@@ -21,19 +21,27 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.checkpoint.layout.detect import describe_checkpoint
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.export.sources import Source, resolve_source
-from shardkit.checkpoint.ops.verify_files import FileProblem, check_torch_file, dcp_problems, deepspeed_facts
+from shardkit.checkpoint.ops.verify_files import (
+    FileProblem,
+    check_torch_zip,
+    dcp_problems,
+    deepspeed_facts,
+    parse_torch_file,
+)
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.storage.manifest import MANIFEST_NAME, Manifest, seal
+from shardkit.storage.torch_load import observe_structures
 
 #: ZeRO-1/2's one model-states file (every rank's optimizer file beside it).
 ZERO12_MODEL = "mp_rank_00_model_states.pt"
@@ -121,9 +129,10 @@ def _compare_facts(report: StructureReport, seen: dict[str, tuple[str, Any]], re
                    "re-copy the tag folder from one save (every rank's files of the same step)", "ckpt.structure.ranks")
 
 
-def _check_files(report: StructureReport, source: Source, top: Path, rels: list[str]) -> dict[str, tuple[str, Any]]:
-    """Step 2, file by file (one structure in memory at a time); returns the run-wide facts seen."""
-    seen: dict[str, tuple[str, Any]] = {}
+def _check_files(report: StructureReport, source: Source, top: Path, rels: list[str]) -> list[str]:
+    """Step 2's byte checks, file by file: zip structures, DCP folders; returns the files whose pickle the
+    reader parses (``_parse_pending`` checks them once the reader has run, most of them from its own pass)."""
+    pending: list[str] = []
     dcp_dirs = {str(Path(r).parent) for r in rels if r.rsplit("/", 1)[-1] == ".metadata"}
     orphans: set[str] = set()
     for rel in rels:
@@ -142,19 +151,45 @@ def _check_files(report: StructureReport, source: Source, top: Path, rels: list[
                    "(rank 0, after every rank's data): the save did not complete or the copy lost it",
                    "re-copy the folder's .metadata, or resume from another checkpoint", "ckpt.structure.metadata")
         elif name.endswith(_TORCH_SUFFIXES):
-            structure, problem = check_torch_file(top, rel, parse=_parsed(source.kind, rel))
+            problem = check_torch_zip(top, rel)
             if problem is not None:
                 _add_problem(report, problem)
-            elif structure is not None and source.kind in _DEEPSPEED_KINDS and not rel.startswith("zero/"):
-                _compare_facts(report, seen, rel, deepspeed_facts(structure))
+            elif _parsed(source.kind, rel):
+                pending.append(rel)
+    return pending
+
+
+def _parse_pending(report: StructureReport, source: Source, top: Path, pending: list[str],
+                   parsed: dict[str, dict[str, Any]]) -> dict[str, tuple[str, Any]]:
+    """Step 2's pickle checks: each file in ``pending`` parses, and the ranks agree (``_compare_facts``);
+    a file the reader's pass parsed (``parsed``: its absolute path -> facts) is not parsed again, the
+    others (the reader stopped early, or does not read them) one at a time. Returns the facts seen."""
+    seen: dict[str, tuple[str, Any]] = {}
+    facts_wanted = source.kind in _DEEPSPEED_KINDS
+    for rel in pending:
+        facts = parsed.get(os.path.abspath(top / rel))
+        if facts is None:
+            structure, problem = parse_torch_file(top, rel)
+            if problem is not None:
+                _add_problem(report, problem)
+                continue
+            facts = deepspeed_facts(structure)
             del structure  # one file's structure at a time
+        if facts_wanted and not rel.startswith("zero/"):
+            _compare_facts(report, seen, rel, facts)
     return seen
 
 
-def _missing(report: StructureReport, names: list[str], present: set[str], world: int, why: str) -> None:
-    """Name the first few of ``names`` (one per rank) absent from ``present``, then count the rest."""
+def _missing(report: StructureReport, folder: Path, names: list[str], present: set[str], world: int, why: str) -> None:
+    """Name the first few of ``names`` (one per rank) absent from ``present`` (the files of ``folder``), then
+    count the rest; a directory of that name is said to be one (the readers refuse it as such)."""
     lost = [n for n in names if n not in present]
     for n in lost[:_SHOWN]:
+        if (folder / n).is_dir():
+            _error(report, n, None, f"{n} of {world}: {folder / n} is a directory, not the rank file ({why})",
+                   "a copy made a folder of the file (or a save into it failed): replace it with the file from the "
+                   "node that wrote it, or resume from another checkpoint", "ckpt.structure.rank_file")
+            continue
         _error(report, n, None, f"{n} of {world}: missing ({why})", "the save or the copy is incomplete: re-copy the "
                "file from the node that wrote it, or resume from another checkpoint", "ckpt.structure.rank_file")
     if len(lost) > _SHOWN:
@@ -176,8 +211,8 @@ def _deepspeed_world(desc: CheckpointDescription | None, seen: dict[str, tuple[s
 
 
 def _check_ranks(report: StructureReport, source: Source, names: set[str], desc: CheckpointDescription | None,
-                 seen: dict[str, tuple[str, Any]]) -> None:
-    """Step 1: every rank file the world size implies, none beyond it."""
+                 seen: dict[str, tuple[str, Any]], top: Path) -> None:
+    """Step 1: every rank file the world size implies (``names``: the files of ``top``), none beyond it."""
     if source.kind in ("zero3", "zero12"):
         matched = [m for n in names if (m := RANK_FILE.match(n))]
         ranks = {int(m.group(2)) for m in matched}
@@ -193,8 +228,8 @@ def _check_ranks(report: StructureReport, source: Source, names: set[str], desc:
         why = f"{where} is {world}"
         optim = [OPTIM_FILE.format(prefix=prefix, rank=r) for r in range(shown)]
         model = [MODEL_FILE.format(rank=r) for r in range(shown)] if source.kind == "zero3" else [ZERO12_MODEL]
-        _missing(report, optim, names, world, why)
-        _missing(report, model, names, world if source.kind == "zero3" else 1, why)
+        _missing(report, top, optim, names, world, why)
+        _missing(report, top, model, names, world if source.kind == "zero3" else 1, why)
         if shown < world:  # no file of any rank past ``shown`` exists: counted, not listed
             _error(report, "ranks", world - shown, f"ranks {shown}..{world - 1} ({world - shown:,} more) have no rank "
                    f"files ({why})", "re-copy the whole tag folder, or resume from another checkpoint",
@@ -212,19 +247,44 @@ def _check_ranks(report: StructureReport, source: Source, names: set[str], desc:
         world = max((r for rs in per.values() for r in rs), default=-1) + 1
         report.world_size = world
         for stem in sorted(per):
-            _missing(report, [f"{stem}_rank{r}.bin" for r in range(world)], names, world,
+            _missing(report, top, [f"{stem}_rank{r}.bin" for r in range(world)], names, world,
                      f"the folder holds rank files up to rank {world - 1}")
 
 
-def _check_reader(report: StructureReport, source: Source) -> None:
+@dataclass
+class _ReaderPass:
+    """What the format's reader made of the checkpoint, run once: its model or what stopped it, and the
+    run-wide facts of every file whose pickle it parsed (so step 2 does not parse them again)."""
+
+    ckpt: TrainingCheckpoint | None = None
+    failure: Exception | None = None
+    parsed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """A parsed file's absolute path (``os.path.abspath``: no system call per file) -> ``deepspeed_facts`` of its
+    structure (the structure is not kept)."""
+
+
+def _run_reader(source: Source) -> _ReaderPass:
+    out = _ReaderPass()
+
+    def keep(path: Path, structure: Any) -> None:
+        out.parsed[os.path.abspath(path)] = deepspeed_facts(structure)
+
+    with observe_structures(keep):
+        try:
+            out.ckpt = read_checkpoint(source.kind, source.tag_dir)
+        except Exception as exc:  # reported by _check_reader, only where the file checks found nothing first
+            out.failure = exc
+    return out
+
+
+def _check_reader(report: StructureReport, source: Source, done: _ReaderPass) -> None:
     """Step 3: the reader describes the checkpoint; every tensor is covered by its pieces exactly once."""
-    try:
-        ckpt = read_checkpoint(source.kind, source.tag_dir)
-    except CheckpointError as exc:
+    exc = done.failure
+    if isinstance(exc, CheckpointError):
         _error(report, source.kind, None, str(exc), "re-copy the file it names, or resume from another checkpoint",
                "ckpt.structure.reader")
         return
-    except Exception as exc:
+    if exc is not None:
         # verify reports, it never ends in a traceback: a reader that meets damage it does not name itself is
         # one more finding, the exception's first line shown (torch's DCP CheckpointException, a BaseException,
         # no longer leaves the readers: dcp.reader.load_dcp_state names the item's file instead)
@@ -233,6 +293,8 @@ def _check_reader(report: StructureReport, source: Source) -> None:
                f"({type(exc).__name__}: {first})", "re-copy the checkpoint, or resume from another one",
                "ckpt.structure.reader")
         return
+    ckpt = done.ckpt
+    assert ckpt is not None  # _run_reader keeps either a model or what stopped it
     report.tensors = len(ckpt.weights) + sum(len(states) for states in ckpt.optimizer.values())
     uncovered = ckpt.uncovered()
     for name in uncovered[:_SHOWN]:
@@ -286,27 +348,38 @@ def verify_structure(path: str | Path, *, world_size: int | None = None,
     desc = _describe(report, path)
     top, rels = _walk(source)
     report.path = str(top)
-    seen = _check_files(report, source, top, rels)
-    _check_ranks(report, source, {r for r in rels if "/" not in r}, desc, seen)
+    pending = _check_files(report, source, top, rels)
+    # the reader parses most rank files anyway: it runs first, where the byte checks passed, and the pickle
+    # checks take its parses (one parse per file); its verdict is reported only if the files check whole
+    refused = desc is not None and bool(desc.refusals)
+    done = _run_reader(source) if report.ok and not refused else _ReaderPass()
+    seen = _parse_pending(report, source, top, pending, done.parsed)
+    _check_ranks(report, source, {r for r in rels if "/" not in r}, desc, seen, top)
     if report.step is None and isinstance(seen.get("global_steps", ("", None))[1], int):
         report.step = seen["global_steps"][1]
     if report.world_size is None and desc is not None:
         report.world_size = desc.world_size
-    if report.ok and not (desc is not None and desc.refusals):
-        _check_reader(report, source)
+    if report.ok and not refused:
+        _check_reader(report, source, done)
     elif not report.ok:
         report.add(Finding(Severity.INFO, "tensors", None, "tensor coverage not checked: the reader needs the files "
                            "above whole first", "fix the errors above, then verify again", "ckpt.structure.skipped"))
-    _check_resume(report, source, world_size, engine)
+    _check_resume(report, source, world_size, engine, done.ckpt)
     return report
 
 
-def _check_resume(report: StructureReport, source: Source, world_size: int | None, engine: str | None) -> None:
+def _check_resume(report: StructureReport, source: Source, world_size: int | None, engine: str | None,
+                  ckpt: TrainingCheckpoint | None) -> None:
     deepspeed = source.kind in _DEEPSPEED_KINDS
     if engine is not None and engine in ("deepspeed", "fsdp2") and (engine == "deepspeed") != deepspeed:
+        # saved without optimizer state: every convert target refuses it (a writer needs Adam's state), so the
+        # way to this run is a new start from its weights
+        weights_only = ckpt is not None and not ckpt.optimizer
+        fix = (f"it holds no optimizer state, so no convert makes it resumable: start the run from its weights "
+               f"(shardkit export {source.folder} -o HF_DIR writes a from_pretrained folder)" if weights_only else
+               f"convert it first: shardkit convert {source.folder} --to {'zero3' if engine == 'deepspeed' else 'fsdp2'}")
         _error(report, "engine", source.kind, f"a {report.layout or source.kind} checkpoint; this run uses {engine!r}",
-               f"convert it first: shardkit convert {source.folder} --to {'zero3' if engine == 'deepspeed' else 'fsdp2'}",
-               "ckpt.structure.engine")
+               fix, "ckpt.structure.engine")
     if world_size is None or report.world_size is None or world_size == report.world_size:
         return
     if source.kind in ("zero3", "zero12"):
