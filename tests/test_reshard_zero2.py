@@ -272,15 +272,23 @@ def test_trainer_checkpoint_of_zero2_is_resharded_with_its_files(sources, tmp_pa
 
 
 @pytest.mark.timeout(300)
-def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources, tmp_path):
+@pytest.mark.parametrize("sealed", [False, True], ids=["deepspeed_save", "sealed"])
+def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources, tmp_path, sealed):
+    """Sealed: each process checks its share of the source files from the bytes its own copies read; a flipped
+    bit in the file the second process checks fails the run, naming the file, with nothing published."""
     import os
+    import shutil
     import subprocess
     import sys
 
-    from shardkit.storage.manifest import read_manifest
+    from shardkit.storage.manifest import read_manifest, seal
+    from tests._corrupt import flip_a_byte
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
     src = sources[0] / "zero2_bf16"
+    if sealed:
+        src = Path(shutil.copytree(src, tmp_path / "src"))
+        seal(src / f"global_step{SAVE_STEPS}", engine="deepspeed", world_size=2, zero_stage=2, dtype="bf16")
 
     def digests(out: Path) -> dict[str, tuple[int, str]]:
         return {e.path: (e.size, e.digest) for e in read_manifest(out / f"global_step{SAVE_STEPS}").files}
@@ -295,6 +303,14 @@ def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources
     assert done.returncode == 0, done.stderr + done.stdout
     assert "by 2 processes (torchrun): 4 files" in done.stdout, done.stdout
     assert digests(two) == digests(one)  # same names, sizes and digests: byte-identical files
+    if sealed:
+        victim = src / f"global_step{SAVE_STEPS}" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        flip_a_byte(victim)
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "shardkit", "reshard", str(src), "--world-size", "3", "-o", str(tmp_path / "bad")],
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode != 0 and f"{victim} fails verification" in done.stderr, done.stderr
+        assert not (tmp_path / "bad" / f"global_step{SAVE_STEPS}").exists()
 
 
 # --- the writer's torch-free byte-range route against its torch route -----------------------------------
