@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, StorageInfo, read_plain_metadata
 from shardkit.checkpoint.dcp.reader import METADATA_NAME
+from shardkit.checkpoint.model.tensors import contiguous_strides
 from shardkit.storage.torch_load import ITEMSIZE, STORAGE_DTYPES, TensorRef
 from shardkit.storage.torch_zip import pread_exact
 
@@ -117,14 +118,6 @@ class _PlainValue(pickle.Unpickler):
         raise pickle.UnpicklingError("a tensor: not plain data")
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= d
-    return tuple(reversed(out))
-
-
 @dataclass(frozen=True)
 class _Record:
     """The one tensor a ``torch.save`` zip inside a ``.distcp`` file holds, as ``_rebuild_tensor_v2`` reads it."""
@@ -181,7 +174,7 @@ def _tensor_record(fh: Any, base: int, length: int) -> _Record | None:
 def _chunk_data_offset(fh: Any, base: int, length: int, shape: tuple[int, ...], dtype: str) -> int | None:
     """Where a stored chunk's elements start, when its record is exactly them, row-major."""
     r = _tensor_record(fh, base, length)
-    if (r is None or r.dtype != dtype or r.storage_offset != 0 or r.shape != shape or r.stride != _contiguous(shape)
+    if (r is None or r.dtype != dtype or r.storage_offset != 0 or r.shape != shape or r.stride != contiguous_strides(shape)
             or r.nbytes != math.prod(shape) * ITEMSIZE[dtype]):
         return None
     return r.data_offset

@@ -20,6 +20,15 @@ if TYPE_CHECKING:
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides (in elements) of a row-major contiguous tensor of ``shape``, as torch gives them."""
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class Piece:
     """``numel`` elements of a tensor, from element ``start`` on, stored at ``offset`` of ``file``."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+from shardkit.checkpoint.model.tensors import contiguous_strides
 from shardkit.storage.torch_load import ITEMSIZE, Dtype, TorchSize
 from shardkit.storage.torch_pickle import STORAGE_TYPE, StubPickler, torch_global
 from shardkit.storage.torch_zip import (
@@ -158,21 +159,13 @@ class _StorageRef:
         self.dtype, self.numel = dtype, numel
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
-
-
 def tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
     """``data.pkl`` of ``torch.save(tensor)`` for a contiguous tensor whose one record is ``data/0``."""
     numel = 1
     for d in shape:
         numel *= d
     buf = io.BytesIO()
-    args: tuple[Any, ...] = (_StorageRef(dtype, numel), 0, tuple(shape), _contiguous_stride(shape), False,
+    args: tuple[Any, ...] = (_StorageRef(dtype, numel), 0, tuple(shape), contiguous_strides(shape), False,
                              OrderedDict())
     _DcpPickler(buf, protocol=2, storage_ids=True).dump(_Reduce(torch_global("torch._utils", "_rebuild_tensor_v2"), args))
     return buf.getvalue()

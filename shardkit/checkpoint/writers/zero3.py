@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.model.tensors import SourceTensor, contiguous_strides
 from shardkit.checkpoint.writers.dcp_format import is_plain
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
@@ -158,11 +158,7 @@ def _whole_ref(t: SourceTensor, key: str) -> TensorRef | None:
     if t.load is not None or len(t.pieces) != 1 or t.dtype not in ITEMSIZE:
         return None
     p = t.pieces[0]
-    stride, acc = [], 1
-    for d in reversed(t.shape):
-        stride.append(acc)
-        acc *= d
-    ref = TensorRef(key, t.dtype, 0, t.shape, tuple(reversed(stride)))
+    ref = TensorRef(key, t.dtype, 0, t.shape, contiguous_strides(t.shape))
     ref.path, ref.file_offset, ref.record_offset, ref.record_nbytes = str(p.file), p.offset, p.offset, p.numel * ITEMSIZE[t.dtype]
     return ref
 
