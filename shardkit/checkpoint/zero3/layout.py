@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from shardkit.storage.torch_zip import Segment
+
 #: DeepSpeed's default ``zero_optimization.sub_group_size`` (runtime/zero/config.py).
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 
@@ -34,3 +36,13 @@ def rank_range(rank: int, partition: int, numel: int) -> tuple[int, int]:
 def client_state_keys(model_state: dict[str, object]) -> list[str]:
     """The entries of a ``*_model_states.pt`` dict that are the caller's ``client_state``."""
     return sorted(k for k in model_state if k not in DEEPSPEED_MODEL_KEYS)
+
+
+def append_segment(segs: list[Segment], path: str | None, offset: int, nbytes: int) -> None:
+    """Add ``nbytes`` from ``path`` at ``offset`` (zeros when ``path`` is None) to ``segs``, merged into
+    the last segment when it continues it: a new rank's flat tensor is a few long runs, not one per piece."""
+    last = segs[-1] if segs else None
+    if last is not None and last.path == path and (path is None or last.offset + last.nbytes == offset):
+        segs[-1] = Segment(path, last.offset, last.nbytes + nbytes)
+    else:
+        segs.append(Segment(path, offset, nbytes))

@@ -19,6 +19,7 @@ from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoin
 from shardkit.checkpoint.zero3.gather import full_frozen_params
 from shardkit.checkpoint.zero3.layout import (
     DEFAULT_SUB_GROUP_SIZE,
+    append_segment,
     client_state_keys,
     partition_numel,
     rank_range,
@@ -372,13 +373,6 @@ def partition_segments(
     (adjacent ranges merged), or None when a piece's source offset or dtype is not known."""
     segs: list[Segment] = []
 
-    def add(path: str | None, offset: int, nbytes: int) -> None:
-        last = segs[-1] if segs else None
-        if last is not None and last.path == path and (path is None or last.offset + last.nbytes == offset):
-            segs[-1] = Segment(path, last.offset, last.nbytes + nbytes)
-        else:
-            segs.append(Segment(path, offset, nbytes))
-
     for tp in layout.sub_groups[sub_group]:
         src = tp.source
         dtype = source.dtype.get((key, src.sub_group))
@@ -393,9 +387,9 @@ def partition_segments(
                 base = source.start.get((s, key, src.sub_group))
                 if base is None:
                     return None
-                add(source.paths[s], base + (src.offset + a - s_lo) * size, (b - a) * size)
+                append_segment(segs, source.paths[s], base + (src.offset + a - s_lo) * size, (b - a) * size)
         if tp.partition_numel > hi - lo:
-            add(None, 0, (tp.partition_numel - (hi - lo)) * size)
+            append_segment(segs, None, 0, (tp.partition_numel - (hi - lo)) * size)
     return segs
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint, zero3_optimizer_sd
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
-from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
+from shardkit.checkpoint.zero3.layout import append_segment, partition_numel, rank_range
 from shardkit.checkpoint.zero3.repartition import TargetLayout, optim_dict
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, read_structure
@@ -105,13 +105,6 @@ class ReshardPlan:
         size = ITEMSIZE[dtype]
         segs: list[Segment] = []
 
-        def add(path: str | None, offset: int, nbytes: int) -> None:
-            last = segs[-1] if segs else None
-            if last is not None and last.path == path and (path is None or last.offset + last.nbytes == offset):
-                segs[-1] = Segment(path, last.offset, last.nbytes + nbytes)
-            else:
-                segs.append(Segment(path, offset, nbytes))
-
         for tp in self.layout.sub_groups[sub_group]:
             src = tp.source
             lo, hi = tp.rank_range(rank)
@@ -127,9 +120,9 @@ class ReshardPlan:
                         raise CheckpointError(f"{self.ckpt.optim_files[s]}: {key} of sub-group {src.sub_group} is "
                                               f"{flat.dtype}, rank 0's is {dtype}: the rank files come from different saves")
                     assert flat.file_offset is not None and flat.path is not None
-                    add(flat.path, flat.file_offset + (src.offset + a - s_lo) * size, (b - a) * size)
+                    append_segment(segs, flat.path, flat.file_offset + (src.offset + a - s_lo) * size, (b - a) * size)
             if tp.partition_numel > hi - lo:
-                add(None, 0, (tp.partition_numel - (hi - lo)) * size)
+                append_segment(segs, None, 0, (tp.partition_numel - (hi - lo)) * size)
         return NewTensor(dtype, self.layout.sub_group_numel(sub_group), segs)
 
     def _build_optim(self, rank: int) -> Built:
