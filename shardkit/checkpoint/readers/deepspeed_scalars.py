@@ -86,7 +86,7 @@ def loss_scaler(optim: dict[str, Any], precision: str) -> dict[str, Any] | None:
     cur = getattr(scaler, "cur_scale", 1.0)
     if not dynamic and cur == 1.0 and precision != "fp16":
         return None  # a static scale of 1 (bf16/fp32): there is no state to lose
-    kept = {k: v for k, v in vars(scaler).items() if k != "args" and _plain(v)} if scaler is not None else {}
+    kept = {k: v for k, v in vars(scaler).items() if k != "args" and jsonable(v)} if scaler is not None else {}
     kept["cur_scale"] = cur
     kept["dynamic"] = dynamic
     return kept
@@ -110,7 +110,7 @@ def per_parameter_steps(names_by_group: list[list[str]], steps: list[float]) -> 
     return {name: steps[i] for i, names in enumerate(names_by_group) for name in names}
 
 
-def _plain(value: Any) -> bool:
+def jsonable(value: Any) -> bool:
     """JSON data (what a manifest can keep)."""
     try:
         json.dumps(value, allow_nan=False)

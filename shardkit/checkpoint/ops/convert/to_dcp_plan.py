@@ -10,7 +10,6 @@ writer (``writers.dcp``) writes.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +21,7 @@ from shardkit.checkpoint.ops.convert.names import (
     Uncarried,
     build_name_map,
 )
+from shardkit.checkpoint.readers.deepspeed_scalars import jsonable
 from shardkit.checkpoint.writers.dcp import DcpLayout
 from shardkit.checkpoint.writers.dcp_format import is_plain
 from shardkit.core.errors import CheckpointError
@@ -56,14 +56,6 @@ class DcpTarget:
 def _kind(value: Any) -> str:
     """What a value is, in the user's words: a tensor read without torch is still a Tensor."""
     return "Tensor" if isinstance(value, TensorRef) else type(value).__name__
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def _optimizer_checks(ckpt: TrainingCheckpoint, groups: list[dict[str, Any]], plan: DcpTarget) -> None:
@@ -152,7 +144,7 @@ def plan_dcp_target(ckpt: TrainingCheckpoint, adam_w_mode: bool | None) -> DcpTa
         for k, v in g.items():
             if k in _GROUP_KEYS_WITHOUT_TORCH_MEANING:
                 dropped.append(f"{k}={v!r}")
-            elif k in defaults or (_jsonable(v) and is_plain(v)):
+            elif k in defaults or (jsonable(v) and is_plain(v)):
                 group[k] = tuple(v) if k == "betas" else v
             else:
                 plan.uncarried.append(Uncarried(f"param_groups[{i}].{k}", _kind(v), "not a value torch can "
@@ -212,8 +204,8 @@ def _scheduler_and_client_state(ckpt: TrainingCheckpoint, plan: DcpTarget) -> No
         # Decision: the scheduler's state is kept (JSON) in the manifest and reported, not refused:
         # the current lr is already in every param group, so training continues at the lr it had; a
         # schedule continues only once the script rebuilds its scheduler from this state.
-        where = "kept in the manifest's extra.converted_from.lr_scheduler" if _jsonable(sched) else "not kept (not JSON)"
-        if _jsonable(sched):
+        where = "kept in the manifest's extra.converted_from.lr_scheduler" if jsonable(sched) else "not kept (not JSON)"
+        if jsonable(sched):
             plan.deepspeed["lr_scheduler"] = sched
         plan.uncarried.append(Uncarried("lr_scheduler", f"{len(sched)} keys" if isinstance(sched, dict) else
                                         _kind(sched), "shardkit's FSDP2 checkpoint has no scheduler; the "
@@ -222,7 +214,7 @@ def _scheduler_and_client_state(ckpt: TrainingCheckpoint, plan: DcpTarget) -> No
                                         refused=False))
     client = ckpt.scalars.get("client_state") or {}
     for key in sorted(client):
-        if _jsonable(client[key]):
+        if jsonable(client[key]):
             plan.user[key] = client[key]
         else:
             plan.uncarried.append(Uncarried(f"client_state.{key}", _kind(client[key]), "not JSON, and the "
