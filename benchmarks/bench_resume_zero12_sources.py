@@ -1,27 +1,30 @@
 """What one rank of the in-process ZeRO-1/2 resume pays for the *number of source rank files*.
 
 ``load_zero3_checkpoint`` on a ZeRO-1/2 engine (``checkpoint/ops/resume_zero12``) describes the source
-through its reader (``readers.zero12.read_zero12``) on every rank: the small pickle of *every* source rank
-file is parsed (``read_structure``: no tensor bytes), so each rank's planning grows with the source's
-world size N, while the bytes it reads (its own partition) do not. This measures that growth on synthetic
+through its reader (``readers.zero12.read_zero12``) on every rank. Until 2026-11-27 the small pickle of
+*every* source rank file was parsed there (``read_structure``: no tensor bytes), so each rank's planning grew
+with the source's world size N while the bytes it reads (its own partition) did not; now a rank parses the
+model-states file, rank 0's optimizer file (the layout) and the files its partition overlaps
+(``read_zero12(tag, ranks=...)``). This measures both on synthetic
 many-rank sources: a real 2-rank ZeRO-2 save (bf16, AdamW, the tiny Llama; ``bench_reshard_zero2.small_save``)
 laid out for N ranks by ``bench_reshard_zero2.scale_zero2`` (factor 1: the same model, N rank files; each
 file's ``param_slice_mappings`` lists only the parameters in its partition, as DeepSpeed's do).
 
 Per N, in this process, warm page cache, median of ``--repeat`` runs:
 
-- ``read_zero12``: the reader's whole description (every file parsed; what each resuming rank does today);
+- ``read_zero12``: the reader's whole description (every file parsed; what each resuming rank did before);
 - ``open``: ``zero12.reader.open_zero12_checkpoint``, the part of the first row that parses
   and cross-checks every file;
 - ``pieces``: the rest of the first row, with the files parsed once beforehand: each parameter's pieces,
   built from the source ranks its range overlaps (it was every rank, params x N, before 2026-11-27);
 - ``parse 1 file``: ``read_structure`` of one rank file (the unit the open is N of);
-- ``overlap only``: parsing the model file, rank 0's file and the files whose ranges overlap one rank's new
-  partition at N/2 ranks (2 or 3 files): what a rank would pay if the reader parsed only those (the
-  flat ranges are arithmetic once rank 0's group sizes are known; the other files' pickles are only checked
-  for agreement);
+- ``one rank``: what a resuming rank's reader does now (``resume_zero12._read_share``'s two reads), for the
+  middle rank of a new world of N/2 and of N ranks: ``read_zero12(tag, ranks=())`` (model-states file and
+  rank 0's), its partition placed by ``Zero12Layout.ranks_holding``, ``read_zero12(tag, ranks=needed)``;
+  with the rank files it parsed;
 - ``in-process load``: ``load_zero3_checkpoint`` on a real 1-rank ZeRO-2 engine (spawned once; engine
-  construction excluded), with the manifest's digests verified and with ``verify=False``.
+  construction excluded), with the manifest's digests verified and with ``verify=False``. One rank holds the
+  whole flat buffer, so it needs every file: this row does not shrink.
 
     python benchmarks/bench_resume_zero12_sources.py [--ranks 2 8 32 128 512] [--repeat 3] [--workdir DIR]
 """
@@ -54,21 +57,26 @@ def _median(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times)
 
 
-def _overlapping(tag: Path, new_world: int) -> list[Path]:
-    """Rank 0's file and the files holding rank 0's new partition at ``new_world`` ranks (every group)."""
-    from shardkit.checkpoint.zero12.reader import OPTIM_FILE, OPTIMIZER_KEY
-    from shardkit.storage.torch_load import read_structure
+def one_rank_read(tag: Path, new_world: int, rank: int) -> int:
+    """What ``resume_zero12._read_share`` reads for ``rank`` of an engine at ``new_world`` ranks (the engine's
+    partition of each group taken as DeepSpeed lays it out: the data padded to a multiple of 2 x ranks, cut into
+    equal parts); returns the number of optimizer files parsed."""
+    from shardkit.checkpoint.readers.zero12 import read_zero12, zero12_layout
 
-    ranks = {int(m.group(2)): p for p in tag.iterdir() if (m := OPTIM_FILE.match(p.name))}
-    files = [ranks[r] for r in sorted(ranks)]
-    sd = read_structure(files[0])[OPTIMIZER_KEY]
-    wanted = {0}
-    for ref, pad in zip(sd["single_partition_of_fp32_groups"], sd["group_paddings"]):
-        part = ref.numel + pad
-        total = part * len(files)
-        new_part = math.ceil(total / (2 * new_world)) * 2 * new_world // new_world
-        wanted.update(range(0, min(len(files), math.ceil(new_part / part))))  # new rank 0: [0, new_part)
-    return [files[r] for r in sorted(wanted)]
+    head = read_zero12(tag, ranks=())
+    layout = zero12_layout(head)
+    spans = {name: (g, at, head.weights[name].numel) for name, (g, at) in layout.offsets.items()}
+    ends: dict[int, int] = {}
+    for g, at, numel in spans.values():
+        ends[g] = max(ends.get(g, 0), at + numel)
+    needed: set[int] = set()
+    for name, (g, at, numel) in spans.items():
+        size = math.ceil(ends[g] / (2 * new_world)) * 2  # the engine's partition of group g
+        lo, hi = max(rank * size, at), min((rank + 1) * size, at + numel)
+        if lo < hi:
+            needed.update(layout.ranks_holding(name, lo - at, hi - at))
+    read_zero12(tag, ranks=needed)
+    return len(needed | {0})
 
 
 def _pieces_only(tag: Path, repeat: int) -> float:
@@ -76,7 +84,7 @@ def _pieces_only(tag: Path, repeat: int) -> float:
     import shardkit.checkpoint.readers.zero12 as reader
 
     opened, real = reader.open_zero12_checkpoint(tag), reader.open_zero12_checkpoint
-    reader.open_zero12_checkpoint = lambda _tag: opened  # parsed once, outside the timing
+    reader.open_zero12_checkpoint = lambda _tag, _ranks=None: opened  # parsed once, outside the timing
     try:
         return _median(lambda: reader.read_zero12(tag), repeat)
     finally:
@@ -85,24 +93,25 @@ def _pieces_only(tag: Path, repeat: int) -> float:
 
 def reader_rows(sources: dict[int, Path], repeat: int) -> list[dict[str, Any]]:
     from shardkit.checkpoint.readers.zero12 import read_zero12
-    from shardkit.checkpoint.zero12.reader import MODEL_FILE, open_zero12_checkpoint
+    from shardkit.checkpoint.zero12.reader import open_zero12_checkpoint
     from shardkit.storage.torch_load import read_structure
 
     rows = []
     for n, tag in sources.items():
         warm(tag)
         one = next(tag.glob("*zero_pp_rank_0_*optim_states.pt"))
-        overlap = _overlapping(tag, max(1, n // 2))
-        rows.append({
+        row: dict[str, Any] = {
             "source_ranks": n,
             "read_zero12_s": _median(lambda: read_zero12(tag), repeat),
             "open_s": _median(lambda: open_zero12_checkpoint(tag), repeat),
             "pieces_s": _pieces_only(tag, repeat),
             "parse_one_file_s": _median(lambda: read_structure(one), repeat),
-            "overlap_files": len(overlap),
-            "overlap_only_s": _median(lambda: [read_structure(p) for p in [tag / MODEL_FILE, *overlap]], repeat),
-            "bytes_per_file": one.stat().st_size,
-        })
+        }
+        for label, new in (("half", max(1, n // 2)), ("same", n)):  # the middle rank of a new world of that size
+            row[f"one_rank_{label}_s"] = _median(lambda: one_rank_read(tag, new, new // 2), repeat)
+            row[f"one_rank_{label}_files"] = one_rank_read(tag, new, new // 2)
+        row["bytes_per_file"] = one.stat().st_size
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -146,14 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                           timeout=1800, device="cpu")[0].value
         for row, load in zip(rows, loads):
             row.update(load)
-    print("\n| source ranks | read_zero12 (every file) | of it: open | pieces | 1 file | overlap only (files) | "
-          "in-process load verified / not |\n|---|---|---|---|---|---|---|")
+    print("\n| source ranks | before: read_zero12 (every file) | of it: open | pieces | 1 file | now, one rank at N/2: "
+          "time (files parsed) | at N | in-process load (1 rank) verified / not |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         load = (f"{r['verified_s'] * 1e3:.0f} / {r['unverified_s'] * 1e3:.0f} ms" if "verified_s" in r else "-")
         print(f"| {r['source_ranks']} | {r['read_zero12_s'] * 1e3:.1f} ms | {r['open_s'] * 1e3:.1f} ms | "
-              f"{r['pieces_s'] * 1e3:.1f} ms | "
-              f"{r['parse_one_file_s'] * 1e3:.2f} ms | "
-              f"{r['overlap_only_s'] * 1e3:.1f} ms ({r['overlap_files']}) | {load} |")
+              f"{r['pieces_s'] * 1e3:.1f} ms | {r['parse_one_file_s'] * 1e3:.2f} ms | "
+              f"{r['one_rank_half_s'] * 1e3:.1f} ms ({r['one_rank_half_files']}) | "
+              f"{r['one_rank_same_s'] * 1e3:.1f} ms ({r['one_rank_same_files']}) | {load} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
