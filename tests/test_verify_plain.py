@@ -319,7 +319,7 @@ def test_each_rank_file_is_parsed_once(saves, tmp_path, label):
 
     from shardkit.checkpoint.ops.reshard import reshard_zero3
     from shardkit.checkpoint.ops.verify_structure import verify_structure
-    from shardkit.storage.torch_load import observe_structures
+    from shardkit.storage.structure_observers import observe_structures
 
     reshard_zero3(saves[label], tmp_path / "eight", 8, manifest=False, warn=lambda _: None)
     parses: Counter[str] = Counter()
@@ -343,3 +343,11 @@ def test_a_weights_only_folder_for_another_engine_is_not_sent_to_convert(saves, 
     assert "convert" not in engine["fix"].replace("no convert", "")
     code, report = _verify(run_cli, saves["fsdp2"], "--engine", "zero3")  # with optimizer state: convert takes it
     assert code == 1 and "convert it first: shardkit convert" in _errors(report)[0]["fix"]
+
+
+def test_a_command_reading_a_plain_save_points_to_verify(saves, run_cli, tmp_path):
+    """reshard, convert and consolidate read a save without a manifest with a warning; the warning names the check
+    that exists for it (it said only 'save with shardkit to get a manifest')."""
+    code, _, err = run_cli("consolidate", saves["zero2"], "-o", tmp_path / "model.safetensors")
+    assert code == 0, err
+    assert "cannot be verified" in err and f"shardkit verify {_tag(saves['zero2'])}" in err, err

@@ -69,7 +69,8 @@ def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = 
         refuse_links_leaving(tag_dir, "read")
         return SourceCheck("none", [
             f"{tag_dir} has no {MANIFEST_NAME} (it was not saved by shardkit), so its files cannot be verified: a "
-            "truncated or corrupted rank file is read as is. Save with shardkit to get a manifest"])
+            f"truncated or corrupted rank file is read as is. Check it first with `shardkit verify {tag_dir}` (a "
+            "structural check; --write-manifest then records digests once), or save with shardkit to get a manifest"])
     report = verify_checkpoint(tag_dir, checksums=checksums and workers <= 1)
     if checksums and workers > 1 and not report.errors and report.manifest is not None:
         _hash_in_parallel(tag_dir, report.manifest, workers)

@@ -29,13 +29,12 @@ import os
 import re
 import stat
 import zipfile
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable
 
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import file_kind
+from shardkit.storage.structure_observers import parsed
 
 #: Non-torch globals that DeepSpeed ZeRO checkpoints contain (see module docstring for provenance).
 DEEPSPEED_SAFE_GLOBALS: tuple[str, ...] = (
@@ -324,21 +323,6 @@ def structure_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-#: Callbacks ``observe_structures`` installed: each parse ``read_structure`` completes is handed to them.
-_OBSERVERS: ContextVar[tuple[Callable[[Path, Any], None], ...]] = ContextVar("structure_observers", default=())
-
-
-@contextmanager
-def observe_structures(callback: Callable[[Path, Any], None]) -> Iterator[None]:
-    """Within the block, call ``callback(path, structure)`` after every successful ``read_structure`` in this
-    thread: ``verify`` checks what a reader parsed anyway instead of parsing each file a second time."""
-    token = _OBSERVERS.set((*_OBSERVERS.get(), callback))
-    try:
-        yield
-    finally:
-        _OBSERVERS.reset(token)
-
-
 def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | None = None,
                    what: str = "DeepSpeed checkpoints") -> Any:
     """The object a torch zip checkpoint holds, with every tensor as a ``TensorRef`` (no torch import).
@@ -432,8 +416,7 @@ def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | No
         if (ref.storage_offset + _extent(ref)) * ref.itemsize > ref.record_nbytes:
             raise CheckpointError(f"{p}: tensor {ref!r} reaches past the end of its storage record data/{ref.key} "
                                   f"({ref.record_nbytes} bytes): the file is corrupted")
-    for observe in _OBSERVERS.get():
-        observe(p, obj)
+    parsed(p, obj)  # verify checks what a reader parses (structure_observers)
     return obj
 
 

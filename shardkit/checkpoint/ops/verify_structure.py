@@ -41,7 +41,7 @@ from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.storage.manifest import MANIFEST_NAME, Manifest, seal
-from shardkit.storage.torch_load import observe_structures
+from shardkit.storage.structure_observers import observe_structures
 
 #: ZeRO-1/2's one model-states file (every rank's optimizer file beside it).
 ZERO12_MODEL = "mp_rank_00_model_states.pt"
