@@ -23,17 +23,13 @@ from shardkit.checkpoint.ops.convert.result import ConvertResult
 from shardkit.checkpoint.ops.convert.single_source import open_source, refuse_uncovered
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     carry_run_state,
-    check_adam,
     decide_precision,
-    group_decoupled,
     minimal_config,
     read_ds_config,
     single_adam_step,
-    source_param_groups,
     source_precision,
+    target_groups,
     target_names,
-    target_optimizer,
-    target_param_groups,
 )
 from shardkit.checkpoint.ops.export.sources import Source
 from shardkit.checkpoint.writers.zero12 import Zero12Files, Zero12Target, write_files
@@ -155,11 +151,7 @@ def plan_zero12_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, sta
     config_precision = "bf16" if cfg is not None and get(cfg, "bf16.enabled", False) is True else "fp32"
     precision = decide_precision(cfg if given else None, config_precision, source_precision(ckpt), tag_dir, notes) \
         if given or cfg is None else config_precision
-    check_adam(ckpt)
-    source_groups = source_param_groups(ckpt)
-    decoupled = [group_decoupled(ckpt, g) for g in source_groups]
-    opt = target_optimizer(cfg, all(d is not False for d in decoupled))
-    groups = target_param_groups(source_groups, decoupled, opt, cfg, tag_dir, not_carried)
+    source_groups, opt, groups = target_groups(ckpt, cfg, not_carried)
     steps_by_name: dict[str, float] = dict(ckpt.scalars.get("step") or {})
     group_params = [list(g["params"]) for g in source_groups]
     steps = [_group_step(ckpt, g, params, steps_by_name) for g, params in enumerate(group_params)]

@@ -236,11 +236,7 @@ def plan_zero3_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, worl
     or added to ``not_carried``, what it changes to ``notes``."""
     tag_dir = ckpt.folder
     not_carried: list[str] = list(ckpt.scalars.get("not_carried") or [])
-    check_adam(ckpt)
-    source_groups = source_param_groups(ckpt)
-    decoupled = [group_decoupled(ckpt, g) for g in source_groups]
-    opt = target_optimizer(cfg, all(d is not False for d in decoupled))
-    groups = target_param_groups(source_groups, decoupled, opt, cfg, tag_dir, not_carried)
+    source_groups, opt, groups = target_groups(ckpt, cfg, not_carried)
     shapes = {n: ckpt.weights[n].shape for n in ckpt.optimizer}
     slots = [ParamSlot(n, shapes[n], ckpt.weights[n].numel, g, 0, 0, 0)
              for g, group in enumerate(source_groups) for n in group["params"]]
@@ -342,6 +338,17 @@ def single_adam_step(names: list[str], steps: dict[str, float], where: str, shar
     if step != int(step) or step < 1:
         raise CheckpointError(f"{where}: Adam step is {step:g}, expected a positive whole number")
     return int(step)
+
+
+def target_groups(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None,
+                  not_carried: list[str]) -> tuple[list[dict[str, Any]], TargetOptimizer, list[dict[str, Any]]]:
+    """The source's Adam param groups, the target optimizer (``cfg``'s, AdamW unless a source group is not) and
+    its param groups: what every DeepSpeed target (ZeRO-1/2, ZeRO-3) decides the same way."""
+    check_adam(ckpt)
+    source_groups = source_param_groups(ckpt)
+    decoupled = [group_decoupled(ckpt, g) for g in source_groups]
+    opt = target_optimizer(cfg, all(d is not False for d in decoupled))
+    return source_groups, opt, target_param_groups(source_groups, decoupled, opt, cfg, ckpt.folder, not_carried)
 
 
 def target_param_groups(source_groups: list[dict[str, Any]], decoupled_groups: list[bool | None], opt: TargetOptimizer,
