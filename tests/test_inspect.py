@@ -150,8 +150,29 @@ def test_accelerate_fsdp_saves_are_described(fsdp_saves, run_cli, label):
         # layouts' shapes, dtypes and Adam state from their readers (pickled structures, no tensor bytes)
         assert (d["parameters"], d["elements"], d["dtypes"]["weights"]) == (4, 340, "float32")
         assert d["optimizer_state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
-    if kind != "SHARDED_STATE_DICT" and export:
-        assert d["step"] == 1  # Adam's step, the same for every parameter (no trainer_state.json in these saves)
+    if export:
+        # Adam's step, the same for every parameter (no trainer_state.json in these saves): the SHARDED layouts'
+        # from the optimizer DCP's 0-dim step records, the torch.save layouts' from their readers
+        assert d["step"] == 1
+        assert d["precision"] is None  # float32 parameters: an fp32 run and a mixed-precision run save the same
+
+
+def test_an_accelerate_dcp_save_says_its_step_and_why_its_precision_is_unknown(fsdp_saves, tmp_path, run_cli):
+    """accelerate's save_state outside a Trainer checkpoint-N (no trainer_state.json): the step is Adam's, read
+    from the optimizer DCP; the precision row says why the files cannot tell it rather than '?'."""
+    import shutil
+
+    src = tmp_path / "accelerate_state"
+    shutil.copytree(fsdp_saves / "fsdp1_sharded" / "checkpoint-2", src)
+    (src / "trainer_state.json").unlink(missing_ok=True)
+    code, out, err = run_cli("inspect", src)
+    assert code == 0, err
+    rows = dict(line.split(None, 1) if " " in line else (line, "") for line in out.splitlines()
+                if line.startswith(("step ", "precision ")))
+    assert rows["step"].strip() == "1", out
+    assert rows["precision"].startswith("not recorded (parameters saved as float32"), out
+    weights_only = _inspect(run_cli, src / "pytorch_model_fsdp_0")
+    assert weights_only["step"] is None  # no optimizer state, so nothing records the step
 
 
 def test_a_dcp_folder_and_a_hugging_face_folder(fsdp_saves, tmp_path, run_cli):
@@ -192,7 +213,8 @@ def test_not_a_checkpoint_is_exit_1_naming_the_folder(tmp_path, run_cli):
 
 def test_inspect_never_imports_torch(layouts, fsdp_saves):
     # accelerate's torch.save layouts too: their readers parse the pickles for shapes, dtypes and Adam state
-    accelerate = [str(fsdp_saves / label / "checkpoint-2") for label in ("fsdp2_full", "fsdp2_sharded_per_rank")]
+    accelerate = [str(fsdp_saves / label / "checkpoint-2")
+                  for label in ("fsdp2_full", "fsdp2_sharded_per_rank", "fsdp1_sharded", "fsdp2_sharded")]
     code = ("import sys; from shardkit.cli import main\n"
             f"for p in {[str(layouts[k]) for k in ('zero3', 'zero1', 'universal', 'autoep')] + accelerate!r}:\n"
             "    assert main(['inspect', p, '--json']) == 0\n"

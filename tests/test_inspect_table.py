@@ -14,6 +14,7 @@ checkpoint-N saved without DeepSpeed or sharded FSDP.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,35 @@ def test_every_cell_is_what_the_command_does(sources, tmp_path, run_cli, kind):
         elif not cell["applies"] and command != "verify":
             assert not out.exists(), f"{command} refused {src} but wrote {out}"
     assert not wrong, f"{kind} ({src}):\n" + "\n".join(wrong)
+
+
+_SUGGESTED_CONVERT = re.compile(r"convert --to (zero[123]|fsdp2|universal)(?: \(or ([\w/]+)\))?")
+_SUGGESTED_COMMAND = re.compile(r"shardkit (reshard|export|consolidate)(?: or (export|consolidate))?")
+
+
+def _suggested(why: str) -> set[str]:
+    """The shardkit commands a refusal sends the user to ("For DeepSpeed: convert --to zero3 (or zero2/zero1)",
+    "shardkit export or consolidate"), as ``COMMANDS`` names them."""
+    out = set()
+    for m in _SUGGESTED_CONVERT.finditer(why):
+        out |= {f"convert --to {t}" for t in [m[1], *(m[2].split("/") if m[2] else [])]}
+    for m in _SUGGESTED_COMMAND.finditer(why):
+        out |= {c for c in m.groups() if c}
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_refusal_sends_the_user_only_to_commands_that_take_the_folder(sources, run_cli, kind):
+    """A refusal's way out must work: every other command it names is one inspect says takes that folder (which
+    test_every_cell_is_what_the_command_does holds to what the command does). The DCP reshard refusal sent a
+    weights-only folder to convert --to zero3, which refuses it."""
+    code, stdout, err = run_cli("inspect", sources[kind], "--json")
+    assert code == 0, err
+    cells = {c["command"]: c for c in json.loads(stdout)["commands"]}
+    dead_ends = [f"{c['command']}: {c['why']!r} names {sorted(named)}, which inspect says do not take it"
+                 for c in cells.values() if not c["applies"]
+                 for named in [{n for n in _suggested(c["why"]) - {c["command"]} if not cells[n]["applies"]}] if named]
+    assert not dead_ends, f"{kind} ({sources[kind]}):\n" + "\n".join(dead_ends)
 
 
 def test_every_row_has_a_cell_for_every_command():

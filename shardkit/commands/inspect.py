@@ -42,17 +42,28 @@ def _count(n: int | None) -> str:
     return "?" if n is None else f"{n:,}"
 
 
+def _precision(desc: "CheckpointDescription") -> str:
+    """The training precision, or why the files do not say it (float32 parameters: FSDP2's bf16
+    MixedPrecisionPolicy keeps and saves them as an fp32 run does)."""
+    if desc.precision is not None:
+        return desc.precision
+    weights = desc.dtypes.get("weights")
+    if weights == "float32":
+        return "not recorded (parameters saved as float32, as both an fp32 run and a bf16/fp16 mixed-precision run save them)"
+    return "?" if weights is None else f"not recorded (parameters saved as {weights})"
+
+
 def _lines(desc: "CheckpointDescription", verdicts: "list[Verdict]") -> list[str]:
     rows = [
         ("checkpoint", desc.folder),
         ("layout", desc.layout),
         ("world size", "any (loads at any world size)" if desc.world_size is None else str(desc.world_size)),
-        ("precision", desc.precision or "?"),
+        ("precision", _precision(desc)),
         ("dtypes", ", ".join(f"{k} {v}" for k, v in desc.dtypes.items()) or "?"),
         ("parameters", f"{_count(desc.parameters)} tensors, {_count(desc.elements)} elements"),
         ("optimizer", f"{desc.optimizer or 'none saved'}"
                       + (f" (state: {', '.join(desc.optimizer_state_keys)})" if desc.optimizer_state_keys else "")),
-        ("step", "?" if desc.step is None else str(desc.step)),
+        ("step", str(desc.step) if desc.step is not None else "?" if desc.optimizer else "not recorded (no optimizer state)"),
         ("size", f"{desc.size_bytes / 2**20:,.1f} MiB in {desc.files} files"),
         ("manifest", desc.manifest),
     ]

@@ -29,7 +29,7 @@ from shardkit.checkpoint.hf_trainer.fsdp_files import SHARDED_PER_RANK, fsdp_lay
 from shardkit.checkpoint.layout.deepspeed_files import describe_deepspeed, is_deepspeed_folder
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.checkpoint.layout.detect import locate_checkpoint, read_folder
-from shardkit.checkpoint.layout.torch_files import HF_WEIGHTS, METADATA_NAME
+from shardkit.checkpoint.layout.torch_files import HF_WEIGHTS, METADATA_NAME, describe_dcp
 from shardkit.core.errors import CheckpointError
 
 #: The checkpoint commands, as ``inspect`` lists them.
@@ -204,6 +204,19 @@ _NO_OPTIMIZER = _own("It holds no optimizer state (TrainingArguments.save_only_m
                      "interrupted), so it can start a new run but not resume one")
 _NOT_TRAINER = _guard("accelerate's FSDP files need no reshard: shardkit reshard rewrites DeepSpeed rank files. For "
                       "DeepSpeed: convert --to zero3 (or zero2/zero1) --world-size N; for FSDP2: convert --to fsdp2")
+# weights alone: every convert refuses them (_WEIGHTS_ONLY), so reshard's refusal names what takes them instead
+_FOR_WEIGHTS = ("It holds no optimizer state, so no convert takes it (convert writes training state to resume). For "
+                "the weights alone: shardkit export or consolidate")
+_RESHARD_WEIGHTS = {
+    "dcp": _guard(TABLE["dcp"]["reshard"].why.split(". ")[0] + ". " + _FOR_WEIGHTS),
+    "accelerate-fsdp": _guard(_NOT_TRAINER.why.split(". ")[0] + ". " + _FOR_WEIGHTS),
+}
+
+
+def _weights_only(desc: CheckpointDescription) -> bool:
+    """Saved without optimizer state, as far as ``desc`` read: a DCP folder only once its ``.metadata``
+    was read (``parameters`` set; ``_cheap_description`` leaves it unread for other commands)."""
+    return desc.optimizer is None and (desc.format != "dcp" or desc.parameters is not None)
 
 
 def _wrapped(desc: CheckpointDescription, command: str) -> Cell | None:
@@ -215,6 +228,8 @@ def _wrapped(desc: CheckpointDescription, command: str) -> Cell | None:
     already = desc.format == "dcp" and command == "convert --to fsdp2"  # the command says so first
     if desc.optimizer is None and command.startswith("convert --to ") and not already:
         return _WEIGHTS_ONLY
+    if command == "reshard" and desc.trainer_folder is None and _weights_only(desc):
+        return _RESHARD_WEIGHTS[desc.format]
     if desc.format == "accelerate-fsdp" and command == "reshard":
         return _NOT_TRAINER if desc.trainer_folder is None else _NO_OPTIMIZER if desc.optimizer is None else None
     return None
@@ -241,13 +256,19 @@ def verdicts(desc: CheckpointDescription) -> list[Verdict]:
     return out
 
 
-def _cheap_description(folder: Path, given: str) -> CheckpointDescription | None:
+def _cheap_description(folder: Path, given: str, command: str) -> CheckpointDescription | None:
     """What ``refuse_unsupported`` needs of ``folder``, reading names and, for DeepSpeed, rank 0's small
-    pickles only (a DCP ``.metadata``, megabytes at scale, is left unread); None for the layouts whose
-    refusals are the commands' own (accelerate's FSDP files) or that this module does not know."""
+    pickles only (a DCP ``.metadata``, megabytes at scale, is read only for reshard, which refuses every
+    DCP folder and names what takes it: convert with optimizer state, export without); None for the layouts
+    whose refusals are the commands' own (accelerate's FSDP files) or that this module does not know."""
     if is_deepspeed_folder(folder):
         return read_folder(folder, given, describe_deepspeed)
     if (folder / METADATA_NAME).is_file():
+        if command == "reshard":
+            try:
+                return describe_dcp(folder, given)
+            except CheckpointError:
+                pass  # a .metadata that does not read: reshard refuses the DCP folder all the same
         return CheckpointDescription(path=given, folder=str(folder), format="dcp", layout="DCP")
     fsdp = fsdp_layout(folder)
     if fsdp is not None and not _trainer(folder):  # reshard's Trainer check names the Trainer's own FSDP folders
@@ -268,7 +289,7 @@ def refuse_unsupported(path: str | Path, command: str) -> None:
     raises. A path it cannot describe is not refused here: the command's own reader names the problem.
     """
     try:
-        desc = _cheap_description(locate_checkpoint(path).folder, str(path))
+        desc = _cheap_description(locate_checkpoint(path).folder, str(path), command)
     except (CheckpointError, OSError):
         return  # not a layout this module knows, or unreadable: the command's own reader names the problem
     if desc is None:

@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 
 from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, read_plain_metadata
+from shardkit.checkpoint.dcp.slices import DcpSlices
 from shardkit.checkpoint.hf_trainer.fsdp_files import (
     SHARDED_PER_RANK,
     FsdpLayout,
@@ -54,20 +55,49 @@ def _model_and_state(md: DcpMetadata) -> tuple[dict[str, tuple[str, int]], set[s
     return params, state_keys, state_dtypes
 
 
+def _dcp_step(folder: Path, md: DcpMetadata) -> int | None:
+    """The training step a DCP optimizer state records: every parameter's Adam ``step``
+    (``<optim>.state.<param>.step``, a 0-dim tensor or a plain number; a few bytes each, read without torch)
+    when all agree on one whole number; None where none is readable or they differ (frozen layers...)."""
+    keys = [k for k in (*md.tensors, *md.values) if k.split(".", 1)[0] in ("optim", "optimizer")
+            and k.split(".", 1)[-1].startswith("state.") and k.endswith(".step")]
+    if not keys:
+        return None
+    slices = DcpSlices(folder, md)
+    values: set[float] = set()
+    try:
+        for key in keys:
+            ref = slices.tensor_ref(key) if key in md.tensors else None
+            value = slices.scalar(ref) if ref is not None else slices.value(key)[1]
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                return None  # stored another way (a transformed item): the reader's load would say
+            values.add(float(value))
+    except (CheckpointError, OSError, ValueError):
+        return None  # a damaged item: `shardkit verify` names it; inspect describes what it can
+    finally:
+        slices.close()
+    return int(values.pop()) if len(values) == 1 and next(iter(values)).is_integer() else None
+
+
 def _distcp_files(folder: Path) -> int:
     return sum(1 for f in folder.iterdir() if f.name.endswith(".distcp"))
 
 
 def _fill_from_dcp(desc: CheckpointDescription, model_dir: Path, optim_dir: Path | None) -> None:
-    params, keys, state_dtypes = _model_and_state(read_plain_metadata(model_dir / METADATA_NAME))
+    md = read_plain_metadata(model_dir / METADATA_NAME)
+    params, keys, state_dtypes = _model_and_state(md)
     if optim_dir is not None and optim_dir != model_dir:
-        _, keys, state_dtypes = _model_and_state(read_plain_metadata(optim_dir / METADATA_NAME))
+        md = read_plain_metadata(optim_dir / METADATA_NAME)
+        _, keys, state_dtypes = _model_and_state(md)
+    desc.step = _dcp_step(optim_dir or model_dir, md)
     desc.parameters = len(params)
     desc.elements = sum(n for _, n in params.values())
     desc.world_size = _distcp_files(model_dir) or None
     weights = sorted({d for d, _ in params.values()})
     if weights:
         desc.dtypes["weights"] = ", ".join(weights)
+    if weights in (["bfloat16"], ["float16"]):  # parameters kept in 16 bits: trained so (float32 ones tell nothing)
+        desc.precision = {"bfloat16": "bf16", "float16": "fp16"}[weights[0]]
     if state_dtypes:
         desc.dtypes["optimizer state"] = ", ".join(sorted(state_dtypes))
     desc.optimizer_state_keys = sorted(keys)
