@@ -45,9 +45,10 @@ from shardkit.checkpoint.ops.resume_state import (
 )
 from shardkit.checkpoint.readers.zero12 import Zero12Layout, read_zero12, zero12_layout
 from shardkit.checkpoint.writers.zero3 import read_slice
+from shardkit.checkpoint.writers.zero12 import OPTIM_FILE as OPTIM_FILE_NAME
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_tag_dir
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, client_state_keys
-from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIM_FILE, OPTIMIZER_KEY, is_zero12_folder
+from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, is_zero12_folder
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.replace import replace_optimizer_state, summarize_moves
 from shardkit.storage.manifest import MANIFEST_NAME
@@ -185,7 +186,7 @@ def _read_share(engine: Any, opt: Any, tag_dir: Path, rank: int, world: int, str
     ckpt = read_zero12(tag_dir, ranks=needed) if needed - {0} else head
     module_values = _module_values(engine, ckpt, strict)
     model_sd = safe_torch_load(tag_dir / MODEL_FILE, mmap=True, real_deepspeed_objects=True)
-    optim_src = safe_torch_load(_optim_file(tag_dir, rank if same_ranks else 0), mmap=True,
+    optim_src = safe_torch_load(_optim_file(ckpt, rank if same_ranks else 0), mmap=True,
                                 real_deepspeed_objects=True)[OPTIMIZER_KEY]
     rank_sd = _rank_state(opt, ckpt, shares, optim_src, carry_scaler=ckpt.precision == engine_precision(engine))
     return ckpt, module_values, model_sd, rank_sd
@@ -272,12 +273,9 @@ def _tag_dir(path: str | Path, engine: Any) -> Path:
         "a latest file) that engine.save_checkpoint wrote; `shardkit inspect SRC` says what the folder holds")
 
 
-def _optim_file(tag_dir: Path, rank: int) -> Path:
-    for p in tag_dir.iterdir():
-        m = OPTIM_FILE.match(p.name)
-        if m and int(m.group(2)) == rank:
-            return p
-    raise CheckpointError(f"{tag_dir}: no optimizer file for rank {rank}; re-copy the tag folder")
+def _optim_file(ckpt: TrainingCheckpoint, rank: int) -> Path:
+    """Rank ``rank``'s optimizer file, by DeepSpeed's name (the reader has listed the folder: no rank is missing)."""
+    return ckpt.folder / OPTIM_FILE_NAME.format(prefix=ckpt.scalars["native"]["prefix"], rank=rank)
 
 
 def _engine_shares(engine: Any, opt: Any, ckpt: TrainingCheckpoint, rank: int, world: int) -> list[_Share]:

@@ -14,6 +14,7 @@ So the old ranks' unpadded slices, concatenated, are the world-size-free part of
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -82,13 +83,13 @@ def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None) 
     these ranks' optimizer files (a resuming rank's share; every file is still listed, none other opened)."""
     found: dict[int, Path] = {}
     prefixes, other = set(), []
-    for p in tag_dir.iterdir():
-        m = OPTIM_FILE.match(p.name)
+    for name in os.listdir(tag_dir):  # names, not Paths: a resuming rank lists thousands of files and opens 3
+        m = OPTIM_FILE.match(name)
         if m:
-            found[int(m.group(2))] = p
+            found[int(m.group(2))] = tag_dir / name
             prefixes.add(m.group(1) or "")
-        elif _ZERO3_MODEL_FILE.match(p.name) or any(k in p.name for k in _MOE_MARKERS):
-            other.append(p.name)
+        elif _ZERO3_MODEL_FILE.match(name) or any(k in name for k in _MOE_MARKERS):
+            other.append(name)
     if other:
         raise CheckpointError(
             f"{tag_dir}: holds {', '.join(sorted(other)[:3])} beside the ZeRO-1/2 files: ZeRO-3 rank files (two saves "
