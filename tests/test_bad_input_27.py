@@ -139,7 +139,7 @@ ZERO2: dict[str, tuple[Any, str]] = {
                         f"{OPTIM.format(1)}: checkpoint file is empty (0 bytes)|{OPTIM.format(1)}: not a readable torch "
                         "zip file (BadZipFile: File is not a zip file; 0 bytes)"),
     "rank_file_is_a_directory": (lambda s, t: _directory(t / OPTIM.format(1)),
-                                 f"{OPTIM.format(1)}: is a directory|{OPTIM.format(1)} of 2: missing"),
+                                 f"{OPTIM.format(1)}: is a directory|{OPTIM.format(1)} is a directory, not the rank file"),
     "unreadable_rank_file": (lambda s, t: _unreadable(t / OPTIM.format(1)), OPTIM.format(1)),
 }
 
@@ -156,9 +156,10 @@ FSDP2: dict[str, tuple[Any, str]] = {
                              "optimizer_0_rank1.bin: not a readable torch zip file"),
     "model_file_is_a_directory": (lambda s, f: _directory(f / "pytorch_model_fsdp_0_rank1.bin"),
                                   "pytorch_model_fsdp_0_rank1.bin: is a directory|"
-                                  "pytorch_model_fsdp_0_rank1.bin of 2: missing"),
+                                  "pytorch_model_fsdp_0_rank1.bin is a directory, not the rank file"),
     "optimizer_file_is_a_directory": (lambda s, f: _directory(f / "optimizer_0_rank1.bin"),
-                                      "optimizer_0_rank1.bin: is a directory|optimizer_0_rank1.bin"),
+                                      "optimizer_0_rank1.bin: is a directory|"
+                                      "optimizer_0_rank1.bin is a directory, not the rank file"),
     "unreadable_model_file": (lambda s, f: _unreadable(f / "pytorch_model_fsdp_0_rank1.bin"),
                               "pytorch_model_fsdp_0_rank1.bin"),
 }
