@@ -150,7 +150,10 @@ def describe_checkpoint(path: str | Path, *, check_manifest: bool = True) -> Che
     desc.notes[:0] = where.notes
     if where.trainer is not None:
         desc.trainer_folder = str(where.trainer)
-        desc.step = desc.step if desc.step is not None else _trainer_step(where.trainer)
+        # the Trainer's global_step is the N users know the folder by; a DCP optimizer's Adam step
+        # lags it where fp16 skipped steps, so the format's own step is only the fallback
+        trainer_step = _trainer_step(where.trainer)
+        desc.step = trainer_step if trainer_step is not None else desc.step
         desc.layout = f"Hugging Face Trainer {where.trainer.name} holding {desc.layout}"
     desc.files, desc.size_bytes = _size(where.trainer if where.trainer is not None else where.folder)
     if check_manifest:
