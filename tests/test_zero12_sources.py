@@ -279,6 +279,26 @@ def test_zero3_files_beside_zero2_files_are_refused(saves, tmp_path):
         read_zero12(root / S.TAG)
 
 
+@pytest.mark.parametrize("case", ["middle", "naming"])
+def test_a_missing_or_renamed_rank_file_is_named(saves, tmp_path, case):
+    from shardkit.checkpoint.readers.zero12 import read_zero12
+    from shardkit.core.errors import CheckpointError
+
+    root = _copy_tag(saves, "zero2", tmp_path / "src")
+    tag = root / S.TAG
+    rank1 = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if case == "middle":  # 3 ranks' files with rank 1's gone
+        shutil.copy(rank1, tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
+        rank1.unlink()
+        said = "2 optimizer file(s), rank(s) [1] missing"
+    else:  # every rank present, but one file named as another save's (bf16_ prefix)
+        rank1.rename(tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        said = "2 optimizer file(s), every rank present (prefixes ['', 'bf16_'])"
+    with pytest.raises(CheckpointError) as err:
+        read_zero12(tag)
+    assert said in str(err.value) and "Re-copy the tag folder" in str(err.value)
+
+
 def test_fp32_consolidation_of_zero2_never_imports_torch_or_deepspeed(saves, tmp_path, python_exe):
     import subprocess
 

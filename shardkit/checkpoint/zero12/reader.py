@@ -99,8 +99,9 @@ def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None) 
     if world == 0 or sorted(found) != list(range(world)) or len(prefixes) != 1:
         # the missing ranks named, not every rank found (a folder may hold thousands)
         gaps = sorted(set(range(max(found, default=0) + 1)) - set(found))
+        what = f"rank(s) {gaps[:5]} missing" if gaps else "every rank present"
         raise CheckpointError(
-            f"{tag_dir}: {len(found)} optimizer file(s), rank(s) {gaps[:5]} missing (prefixes {sorted(prefixes)}), "
+            f"{tag_dir}: {len(found)} optimizer file(s), {what} (prefixes {sorted(prefixes)}), "
             "expected ranks 0..N-1 with one naming: a rank's file is missing or two saves were mixed in one folder. "
             "Re-copy the tag folder")
     optim_files = [found[r] for r in range(world)]
