@@ -53,8 +53,11 @@ def writes_pid_then_sleeps(pid_dir: str) -> None:
     import sys
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-    with open(os.path.join(pid_dir, f"rank{dist.get_rank()}.pid"), "w") as fh:
+    # written whole, then renamed: the test reads the file as soon as it exists
+    pid_file = os.path.join(pid_dir, f"rank{dist.get_rank()}.pid")
+    with open(pid_file + ".tmp", "w") as fh:
         fh.write(f"{os.getpid()} {child.pid}")
+    os.replace(pid_file + ".tmp", pid_file)
     time.sleep(3600)
 
 

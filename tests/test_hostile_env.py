@@ -224,7 +224,11 @@ RANK_SCRIPT = textwrap.dedent(
     import os, sys, time
     out = sys.argv[1]
     rank = os.environ["RANK"]
-    open(os.path.join(out, f"rank{rank}.pid"), "w").write(str(os.getpid()))
+    # written whole, then renamed: the test reads the file as soon as it exists
+    pid_file = os.path.join(out, f"rank{rank}.pid")
+    with open(pid_file + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)
     if sys.argv[2] == "start":
         time.sleep(300)
     import deepspeed, torch, torch.nn as nn
