@@ -158,3 +158,21 @@ def test_every_row_has_a_cell_for_every_command():
     for key, row in TABLE.items():
         missing = [c for c in COMMANDS if c != "verify" and c not in row]
         assert not missing, f"row {key} has no cell for {missing}"
+
+
+def test_reshard_refusals_of_dcp_with_and_without_optimizer_state_share_their_first_sentence():
+    """The weights-only refusal is the full one's first sentence (the reason test_every_cell_is_what_the_command_does
+    looks for in reshard's own message) and then where the weights go; pinned word for word, as inspect prints it."""
+    from shardkit.checkpoint.layout.description import CheckpointDescription
+    from shardkit.checkpoint.layout.support import verdicts
+
+    def reshard_why(**kw: Any) -> str:
+        desc = CheckpointDescription(path="/x/ckpt", folder="/x/ckpt", format="dcp", layout="DCP", **kw)
+        return next(v.why for v in verdicts(desc) if v.command == "reshard")
+
+    first = "a DCP checkpoint needs no reshard: FSDP2 loads it at any world size (DCP reshards while loading)"
+    assert reshard_why(parameters=3, optimizer="Adam") == (
+        f"{first}. For DeepSpeed: convert --to zero3 (or zero2/zero1) --world-size N")
+    assert reshard_why(parameters=3, optimizer=None) == (
+        f"{first}. It holds no optimizer state, so no convert takes it (convert writes training state to resume). "
+        "For the weights alone: shardkit export or consolidate")

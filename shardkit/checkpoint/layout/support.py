@@ -83,10 +83,15 @@ _STRUCTURE = _yes("a structural check, there being no manifest (every rank file 
                   "files, ranks agreeing, every tensor covered; no digests to compare)")
 _MANIFEST = _yes("checks every file's size and content digest against its shardkit manifest")
 
+# The first sentences of reshard's refusals of a DCP folder and of accelerate's FSDP files outside a Trainer
+# checkpoint-N: each refusal below begins with one, whether the save holds optimizer state or not.
+_DCP_NO_RESHARD = "a DCP checkpoint needs no reshard: FSDP2 loads it at any world size (DCP reshards while loading)"
+_FSDP_NO_RESHARD = "accelerate's FSDP files need no reshard: shardkit reshard rewrites DeepSpeed rank files"
+_TO_DEEPSPEED = "For DeepSpeed: convert --to zero3 (or zero2/zero1) --world-size N"
 _ZERO12_ALREADY = ("is a DeepSpeed ZeRO-1/2 checkpoint already; --to zero{n} converts other formats. For another "
                    "world size: shardkit reshard {path} --world-size N -o OUT")
-_FSDP_RESHARD = ("The Trainer resumes it at any world size as it is{how}, so there is nothing to reshard. For DeepSpeed: "
-                 "convert --to zero3 (or zero2/zero1) --world-size N; for FSDP2: convert --to fsdp2")
+_FSDP_RESHARD = ("The Trainer resumes it at any world size as it is{how}, so there is nothing to reshard. "
+                 f"{_TO_DEEPSPEED}; for FSDP2: convert --to fsdp2")
 _HF = ("a from_pretrained folder holds full weights already and no optimizer state: from_pretrained loads it as it "
        "is, so there is nothing to {what}")
 
@@ -124,8 +129,7 @@ TABLE: dict[str, dict[str, Cell]] = {
         "consolidate": _MASTERS, "export": _EXPORT, "plain_verify": _STRUCTURE,
     },
     "dcp": {
-        "reshard": _guard("a DCP checkpoint needs no reshard: FSDP2 loads it at any world size (DCP reshards while "
-                          "loading). For DeepSpeed: convert --to zero3 (or zero2/zero1) --world-size N"),
+        "reshard": _guard(f"{_DCP_NO_RESHARD}. {_TO_DEEPSPEED}"),
         **_TO_ZERO,
         "convert --to fsdp2": _own("is an FSDP2/DCP checkpoint already; FSDP2 loads it at any world size as it is "
                                    "(load_fsdp_checkpoint), so there is nothing to convert"),
@@ -202,14 +206,13 @@ _WEIGHTS_ONLY = _own("shardkit's {reader} reader describes this checkpoint's wei
                      "For the weights alone: shardkit export or consolidate")
 _NO_OPTIMIZER = _own("It holds no optimizer state (TrainingArguments.save_only_model=True, or the save was "
                      "interrupted), so it can start a new run but not resume one")
-_NOT_TRAINER = _guard("accelerate's FSDP files need no reshard: shardkit reshard rewrites DeepSpeed rank files. For "
-                      "DeepSpeed: convert --to zero3 (or zero2/zero1) --world-size N; for FSDP2: convert --to fsdp2")
+_NOT_TRAINER = _guard(f"{_FSDP_NO_RESHARD}. {_TO_DEEPSPEED}; for FSDP2: convert --to fsdp2")
 # weights alone: every convert refuses them (_WEIGHTS_ONLY), so reshard's refusal names what takes them instead
 _FOR_WEIGHTS = ("It holds no optimizer state, so no convert takes it (convert writes training state to resume). For "
                 "the weights alone: shardkit export or consolidate")
 _RESHARD_WEIGHTS = {
-    "dcp": _guard(TABLE["dcp"]["reshard"].why.split(". ")[0] + ". " + _FOR_WEIGHTS),
-    "accelerate-fsdp": _guard(_NOT_TRAINER.why.split(". ")[0] + ". " + _FOR_WEIGHTS),
+    "dcp": _guard(f"{_DCP_NO_RESHARD}. {_FOR_WEIGHTS}"),
+    "accelerate-fsdp": _guard(f"{_FSDP_NO_RESHARD}. {_FOR_WEIGHTS}"),
 }
 
 
