@@ -169,7 +169,7 @@ class _Merge:
                 raise CheckpointError(f"{path}: {name!r} shard holds {ref.dtype}, the tensor {value.dtype}: the file is "
                                       "damaged")
             if ref.numel:  # a rank past the last row holds an empty shard
-                t.pieces.append(Piece(Path(str(ref.path)), ref.file_offset, shard.offsets[0] * inner, ref.numel))
+                t.add(Piece(Path(str(ref.path)), ref.file_offset, shard.offsets[0] * inner, ref.numel))
 
     def finish(self) -> dict[str, SourceTensor]:
         for t in self.tensors.values():

@@ -272,7 +272,7 @@ def _add_frozen_zero3(model_files: list[Path], shapes: dict[str, tuple[int, ...]
                 raise CheckpointError(f"{path}: frozen parameter {name!r} is {ref.dtype} here but {t.dtype} on rank 0; "
                                       "the model-states files come from different saves")
             if stop > start:
-                t.pieces.append(Piece(path, ref.file_offset, start, stop - start))
+                t.add(Piece(path, ref.file_offset, start, stop - start))
 
 
 def _stage(optim: dict[str, Any], stage3: bool) -> int:

@@ -230,7 +230,7 @@ def _tensor(name: str, dtype: str, shape: tuple[int, ...], at: int, partition: i
             via_torch[f"{path}: {where} is not a contiguous run of {dtype} in its file ({ref.dtype}, shape "
                       f"{list(ref.shape)}, stride {list(ref.stride)}): read through torch"] = None
         else:
-            t.pieces.append(Piece(path, ref.file_offset + (lo - r * partition) * ref.itemsize, lo - at, hi - lo))
+            t.add(Piece(path, ref.file_offset + (lo - r * partition) * ref.itemsize, lo - at, hi - lo))
     if len(t.pieces) < len(held):
         t.pieces, t.load = [], functools.partial(_load_with_torch, held, dtype, shape)
     return t

@@ -8,6 +8,11 @@ model-states file (partitioned as trainable ones: ``ceil(numel / world)`` per ra
 padded), buffers rank 0's ``module`` entries. Tied parameters are stored once and named in
 ``shared_params`` (``{alias: holder}``).
 
+A ZeRO-3 tensor is split over every rank, so its pieces are not stored (a list per tensor would be
+ranks x tensors Piece objects in every process: ~390 MB for a 70B Llama at 1,024 ranks): each
+tensor's ``RankPieces`` computes rank ``r``'s piece from the layout and ``RankFiles``, which keeps
+each rank file's few flat offsets (benchmarks/bench_zero3_reader.py measures it).
+
 The optimizer state is described the same way: each trainable parameter's per-element states
 (``exp_avg``, ``exp_avg_sq``: whatever the sub-groups' ``state`` holds at the flats' length) are
 its unpadded pieces of every rank's ``state[sub_group][key]`` flat, at the parameter's offset
@@ -20,56 +25,58 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import Piece, SourceTensor
+from shardkit.checkpoint.model.tensors import Piece, Pieces, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
-from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
+from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import TensorRef, read_structure
+from shardkit.storage.torch_load import ITEMSIZE, TensorRef, read_structure
 
 #: File names DeepSpeed MoE writes beside the ZeRO files (``expp_rank_*``, ``layer_*_expert_*``):
 #: expert-parallel weights that the data-parallel rank files do not hold.
 _MOE_MARKERS = ("expp_rank_", "_expert_")
 
 
-def read_zero3(tag_dir: Path) -> TrainingCheckpoint:
-    """Describe the weights of the ZeRO-3 tag folder ``tag_dir`` (already verified by the caller)."""
+def read_zero3(tag_dir: Path, *, lazy: bool = False) -> TrainingCheckpoint:
+    """Describe the ZeRO-3 tag folder ``tag_dir`` (already verified by the caller).
+
+    Each rank file's offsets are parsed once and kept (a few ints per rank); the pieces are computed
+    from them when asked for (``RankPieces``). By default every rank's files are parsed here, so a
+    rank file from another save is named before anything is written; ``lazy=True`` parses a rank's
+    files the first time one of its pieces is asked for (a process of a split run parses only the
+    files its share reads; its output is staged, so a late error still loses nothing)."""
     moe = sorted(f.name for f in tag_dir.iterdir() if any(m in f.name for m in _MOE_MARKERS))
     if moe:
         raise CheckpointError(
             f"{tag_dir}: holds DeepSpeed MoE expert files ({', '.join(moe[:3])}): expert-parallel weights live outside "
             "the data-parallel rank files this export reads, so the exported model would lack its experts. Export "
             "it with DeepSpeed's own tools (ds_to_universal) instead")
-    ckpt = open_zero3_checkpoint(tag_dir, torch_free=True)
+    return describe_zero3(open_zero3_checkpoint(tag_dir, torch_free=True), lazy=lazy)
+
+
+def describe_zero3(ckpt: Zero3Checkpoint, *, lazy: bool = False,
+                   read: Callable[[Path], Any] = read_structure) -> TrainingCheckpoint:
+    """``read_zero3`` of an opened checkpoint; ``read`` parses a rank file (``read_structure``;
+    benchmarks/bench_zero3_reader.py passes synthetic structures)."""
+    files = RankFiles(ckpt, read)
     tensors: dict[str, SourceTensor] = {}
+    optimizer: dict[str, dict[str, SourceTensor]] = {}
     for slot in ckpt.slots:
-        tensors[slot.name] = SourceTensor(slot.name, "float32", slot.shape)
-    optimizer: dict[str, dict[str, SourceTensor]] = {slot.name: {} for slot in ckpt.slots}
-    optim0: dict[str, Any] = {}
-    for rank in range(ckpt.world_size):
-        osd = _optimizer_dict(read_structure(ckpt.optim_files[rank]))
-        optim0 = optim0 or osd
-        flats = _optim_flats(ckpt, rank, osd)
-        states = [_state_flats(ckpt, rank, osd, j) for j in range(len(ckpt.sub_group_numel))]
-        for slot in ckpt.slots:
-            start, stop = slot.rank_range(rank)
-            if stop > start:
-                ref = flats[slot.sub_group]
-                tensors[slot.name].pieces.append(
-                    Piece(ckpt.optim_files[rank], _offset(ref) + slot.offset * 4, start, stop - start))
-            for key, ref in states[slot.sub_group].items():
-                t = optimizer[slot.name].setdefault(key, SourceTensor(slot.name, ref.dtype, slot.shape))
-                if t.dtype != ref.dtype:
-                    raise CheckpointError(f"{ckpt.optim_files[rank]}: {key} of sub-group {slot.sub_group} is {ref.dtype}, "
-                                          f"rank 0's is {t.dtype}; the rank files come from different saves")
-                if stop > start:
-                    t.pieces.append(Piece(ckpt.optim_files[rank], _offset(ref) + slot.offset * ref.itemsize, start,
-                                          stop - start))
-    _add_frozen(ckpt, tensors)
+        tensors[slot.name] = SourceTensor(slot.name, "float32", slot.shape, RankPieces(files, slot, FP32))
+        optimizer[slot.name] = {key: SourceTensor(slot.name, dtype, slot.shape, RankPieces(files, slot, key))
+                                for key, dtype in files.state_dtypes.items()}
+    for name, shape in ckpt.frozen_param_shapes.items():
+        numel = math.prod(shape)
+        slot = ParamSlot(name, shape, numel, 0, 0, 0, partition_numel(numel, ckpt.world_size))
+        tensors[name] = SourceTensor(name, files.frozen_dtypes[name], shape, RankPieces(files, slot, _FROZEN))
+    if not lazy:
+        for rank in range(ckpt.world_size):
+            files.optim(rank)
+            files.frozen(rank)
     module = ckpt.model_state.get("module") or {}
     buffers = set()
     for name in ckpt.model_state.get("buffer_names") or []:
@@ -78,12 +85,104 @@ def read_zero3(tag_dir: Path) -> TrainingCheckpoint:
             tensors[name] = SourceTensor(name, buf.dtype, buf.shape, [Piece(ckpt.model_files[0], _offset(buf), 0, buf.numel)])
             buffers.add(name)
     return TrainingCheckpoint(
-        "zero3", tag_dir, tensors, world_size=ckpt.world_size, tag=ckpt.tag, precision=ckpt.precision,
+        "zero3", ckpt.tag_dir, tensors, world_size=ckpt.world_size, tag=ckpt.tag, precision=ckpt.precision,
         aliases=dict(ckpt.shared_params), frozen=set(ckpt.frozen_param_shapes or {}), buffers=buffers,
         optimizer={name: states for name, states in optimizer.items() if states}, optimizer_described=True,
-        scalars=_scalars(ckpt, optim0),
-        notes=[f"ZeRO-3 checkpoint {tag_dir} (tag {ckpt.tag!r}, saved by {ckpt.world_size} rank(s), {ckpt.precision} "
-               "training): fp32 masters exported"])
+        scalars=_scalars(ckpt, files.optim0),
+        notes=[f"ZeRO-3 checkpoint {ckpt.tag_dir} (tag {ckpt.tag!r}, saved by {ckpt.world_size} rank(s), "
+               f"{ckpt.precision} training): fp32 masters exported"])
+
+
+#: ``RankPieces`` key of a frozen parameter (its fragment in each rank's model-states file).
+_FROZEN = ""
+
+
+class RankFiles:
+    """Where each rank file keeps its flat partitions: per rank, the byte offset of every sub-group's
+    fp32 flat and per-element optimizer state (optim file) and of every frozen fragment (model file),
+    parsed from the file the first time that rank is asked for and checked against rank 0's layout.
+    Kept per rank, not per tensor: what a process holds grows with ranks + tensors, never their product."""
+
+    def __init__(self, ckpt: Zero3Checkpoint, read: Callable[[Path], Any]):
+        self.ckpt, self._read = ckpt, read
+        self._optim: dict[int, dict[str, list[int]]] = {}
+        self._frozen: dict[int, dict[str, int]] = {}
+        self.optim0 = _optimizer_dict(read(ckpt.optim_files[0]))
+        self.state_dtypes = {key: ref.dtype for key, ref in _state_flats(ckpt, 0, self.optim0, 0).items()} \
+            if ckpt.sub_group_numel else {}
+        frags = ckpt.model_state.get("frozen_param_fragments") or {}
+        self.frozen_dtypes = {name: getattr(frags.get(name), "dtype", "float32") for name in ckpt.frozen_param_shapes}
+
+    def optim(self, rank: int) -> dict[str, list[int]]:
+        """``{FP32 or state key: byte offset of each sub-group's flat}`` in rank ``rank``'s optim file."""
+        table = self._optim.get(rank)
+        if table is None:
+            osd = self.optim0 if rank == 0 else _optimizer_dict(self._read(self.ckpt.optim_files[rank]))
+            table = {FP32: [_offset(ref) for ref in _optim_flats(self.ckpt, rank, osd)]}
+            for j in range(len(self.ckpt.sub_group_numel)):
+                for key, ref in _state_flats(self.ckpt, rank, osd, j).items():
+                    if ref.dtype != self.state_dtypes[key]:
+                        raise CheckpointError(
+                            f"{self.ckpt.optim_files[rank]}: {key} of sub-group {j} is {ref.dtype}, rank 0's is "
+                            f"{self.state_dtypes[key]}; the rank files come from different saves")
+                    table.setdefault(key, []).append(_offset(ref))
+            self._optim[rank] = table
+        return table
+
+    def frozen(self, rank: int) -> dict[str, int]:
+        """``{frozen parameter: byte offset of its fragment}`` in rank ``rank``'s model-states file."""
+        table = self._frozen.get(rank)
+        if table is None:
+            table = self._frozen[rank] = self._read_frozen(rank) if self.ckpt.frozen_param_shapes else {}
+        return table
+
+    def _read_frozen(self, rank: int) -> dict[str, int]:
+        ckpt = self.ckpt
+        state = ckpt.model_state if rank == 0 else self._read(ckpt.model_files[rank])
+        frags = state.get("frozen_param_fragments") or {} if isinstance(state, dict) else {}
+        table = {}
+        for name, shape in ckpt.frozen_param_shapes.items():
+            numel = math.prod(shape)
+            start, stop = rank_range(rank, partition_numel(numel, ckpt.world_size), numel)
+            ref = frags.get(name)
+            if not isinstance(ref, TensorRef) or ref.numel < stop - start:
+                raise CheckpointError(
+                    f"{ckpt.model_files[rank]}: frozen parameter {name!r} has no fragment of {stop - start} elements "
+                    "(frozen_param_fragments); the rank file is damaged or from another save")
+            if ref.dtype != self.frozen_dtypes[name]:
+                raise CheckpointError(f"{ckpt.model_files[rank]}: frozen parameter {name!r} is {ref.dtype} here but "
+                                      f"{self.frozen_dtypes[name]} on rank 0; the rank files come from different saves")
+            table[name] = _offset(ref) if stop > start else 0
+        return table
+
+
+class RankPieces(Pieces):
+    """One tensor's pieces, one per rank holding elements of it, computed from the layout: rank ``r``
+    holds elements ``[r * p, (r + 1) * p)`` (``p = ceil(numel / world)``) at the parameter's offset in
+    its flat (or its frozen fragment), whose byte offset ``RankFiles`` gives."""
+
+    __slots__ = ("_files", "_slot", "_key", "_itemsize", "_count")
+
+    def __init__(self, files: RankFiles, slot: ParamSlot, key: str):
+        self._files, self._slot, self._key = files, slot, key
+        dtype = "float32" if key == FP32 else (files.frozen_dtypes[slot.name] if key == _FROZEN
+                                               else files.state_dtypes[key])
+        self._itemsize = ITEMSIZE[dtype]
+        self._count = 0 if slot.numel == 0 else -(-slot.numel // slot.partition_numel)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def first_at(self, element: int) -> int:
+        return min(self._count, max(0, element) // max(1, self._slot.partition_numel))
+
+    def piece(self, i: int) -> Piece:
+        slot, ckpt = self._slot, self._files.ckpt
+        start, stop = slot.rank_range(i)
+        if self._key == _FROZEN:
+            return Piece(ckpt.model_files[i], self._files.frozen(i)[slot.name], start, stop - start)
+        base = self._files.optim(i)[self._key][slot.sub_group]
+        return Piece(ckpt.optim_files[i], base + slot.offset * self._itemsize, start, stop - start)
 
 
 def _scalars(ckpt: Zero3Checkpoint, optim0: dict[str, Any]) -> dict[str, Any]:
@@ -145,30 +244,3 @@ def _optim_flats(ckpt: Zero3Checkpoint, rank: int, osd: dict[str, Any]) -> list[
                 f"[{getattr(ref, 'numel', '?')}], expected float32[{ckpt.sub_group_numel[j]}] from rank 0's layout; "
                 "the rank files come from different saves or the file is damaged")
     return flats
-
-
-def _add_frozen(ckpt: Zero3Checkpoint, tensors: dict[str, SourceTensor]) -> None:
-    """Frozen parameters: each rank's fragment (padded like a trainable partition) in its model file."""
-    shapes = ckpt.frozen_param_shapes
-    if not shapes:
-        return
-    for name, shape in shapes.items():
-        tensors[name] = SourceTensor(name, "", shape)
-    for rank in range(ckpt.world_size):
-        state = ckpt.model_state if rank == 0 else read_structure(ckpt.model_files[rank])
-        frags = state.get("frozen_param_fragments") or {} if isinstance(state, dict) else {}
-        for name, shape in shapes.items():
-            numel = math.prod(shape)
-            start, stop = rank_range(rank, partition_numel(numel, ckpt.world_size), numel)
-            ref = frags.get(name)
-            if not isinstance(ref, TensorRef) or ref.numel < stop - start:
-                raise CheckpointError(
-                    f"{ckpt.model_files[rank]}: frozen parameter {name!r} has no fragment of {stop - start} elements "
-                    "(frozen_param_fragments); the rank file is damaged or from another save")
-            t = tensors[name]
-            if t.dtype and t.dtype != ref.dtype:
-                raise CheckpointError(f"{ckpt.model_files[rank]}: frozen parameter {name!r} is {ref.dtype} here but "
-                                      f"{t.dtype} on rank 0; the rank files come from different saves")
-            t.dtype = ref.dtype
-            if stop > start:
-                t.pieces.append(Piece(ckpt.model_files[rank], _offset(ref), start, stop - start))
