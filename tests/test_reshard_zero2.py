@@ -447,9 +447,9 @@ def test_a_sealed_source_is_verified_from_the_bytes_the_copy_reads(sources, tmp_
     in_copy: list[tuple[int, int]] = []
     real_finish = stream.SourceDigests.finish
 
-    def finish(self: stream.SourceDigests) -> dict[Path, str]:
+    def finish(self: stream.SourceDigests, only: Any = None) -> dict[Path, str]:
         in_copy.append((self.hashed_in_copy(), sum(p.stat().st_size for p in tag.glob("*.pt"))))
-        return real_finish(self)
+        return real_finish(self, only)
 
     monkeypatch.setattr(stream.SourceDigests, "finish", finish)
     verified = reshard_zero3(src, tmp_path / "verified", world)
@@ -466,3 +466,54 @@ def test_a_sealed_source_is_verified_from_the_bytes_the_copy_reads(sources, tmp_
                        r"verification: its blake3 is [0-9a-f]{64}, its manifest says [0-9a-f]{64}.*Nothing was written"):
         reshard_zero3(src, tmp_path / "refused", world)
     assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_a_write_that_fails_for_want_of_space_is_named_without_hashing_the_rest_of_the_source(sources, tmp_path,
+                                                                                              monkeypatch):
+    """A full disk under a verified reshard is reported at once: the source is not read to its end to check
+    digests first (at 2 TB that was hours of hashing before "disk full"); only a failure the source's bytes
+    could explain (a write error naming no cause) still checks the source first and names a corrupted file."""
+    import errno
+    import os
+    import re
+    import shutil
+
+    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.core.errors import CheckpointError
+    from shardkit.storage import torch_zip
+    from shardkit.storage.manifest import seal
+    from tests._corrupt import flip_a_byte
+
+    src = tmp_path / "src"
+    shutil.copytree(sources[0] / "zero2_bf16", src)
+    tag = src / f"global_step{SAVE_STEPS}"
+    seal(tag, engine="deepspeed", world_size=2, zero_stage=2, dtype="bf16")
+    source_bytes = sum(p.stat().st_size for p in tag.glob("*optim_states.pt"))
+    read = [0]
+    real_preadv = os.preadv
+
+    def counted_preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        got = real_preadv(fd, buffers, offset, *flags)
+        read[0] += max(got, 0)
+        return got
+
+    monkeypatch.setattr(os, "preadv", counted_preadv)
+
+    def failing(error: OSError) -> Any:
+        def write(self: torch_zip.HashingWriter, data: bytes | memoryview) -> None:
+            raise error
+        return write
+
+    monkeypatch.setattr(torch_zip.HashingWriter, "write", failing(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(CheckpointError, match=r"disk full at .*No space left on device"):
+        reshard_zero3(src, tmp_path / "full", 3)
+    assert read[0] < source_bytes, (read[0], source_bytes)  # the old code read all of it (and hashed it) first
+    assert not (tmp_path / "full").exists() or not any((tmp_path / "full").iterdir())
+
+    # an I/O error naming nothing the source could not have caused: the source is checked first, its damage named
+    victim = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    flip_a_byte(victim)
+    monkeypatch.setattr(torch_zip.HashingWriter, "write", failing(OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))} fails verification"):
+        reshard_zero3(src, tmp_path / "eio", 3)

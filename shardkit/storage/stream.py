@@ -24,7 +24,7 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Sequence, TypeVar
 
 from shardkit.storage.atomic import disk_full_named, fsync_file
 from shardkit.storage.digest import Hasher, new_hasher
@@ -334,13 +334,15 @@ class SourceDigests:
             cursor.hasher.update(window[cursor.pos - offset:])
             cursor.pos = end
 
-    def finish(self) -> dict[Path, str]:
-        """Every file's digest, once the rest of each (what the copies did not hash in order) is read here."""
+    def finish(self, only: Collection[Path] | None = None) -> dict[Path, str]:
+        """Every file's digest (``only``: of those files alone, the others not read further), once the rest of
+        each (what the copies did not hash in order) is read here. The files are closed either way."""
         try:
-            for cursor in self._cursors.values():
+            wanted = [c for c in self._cursors.values() if only is None or c.path in only]
+            for cursor in wanted:
                 with cursor.lock:
                     cursor.read_to(None)
-            return {c.path: c.hasher.hexdigest() for c in self._cursors.values()}
+            return {c.path: c.hasher.hexdigest() for c in wanted}
         finally:
             for cursor in self._cursors.values():
                 cursor.close()

@@ -16,6 +16,7 @@ instead of a second read of every source file on threads of its own.
 
 from __future__ import annotations
 
+import errno
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from shardkit.checkpoint.writers.zero12 import OPTIM_FILE, FileJob, SameRun, Zer
 from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.atomic import is_disk_full
 from shardkit.storage.manifest import FileEntry
 from shardkit.storage.pipeline import check_source_digests
 from shardkit.storage.stream import SourceDigests, WrittenFile, main_source, write_interleaved, write_parallel
@@ -115,8 +117,8 @@ def write_hashing_sources(staged: Path, share: Sequence[Contents], sources: Sequ
     the copies read (module doc). The files whose bytes come mostly from one source file are one job
     (``write_interleaved``), at most ``workers`` jobs at once; a source digest that differs from its entry raises
     ``check_source_digests``'s CheckpointError naming the file, after the writes and before anything is published
-    (or instead of a failed write's own error: a corrupted source is the likelier cause). Returns the written
-    files' entries in ``share``'s order."""
+    (or instead of a failed write's own error, where a corrupted source could have caused it: ``_suspects``).
+    Returns the written files' entries in ``share``'s order."""
     built = {name: contents() for name, contents in share}
     groups: dict[str | None, list[str]] = {}
     for name, (_, records) in built.items():
@@ -126,10 +128,10 @@ def write_hashing_sources(staged: Path, share: Sequence[Contents], sources: Sequ
     def job(names: list[str]) -> Callable[[Path], list[WrittenFile]]:
         return lambda _first: write_interleaved([(staged / n, *built[n]) for n in names], on_read=digests.seen)
 
-    def check() -> None:
-        got = digests.finish()
+    def check(suspects: Sequence[tuple[Path, FileEntry]]) -> None:
+        got = digests.finish(only={path for path, _ in suspects})
         hashed: list[tuple[Path, FileEntry, Future[str]]] = []
-        for path, entry in sources:
+        for path, entry in suspects:
             done: Future[str] = Future()
             done.set_result(got[path])
             hashed.append((path, entry, done))
@@ -140,9 +142,35 @@ def write_hashing_sources(staged: Path, share: Sequence[Contents], sources: Sequ
     try:
         written = write_parallel([(staged / names[0], job(names)) for names in groups.values()],
                                  max(1, min(workers, len(groups))), outcome=outcome, thread_name="shardkit-reshard")
-    except Exception:
-        check()
+    except Exception as exc:
+        check(_suspects(exc, sources))
         raise
-    check()
+    except BaseException:  # Ctrl-C, SIGTERM: stop now, no source to blame
+        digests.finish(only=())
+        raise
+    check(sources)
     by_name = {n: w for names, files in zip(groups.values(), written) for n, w in zip(names, files)}
     return [FileEntry.of(name, by_name[name].size, by_name[name].algorithm, by_name[name].digest) for name, _ in share]
+
+
+#: A failed write with one of these errnos says nothing about the source's bytes: the disk or quota is full, the
+#: file too large for the filesystem, the destination (or a source) not writable or readable by this user.
+_NOT_DATA_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG, errno.EACCES,
+                              errno.EPERM, errno.EROFS})
+
+
+def _suspects(exc: BaseException, sources: Sequence[tuple[Path, FileEntry]]) -> list[tuple[Path, FileEntry]]:
+    """The source files whose digests could explain the failed write ``exc``, the only ones hashed to the end
+    before it is raised (a 2 TB source and a full disk: "disk full" at once, not after 2 TB of hashing): none for
+    an error no source content causes (``_NOT_DATA_ERRNOS``, a full disk ``disk_full_named`` reworded); the
+    source files the error names (a source truncated under the copy); every source when it names none."""
+    chain: list[BaseException] = []
+    at: BaseException | None = exc
+    while at is not None and at not in chain:
+        chain.append(at)
+        at = at.__cause__ or at.__context__
+    if any(is_disk_full(e) or (isinstance(e, OSError) and e.errno in _NOT_DATA_ERRNOS) for e in chain):
+        return []
+    said = " ".join(f"{e} {getattr(e, 'filename', '') or ''}" for e in chain)
+    named = [(path, entry) for path, entry in sources if str(path) in said]
+    return named or list(sources)
