@@ -7,10 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests._ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "launch" / "slurm_local_cluster.sh"
@@ -35,33 +35,6 @@ def run_grouped(argv: list[str], env: dict[str, str], timeout: float) -> subproc
         out, _ = proc.communicate()
         raise subprocess.TimeoutExpired(argv, timeout, output=out) from None
     return subprocess.CompletedProcess(argv, proc.returncode, out, "")
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out by itself (bind to port 0, a connect's source port)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(span: int = 1) -> int:
-    """A port p with p .. p + span - 1 free on every address, chosen below the kernel's ephemeral
-    range: a port from there (bind to port 0) is free only until a job binds it seconds later,
-    and meanwhile the other test worker's ranks take ephemeral ports by the hundred (a rendezvous
-    store that cannot bind its port joins whatever store listens there instead)."""
-    low = max(1024, min(_ephemeral_low(), 65536) - 12000)
-    high = min(_ephemeral_low(), 65536) - span
-    for _ in range(500):
-        port = random.randint(low, max(low, high))
-        with contextlib.ExitStack() as stack:
-            try:
-                for p in range(port, port + span):
-                    stack.enter_context(socket.socket()).bind(("", p))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no {span} consecutive free port(s) in {low}-{high}")
 
 
 @dataclass

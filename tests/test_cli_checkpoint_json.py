@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import _ranks_zero3 as R
+from tests._ports import job_port
 
 pytestmark = pytest.mark.slow
 
@@ -132,10 +133,11 @@ def test_two_processes_rank_0_reports_the_job_and_says_how_it_knows(source, tmp_
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
+    port = job_port()
     procs = [subprocess.Popen([sys.executable, "-m", "shardkit", "reshard", str(source), "--world-size", "3", "-o",
                                str(tmp_path / "ws3"), "--json"],
                               env={**env, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": "29731"},
+                                   "MASTER_PORT": port},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     try:
         (out0, err0), (out1, err1) = (p.communicate(timeout=300) for p in procs)

@@ -116,8 +116,10 @@ def test_launch_json_dry_run_in_a_real_process(tmp_path):
 def test_launch_json_moves_the_scripts_output_to_stderr(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('from the script', flush=True)\n")
+    # --standalone: a free port of torchrun's choosing, not its default 29500 (another test worker's job may hold it)
     r = subprocess.run([sys.executable, "-m", "shardkit", "launch", "--launcher", "torchrun", "--no-preflight",
-                        "--json", "--nproc_per_node", "1", str(script)], capture_output=True, text=True, timeout=300)
+                        "--json", "--standalone", "--nproc_per_node", "1", str(script)], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)  # the script's line did not land on stdout
     assert data["exit_code"] == 0 and data["ok"] is True

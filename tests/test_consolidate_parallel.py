@@ -20,6 +20,7 @@ from shardkit.checkpoint.ops.consolidate import consolidate_zero3
 from shardkit.storage.shared_save import launch_from_env
 from shardkit.storage.tags import STAGING_PREFIX
 from tests import test_reshard_parallel as reshard_tests
+from tests._ports import job_port
 from tests.test_reshard_parallel import (
     TIMEOUT_S,
     _cli,
@@ -67,8 +68,8 @@ def test_launched_processes_write_the_bytes_one_process_writes(sources, tmp_path
         src = scale_checkpoint(src, tmp_path / "src", 1).parent
     one = tmp_path / "one" / NAME
     consolidate_zero3(src, one, dtype=args[1] if args else "fp32", launch=launch_from_env({}), warn=lambda m: None)
-    out = tmp_path / "out"
-    results = _finish([_start(r, world, src, out, f"2962{world}", *args) for r in range(world)])
+    out, port = tmp_path / "out", job_port()
+    results = _finish([_start(r, world, src, out, port, *args) for r in range(world)])
     for rank, (code, stdout, err) in enumerate(results):
         assert code == 0, f"rank {rank}: {err}{stdout}"
     assert re.search(rf"wrote .*{NAME} by {world} processes \(torchrun\): 21 tensors", results[0][1]), results[0][1]
@@ -81,8 +82,9 @@ def test_launched_processes_write_the_bytes_one_process_writes(sources, tmp_path
 def test_a_process_killed_mid_copy_fails_the_run_naming_it(big, tmp_path):
     out = tmp_path / "out"
     fast = {"SHARDKIT_STALE_S": "3"}
-    r1 = _start(1, 2, big, out, "29631", **fast)
-    r0 = _start(0, 2, big, out, "29631", **fast)
+    port = job_port()
+    r1 = _start(1, 2, big, out, port, **fast)
+    r0 = _start(0, 2, big, out, port, **fast)
     try:
         staged = _wait_for(out, f"{STAGING_PREFIX}{NAME}")
         _wait_for(staged, ".shardkit-alive-1")
@@ -96,14 +98,14 @@ def test_a_process_killed_mid_copy_fails_the_run_naming_it(big, tmp_path):
 def test_a_process_that_never_joins_is_named_within_the_timeout(sources, tmp_path):
     out = tmp_path / "out"
     started = time.monotonic()
-    [(code, _, err)] = _finish([_start(0, 2, sources["fp32"], out, "29632", SHARDKIT_JOIN_TIMEOUT_S="3")])
+    [(code, _, err)] = _finish([_start(0, 2, sources["fp32"], out, job_port(), SHARDKIT_JOIN_TIMEOUT_S="3")])
     assert code == 1
     assert re.search(r"rank 1 of 2 never joined within 3 s \(torchrun job .*\): it did not start, or its node does not "
                      r"see .* \(-o must be on storage every node shares\)", err), err
     assert time.monotonic() - started < 60
     _nothing_published(out)
     # the other way round: rank 1 alone waits for a claim that never comes, and says so
-    [(code, _, err)] = _finish([_start(1, 2, sources["fp32"], out, "29633", SHARDKIT_JOIN_TIMEOUT_S="2")])
+    [(code, _, err)] = _finish([_start(1, 2, sources["fp32"], out, job_port(), SHARDKIT_JOIN_TIMEOUT_S="2")])
     assert code == 1 and "rank 0 did not claim the staging folder" in err and "it does not exist" in err, err
     _nothing_published(out)
 
@@ -116,8 +118,8 @@ def test_a_corrupted_source_share_is_never_published(sources, tmp_path):
     src = scale_checkpoint(sources["fp32"], tmp_path / "src", 2).parent
     victim = next((src / (src / "latest").read_text()).glob("*rank_1*optim_states.pt"))
     flip_a_byte(victim)
-    out = tmp_path / "out"
-    results = _finish([_start(r, 2, src, out, "29634") for r in range(2)])
+    out, port = tmp_path / "out", job_port()
+    results = _finish([_start(r, 2, src, out, port) for r in range(2)])
     # rank 1 hashes the odd share of the files: the victim is named by whichever process hashed it
     assert "its manifest says" in results[0][2] + results[1][2]
     assert results[0][0] == 1, results
@@ -138,10 +140,10 @@ def test_processes_running_different_shardkit_releases_are_refused_naming_both(s
         "import shardkit.platform.versions as v\nv.SHARDKIT_VERSION = '0.0.0+skew'\n")
     out = tmp_path / "out"
     target = ["-o", out / NAME] if command == "consolidate" else ["--world-size", "3", "-o", out]
-    procs = []
+    procs, port = [], job_port()
     for rank in range(2):
         extra = {"PYTHONPATH": os.pathsep.join(filter(None, [str(skew), os.environ.get("PYTHONPATH")]))} if rank else {}
-        env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29641", **extra)
+        env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
         procs.append(subprocess.Popen(_cli(command, sources["fp32"], *target), env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     (code0, _, err0), (code1, _, err1) = _finish(procs)

@@ -28,6 +28,7 @@ from tests import _ranks_ckpt as C
 from tests import _ranks_convert as N
 from tests import _ranks_convert_back as B
 from tests._corrupt import flip_a_byte
+from tests._ports import job_port
 
 pytestmark = pytest.mark.slow
 
@@ -439,11 +440,11 @@ def test_two_processes_under_torchrun_write_what_one_process_writes(runs, tmp_pa
     assert sorted(p.name for p in two.iterdir()) == ["latest", "step2"]
 
 
-def _start(rank: int, world: int, src: Path, out: Path, cfg: Path, prefix: str = "", **extra: str):
+def _start(rank: int, world: int, src: Path, out: Path, cfg: Path, port: str, prefix: str = "", **extra: str):
     import shlex
     import subprocess
 
-    env = _env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29641", **extra)
+    env = _env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
     return subprocess.Popen(["sh", "-c", prefix + shlex.join(_to_zero3_cli(src, out, cfg))], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -470,9 +471,9 @@ def test_a_failed_process_or_a_corrupted_source_share_fails_the_run_naming_it(ru
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(B.ds_config(3, OFFLOAD[3])))
-    out = tmp_path / "out"
-    r1 = _start(1, 2, runs["src"], out, cfg, prefix="ulimit -f 1; exec ")
-    r0 = _start(0, 2, runs["src"], out, cfg)
+    out, port = tmp_path / "out", job_port()
+    r1 = _start(1, 2, runs["src"], out, cfg, port, prefix="ulimit -f 1; exec ")
+    r0 = _start(0, 2, runs["src"], out, cfg, port)
     err0, err1 = _finish(r0, r1)
     assert r1.returncode == 1 and "File too large" in err1, err1
     assert r0.returncode == 1 and re.search(r"rank 1 of 2 \(host .*, pid \d+\) failed writing its share: .*File too "
@@ -485,7 +486,7 @@ def test_a_failed_process_or_a_corrupted_source_share_fails_the_run_naming_it(ru
     # process 1 hashes every second file of the manifest (.metadata aside: every process checks it first)
     victim = tag / sorted(e.path for e in read_manifest(tag).files if e.path != ".metadata")[1]
     flip_a_byte(victim)
-    r0, r1 = _start(0, 2, src, out, cfg), _start(1, 2, src, out, cfg)
+    r0, r1 = _start(0, 2, src, out, cfg, port), _start(1, 2, src, out, cfg, port)
     err0, err1 = _finish(r0, r1)
     assert r0.returncode == 1 and r1.returncode == 1, err0 + err1
     assert re.search(rf"{re.escape(str(victim))} fails verification: its (blake3|sha256) is [0-9a-f]{{64}}, its manifest says", err1), err1

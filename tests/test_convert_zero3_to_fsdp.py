@@ -28,6 +28,7 @@ from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
 from shardkit.core.errors import CheckpointError
 from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_convert as C
+from tests._ports import job_port
 
 pytestmark = pytest.mark.slow
 
@@ -524,9 +525,9 @@ def test_a_failed_or_missing_process_fails_the_run_naming_it(source, tmp_path):
     published either way."""
     import re
 
-    out = tmp_path / "out"
-    r1 = _start_rank(1, 2, source[0], out, "29631", prefix="ulimit -f 1; exec ")
-    r0 = _start_rank(0, 2, source[0], out, "29631")
+    out, port = tmp_path / "out", job_port()
+    r1 = _start_rank(1, 2, source[0], out, port, prefix="ulimit -f 1; exec ")
+    r0 = _start_rank(0, 2, source[0], out, port)
     try:
         _, err0 = r0.communicate(timeout=180)
         _, err1 = r1.communicate(timeout=180)
@@ -538,7 +539,7 @@ def test_a_failed_or_missing_process_fails_the_run_naming_it(source, tmp_path):
     assert r0.returncode == 1, err0
     assert re.search(r"rank 1 of 2 \(host .*, pid \d+\) failed writing its share: .*File too large", err0), err0
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
-    r0 = _start_rank(0, 2, source[0], out, "29632", SHARDKIT_JOIN_TIMEOUT_S="3")
+    r0 = _start_rank(0, 2, source[0], out, job_port(), SHARDKIT_JOIN_TIMEOUT_S="3")
     _, err = r0.communicate(timeout=180)
     assert r0.returncode == 1 and re.search(r"rank 1 of 2 never joined within 3 s", err), err
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == []

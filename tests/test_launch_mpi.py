@@ -42,6 +42,7 @@ from tests._launch_jobs import (
     nodes_hosts_file,
     run_launch,
 )
+from tests._ports import free_port
 from tests.test_slurm import cluster  # noqa: F401  (the module-scoped local Slurm cluster fixture)
 
 SENTINEL = "SKMPI_LAUNCH_SHELL_ONLY"
@@ -122,7 +123,7 @@ def _mpich_args(port: int) -> list[str]:
 
 @pytest.mark.slow
 def test_openmpi_on_two_nodes_a_clean_job_passes_the_preflight_on_every_rank(openmpi_nodes, tmp_path):
-    r = _launch(openmpi_nodes, tmp_path, _openmpi_args(tmp_path, 29591))
+    r = _launch(openmpi_nodes, tmp_path, _openmpi_args(tmp_path, free_port()))
     assert_passed_on_both_ranks(r, ("sknodeA", "sknodeB"))
     assert "cmd = mpirun -n 2 -hostfile hostfile" in r.stdout, r.stdout[-4000:]
     # the ranks did not inherit the launch's environment: the settings came packed, through mpirun's -x
@@ -131,20 +132,20 @@ def test_openmpi_on_two_nodes_a_clean_job_passes_the_preflight_on_every_rank(ope
 
 @pytest.mark.slow
 def test_openmpi_on_two_nodes_a_module_replaced_after_initialize_stops_every_rank_named(openmpi_nodes, tmp_path):
-    r = _launch(openmpi_nodes, tmp_path, _openmpi_args(tmp_path, 29592), "--replace-head")
+    r = _launch(openmpi_nodes, tmp_path, _openmpi_args(tmp_path, free_port()), "--replace-head")
     assert_stopped_on_both_ranks(r)
 
 
 @pytest.mark.slow
 def test_mpich_a_clean_job_passes_the_preflight_on_every_rank(mpich_host, tmp_path):
-    r = _launch(mpich_host, tmp_path, _mpich_args(29593))
+    r = _launch(mpich_host, tmp_path, _mpich_args(free_port()))
     assert_passed_on_both_ranks(r)
     assert "cmd = mpirun -n 2 -ppn 2" in r.stdout and "launcher_helper.py" in r.stdout, r.stdout[-4000:]
 
 
 @pytest.mark.slow
 def test_mpich_a_module_replaced_after_initialize_exits_3_although_deepspeeds_helper_exits_0(mpich_host, tmp_path):
-    r = _launch(mpich_host, tmp_path, _mpich_args(29594), "--replace-head")
+    r = _launch(mpich_host, tmp_path, _mpich_args(free_port()), "--replace-head")
     assert_stopped_on_both_ranks(r)
 
 
@@ -171,7 +172,7 @@ def _slurm_args(port: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
 def test_deepspeeds_slurm_runner_a_clean_job_passes_the_preflight_on_every_rank(slurm_host, tmp_path):
-    r = _launch(slurm_host, tmp_path, _slurm_args(29595))
+    r = _launch(slurm_host, tmp_path, _slurm_args(free_port()))
     assert_passed_on_both_ranks(r, (socket.gethostname(), socket.gethostname()))
     assert "cmd = srun -n 2 --mpi=pmix --export=ALL," in r.stdout, r.stdout[-4000:]
 
@@ -180,7 +181,7 @@ def test_deepspeeds_slurm_runner_a_clean_job_passes_the_preflight_on_every_rank(
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
 def test_deepspeeds_slurm_runner_a_module_replaced_after_initialize_stops_every_rank_named(slurm_host, tmp_path):
-    r = _launch(slurm_host, tmp_path, _slurm_args(29596), "--replace-head")
+    r = _launch(slurm_host, tmp_path, _slurm_args(free_port()), "--replace-head")
     assert_stopped_on_both_ranks(r)
 
 

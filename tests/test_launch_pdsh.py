@@ -34,6 +34,7 @@ from tests._launch_jobs import (
     nodes_hosts_file,
     run_launch,
 )
+from tests._ports import free_port
 
 
 @pytest.fixture
@@ -48,8 +49,8 @@ def nodes(tmp_path: Path) -> dict[str, str]:
     return {**env, "SKPDSH_HOSTS": str(nodes_hosts_file(tmp_path))}
 
 
-def _launch(env: dict[str, str], cwd: Path, *args: str, port: int = 29571) -> subprocess.CompletedProcess[str]:
-    return run_launch(env, cwd, "--master_addr", NODES["sknodeA"], "--master_port", str(port), *args)
+def _launch(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_launch(env, cwd, "--master_addr", NODES["sknodeA"], "--master_port", str(free_port()), *args)
 
 
 @pytest.mark.slow
@@ -61,13 +62,13 @@ def test_a_clean_zero3_job_passes_the_preflight_on_every_rank_of_both_nodes(node
 
 @pytest.mark.slow
 def test_a_module_replaced_after_initialize_stops_every_rank_of_both_nodes_named(nodes, tmp_path):
-    r = _launch(nodes, tmp_path, "train.py", "--replace-head", port=29572)
+    r = _launch(nodes, tmp_path, "train.py", "--replace-head")
     assert_stopped_on_both_ranks(r, "out_head")
 
 
 @pytest.mark.slow
 def test_a_runner_that_drops_the_packed_variable_is_named_with_the_ranks_that_never_ran_it(nodes, tmp_path):
-    r = _launch({**nodes, "SKPDSH_DROP": PACKED_ENV}, tmp_path, "train.py", port=29573)
+    r = _launch({**nodes, "SKPDSH_DROP": PACKED_ENV}, tmp_path, "train.py")
     assert r.returncode == 0, r.stdout[-4000:]  # the job itself ran: the status is the launcher's
     assert "rank 0 trained on sknodeA" in r.stdout and "rank 1 trained on sknodeB" in r.stdout
     # each rank says which variable did not arrive; the launch names the ranks, their hosts and why
@@ -83,10 +84,10 @@ def test_a_runner_that_drops_the_packed_variable_is_named_with_the_ranks_that_ne
 def test_no_ssh_one_launch_per_node_inherits_the_environment(nodes, tmp_path):
     """`--no_ssh --node_rank N`: the user starts one `shardkit launch` on each node (here: in each
     node's namespaces, from the same shell environment); each names its own node's rank."""
-    procs = []
+    procs, port = [], str(free_port())
     for node_rank, name in enumerate(NODES):
         argv = [sys.executable, "-m", "shardkit", "launch", "--launcher", "deepspeed", "--hostfile", "hostfile",
-                "--no_ssh", "--node_rank", str(node_rank), "--master_addr", NODES["sknodeA"], "--master_port", "29574",
+                "--no_ssh", "--node_rank", str(node_rank), "--master_addr", NODES["sknodeA"], "--master_port", port,
                 "train.py"]
         wrapped = ["unshare", "-u", "-m", "sh", "-c", 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"',
                    "sh", name, nodes["SKPDSH_HOSTS"], *argv]

@@ -23,6 +23,7 @@ from shardkit.storage.manifest import read_manifest
 from shardkit.storage.shared_save import launch_from_env
 from shardkit.storage.tags import STAGING_PREFIX
 from tests import _ranks_zero3 as R
+from tests._ports import job_port
 from tests._slow_writes import slow_fsync_cli
 
 pytestmark = pytest.mark.slow
@@ -97,8 +98,9 @@ def _wait_for(path_glob: Path, pattern: str, timeout: float = 60) -> Path:
 def test_a_rank_killed_mid_write_fails_the_run_naming_it(big, tmp_path):
     out = tmp_path / "out"
     fast = {"SHARDKIT_STALE_S": "3"}
-    r1 = _start_rank(1, 2, big, out, "29611", **fast)
-    r0 = _start_rank(0, 2, big, out, "29611", **fast)
+    port = job_port()
+    r1 = _start_rank(1, 2, big, out, port, **fast)
+    r0 = _start_rank(0, 2, big, out, port, **fast)
     try:
         _wait_for(out, f"{STAGING_PREFIX}*/.shardkit-verdict.json")  # both agreed: rank 1 writes its share now
     except BaseException:
@@ -131,14 +133,14 @@ def rank0_names_killed_rank1(r0: subprocess.Popen[str], r1: subprocess.Popen[str
 
 def test_a_rank_that_never_starts_is_named_within_the_timeout(sources, tmp_path):
     out = tmp_path / "out"
-    r0 = _start_rank(0, 2, sources["fp32"], out, "29612", SHARDKIT_JOIN_TIMEOUT_S="3")
+    r0 = _start_rank(0, 2, sources["fp32"], out, job_port(), SHARDKIT_JOIN_TIMEOUT_S="3")
     _, err = r0.communicate(timeout=TIMEOUT_S)
     assert r0.returncode == 1
     assert re.search(r"rank 1 of 2 never joined within 3 s \(torchrun job .*\): it did not start, or its node does not "
                      r"see .* \(-o must be on storage every node shares\)", err), err
     _nothing_published(out)
     # the other way round: rank 1 alone waits for a claim that never comes, and says so
-    r1 = _start_rank(1, 2, sources["fp32"], out, "29613", SHARDKIT_JOIN_TIMEOUT_S="2")
+    r1 = _start_rank(1, 2, sources["fp32"], out, job_port(), SHARDKIT_JOIN_TIMEOUT_S="2")
     _, err = r1.communicate(timeout=TIMEOUT_S)
     assert r1.returncode == 1 and "rank 0 did not claim the staging folder" in err and "it does not exist" in err, err
 

@@ -22,7 +22,7 @@ from shardkit.storage.request import RELEASE, RunRequest, differences, mismatch_
 from shardkit.storage.shared_meet import meet
 from shardkit.storage.shared_save import Launch
 from tests import test_reshard_parallel as reshard_tests
-from tests._slurm_jobs import free_port
+from tests._ports import free_port, job_port
 from tests.test_reshard_parallel import TIMEOUT_S, _cli, _env, _nothing_published
 
 sources = reshard_tests.sources
@@ -188,7 +188,7 @@ def test_reshard_processes_given_another_output_tag_or_option_all_fail(sources, 
         else:
             argv += ["-o", tmp_path / "out"] + ([flag, value] if flag == "--tag" else [value] if value else [])
         argvs.append(argv)
-    results = _run_ranks(argvs, "29651" if flag == "-o" else "29652" if flag == "--tag" else "29653")
+    results = _run_ranks(argvs, job_port())
     if shown is None:
         shown = (repr(str((tmp_path / "b").resolve())), repr(str((tmp_path / "a").resolve())))
     _all_fail_naming(results, flag, *shown)
@@ -200,10 +200,10 @@ def test_reshard_processes_given_another_output_tag_or_option_all_fail(sources, 
 def test_consolidate_processes_given_another_dtype_all_fail_then_a_matching_run_works(sources, tmp_path):
     out = tmp_path / "out" / "model.safetensors"
     base: list[object] = ["consolidate", sources["fp32"], "-o", out, "--workers", "1"]
-    results = _run_ranks([[*base, "--dtype", "bf16"], [*base, "--dtype", "fp16"]], "29654")
+    results = _run_ranks([[*base, "--dtype", "bf16"], [*base, "--dtype", "fp16"]], job_port())
     _all_fail_naming(results, "--dtype", "'fp16'", "'bf16'")
     _nothing_published(out.parent)
-    results = _run_ranks([[*base, "--dtype", "bf16"], [*base, "--dtype", "bf16"]], "29655")
+    results = _run_ranks([[*base, "--dtype", "bf16"], [*base, "--dtype", "bf16"]], job_port())
     assert [code for code, _ in results] == [0, 0], results
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.safetensors"]
 
@@ -212,7 +212,7 @@ def test_consolidate_processes_given_another_dtype_all_fail_then_a_matching_run_
 def test_convert_processes_given_another_option_all_fail(sources, tmp_path):
     out = tmp_path / "out"
     base: list[object] = ["convert", sources["fp32"], "--to", "fsdp2", "-o", out, "--workers", "1"]
-    results = _run_ranks([[*base, "--adam-w-mode", "on"], [*base, "--adam-w-mode", "off"]], "29656")
+    results = _run_ranks([[*base, "--adam-w-mode", "on"], [*base, "--adam-w-mode", "off"]], job_port())
     _all_fail_naming(results, "--adam-w-mode", "'off'", "'on'")
     assert not out.exists()
 
