@@ -38,9 +38,9 @@ def test_note_records_what_is_below_the_launcher_with_its_start_time():
                                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
     try:
         proc = psutil.Process(parent.pid)
-        for _ in range(100):
-            if proc.children():
-                break
+        # until the parent has started its child: an interpreter's start-up, seconds on a loaded CI box
+        deadline = time.monotonic() + 60
+        while not proc.children() and time.monotonic() < deadline:
             time.sleep(0.05)
         (child,) = proc.children()
         stop = LaunchStop()
