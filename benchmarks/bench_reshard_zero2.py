@@ -86,8 +86,9 @@ def small_save(out: Path) -> Path:
 def scale_zero2(src_tag: Path, dst: Path, factor: int, world: int) -> Path:
     """``src_tag`` (a ZeRO-1/2 tag folder) with every parameter ``factor`` times larger, laid out for
     ``world`` ranks, written as ``dst/<tag>`` + ``dst/latest`` and sealed with a manifest."""
+    from shardkit.checkpoint.readers.zero12 import open_zero12_checkpoint
     from shardkit.checkpoint.writers.zero12 import ALIGNMENT_FACTOR, FRAGMENT_ADDRESS
-    from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, open_zero12_checkpoint
+    from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY
     from shardkit.storage.manifest import seal
     from shardkit.storage.torch_load import TensorRef, TorchSize, deepspeed_stub
     from shardkit.storage.torch_pickle import NewTensor, pickle_structure

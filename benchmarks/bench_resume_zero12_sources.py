@@ -13,7 +13,7 @@ file's ``param_slice_mappings`` lists only the parameters in its partition, as D
 Per N, in this process, warm page cache, median of ``--repeat`` runs:
 
 - ``read_zero12``: the reader's whole description (every file parsed; what each resuming rank did before);
-- ``open``: ``zero12.reader.open_zero12_checkpoint``, the part of the first row that parses
+- ``open``: ``readers.zero12.open_zero12_checkpoint``, the part of the first row that parses
   and cross-checks every file;
 - ``pieces``: the rest of the first row, with the files parsed once beforehand: each parameter's pieces,
   built from the source ranks its range overlaps (it was every rank, params x N, before 2026-11-27);
@@ -92,8 +92,7 @@ def _pieces_only(tag: Path, repeat: int) -> float:
 
 
 def reader_rows(sources: dict[int, Path], repeat: int) -> list[dict[str, Any]]:
-    from shardkit.checkpoint.readers.zero12 import read_zero12
-    from shardkit.checkpoint.zero12.reader import open_zero12_checkpoint
+    from shardkit.checkpoint.readers.zero12 import open_zero12_checkpoint, read_zero12
     from shardkit.storage.torch_load import read_structure
 
     rows = []

@@ -33,7 +33,7 @@ def resume_counting(tag: str, verify: bool) -> dict[str, Any]:
     """Rank target: ``load_zero3_checkpoint`` on a fresh ZeRO-2 engine, with the files the reader parsed."""
     import torch.distributed as dist
 
-    import shardkit.checkpoint.zero12.reader as zero12_reader
+    import shardkit.checkpoint.readers.zero12 as zero12_reader
     from benchmarks.bench_reshard_zero2 import _config
     from shardkit import load_zero3_checkpoint
     from shardkit.engines.deepspeed import initialize

@@ -49,7 +49,7 @@ from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, plan_layout
 from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
-from shardkit.checkpoint.zero12.reader import is_zero12_folder
+from shardkit.checkpoint.zero12.files import is_zero12_folder
 from shardkit.config.loading import config_digest
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError

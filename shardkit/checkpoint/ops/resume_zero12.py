@@ -48,7 +48,7 @@ from shardkit.checkpoint.writers.zero3 import read_slice
 from shardkit.checkpoint.writers.zero12 import OPTIM_FILE as OPTIM_FILE_NAME
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_tag_dir
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, client_state_keys
-from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, is_zero12_folder
+from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY, is_zero12_folder
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.replace import replace_optimizer_state, summarize_moves
 from shardkit.storage.manifest import MANIFEST_NAME

@@ -1,16 +1,22 @@
 """The ZeRO-1/2 reader: a DeepSpeed ZeRO-1 or ZeRO-2 tag folder as the checkpoint model, torch-free.
 
-The rank files are parsed with ``read_structure`` (no ``torch.load``, no tensor data read except
-the steps' few bytes). Scalars follow ``readers.deepspeed_scalars``. The layout (``zero12.reader``'s module doc, and DeepSpeed's
-``zero_to_fp32._zero2_merge_trainable_params``): per param group, a flat buffer holds the
-parameters of ``param_shapes[g]`` in order, each followed by its ``param_alignment_paddings[g]``
-entry, then tail padding; it is cut into ``world_size`` partitions of P elements. Rank r holds
-buffer elements ``[r * P, r * P + P)``:
+``open_zero12_checkpoint`` lists the rank files (names in ``zero12.files``), parses their pickles with
+``read_structure`` (no ``torch.load``, no tensor data read except the steps' few bytes) and refuses what it
+would read wrongly; ``read_zero12`` describes what they hold. Scalars follow ``readers.deepspeed_scalars``.
+
+What DeepSpeed 0.19 writes (``runtime/zero/stage_1_and_2.py``, ``state_dict``; read as DeepSpeed's
+``zero_to_fp32._zero2_merge_trainable_params`` does): per param group, a flat buffer holds the parameters
+of ``param_shapes[g]`` in order (``round_robin_gradients`` off), each followed by its
+``param_alignment_paddings[g]`` entry, then zero padding up to a multiple of ``2 * world_size``
+(``nccl_start_alignment_factor``); it is cut into ``world_size`` partitions of P elements
+(``get_data_parallel_partitions``). Rank r holds buffer elements ``[r * P, r * P + P)``, under
+``optimizer_state_dict``:
 
 - ``single_partition_of_fp32_groups[g]``: its fp32 masters *without* the tail padding
   (``_get_groups_without_padding``: ``P - group_paddings[g]`` elements);
 - ``base_optimizer_state["state"][param id of group g]``: torch's per-element states (``exp_avg``,
-  ``exp_avg_sq``) of the whole partition, padding included (P elements).
+  ``exp_avg_sq``) of the whole partition, padding included (P elements);
+- ``partition_count``, ``param_slice_mappings`` and the scalars (``loss_scaler``, ``clip_grad``...).
 
 So a parameter at buffer offset o with n elements is, on rank r, elements ``[max(o, rP), min(o+n,
 rP+P))`` at ``(that - rP)`` of either tensor. Frozen parameters (ZeRO-2 only: DeepSpeed records them
@@ -29,6 +35,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,18 +45,17 @@ from typing import TYPE_CHECKING, Any
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import agreed_steps, loss_scaler, per_parameter_steps, run_scalars
-from shardkit.checkpoint.zero12.reader import (
-    MODEL_FILE,
-    OPTIMIZER_KEY,
-    open_zero12_checkpoint,
-    tensor_from_ref,
-    training_precision,
-)
+from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIM_FILE, OPTIMIZER_KEY, tensor_from_ref
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import TensorRef
+from shardkit.storage.torch_load import TensorRef, read_structure
 
 if TYPE_CHECKING:
     import torch
+
+#: ZeRO-3's per-rank model-states files: beside ZeRO-1/2 files they mean two saves in one folder.
+_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
+#: DeepSpeed MoE expert files: expert-parallel weights outside the data-parallel rank files.
+_MOE_MARKERS = ("expp_rank_", "_expert_")
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,122 @@ def zero12_layout(ckpt: TrainingCheckpoint) -> Zero12Layout:
     return layout
 
 
+@dataclass
+class OpenedZero12:
+    """One ZeRO-1/2 tag folder, its rank files listed and checked, their pickles parsed without torch
+    (``read_structure``: every tensor a ``TensorRef``, its bytes never read)."""
+
+    tag_dir: Path
+    stage: int
+    world_size: int
+    """Data-parallel ranks that wrote it (one optimizer file each)."""
+    prefix: str
+    """``bf16_`` when DeepSpeed named the optimizer files for bf16, else empty."""
+    optim_files: list[Path]
+    optim_states: list[dict[str, Any]]
+    """The whole optimizer file (``optimizer_state_dict``, ``ds_config``, ``ds_version``) of each of ``parsed_ranks``."""
+    model_state: dict[str, Any]
+    """The model-states file (module weights as ``TensorRef``s, ``param_shapes``, ``dp_world_size``...)."""
+    ds_config: dict[str, Any]
+    precision: str
+    """'bf16', 'fp16' or 'fp32': what ``ds_config`` trained in."""
+    parsed_ranks: list[int]
+    """The ranks whose optimizer files were parsed (``optim_states``, in this order): every rank unless the opener
+    was given ``ranks``."""
+
+
+def training_precision(config: dict[str, Any]) -> str:
+    """'bf16', 'fp16' or 'fp32': the precision the DeepSpeed config ``config`` trained in."""
+    for key in ("bf16", "fp16"):
+        section = config.get(key)
+        if isinstance(section, dict) and section.get("enabled"):
+            return key
+    return "fp32"
+
+
+def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None) -> OpenedZero12:
+    """Open ``tag_dir`` (a ZeRO-1/2 tag folder); raises CheckpointError naming the file for a missing rank,
+    a stage other than 1/2, ranks that disagree, or a layout the repartition cannot move
+    (``round_robin_gradients``, an elastic optimizer state). The pickles only are parsed (``read_structure``,
+    no torch), for ``read_zero12`` (and the benchmarks that time it). ``ranks``: parse only rank 0's and
+    these ranks' optimizer files (a resuming rank's share; every file is still listed, none other opened)."""
+    found: dict[int, Path] = {}
+    prefixes, other = set(), []
+    for name in os.listdir(tag_dir):  # names, not Paths: a resuming rank lists thousands of files and opens 3
+        m = OPTIM_FILE.match(name)
+        if m:
+            found[int(m.group(2))] = tag_dir / name
+            prefixes.add(m.group(1) or "")
+        elif _ZERO3_MODEL_FILE.match(name) or any(k in name for k in _MOE_MARKERS):
+            other.append(name)
+    if other:
+        raise CheckpointError(
+            f"{tag_dir}: holds {', '.join(sorted(other)[:3])} beside the ZeRO-1/2 files: ZeRO-3 rank files (two saves "
+            "of different stages mixed in one folder) or DeepSpeed MoE expert files (weights the data-parallel rank "
+            "files do not hold). Nothing was read; pass a folder one ZeRO-1/2 save wrote")
+    world = len(found)
+    if world == 0 or sorted(found) != list(range(world)) or len(prefixes) != 1:
+        # the missing ranks named, not every rank found (a folder may hold thousands)
+        gaps = sorted(set(range(max(found, default=0) + 1)) - set(found))
+        what = f"rank(s) {gaps[:5]} missing" if gaps else "every rank present"
+        raise CheckpointError(
+            f"{tag_dir}: {len(found)} optimizer file(s), {what} (prefixes {sorted(prefixes)}), "
+            "expected ranks 0..N-1 with one naming: a rank's file is missing or two saves were mixed in one folder. "
+            "Re-copy the tag folder")
+    optim_files = [found[r] for r in range(world)]
+    parsed = list(range(world)) if ranks is None else sorted({0, *ranks})
+    if parsed[-1] >= world or parsed[0] < 0:
+        raise CheckpointError(f"{tag_dir}: rank files {parsed} asked for, but the folder holds ranks 0..{world - 1}")
+    states = [read_structure(optim_files[r]) for r in parsed]
+    model_state = read_structure(tag_dir / MODEL_FILE)
+    config = dict(model_state.get("ds_config") or {})
+    ckpt = OpenedZero12(tag_dir=tag_dir, stage=0, world_size=world, prefix=prefixes.pop(), optim_files=optim_files,
+                        optim_states=states, model_state=model_state, ds_config=config,
+                        precision=training_precision(config), parsed_ranks=parsed)
+    ckpt.stage = _check_ranks(ckpt)
+    return ckpt
+
+
+def _check_ranks(ckpt: OpenedZero12) -> int:
+    stages: set[object] = set()
+    files = [ckpt.optim_files[r] for r in ckpt.parsed_ranks]
+    for path, state in zip(files, ckpt.optim_states):
+        sd = state.get(OPTIMIZER_KEY) if isinstance(state, dict) else None
+        if not isinstance(sd, dict) or not isinstance(sd.get("single_partition_of_fp32_groups"), list):
+            raise CheckpointError(f"{path}: no optimizer_state_dict.single_partition_of_fp32_groups: not a ZeRO-1/2 "
+                                  "optimizer file (a ZeRO-3 or a damaged file?). Pass the tag folder DeepSpeed saved")
+        if "zero_stage" not in sd:
+            raise CheckpointError(
+                f"{path}: no optimizer_state_dict.zero_stage: a BF16_Optimizer save (ZeRO-1 with bf16 and no offload), "
+                "whose flat groups are laid out without the records this reader uses. Convert it with DeepSpeed's "
+                "ds_to_universal, or save with ZeRO-2")
+        stages.add(getattr(sd["zero_stage"], "value", sd["zero_stage"]))
+        counts = sd.get("partition_count")
+        if list(counts or []) != [ckpt.world_size] * len(sd["single_partition_of_fp32_groups"]):
+            raise CheckpointError(f"{path}: partition_count is {counts}, but the folder holds {ckpt.world_size} rank "
+                                  "files: ranks of different saves were mixed, or a rank file is missing")
+        if not isinstance(sd.get("base_optimizer_state"), dict):
+            raise CheckpointError(
+                f"{path}: base_optimizer_state is a per-group list (an elastic_checkpoint save), which the repartition "
+                "does not move. Convert it with DeepSpeed's ds_to_universal and resume with checkpoint.load_universal")
+    only = next(iter(stages)) if len(stages) == 1 else None
+    if not isinstance(only, int) or only not in (1, 2):
+        # name the files that differ from rank 0's (a few: the folder may hold thousands)
+        seen = [getattr(s[OPTIMIZER_KEY]["zero_stage"], "value", s[OPTIMIZER_KEY]["zero_stage"]) for s in ckpt.optim_states]
+        odd = [f"{p.name} records {v}" for p, v in zip(files, seen) if v != seen[0]][:3]
+        mixed = (f" ({', '.join(odd)}, {ckpt.optim_files[0].name} {seen[0]}): files of saves of different stages are "
+                 "mixed in one folder; copy the tag folder again from one save") if odd else ""
+        raise CheckpointError(f"{ckpt.tag_dir}: zero_stage is {sorted(map(str, stages))} across the rank files, expected "
+                              f"one of 1 or 2 for this reader{mixed}")
+    zero = ckpt.ds_config.get("zero_optimization") or {}
+    if zero.get("round_robin_gradients"):
+        raise CheckpointError(
+            f"{ckpt.tag_dir}: saved with zero_optimization.round_robin_gradients: true, whose parameter order inside "
+            "the flat groups depends on the world size; shardkit does not move that order. Convert it with DeepSpeed's "
+            "ds_to_universal and resume with checkpoint.load_universal")
+    return only
+
+
 def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None) -> TrainingCheckpoint:
     """Describe the ZeRO-1/2 tag folder ``tag_dir`` (already verified by the caller): weights, Adam
     moments per trainable parameter, scalars. Raises CheckpointError, naming the file and the key, for
@@ -102,8 +225,8 @@ def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None) -> Training
     then have pieces in those files only: ``covered()`` is False for one that reaches into another (writers
     refuse it), and ``zero12_layout(ckpt).ranks_holding`` says which ranks a range needs. Each file parsed is
     checked against rank 0's (stage, partition_count, partition size, Adam step); the others are only listed."""
-    # the files found and checked by the one ZeRO-1/2 opener reshard uses too (rank files, stage, mixed saves,
-    # round_robin_gradients, elastic and BF16_Optimizer saves), parsed without torch
+    # the files found and checked (rank files, stage, mixed saves, round_robin_gradients, elastic and
+    # BF16_Optimizer saves), parsed without torch
     opened = open_zero12_checkpoint(tag_dir, ranks)
     optims, model, stage = opened.optim_states, opened.model_state, opened.stage
     optim_files = [opened.optim_files[r] for r in opened.parsed_ranks]
@@ -111,7 +234,7 @@ def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None) -> Training
     if not isinstance(model, dict) or "param_shapes" not in model:
         raise CheckpointError(f"{model_path}: no param_shapes: not a DeepSpeed ZeRO-1/2 model-states file. Pass the tag "
                               "folder a ZeRO-1/2 engine.save_checkpoint wrote")
-    config = _dict(model.get("ds_config"))
+    config = opened.ds_config
     world, every = opened.world_size, len(opened.parsed_ranks) == opened.world_size
     parsed = {r: _Rank(p, o[OPTIMIZER_KEY]["single_partition_of_fp32_groups"], _group_states(p, o[OPTIMIZER_KEY]),
                        [int(x) for x in o[OPTIMIZER_KEY].get("group_paddings") or []])
@@ -154,7 +277,7 @@ def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None) -> Training
             optimizer[name] = {key: _tensor(name, dtype, shape, at, partition, world, refs,
                                             f"base_optimizer_state.state[{g}].{key}", via_torch)
                                for key, (dtype, refs) in state_refs.items()}
-    precision = training_precision(config)
+    precision = opened.precision
     aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
     scalars = _scalars(model, config, stage, precision, rank0, files, shapes)
     # the source's own dicts, for a writer of this format that keeps them key for key (the reshard: writers.zero12

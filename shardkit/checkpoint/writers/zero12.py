@@ -47,7 +47,7 @@ from shardkit.checkpoint.writers.zero3 import (
     read_slice,
     tensor_segments,
 )
-from shardkit.checkpoint.zero12.reader import MODEL_FILE, OPTIMIZER_KEY, tensor_from_ref
+from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY, tensor_from_ref
 from shardkit.core import progress
 from shardkit.core.errors import UsageError
 from shardkit.platform.versions import package_version

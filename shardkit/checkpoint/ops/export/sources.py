@@ -25,7 +25,7 @@ from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME
 from shardkit.checkpoint.readers.fsdp1 import MODEL_FILE as FSDP_FULL_MODEL
 from shardkit.checkpoint.readers.universal import universal_tag_dir
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_tag_dir
-from shardkit.checkpoint.zero12.reader import is_zero12_folder
+from shardkit.checkpoint.zero12.files import is_zero12_folder
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, latest_tag
 

@@ -1,0 +1,43 @@
+"""Where a DeepSpeed ZeRO-1/2 checkpoint's files are: the names DeepSpeed gives them, whether a folder holds
+that layout (``is_zero12_folder``), and a rank file's tensor read through torch where byte ranges cannot
+describe it (``tensor_from_ref``). What the files hold is described, and checked, by ``readers.zero12``;
+``writers.zero12`` writes them at any world size.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardkit.core.errors import CheckpointError
+from shardkit.storage.torch_load import TensorRef
+
+if TYPE_CHECKING:
+    import torch
+
+#: One data-parallel rank's optimizer file; groups: the bf16 prefix and the rank.
+OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+MODEL_FILE = "mp_rank_00_model_states.pt"
+"""The one model-states file: the full 16-bit module, ``param_shapes``, frozen fragments, the DeepSpeed config."""
+OPTIMIZER_KEY = "optimizer_state_dict"
+
+
+def is_zero12_folder(tag_dir: Path) -> bool:
+    """True when ``tag_dir`` holds a ZeRO-1/2 layout: rank optimizer files and one ``mp_rank_00`` model file."""
+    return (tag_dir / MODEL_FILE).is_file() and any(OPTIM_FILE.match(p.name) for p in tag_dir.iterdir())
+
+
+def tensor_from_ref(ref: TensorRef) -> "torch.Tensor":
+    """The tensor ``ref`` describes, read with torch from its file: its storage record, then the view (any
+    stride or offset). For what byte ranges cannot express: a strided view some tool saved, a cast."""
+    import torch  # lazy: only a source the byte ranges cannot describe pays for torch
+
+    if ref.path is None:
+        raise CheckpointError(f"{ref!r} was not read from a file: its bytes are unknown")
+    with open(ref.path, "rb") as fh:
+        fh.seek(ref.record_offset)
+        raw = bytearray(fh.read(ref.record_nbytes))
+    dtype = getattr(torch, ref.dtype)
+    storage = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+    return storage.as_strided(ref.shape, ref.stride, ref.storage_offset)
