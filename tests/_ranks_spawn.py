@@ -32,8 +32,10 @@ def leaves_a_child(pid_file: str) -> None:
     import sys
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-    with open(pid_file, "w") as fh:
+    # written whole, then renamed: the timeout's kill may land between the file's creation and its write
+    with open(pid_file + ".tmp", "w") as fh:
         fh.write(str(child.pid))
+    os.replace(pid_file + ".tmp", pid_file)
     time.sleep(3600)
 
 

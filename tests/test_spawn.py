@@ -43,6 +43,7 @@ def test_the_timeout_also_kills_what_a_rank_started(tmp_path):
     pid_file = tmp_path / "child.pid"
     # long enough for a loaded CI machine to start the rank (it sleeps an hour, so the timeout fires)
     run_ranks(targets.leaves_a_child, 1, args=(str(pid_file),), timeout=20, backend="gloo", raise_on_error=False)
+    assert pid_file.exists(), "the rank did not start its child within the 20 s timeout (a very slow machine?)"
     child = int(pid_file.read_text())
     for _ in range(50):
         try:
