@@ -210,7 +210,7 @@ def test_rank_0_reports_its_failure_from_the_verdict_before_the_other_ranks_can_
         "shardkit autopreflight: rank 0: stopping (exit 3); see the table above. Fix it, or skip it." in said_before_raise[0]
 
 
-def _wait_for_failure(reports: RankReports, timeout: float = 10.0) -> dict[int, str]:
+def _wait_for_failure(reports: RankReports, timeout: float = 60.0) -> dict[int, str]:
     import time
 
     deadline = time.monotonic() + timeout
