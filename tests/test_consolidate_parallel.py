@@ -97,15 +97,17 @@ def test_a_process_killed_mid_copy_fails_the_run_naming_it(big, tmp_path):
 
 def test_a_process_that_never_joins_is_named_within_the_timeout(sources, tmp_path):
     out = tmp_path / "out"
+    # built on first use (a 2-rank ZeRO-3 run, 40 s on a loaded 2-core box): before the clock starts
+    src = sources["fp32"]
     started = time.monotonic()
-    [(code, _, err)] = _finish([_start(0, 2, sources["fp32"], out, job_port(), SHARDKIT_JOIN_TIMEOUT_S="3")])
+    [(code, _, err)] = _finish([_start(0, 2, src, out, job_port(), SHARDKIT_JOIN_TIMEOUT_S="3")])
     assert code == 1
     assert re.search(r"rank 1 of 2 never joined within 3 s \(torchrun job .*\): it did not start, or its node does not "
                      r"see .* \(-o must be on storage every node shares\)", err), err
     assert time.monotonic() - started < 60
     _nothing_published(out)
     # the other way round: rank 1 alone waits for a claim that never comes, and says so
-    [(code, _, err)] = _finish([_start(1, 2, sources["fp32"], out, job_port(), SHARDKIT_JOIN_TIMEOUT_S="2")])
+    [(code, _, err)] = _finish([_start(1, 2, src, out, job_port(), SHARDKIT_JOIN_TIMEOUT_S="2")])
     assert code == 1 and "rank 0 did not claim the staging folder" in err and "it does not exist" in err, err
     _nothing_published(out)
 
