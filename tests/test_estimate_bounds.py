@@ -5,6 +5,8 @@ minutes; --params 1e30 ended in an OverflowError)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import time
 
@@ -18,6 +20,23 @@ from shardkit.estimate.bounds import MODEL_KEYS
 SMALL = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
          "vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}
 CASE_SECONDS = 20  # each case, measured on a loaded 2-core machine; a hang or a per-layer build would be minutes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imports_paid_before_any_clock(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A worker's first case would pay for importing torch and transformers (15 s of CASE_SECONDS on a
+    loaded 2-core box): one untimed run of the --model, --fit and --params paths first."""
+    path = tmp_path_factory.mktemp("warm") / "config.json"
+    path.write_text(json.dumps(SMALL))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        for argv in (["config", "zero3", "--fit", "80GiB,512GiB", "--model", str(path), "--world-size", "8",
+                      "--no-accelerator"],
+                     ["estimate", "--engine", "zero3", "--model", str(path), "--world-size", "8", "--json"],
+                     ["estimate", "--engine", "zero3", "--params", "7B", "--world-size", "8"]):
+            try:
+                main(argv)
+            except SystemExit:
+                pass
 
 
 def _run(capsys, argv: list[str]) -> tuple[int, str, str, float]:
