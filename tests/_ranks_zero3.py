@@ -357,3 +357,14 @@ def load_refused(ckpt: str, dtype: str) -> str:
     except CheckpointError as exc:
         return f"CheckpointError: {exc}"
     return "loaded"
+
+
+def load_listing(ckpt: str, tag_dir: str) -> dict[str, Any]:
+    """``load_zero3_checkpoint`` of ``ckpt`` (fp32, no manifest check) with the listings of ``tag_dir`` counted."""
+    from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+    from tests._listings import listings_of
+
+    engine = _build("fp32", False)
+    with listings_of(tag_dir) as listed:
+        load_zero3_checkpoint(engine, ckpt, verify=False, preflight=False)
+    return {"listed": listed, "global_steps": engine.global_steps}

@@ -132,3 +132,32 @@ def test_a_missing_rank_file_is_named_on_every_rank(source, tmp_path):
     for result in got:
         assert result["error"] is not None and "rank(s) [5] missing" in result["error"], result["error"]
         assert result["global_steps"] == 0
+
+
+def resume_listing(tag: str) -> dict[str, Any]:
+    """Rank target: ``load_zero3_checkpoint`` (no manifest check: the reader's own listings) with every listing of
+    the tag folder counted (``tests._listings``)."""
+    import torch.distributed as dist
+
+    from benchmarks.bench_reshard_zero2 import _config
+    from shardkit import load_zero3_checkpoint
+    from shardkit.engines.deepspeed import initialize
+    from shardkit.engines.model_factory import tiny_llama
+    from tests._listings import listings_of
+
+    engine = initialize(tiny_llama("tiny", seed=0), _config(dist.get_world_size()))
+    with listings_of(tag) as listed:
+        load_zero3_checkpoint(engine, tag, verify=False, preflight=False)
+    return {"listed": listed, "global_steps": engine.global_steps}
+
+
+def test_a_resuming_rank_lists_the_tag_folder_once(source):
+    """At 1,024 ranks on a shared filesystem each listing of a folder of 2,048 files is a metadata storm: a rank
+    lists the tag folder once and hands the names on (finding the tag, the stage, the links, the rank files);
+    it listed it 5 times (resolve_tag_dir, is_zero12_folder, links_leaving, each of the reader's two reads)."""
+    from shardkit.run.spawn.process import run_ranks
+
+    got = [r.value for r in run_ranks(resume_listing, NEW_WORLD, args=(str(source),), timeout=420, device="cpu")]
+    for rank, result in enumerate(got):
+        assert result["global_steps"] == 1
+        assert len(result["listed"]) == 1, (rank, result["listed"])

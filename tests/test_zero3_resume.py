@@ -343,3 +343,17 @@ def test_a_load_never_reads_through_a_link_leading_out_of_the_tag_folder(kernel_
             assert re.search(r"refusing to load .*linked/step2: .*bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt: a "
                              r"symlink to '.*outside\.pt', which leads outside the checkpoint folder .*; shardkit never "
                              r"reads or writes through it\. Fix: replace the link", msg), (how, msg)
+
+
+def test_a_resuming_rank_lists_the_tag_folder_once(tmp_path_factory):
+    """Each listing of a tag folder is a metadata storm at 1,024 ranks on a shared filesystem: a rank resuming a
+    ZeRO-3 checkpoint lists it once and hands the names on (it listed it 3 times: the ZeRO-1/2 check, the reader's
+    rank files, the links leaving it; and stat'ed each rank file by name)."""
+    from shardkit.run.spawn.process import run_ranks
+
+    source = R.build_sources(tmp_path_factory.getbasetemp() / "zero3")["fp32"]
+    tag_dir = source / (source / "latest").read_text().strip()
+    got = [r.value for r in run_ranks(R.load_listing, 2, args=(str(source), str(tag_dir)), timeout=300, device="cpu")]
+    for rank, result in enumerate(got):
+        assert result["global_steps"] > 0
+        assert len(result["listed"]) == 1, (rank, result["listed"])

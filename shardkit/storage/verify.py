@@ -8,16 +8,18 @@ from deep inside ``torch.load``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from shardkit.core.errors import CheckpointError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.platform.dist import all_gather_object, rank_world
 from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.listing import FolderListing
 from shardkit.storage.manifest import (
     ENGINES,
     MANIFEST_NAME,
@@ -153,7 +155,7 @@ def resolve_checkpoint(path: str | os.PathLike[str], report: CheckpointReport) -
     return None
 
 
-def links_leaving(tag_dir: Path) -> list[tuple[str, str]]:
+def links_leaving(tag_dir: Path, listing: FolderListing | None = None) -> list[tuple[str, str]]:
     """Every symlink under ``tag_dir`` (to a file or a folder, listed in the manifest or not) whose
     target resolves outside it, as ``(relative path, where it leads)``, sorted.
 
@@ -161,10 +163,15 @@ def links_leaving(tag_dir: Path) -> list[tuple[str, str]]:
     ``load_checkpoint``, a converter reading a file by its rank name) opens what is there, and a
     rank file swapped for ``zero_pp_rank_0_... -> /home/other/run/...`` would be read, hashed or, by
     a later save into the same folder, written through. Folders that are links are not descended
-    (``os.walk`` never follows them), so a loop of links cannot hang it."""
+    (``os.walk`` never follows them), so a loop of links cannot hang it. ``listing``: of ``tag_dir``, already
+    taken: its links are checked and its folders walked without listing ``tag_dir`` again."""
     inside = tag_dir.resolve()
     out = []
-    for dirpath, dirnames, filenames in os.walk(tag_dir):
+    walks: Iterable[tuple[str, list[str], list[str]]] = os.walk(tag_dir)
+    if listing is not None and listing.describes(tag_dir):
+        walks = itertools.chain([(str(tag_dir), [], list(listing.links))],
+                                *(os.walk(tag_dir / sub) for sub in listing.folders))
+    for dirpath, dirnames, filenames in walks:
         for name in (*dirnames, *filenames):
             entry = Path(dirpath, name)
             if not entry.is_symlink():
@@ -189,12 +196,12 @@ LINK_OUTSIDE_FIX = ("replace the link with a copy of the file it points to (cp -
                     "that file really belongs to this checkpoint, or resume from another tag")
 
 
-def refuse_links_leaving(tag_dir: str | os.PathLike[str], doing: str) -> None:
+def refuse_links_leaving(tag_dir: str | os.PathLike[str], doing: str, listing: FolderListing | None = None) -> None:
     """Raise one CheckpointError naming the first symlink in ``tag_dir`` that leads outside it (and
     how many more there are). For readers of a folder without a manifest, which ``verify_checkpoint``
-    never sees: ``doing`` says what was about to happen ('convert', 'read')."""
+    never sees: ``doing`` says what was about to happen ('convert', 'read'); ``listing``: ``links_leaving``'s."""
     tag_dir = Path(tag_dir)
-    found = links_leaving(tag_dir)
+    found = links_leaving(tag_dir, listing)
     if found:
         rel, real = found[0]
         more = f" ({len(found) - 1} more such link(s))" if len(found) > 1 else ""

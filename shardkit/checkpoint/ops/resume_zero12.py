@@ -46,11 +46,12 @@ from shardkit.checkpoint.ops.resume_state import (
 from shardkit.checkpoint.readers.zero12 import Zero12Layout, read_zero12, zero12_layout
 from shardkit.checkpoint.writers.zero3 import read_slice
 from shardkit.checkpoint.writers.zero12 import OPTIM_FILE as OPTIM_FILE_NAME
-from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_tag_dir
+from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_listed
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, client_state_keys
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY, is_zero12_folder
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.replace import replace_optimizer_state, summarize_moves
+from shardkit.storage.listing import FolderListing
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.torch_load import safe_torch_load
 from shardkit.storage.verify import check_resumable_distributed, refuse_links_leaving
@@ -81,14 +82,16 @@ def is_zero12_engine(engine: Any) -> bool:
     return stage in (1, 2)
 
 
-def refuse_zero12_source(path: str | Path, stage: int) -> None:
-    """Refuse a ZeRO-1/2 checkpoint given to an engine of ``stage`` (3), before anything is read."""
-    tag_dir, _ = resolve_tag_dir(path)
-    if is_zero12_folder(tag_dir):
+def refuse_zero12_source(path: str | Path, stage: int) -> FolderListing:
+    """Refuse a ZeRO-1/2 checkpoint given to an engine of ``stage`` (3), before anything is read; else the one
+    listing of the tag folder ``path`` designates, for the resume to go on with."""
+    tag_dir, listing = resolve_listed(path)
+    if is_zero12_folder(tag_dir, listing):
         raise CheckpointError(
             f"{tag_dir}: a ZeRO-1/2 checkpoint (one {MODEL_FILE}, per-rank optimizer files), but this engine runs ZeRO "
             f"stage {stage}, whose partitions are per parameter. Nothing was loaded. Resume it with a ZeRO-1 or ZeRO-2 "
             "config (zero_optimization.stage), or convert it first: shardkit convert SRC --to zero3 -o OUT")
+    return listing
 
 
 def load_zero12_checkpoint(
@@ -111,8 +114,9 @@ def load_zero12_checkpoint(
     import torch.distributed as dist
 
     opt = _zero12_optimizer(engine)
-    tag_dir = _tag_dir(path, engine)
-    refuse_links_leaving(tag_dir, "load")
+    # the tag folder listed once, for every step below (at 1,024 ranks each listing is a metadata storm)
+    tag_dir, listing = _tag_dir(path, engine)
+    refuse_links_leaving(tag_dir, "load", listing)
     world = dist.get_world_size(group=opt.dp_process_group)
     rank = dist.get_rank(group=opt.dp_process_group)
     if verify and (tag_dir / MANIFEST_NAME).is_file():
@@ -121,7 +125,7 @@ def load_zero12_checkpoint(
     precision = engine_precision(engine)
     failure: BaseException | None = None
     try:
-        ckpt, module_values, model_sd, rank_sd = _read_share(engine, opt, tag_dir, rank, world, load_module_strict)
+        ckpt, module_values, model_sd, rank_sd = _read_share(engine, opt, listing, rank, world, load_module_strict)
     except Exception as exc:  # noqa: BLE001 - re-raised on this rank after every rank has said whether it failed
         failure = exc
     # each rank parses its own files: one that failed must stop all, or the others wait in update_lp_params
@@ -172,18 +176,19 @@ def load_zero12_checkpoint(
     return result
 
 
-def _read_share(engine: Any, opt: Any, tag_dir: Path, rank: int, world: int, strict: bool) -> tuple[
+def _read_share(engine: Any, opt: Any, listing: FolderListing, rank: int, world: int, strict: bool) -> tuple[
         TrainingCheckpoint, dict[str, "torch.Tensor"], dict[str, Any], dict[str, Any]]:
     """The checkpoint as this rank needs it, the module's frozen values, the model-states dict and this rank's
     optimizer dict at the engine's world size; nothing of the engine changed."""
     # the model-states file and rank 0's optimizer file place every parameter in the source's partitions; then
     # only the files holding this rank's partition are parsed: every file on every rank cost 0.75 ms x source
     # ranks per rank (1.9 s at 2,048) and ranks x ranks opens of a shared filesystem
-    head = read_zero12(tag_dir, ranks=())
+    tag_dir = listing.folder
+    head = read_zero12(tag_dir, ranks=(), listing=listing)
     shares = _engine_shares(engine, opt, head, rank, world)
     same_ranks = world == head.world_size  # the reader records it (one optimizer file per rank)
     needed = _source_ranks(zero12_layout(head), shares) | ({rank} if same_ranks else set())
-    ckpt = read_zero12(tag_dir, ranks=needed) if needed - {0} else head
+    ckpt = read_zero12(tag_dir, ranks=needed, listing=listing) if needed - {0} else head
     module_values = _module_values(engine, ckpt, strict)
     model_sd = safe_torch_load(tag_dir / MODEL_FILE, mmap=True, real_deepspeed_objects=True)
     optim_src = safe_torch_load(_optim_file(ckpt, rank if same_ranks else 0), mmap=True,
@@ -254,12 +259,12 @@ def _zero12_optimizer(engine: Any) -> Any:
     return opt
 
 
-def _tag_dir(path: str | Path, engine: Any) -> Path:
-    tag_dir, _ = resolve_tag_dir(path)
-    if is_zero12_folder(tag_dir):
-        return tag_dir
+def _tag_dir(path: str | Path, engine: Any) -> tuple[Path, FolderListing]:
+    tag_dir, listing = resolve_listed(path)
+    if is_zero12_folder(tag_dir, listing):
+        return tag_dir, listing
     stage = engine.zero_optimization_stage()
-    if any(RANK_FILE.match(p.name) and p.name.endswith("_model_states.pt") for p in tag_dir.iterdir()):
+    if any(RANK_FILE.match(name) and name.endswith("_model_states.pt") for name in listing.names):
         # refused rather than read: the ZeRO-3 reader describes the same tensors, but the run state this resume
         # hands DeepSpeed (param groups, steps, loss scaler) is taken from a ZeRO-1/2 rank file
         raise CheckpointError(

@@ -96,10 +96,11 @@ def load_zero3_checkpoint(
             engine, path, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_strict=load_module_strict, verify=verify, preflight=preflight)
     opt = _zero3_optimizer(engine)
-    resume_zero12.refuse_zero12_source(path, 3)
-    ckpt = open_zero3_checkpoint(path)
+    # the tag folder listed once, for every step below (at 1,024 ranks each listing is a metadata storm)
+    listing = resume_zero12.refuse_zero12_source(path, 3)
+    ckpt = open_zero3_checkpoint(listing.folder, listing=listing)
     # a link out of the tag folder is never read through, manifest or not (verify names it too)
-    refuse_links_leaving(ckpt.tag_dir, "load")
+    refuse_links_leaving(ckpt.tag_dir, "load", listing)
     if verify:
         _verify_manifest(ckpt, dist.get_world_size(group=opt.dp_process_group))
     precision_note = _precision_note(ckpt, engine)

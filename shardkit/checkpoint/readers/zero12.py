@@ -47,6 +47,7 @@ from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import agreed_steps, loss_scaler, per_parameter_steps, run_scalars
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIM_FILE, OPTIMIZER_KEY, tensor_from_ref
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.listing import FolderListing
 from shardkit.storage.torch_load import TensorRef, read_structure
 
 if TYPE_CHECKING:
@@ -131,15 +132,18 @@ def training_precision(config: dict[str, Any]) -> str:
     return "fp32"
 
 
-def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None) -> OpenedZero12:
+def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None,
+                           listing: FolderListing | None = None) -> OpenedZero12:
     """Open ``tag_dir`` (a ZeRO-1/2 tag folder); raises CheckpointError naming the file for a missing rank,
     a stage other than 1/2, ranks that disagree, or a layout the repartition cannot move
     (``round_robin_gradients``, an elastic optimizer state). The pickles only are parsed (``read_structure``,
     no torch), for ``read_zero12`` (and the benchmarks that time it). ``ranks``: parse only rank 0's and
-    these ranks' optimizer files (a resuming rank's share; every file is still listed, none other opened)."""
+    these ranks' optimizer files (a resuming rank's share; every file is still listed, none other opened).
+    ``listing``: of ``tag_dir``, already taken by the caller (a resuming rank lists its tag folder once)."""
     found: dict[int, Path] = {}
     prefixes, other = set(), []
-    for name in os.listdir(tag_dir):  # names, not Paths: a resuming rank lists thousands of files and opens 3
+    names = listing.names if listing is not None and listing.describes(tag_dir) else os.listdir(tag_dir)
+    for name in names:  # names, not Paths: a resuming rank lists thousands of files and opens 3
         m = OPTIM_FILE.match(name)
         if m:
             found[int(m.group(2))] = tag_dir / name
@@ -214,7 +218,8 @@ def _check_ranks(ckpt: OpenedZero12) -> int:
     return only
 
 
-def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None) -> TrainingCheckpoint:
+def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None,
+                listing: FolderListing | None = None) -> TrainingCheckpoint:
     """Describe the ZeRO-1/2 tag folder ``tag_dir`` (already verified by the caller): weights, Adam
     moments per trainable parameter, scalars. Raises CheckpointError, naming the file and the key, for
     a layout it would read wrongly (round_robin_gradients, an elastic save, a BF16_Optimizer save, ranks
@@ -224,10 +229,11 @@ def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None) -> Training
     share: the in-process resume at 2,048 source ranks parsed every file on every rank, 1.9 s each). Tensors
     then have pieces in those files only: ``covered()`` is False for one that reaches into another (writers
     refuse it), and ``zero12_layout(ckpt).ranks_holding`` says which ranks a range needs. Each file parsed is
-    checked against rank 0's (stage, partition_count, partition size, Adam step); the others are only listed."""
+    checked against rank 0's (stage, partition_count, partition size, Adam step); the others are only listed.
+    ``listing``: of ``tag_dir``, taken by the caller (``storage.listing``), or None to list it here."""
     # the files found and checked (rank files, stage, mixed saves, round_robin_gradients, elastic and
     # BF16_Optimizer saves), parsed without torch
-    opened = open_zero12_checkpoint(tag_dir, ranks)
+    opened = open_zero12_checkpoint(tag_dir, ranks, listing)
     optims, model, stage = opened.optim_states, opened.model_state, opened.stage
     optim_files = [opened.optim_files[r] for r in opened.parsed_ranks]
     model_path = tag_dir / MODEL_FILE

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.listing import FolderListing
 from shardkit.storage.torch_load import TensorRef
 
 if TYPE_CHECKING:
@@ -23,8 +24,11 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIMIZER_KEY = "optimizer_state_dict"
 
 
-def is_zero12_folder(tag_dir: Path) -> bool:
-    """True when ``tag_dir`` holds a ZeRO-1/2 layout: rank optimizer files and one ``mp_rank_00`` model file."""
+def is_zero12_folder(tag_dir: Path, listing: FolderListing | None = None) -> bool:
+    """True when ``tag_dir`` holds a ZeRO-1/2 layout: rank optimizer files and one ``mp_rank_00`` model file.
+    ``listing``: of ``tag_dir``, already taken (not listed again)."""
+    if listing is not None and listing.describes(tag_dir):
+        return MODEL_FILE in listing.files and any(OPTIM_FILE.match(name) for name in listing.names)
     return (tag_dir / MODEL_FILE).is_file() and any(OPTIM_FILE.match(p.name) for p in tag_dir.iterdir())
 
 

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.listing import FolderListing, list_folder
 from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, latest_tag
 
 MODEL_FILE = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
@@ -19,8 +20,9 @@ OPTIM_FILE = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
 
 
-def resolve_tag_dir(path: str | Path) -> tuple[Path, str]:
-    """Checkpoint root (with ``latest``), tag folder, or one rank file -> (tag folder, tag)."""
+def resolve_tag_dir(path: str | Path, listing: FolderListing | None = None) -> tuple[Path, str]:
+    """Checkpoint root (with ``latest``), tag folder, or one rank file -> (tag folder, tag). ``listing``: of
+    ``path``, already taken (``resolve_listed``), so the folder is not listed again here."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: checkpoint path does not exist")
@@ -38,7 +40,8 @@ def resolve_tag_dir(path: str | Path) -> tuple[Path, str]:
             f"{p}: is the staging directory of a save that never completed (killed or failed before it was "
             f"renamed into place). Resume from the checkpoint named in {p.parent / LATEST_NAME}"
         )
-    if any(RANK_FILE.match(f.name) for f in p.iterdir() if f.is_file()):
+    files = listing.files if listing is not None and listing.describes(p) else (f.name for f in p.iterdir() if f.is_file())
+    if any(RANK_FILE.match(name) for name in files):
         return p, p.name
     latest = p / LATEST_NAME
     tag = latest_tag(p)  # one folder name inside p, or a CheckpointError naming the pointer file
@@ -63,3 +66,12 @@ def resolve_tag_dir(path: str | Path) -> tuple[Path, str]:
             "shardkit's reader handles ZeRO-3. Use DeepSpeed's zero_to_fp32.py for this one."
         )
     raise CheckpointError(f"{p}: no DeepSpeed ZeRO-3 checkpoint here (no 'latest' file, no zero_pp_rank_* files)")
+
+
+def resolve_listed(path: str | Path) -> tuple[Path, FolderListing]:
+    """``resolve_tag_dir``'s tag folder with the one listing of it the steps after share (``storage.listing``):
+    a tag folder given is listed once, for the resolution and the rest; a root holding ``latest``, then its tag."""
+    p = Path(path)
+    given = list_folder(p) if p.is_dir() else None
+    tag_dir, _ = resolve_tag_dir(p, given)
+    return tag_dir, given if given is not None and given.describes(tag_dir) else list_folder(tag_dir)

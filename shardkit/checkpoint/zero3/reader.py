@@ -32,6 +32,7 @@ from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE, r
 from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.config.view import deepspeed_view
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.listing import FolderListing
 from shardkit.storage.torch_load import TensorRef, read_structure, safe_torch_load
 
 
@@ -41,20 +42,24 @@ def _numel(t: Any) -> int:
     return t.numel if isinstance(t, TensorRef) else int(t.numel())
 
 
-def open_zero3_checkpoint(path: str | Path, *, torch_free: bool = False) -> Zero3Checkpoint:
+def open_zero3_checkpoint(path: str | Path, *, torch_free: bool = False,
+                          listing: FolderListing | None = None) -> Zero3Checkpoint:
     """Describe the ZeRO-3 checkpoint at ``path`` (root, tag folder or a rank file) without reading tensors.
 
     ``torch_free=True`` parses the files with ``read_structure`` (tensors become ``TensorRef``s
-    holding file offsets) and never imports torch; ``open_rank`` is then unavailable.
+    holding file offsets) and never imports torch; ``open_rank`` is then unavailable. ``listing``: of the
+    tag folder ``path``, taken by the caller (``storage.listing``): the folder is not listed, nor its rank files
+    stat'ed, again.
     """
     if torch_free:
         load = read_structure
     else:
         def load(f: Path) -> Any:
             return safe_torch_load(f, mmap=True)
-    tag_dir, tag = resolve_tag_dir(path)
+    tag_dir, tag = resolve_tag_dir(path, listing)
     try:
-        return _describe(tag_dir, tag, load, torch_free)
+        return _describe(tag_dir, tag, load, torch_free, listing if listing is not None and listing.describes(tag_dir)
+                         else None)
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
         # Files that unpickle but hold values DeepSpeed never writes (an edited or bit-flipped
         # field: a string for a shape, a dict for a tensor, a missing key) end here, named, instead
@@ -74,10 +79,16 @@ def _positive_int(value: Any, field: str, where: Path) -> int:
     return value
 
 
-def _describe(tag_dir: Path, tag: str, load: Any, torch_free: bool) -> Zero3Checkpoint:
+def _describe(tag_dir: Path, tag: str, load: Any, torch_free: bool, listing: FolderListing | None) -> Zero3Checkpoint:
+    def exists(f: Path) -> bool:  # a folder named as a rank file "exists" here too: the parse names it as one
+        return (f.name in listing.files or f.name in listing.folders) if listing is not None else f.exists()
+
+    def names() -> list[str]:
+        return list(listing.names) if listing is not None else [f.name for f in tag_dir.iterdir()]
+
     model0 = tag_dir / MODEL_FILE.format(rank=0)
-    if not model0.exists():
-        others = sorted(f.name for f in tag_dir.iterdir())
+    if not exists(model0):
+        others = sorted(names())
         raise CheckpointError(f"{model0}: missing (rank 0's model states); the folder holds {others[:8]}")
     model_state = load(model0)
     if not isinstance(model_state, dict) or "param_shapes" not in model_state:
@@ -88,22 +99,19 @@ def _describe(tag_dir: Path, tag: str, load: Any, torch_free: bool) -> Zero3Chec
             f"{model0}: mp_world_size is {model_state['mp_world_size']}; tensor/model-parallel ZeRO-3 "
             "checkpoints are not supported (only data-parallel ranks). Use ds_to_universal for those."
         )
-    prefix = "bf16_" if (tag_dir / OPTIM_FILE.format(prefix="bf16_", rank=0)).exists() else ""
+    prefix = "bf16_" if exists(tag_dir / OPTIM_FILE.format(prefix="bf16_", rank=0)) else ""
     # rank by rank, stopping at the first missing file: an edited dp_world_size (2**63) costs the
     # files present, not a list of 2**63 paths
     for r in range(world):
         for f in (tag_dir / MODEL_FILE.format(rank=r), tag_dir / OPTIM_FILE.format(prefix=prefix, rank=r)):
-            if not f.exists():
+            if not exists(f):
                 raise CheckpointError(
                     f"{f}: missing, but dp_world_size is {world} so every rank 0..{world - 1} must have saved one. "
                     "A rank died during the save or the copy is partial; resume from the previous checkpoint."
                 )
     model_files = [tag_dir / MODEL_FILE.format(rank=r) for r in range(world)]
     optim_files = [tag_dir / OPTIM_FILE.format(prefix=prefix, rank=r) for r in range(world)]
-    extra = sorted(
-        f.name for f in tag_dir.iterdir()
-        if (m := RANK_FILE.match(f.name)) and int(m.group(2)) >= world
-    )
+    extra = sorted(name for name in names() if (m := RANK_FILE.match(name)) and int(m.group(2)) >= world)
     if extra:
         raise CheckpointError(
             f"{tag_dir}: holds rank files beyond dp_world_size={world} ({extra[:4]}): two saves at "
