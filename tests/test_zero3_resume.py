@@ -347,8 +347,9 @@ def test_a_load_never_reads_through_a_link_leading_out_of_the_tag_folder(kernel_
 
 def test_a_resuming_rank_lists_the_tag_folder_once(tmp_path_factory):
     """Each listing of a tag folder is a metadata storm at 1,024 ranks on a shared filesystem: a rank resuming a
-    ZeRO-3 checkpoint lists it once and hands the names on (it listed it 3 times: the ZeRO-1/2 check, the reader's
-    rank files, the links leaving it; and stat'ed each rank file by name)."""
+    ZeRO-3 checkpoint lists it once and hands the names on. Before, given the root: twice (the reader's rank
+    files, the links leaving it) and an exists() per rank file; given the tag folder: 4 times (resolve_tag_dir in
+    the ZeRO-1/2 check and in the reader too)."""
     from shardkit.run.spawn.process import run_ranks
 
     source = R.build_sources(tmp_path_factory.getbasetemp() / "zero3")["fp32"]
