@@ -6,6 +6,7 @@ launch run with a hard timeout, and the assertions on how a job ended."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,8 +61,14 @@ STAND_IN = textwrap.dedent(r"""
 
 DS_TRAIN = textwrap.dedent(
     """
+    import os
     import socket
     import sys
+
+    # the test session's ninja first (job_folder's SKTEST_NINJA_DIR): OpenMPI puts /usr/bin ahead on PATH,
+    # and a ninja of another version takes the shared op cache as stale and rebuilds it
+    if os.environ.get("SKTEST_NINJA_DIR"):
+        os.environ["PATH"] = os.environ["SKTEST_NINJA_DIR"] + os.pathsep + os.environ["PATH"]
 
     import deepspeed
     import torch
@@ -121,7 +128,16 @@ def job_folder(folder: Path, hostfile: str, script: str = DS_TRAIN) -> dict[str,
     (folder / "hostfile").write_text(hostfile)
     # what a user puts in .deepspeed_env for CPU ranks: these do not start with PYTHON, so the runner
     # carries them only from this file
-    (folder / ".deepspeed_env").write_text("DS_ACCELERATOR=cpu\nOMP_NUM_THREADS=1\nCUDA_VISIBLE_DEVICES=\n")
+    lines = "DS_ACCELERATOR=cpu\nOMP_NUM_THREADS=1\nCUDA_VISIBLE_DEVICES=\n"
+    # The ranks load DeepSpeed's ops with the `ninja` on their PATH, and a ninja of another version than
+    # the session's (Debian's 1.11 in /usr/bin beside the venv's 1.13, OpenMPI puts /usr/bin first)
+    # reads the shared ~/.cache/torch_extensions as stale: the rank rebuilds fused_adam for minutes under
+    # the lock every other DeepSpeed test (the other xdist worker's too) waits on, and a job killed at
+    # JOB_TIMEOUT_S mid-build leaves that lock behind. DS_TRAIN puts this folder first.
+    ninja = shutil.which("ninja")
+    if ninja:
+        lines += f"SKTEST_NINJA_DIR={Path(ninja).parent}\n"
+    (folder / ".deepspeed_env").write_text(lines)
     return {
         **os.environ, "PATH": f"{folder / 'bin'}{os.pathsep}{os.environ['PATH']}",
         "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
