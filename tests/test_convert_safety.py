@@ -328,7 +328,7 @@ def test_disk_full_during_consolidate_keeps_the_previous_output(sealed, tmp_path
     """ENOSPC from the copy loop (what os.copy_file_range / os.pwrite raise on a full disk)."""
     import errno
 
-    import shardkit.checkpoint.ops.consolidate as consolidate
+    import shardkit.checkpoint.ops.export.writer as writer
 
     out = tmp_path / "model.safetensors"
     out.write_bytes(b"previous export")
@@ -336,7 +336,7 @@ def test_disk_full_during_consolidate_keeps_the_previous_output(sealed, tmp_path
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(consolidate, "_copy_bytes", full)
+    monkeypatch.setattr(writer, "copy_bytes", full)  # consolidate's copy is export's streaming writer
     code, _, err = run_cli("consolidate", sealed, "-o", out, "--force")
     assert code == 1 and "Traceback" not in err
     assert re.search(rf"error: disk full at {re.escape(str(out))}, [\d,]+ bytes free, nothing written: the partial "

@@ -1,78 +1,56 @@
-"""Write a ZeRO-3 checkpoint's full weights to one safetensors file, streaming (zero_to_fp32's job).
+"""Write a checkpoint's full weights to one safetensors file, streaming (zero_to_fp32's job), for every
+kind a reader describes (``readers.registry``: ZeRO-3, ZeRO-1/2, DCP, FSDP1, universal...).
 
-DeepSpeed's ``zero_to_fp32.py`` maps every rank's optimizer file, builds the whole fp32 state dict
-in memory and then serializes it, so its peak memory is about twice the fp32 model. Here the
-safetensors header is computed up front (tensor order taken from safetensors itself), the output
-file is sized once, and every rank's unpadded piece of every parameter is copied straight from
-the rank file to its final byte offset with ``os.copy_file_range`` (a ``pread``/``pwrite`` loop
-where the kernel refuses; the header and the copy are ``io.safetensors_file``'s, shared with
-``export``). For the default fp32 output with no buffers or frozen parameters the files are parsed
-by ``read_structure`` and neither torch nor DeepSpeed is imported: the process stays at a few tens
-of MB whatever the model size. A cast (``--dtype bf16``) or buffers/frozen
-parameters take the torch path, which maps one rank file at a time.
+DeepSpeed's ``zero_to_fp32.py`` maps every rank's optimizer file, builds the whole fp32 state dict in
+memory and then serializes it, so its peak memory is about twice the fp32 model. Here the reader
+describes the checkpoint as the checkpoint model (``TrainingCheckpoint``: each tensor as byte ranges
+of the source files, read without torch), the safetensors header is computed up front (tensor order
+taken from safetensors itself), the output file is sized once, and every piece is copied straight
+to its final byte offset by export's writer (``export.writer.write_elements``): file to file in the
+kernel (``os.copy_file_range``) where no cast is needed, a chunk at a time where one is (``--dtype
+bf16``; only then is torch imported). The output's data bytes are cut into windows, one per copier
+thread, each asking every tensor for just the pieces of its window (``SourceTensor.pieces_in``: for
+ZeRO-3 the ranks overlapping it, computed from the layout), so memory stays a few tens of MB and
+never grows as ranks x tensors.
 
-The result is byte-for-byte the file ``safetensors.torch.save_file(state_dict, metadata={"format":
-"pt"})`` writes for zero_to_fp32's state dict (tests check it).
+Its tensors are what DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` returns: buffers,
+frozen parameters (unless ``include_frozen=False``), the trainable parameters' fp32 masters, and tied
+aliases under each of their names (safetensors cannot alias); floating-point tensors as ``dtype``.
+For ZeRO-3 the result is byte-for-byte the file ``safetensors.torch.save_file(state_dict,
+metadata={"format": "pt"})`` writes for zero_to_fp32's state dict (tests check it).
 
 Under ``srun``/``torchrun`` the copy is split across the launched processes (``consolidate_shared``
-on ``io.shared_meet``/``io.shared_save``, as reshard): process 0 claims a hidden staging folder beside
-the output, every process agrees on the request, and process 0 creates the sized file (header written) in it; every process copies its share of the pieces, dealt by bytes, to
-their offsets in that one file (on a filesystem every node shares), hashes its share of the source
-files, fsyncs and reports; process 0 waits for every report, then renames the file into place. A
-process that fails, stops its heartbeat or never joins fails the run, named, and the staging
-folder (with the partial file) is removed.
+on ``storage.shared_meet``/``storage.shared_save``, as reshard): process 0 claims a hidden staging
+folder beside the output, every process agrees on the request, process 0 creates the sized file
+(header written) in it, every process copies its window of the data bytes to that one file (on a
+filesystem every node shares), hashes its share of the source files, fsyncs and reports; process 0
+waits for every report, then renames the file into place. A process that fails, stops its heartbeat
+or never joins fails the run, named, and the staging folder (with the partial file) is removed.
 """
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
-from shardkit.checkpoint.ops.consolidate_model import consolidate_model, model_source
-from shardkit.checkpoint.ops.consolidate_output import (
-    ConsolidateResult,
-    check_output_file,
-    remove_stale_temps,
-)
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.ops.consolidate_output import ConsolidateResult, check_output_file, remove_stale_temps
 from shardkit.checkpoint.ops.consolidate_shared import write_shared
-from shardkit.checkpoint.ops.export.writer import output_dtype
-from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
+from shardkit.checkpoint.ops.export.sources import Source, resolve_source
+from shardkit.checkpoint.ops.export.writer import SourceFiles, Stopped, entry_dtype, output_dtype, write_elements
+from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
-from shardkit.checkpoint.zero3.gather import full_frozen_params
-from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.core import progress
-from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.errors import CheckpointError, ShardkitError, UsageError
 from shardkit.storage.atomic import atomic_open, disk_full_named, os_errors_named
-from shardkit.storage.pipeline import (
-    default_workers,
-    verify_before_reading,
-    warn_unverified,
-)
+from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.request import RunRequest, source_of
-from shardkit.storage.safetensors_file import TensorEntry as _Entry
-from shardkit.storage.safetensors_file import copy_bytes as _copy_bytes
-from shardkit.storage.safetensors_file import header_layout as _layout
-from shardkit.storage.safetensors_file import write_header
-from shardkit.storage.shared_save import (
-    Launch,
-    launch_from_env,
-    split_by_bytes,
-)
-from shardkit.storage.torch_load import read_structure
-
-if TYPE_CHECKING:
-    import torch
-
-#: A parameter's name -> the absolute byte offsets of its tensor (and of its tied aliases) in the output.
-Targets = Callable[[str], list[int]]
-
-
-def _dtype_name(dtype: "torch.dtype") -> str:
-    return str(dtype).split(".")[-1]
+from shardkit.storage.safetensors_file import TensorEntry, header_layout, write_header
+from shardkit.storage.shared_save import Launch, launch_from_env, split_by_bytes
 
 
 @os_errors_named("consolidating the checkpoint")
@@ -88,221 +66,141 @@ def consolidate_zero3(
     workers: int | None = None,
     launch: Launch | None = None,
 ) -> ConsolidateResult:
-    """Write the full weights of the ZeRO-3 checkpoint at ``checkpoint`` to ``output`` (.safetensors).
+    """Write the full weights of the checkpoint at ``checkpoint`` (any kind ``readers.registry`` reads;
+    the name is the command's first kind) to ``output`` (.safetensors; a folder gets ``model.safetensors``).
 
-    Floating-point tensors are written as ``dtype`` (the fp32 masters by default, like
-    zero_to_fp32); integer buffers keep their dtype. Tied parameters (``shared_params``) are written
-    under each name, since safetensors cannot alias. The file appears atomically (temp name,
-    fsync, rename).
-
-    The source is checked against its manifest first (sizes, and digests unless ``verify=False``);
-    one without a manifest is read with a warning through ``warn`` (default ``warnings.warn``). An
-    existing output is replaced only with ``force=True`` and only when it is a regular file; a
-    path inside a checkpoint folder (or a root's ``latest``) is never written. ``workers``: source
-    files hashed and rank files copied at once, each copier owning the disjoint byte ranges of its
-    rank's pieces (default ``default_workers``). ``launch``: this process's share of the pieces
+    Floating-point tensors are written as ``dtype`` (the fp32 masters by default, like zero_to_fp32);
+    integer buffers keep their dtype. The file appears atomically (temp name, fsync, rename). The
+    source is checked against its manifest first (sizes, and digests unless ``verify=False``); one
+    without a manifest is read with a warning through ``warn`` (default ``warnings.warn``). An existing
+    output is replaced only with ``force=True`` and only when it is a regular file; a path inside a
+    checkpoint folder (or a root's ``latest``) is never written. ``workers``: source files hashed and
+    output windows copied at once (default ``default_workers``). ``launch``: this process's share
     (default: from ``srun``/``torchrun``'s variables; one process does everything without them).
     """
-
     if workers is not None and workers < 1:
         raise UsageError(f"workers={workers}: must be at least 1 (rank files copied at once)")
     out_name = output_dtype(dtype)
     refuse_unsupported(checkpoint, "consolidate")  # a layout nothing converts correctly: refused before anything is read
-    routed = model_source(checkpoint)  # ZeRO-1/2 and other readers' kinds: the checkpoint model's path
-    if routed is not None:
-        return consolidate_model(routed, output, dtype=dtype, include_frozen=include_frozen, force=force,
-                                 verify=verify, warn=warn, workers=workers, launch=launch)
-    source_dir, _ = resolve_tag_dir(checkpoint)
+    source = _source(checkpoint)
+    say = warn or warn_unverified
     launch = launch or launch_from_env()
     # every process resolves -o the same way: the staging folder is named after the file
-    out = check_output_file(Path(output), source_dir, force=force)
-    n_files = sum(1 for f in source_dir.iterdir() if f.name.endswith(".pt"))
+    out = check_output_file(Path(output), source.tag_dir, force=force)
+    n_files = sum(1 for f in source.tag_dir.iterdir() if f.is_file())
     workers = workers or default_workers(max(1, n_files))
     if launch.distributed:
         # sizes now; each process hashes its share of the files beside its copy (nothing is
         # published unless all matched), instead of every process hashing everything first
-        checked = verify_before_reading(source_dir, checksums=False)
+        checked = verify_before_reading(source.tag_dir, checksums=False)
         level = "none" if checked.manifest is None else ("hash" if verify else "sizes")
         notes = [n for n in checked.warnings if not (verify and n.startswith("--no-verify"))]
     else:
-        checked = verify_before_reading(source_dir, checksums=verify, workers=workers)
+        checked = verify_before_reading(source.tag_dir, checksums=verify, workers=workers)
         level, notes = checked.level, checked.warnings
-    for note in notes if launch.rank == 0 else []:
-        (warn or warn_unverified)(note)
-    # The common case (fp32 out, no buffers, no frozen parameters) never imports torch: the files
-    # are parsed by read_structure and every byte is copied file to file. The tag folder that was
-    # verified is opened, not ``checkpoint`` again: a save between the two could move 'latest'
-    # to a tag nobody verified.
-    ckpt = open_zero3_checkpoint(source_dir, torch_free=dtype == "fp32")
-    if ckpt.torch_free and (ckpt.model_state.get("buffer_names") or (include_frozen and ckpt.frozen_param_shapes)):
-        ckpt = open_zero3_checkpoint(source_dir)
-    if not launch.distributed:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    for note in [*source.notes, *notes] if launch.rank == 0 else []:
+        say(note)
+    # the tag folder that was verified is read, not ``checkpoint`` again: a save between the two could
+    # move 'latest' to a tag nobody verified
+    ckpt = read_checkpoint(source.kind, source.tag_dir)
+    tensors = output_tensors(ckpt, include_frozen)
+    entries = {n: TensorEntry(n, entry_dtype(t, out_name), tuple(t.shape)) for n, t in tensors.items()}
+    header, data_start = header_layout(entries)
+    data = sum(e.nbytes for e in entries.values())
+    stored = [n for n in tensors if n not in ckpt.aliases and n not in ckpt.buffers]
+    result = ConsolidateResult(out, len(entries), sum(tensors[n].numel for n in stored), data_start + data,
+                               ckpt.world_size or 0, ckpt.tag or source.tag_dir.name, level, launcher=launch.launcher)
+    # this process's window of the data bytes (all of them alone), cut again into one window per copier
+    lo, hi = launch.rank * data // launch.world, (launch.rank + 1) * data // launch.world
+    windows = [(lo + i * (hi - lo) // workers, lo + (i + 1) * (hi - lo) // workers) for i in range(workers)]
 
-    small = {} if ckpt.torch_free else _small_tensors(ckpt, out_name, include_frozen)
-    entries: dict[str, _Entry] = {n: _Entry(n, _dtype_name(t.dtype), tuple(t.shape)) for n, t in small.items()}
-    for slot in ckpt.slots:
-        entries[slot.name] = _Entry(slot.name, out_name, slot.shape)
-    aliases: dict[str, list[str]] = {}
-    for alias, source in ckpt.shared_params.items():
-        if source in entries and alias not in entries:
-            src = entries[source]
-            entries[alias] = _Entry(alias, src.dtype, src.shape)
-            aliases.setdefault(source, []).append(alias)
+    def write_header_only(fd: int) -> None:
+        write_header(fd, header, data_start + data)
 
-    header, data_start = _layout(entries)
-    total = data_start + sum(e.nbytes for e in entries.values())
+    def copy_share(fd: int) -> None:
+        result.share_pieces = _copy_windows(fd, data_start, entries, tensors, windows)
 
-    def targets(name: str) -> list[int]:
-        return [data_start + entries[t].start for t in (name, *aliases.get(name, ()))]
-
+    result.share_bytes = hi - lo
+    progress.expect(hi - lo)
     outcome = f"nothing written: the partial file was removed, {out} is unchanged"
-    n_params = sum(s.numel for s in ckpt.slots) + sum(
-        small[n].numel() for n in ckpt.frozen_param_shapes if n in small
-    )
-    result = ConsolidateResult(out, len(entries), n_params, total, ckpt.world_size, ckpt.tag, level,
-                               launcher=launch.launcher)
-    copy_fp32 = ckpt.torch_free or out_name == "float32"
-    itemsize = 4 if copy_fp32 else _Entry("", out_name, ()).itemsize
-
-    def write_small(fd: int) -> None:
-        write_header(fd, header, total)
-        for name, t in small.items():
-            buf = _as_bytes(t)
-            for at in targets(name):
-                os.pwrite(fd, buf, at)
-
     if launch.distributed:
-        by_rank, result.share_bytes = _my_pieces(ckpt, launch, lambda slot: itemsize * len(targets(slot.name)))
-        progress.expect(result.share_bytes)
         manifest_files = checked.manifest.files if checked.manifest is not None and verify else []
         to_hash = [manifest_files[i] for i in split_by_bytes([e.size for e in manifest_files], launch.world)[launch.rank]]
-
-        def copy_share(fd: int) -> None:
-            if copy_fp32:
-                _in_parallel([partial(_copy_rank_fp32, ckpt, r, fd, targets, sl) for r, sl in by_rank.items()], workers)
-            else:
-                for r, sl in by_rank.items():
-                    _copy_rank_cast(ckpt, r, fd, targets, out_name, sl)
-
-        # what every process must agree on before anything is written (io.shared_meet)
-        request = RunRequest("consolidate", source_of(source_dir), str(out.resolve()), None,
+        # what every process must agree on before anything is written (storage.shared_meet)
+        request = RunRequest("consolidate", source_of(source.tag_dir), str(out.resolve()), None,
                              {"--dtype": dtype, "--exclude-frozen": not include_frozen, "--no-verify": not verify})
-        write_shared(out, launch, request, write_small, copy_share, [(source_dir / e.path, e) for e in to_hash],
-                     workers, outcome)
+        write_shared(out, launch, request, write_header_only, copy_share,
+                     [(source.tag_dir / e.path, e) for e in to_hash], workers, outcome)
         result.rank, result.processes = launch.rank, launch.world
-        result.share_pieces = sum(len(sl) for sl in by_rank.values())
         return result
-
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for note in remove_stale_temps(out):  # a run killed (SIGKILL, OOM) before it could remove its own
+        say(note)
     # atomic_open: a temporary sibling, fsynced and renamed over ``out`` only when every byte is
     # written; positional writes go straight to its descriptor (nothing is buffered in the file object)
-    for note in remove_stale_temps(out):  # a run killed (SIGKILL, OOM) before it could remove its own
-        (warn or warn_unverified)(note)
-    progress.expect(total)
     with disk_full_named(out, outcome), atomic_open(out, "wb") as fh:
-        fd = fh.fileno()
-        write_small(fd)
-        # Rank-major: one rank file at a time; each rank's piece of a parameter is a contiguous
-        # run of the row-major flattened tensor, so it goes to one offset. Without a cast the
-        # bytes go file to file in the kernel (copy_file_range): nothing is paged into this process.
-        if copy_fp32:
-            # each rank's pieces go to their own byte ranges of the output: copied by rank files
-            # at once (copy_file_range runs in the kernel, without the GIL)
-            _in_parallel([partial(_copy_rank_fp32, ckpt, r, fd, targets) for r in range(ckpt.world_size)], workers)
-        else:
-            # a cast builds each piece in memory: one rank file mapped at a time keeps the peak low
-            for rank in range(ckpt.world_size):
-                _copy_rank_cast(ckpt, rank, fd, targets, out_name)
-    result.share_pieces = sum(1 for r in range(ckpt.world_size) for slot in ckpt.slots if _numel(slot, r))
-    result.share_bytes = total
+        write_header_only(fh.fileno())
+        copy_share(fh.fileno())
     return result
 
 
-def _in_parallel(tasks: list[Callable[[], None]], workers: int) -> None:
-    """Run ``tasks`` ``workers`` at a time; the first failure is raised once all have stopped."""
-    if workers <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            task()
-        return
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-consolidate") as pool:
-        futures = [pool.submit(task) for task in tasks]
-    for f in futures:
-        f.result()
-
-
-def _torch_dtype(name: str) -> "torch.dtype":
-    import torch
-
-    return getattr(torch, name)
-
-
-def _as_bytes(t: "torch.Tensor") -> memoryview:
-    import torch
-
-    return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
-
-
-def _my_pieces(ckpt: Zero3Checkpoint, launch: Launch, bytes_per_element: Callable[[ParamSlot], int],
-               ) -> tuple[dict[int, list[ParamSlot]], int]:
-    """This process's pieces (one source rank's run of one parameter), dealt by bytes written so the
-    processes finish together; every process computes the same deal. Grouped by source rank (one
-    rank file opened per group), in file order. Returns them and the bytes they write."""
-    pieces = [(r, slot) for r in range(ckpt.world_size) for slot in ckpt.slots if _numel(slot, r)]
-    sizes = [_numel(slot, r) * bytes_per_element(slot) for r, slot in pieces]
-    mine = sorted(split_by_bytes(sizes, launch.world)[launch.rank])
-    by_rank: dict[int, list[ParamSlot]] = {}
-    for i in mine:
-        by_rank.setdefault(pieces[i][0], []).append(pieces[i][1])
-    return by_rank, sum(sizes[i] for i in mine)
-
-
-def _numel(slot: ParamSlot, rank: int) -> int:
-    start, stop = slot.rank_range(rank)
-    return max(0, stop - start)
-
-
-def _copy_rank_fp32(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets: Targets,
-                    slots: list[ParamSlot] | None = None) -> None:
-    """Every fp32 piece rank ``rank`` holds (of ``slots``; default all), file to file, to its place in the output."""
-    osd = read_structure(ckpt.optim_files[rank])["optimizer_state_dict"]
-    flats = osd["fp32_flat_groups"]
-    src_fd = os.open(ckpt.optim_files[rank], os.O_RDONLY)
+def _source(checkpoint: str | Path) -> Source:
+    """``checkpoint`` resolved; what is no kind a reader takes is refused with ZeRO-3's own wording (the
+    command's first kind: its tag folder, 'latest' and rank-file messages), else with the resolver's."""
     try:
-        for slot in ckpt.slots if slots is None else slots:
-            start, stop = slot.rank_range(rank)
-            if stop <= start:
-                continue
-            ref = flats[slot.sub_group]
-            if ref.dtype != "float32" or ref.numel != ckpt.sub_group_numel[slot.sub_group] or not ref.is_contiguous():
-                raise CheckpointError(
-                    f"{ckpt.optim_files[rank]}: fp32 partition of sub-group {slot.sub_group} is "
-                    f"{ref.dtype}[{ref.numel}], expected float32[{ckpt.sub_group_numel[slot.sub_group]}]"
-                )
-            for at in targets(slot.name):
-                _copy_bytes(src_fd, dst_fd, (stop - start) * 4, ref.file_offset + slot.offset * 4, at + start * 4)
+        return resolve_source(checkpoint)
+    except ShardkitError:
+        resolve_tag_dir(checkpoint)
+        raise
+
+
+def output_tensors(ckpt: TrainingCheckpoint, include_frozen: bool = True) -> dict[str, SourceTensor]:
+    """What the consolidated file holds, by name: the weights (frozen ones only with ``include_frozen``)
+    and each tied alias whose holder is written. Raises CheckpointError naming a tensor whose pieces do
+    not cover it (nothing is written then)."""
+    tensors = {n: t for n, t in ckpt.weights.items() if include_frozen or n not in ckpt.frozen}
+    for alias, holder in ckpt.aliases.items():
+        if holder in tensors and alias not in tensors:
+            tensors[alias] = tensors[holder]
+    for name, t in tensors.items():
+        if not t.covered():
+            raise CheckpointError(
+                f"{ckpt.folder}: tensor {name!r} ({t.dtype}{list(t.shape)}) is not fully stored: its pieces do not "
+                "cover every element once. A rank's file is missing or from another save; nothing was written")
+    return tensors
+
+
+def _copy_windows(fd: int, data_start: int, entries: dict[str, TensorEntry], tensors: dict[str, SourceTensor],
+                  windows: list[tuple[int, int]]) -> int:
+    """Copy the elements whose first byte lies in each window of the data bytes, one thread per window
+    (``copy_file_range`` and the casts run without the GIL); returns the pieces read. The first failure
+    stops the other threads (between chunks) and is raised once all have stopped."""
+    stop, sources = threading.Event(), SourceFiles()
+
+    def copy(window: tuple[int, int]) -> int:
+        count = 0
+        for name, e in entries.items():
+            t, size = tensors[name], e.itemsize
+            lo = min(t.numel, max(0, -(-(window[0] - e.start) // size)))
+            hi = min(t.numel, max(0, -(-(window[1] - e.start) // size)))
+            if hi > lo:
+                count += write_elements(fd, data_start + e.start, t, e.dtype, sources, stop, lo, hi)
+        return count
+
+    try:
+        if len(windows) == 1:
+            return copy(windows[0])
+        with ThreadPoolExecutor(max_workers=len(windows), thread_name_prefix="shardkit-consolidate") as pool:
+            futures = [pool.submit(copy, w) for w in windows]
+            try:
+                wait(futures, return_when=FIRST_EXCEPTION)
+            finally:
+                if not all(f.done() and f.exception() is None for f in futures):
+                    stop.set()  # a failure or an interrupt: the others stop at their next tensor or chunk
+        failed = [e for e in (f.exception() for f in futures) if e is not None]
+        real = [e for e in failed if not isinstance(e, Stopped)]
+        if failed:
+            raise (real or failed)[0]  # the failure, not the threads it stopped
+        return sum(f.result() for f in futures)
     finally:
-        os.close(src_fd)
-
-
-def _copy_rank_cast(ckpt: Zero3Checkpoint, rank: int, dst_fd: int, targets: Targets, out_name: str,
-                    slots: list[ParamSlot] | None = None) -> None:
-    """Every piece rank ``rank`` holds (of ``slots``; default all), cast to ``out_name`` in memory
-    and written to its place; the rank file is mapped for the duration only."""
-    itemsize = _Entry("", out_name, ()).itemsize
-    with ckpt.open_rank(rank) as part:
-        for slot in ckpt.slots if slots is None else slots:
-            start, stop = slot.rank_range(rank)
-            if stop > start:
-                buf = _as_bytes(part.param_slice(slot, FP32).to(_torch_dtype(out_name)))
-                for at in targets(slot.name):
-                    progress.advance(os.pwrite(dst_fd, buf, at + start * itemsize))
-
-
-def _small_tensors(ckpt: Zero3Checkpoint, out_name: str, include_frozen: bool) -> dict[str, "torch.Tensor"]:
-    """Buffers and frozen parameters (assembled whole in memory), cast as zero_to_fp32 casts them."""
-    tensors = dict(ckpt.buffers())
-    if include_frozen:
-        tensors.update(full_frozen_params(ckpt))
-    out_dtype = _torch_dtype(out_name)
-    return {n: (t.to(out_dtype) if t.is_floating_point() else t) for n, t in tensors.items()}
+        sources.close()

@@ -1,5 +1,4 @@
-"""What every consolidation shares, whatever reads the source (``consolidate`` for ZeRO-3,
-``consolidate_model`` for the readers' other kinds): the result record, the output dtypes, where
+"""What a consolidation (``consolidate``) records and checks apart from the copy: the result record, where
 ``-o`` may write (``check_output_file``) and the removal of the temporary files a killed run left.
 """
 
@@ -18,7 +17,7 @@ from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX
 
 @dataclass
 class ConsolidateResult:
-    """What a consolidation wrote (``consolidate_zero3``, ``consolidate_model``)."""
+    """What a consolidation wrote (``consolidate_zero3``)."""
 
     output: Path
     tensors: int
@@ -37,7 +36,7 @@ class ConsolidateResult:
     processes: int = 1
     """Processes that copied the pieces (under srun/torchrun; 1 alone)."""
     share_pieces: int = 0
-    """Pieces (one rank's run of one parameter) this process copied."""
+    """Pieces (one source file's run of one tensor) this process copied."""
     share_bytes: int = 0
     """Bytes this process copied."""
     launcher: str = "single process"

@@ -59,39 +59,64 @@ def entry_dtype(t: SourceTensor, out_dtype: str) -> str:
     return out_dtype if t.is_float else t.dtype
 
 
+class SourceFiles:
+    """The source files a writer reads, each opened once (read-only) and shared by its threads: positional
+    reads and ``copy_file_range`` carry their own offsets. ``close`` closes them all."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path: Path) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
 def write_shard(path: Path, job: ShardJob, stop: threading.Event) -> int:
     """Write one shard file at ``path``; returns its size in bytes."""
     entries = {n: TensorEntry(n, entry_dtype(t, job.out_dtype), tuple(t.shape)) for n, t in job.tensors.items()}
     header, data_start = header_layout(entries)
     total = data_start + sum(e.nbytes for e in entries.values())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sources: dict[Path, int] = {}
+    sources = SourceFiles()
     try:
         write_header(fd, header, total)
         for name, t in job.tensors.items():
             e = entries[name]
-            _write_tensor(fd, data_start + e.start, t, e.dtype, sources, stop)
+            write_elements(fd, data_start + e.start, t, e.dtype, sources, stop)
         os.fsync(fd)
     finally:
         os.close(fd)
-        for sfd in sources.values():
-            os.close(sfd)
+        sources.close()
     return total
 
 
-def _write_tensor(fd: int, at: int, t: SourceTensor, out: str, sources: dict[Path, int], stop: threading.Event) -> None:
+def write_elements(fd: int, at: int, t: SourceTensor, out: str, sources: SourceFiles, stop: threading.Event,
+                   lo: int = 0, hi: int | None = None) -> int:
+    """Write elements ``[lo, hi)`` (default all) of ``t`` as ``out`` into ``fd``, whose element 0 goes to
+    byte ``at``; returns the pieces read (``SourceTensor.pieces_in``: only those overlapping the window)."""
     if stop.is_set():
         raise Stopped()
+    hi = t.numel if hi is None else hi
     out_size = ITEMSIZE[out]
     if t.load is not None:
-        _write_cast(fd, at, t.load(), out)
-        return
+        _write_cast(fd, at + lo * out_size, t.load().reshape(-1)[lo:hi], out)
+        return 1
     src_size = ITEMSIZE[t.dtype]
     buf: bytearray | None = None
-    for p in t.pieces:
-        sfd = sources.get(p.file)
-        if sfd is None:
-            sfd = sources[p.file] = os.open(p.file, os.O_RDONLY)
+    count = 0
+    for p in t.pieces_in(lo, hi):
+        count += 1
+        sfd = sources.fd(p.file)
         if out == t.dtype:
             copy_bytes(sfd, fd, p.numel * src_size, p.offset, at + p.start * out_size)
             continue
@@ -99,7 +124,7 @@ def _write_tensor(fd: int, at: int, t: SourceTensor, out: str, sources: dict[Pat
 
         per = max(1, CHUNK_BYTES // src_size)
         if buf is None:
-            buf = bytearray(min(per, max(q.numel for q in t.pieces)) * src_size)
+            buf = bytearray(min(per, hi - lo) * src_size)
         done = 0
         while done < p.numel:
             if stop.is_set():
@@ -110,6 +135,7 @@ def _write_tensor(fd: int, at: int, t: SourceTensor, out: str, sources: dict[Pat
             cast = torch.frombuffer(view, dtype=getattr(torch, t.dtype)).to(getattr(torch, out))
             _pwrite_all(fd, cast.view(torch.uint8).numpy().data, at + (p.start + done) * out_size)
             done += n
+    return count
 
 
 def _write_cast(fd: int, at: int, tensor: "torch.Tensor", out: str) -> None:
