@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import file_kind
-from shardkit.storage.structure_observers import parsed
+from shardkit.storage.structure_observers import parsed, recall
 
 #: Non-torch globals that DeepSpeed ZeRO checkpoints contain (see module docstring for provenance).
 DEEPSPEED_SAFE_GLOBALS: tuple[str, ...] = (
@@ -340,6 +340,11 @@ def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | No
 
     p = Path(path)
     _check_file(p)
+    # parsed a moment ago in a verify (structure_observers.reusing_parses), through the same allow-list
+    reused = recall(p) if allowed is None else None
+    if reused is not None:
+        return reused
+    reusable = allowed is None
     storages: dict[str, _Storage] = {}
     # every tensor record as it is rebuilt, wherever it ends up (inside a stand-in iter_leaves cannot
     # walk, such as a ShardedTensor's shards): each gets its file offset below
@@ -374,7 +379,7 @@ def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | No
 
     try:
         with zipfile.ZipFile(p) as z, open(p, "rb") as fh:
-            names = z.namelist()
+            names, records = z.namelist(), z.infolist()
             pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if pkl is None:
                 raise CheckpointError(f"{p}: no data.pkl record: not a torch.save zip file")
@@ -416,7 +421,7 @@ def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | No
         if (ref.storage_offset + _extent(ref)) * ref.itemsize > ref.record_nbytes:
             raise CheckpointError(f"{p}: tensor {ref!r} reaches past the end of its storage record data/{ref.key} "
                                   f"({ref.record_nbytes} bytes): the file is corrupted")
-    parsed(p, obj)  # verify checks what a reader parses (structure_observers)
+    parsed(p, obj, records, reusable)  # verify checks what a reader parses, and its zip records (structure_observers)
     return obj
 
 

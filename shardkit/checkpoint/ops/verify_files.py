@@ -14,6 +14,7 @@ is missing, cut short, or whose structure no longer parses, not a changed byte i
 
 from __future__ import annotations
 
+import os
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 
 from shardkit.checkpoint.dcp.plain_metadata import read_plain_metadata
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.structure_observers import observe_structures
 from shardkit.storage.torch_load import DeepSpeedObjectStub, read_structure
 
 #: A zip record's local header: signature, then fixed fields; name and extra lengths at bytes 26-30.
@@ -44,17 +46,28 @@ class FileProblem:
     """True for what does not stop a resume (a .distcp file nothing references)."""
 
 
-_RECOPY = "re-copy the file from the machine that saved it, or resume from another checkpoint"
+RECOPY = "re-copy the file from the machine that saved it, or resume from another checkpoint"
 
 
 def torch_zip_problem(path: Path) -> str | None:
     """What is wrong with the zip structure of ``path`` (None: every record lies inside the file).
 
     Reads the central directory and 30 bytes per record (a DeepSpeed rank file has a few dozen)."""
-    size = path.stat().st_size
     try:
-        with zipfile.ZipFile(path) as z, open(path, "rb") as fh:
-            for info in z.infolist():
+        with zipfile.ZipFile(path) as z:
+            records = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error) as exc:
+        return _unreadable(path, exc)
+    return zip_records_problem(path, records)
+
+
+def zip_records_problem(path: Path, records: list[zipfile.ZipInfo]) -> str | None:
+    """``torch_zip_problem`` of ``path`` from its central directory ``records``, already read (by the reader's
+    parse: ``storage.structure_observers``): 30 bytes per record are read here, the directory not again."""
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as fh:
+            for info in records:
                 fh.seek(info.header_offset)
                 header = fh.read(_LOCAL_HEADER)
                 if len(header) < _LOCAL_HEADER or header[:4] != _LOCAL_SIGNATURE:
@@ -65,26 +78,49 @@ def torch_zip_problem(path: Path) -> str | None:
                 if end > size:
                     return (f"record {info.filename} ends at byte {end:,} but the file has {size:,} bytes: "
                             "cut short (an interrupted save or copy)")
-    except (zipfile.BadZipFile, OSError, ValueError, struct.error) as exc:
-        return (f"not a readable torch zip file ({type(exc).__name__}: {exc}; {size:,} bytes): truncated (the zip "
-                "directory is at the end of the file, so a cut copy loses it) or overwritten")
+    except (OSError, ValueError, struct.error) as exc:
+        return _unreadable(path, exc)
     return None
+
+
+def _unreadable(path: Path, exc: Exception) -> str:
+    try:
+        size = f"{os.stat(path).st_size:,} bytes"
+    except OSError:
+        size = "size unknown"
+    return (f"not a readable torch zip file ({type(exc).__name__}: {exc}; {size}): truncated (the zip directory is at "
+            "the end of the file, so a cut copy loses it) or overwritten")
 
 
 def check_torch_zip(folder: Path, rel: str) -> FileProblem | None:
     """What is wrong with the zip structure of ``folder/rel``, as a finding; None: every record lies inside it."""
     path = folder / rel
     problem = torch_zip_problem(path)
-    return None if problem is None else FileProblem(rel, f"{path}: {problem}", _RECOPY, "ckpt.structure.zip")
+    return None if problem is None else _zip_finding(path, rel, problem)
+
+
+def _zip_finding(path: Path, rel: str, problem: str) -> FileProblem:
+    return FileProblem(rel, f"{path}: {problem}", RECOPY, "ckpt.structure.zip")
 
 
 def parse_torch_file(folder: Path, rel: str) -> tuple[Any, FileProblem | None]:
-    """(its structure, None) or (None, its problem) for ``folder/rel``, whose zip ``check_torch_zip`` passed."""
+    """(its structure, None) or (None, its problem) for ``folder/rel``: its zip structure (``torch_zip_problem``)
+    and its pickle, the central directory read once (the parse's, ``zip_records_problem``) where it parses; a zip
+    problem is the one named where both are wrong, as when the zip was checked first."""
     path = folder / rel
+    seen: list[list[zipfile.ZipInfo]] = []
     try:
-        return read_structure(path), None
+        with observe_structures(lambda p, _structure, records: seen.append(records) if p == path else None):
+            structure = read_structure(path)
     except CheckpointError as exc:  # read_structure names a damaged length or nesting field too
-        return None, FileProblem(rel, str(exc), _RECOPY, "ckpt.structure.pickle")
+        problem = torch_zip_problem(path)
+        if problem is not None:
+            return None, _zip_finding(path, rel, problem)
+        return None, FileProblem(rel, str(exc), RECOPY, "ckpt.structure.pickle")
+    problem = zip_records_problem(path, seen[-1]) if seen else torch_zip_problem(path)
+    if problem is not None:
+        return None, _zip_finding(path, rel, problem)
+    return structure, None
 
 
 def _inside(rel: str) -> bool:
@@ -133,7 +169,7 @@ def dcp_problems(folder: Path, *, prefix: str = "") -> list[FileProblem]:
         size = path.stat().st_size
         if size < end:
             out.append(FileProblem(f"{prefix}{rel}", f"{path}: {size:,} bytes, but {meta} places item {key!r} up to "
-                                   f"byte {end:,}: cut short (an interrupted save or copy)", _RECOPY,
+                                   f"byte {end:,}: cut short (an interrupted save or copy)", RECOPY,
                                    "ckpt.structure.distcp"))
     for name, tensor in md.tensors.items():
         lost = [c.offsets for c in tensor.chunks if md.storage_info(name, c.offsets) is None]

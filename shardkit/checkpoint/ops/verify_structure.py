@@ -24,24 +24,27 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from zipfile import ZipInfo
 
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.checkpoint.layout.detect import describe_checkpoint
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.export.sources import Source, resolve_source
 from shardkit.checkpoint.ops.verify_files import (
+    RECOPY,
     FileProblem,
     check_torch_zip,
     dcp_problems,
     deepspeed_facts,
     parse_torch_file,
+    zip_records_problem,
 )
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.storage.manifest import MANIFEST_NAME, Manifest, seal
-from shardkit.storage.structure_observers import observe_structures
+from shardkit.storage.structure_observers import observe_structures, reusing_parses
 
 #: ZeRO-1/2's one model-states file (every rank's optimizer file beside it).
 ZERO12_MODEL = "mp_rank_00_model_states.pt"
@@ -131,7 +134,8 @@ def _compare_facts(report: StructureReport, seen: dict[str, tuple[str, Any]], re
 
 def _check_files(report: StructureReport, source: Source, top: Path, rels: list[str]) -> list[str]:
     """Step 2's byte checks, file by file: zip structures, DCP folders; returns the files whose pickle the
-    reader parses (``_parse_pending`` checks them once the reader has run, most of them from its own pass)."""
+    reader parses, their zips unchecked (``_parse_pending`` checks both once the reader has run, most of them
+    from its own pass: each file's central directory read once)."""
     pending: list[str] = []
     dcp_dirs = {str(Path(r).parent) for r in rels if r.rsplit("/", 1)[-1] == ".metadata"}
     orphans: set[str] = set()
@@ -151,7 +155,7 @@ def _check_files(report: StructureReport, source: Source, top: Path, rels: list[
                    "(rank 0, after every rank's data): the save did not complete or the copy lost it",
                    "re-copy the folder's .metadata, or resume from another checkpoint", "ckpt.structure.metadata")
         elif name.endswith(_TORCH_SUFFIXES):
-            problem = check_torch_zip(top, rel)
+            problem = None if _parsed(source.kind, rel) else check_torch_zip(top, rel)
             if problem is not None:
                 _add_problem(report, problem)
             elif _parsed(source.kind, rel):
@@ -160,14 +164,19 @@ def _check_files(report: StructureReport, source: Source, top: Path, rels: list[
 
 
 def _parse_pending(report: StructureReport, source: Source, top: Path, pending: list[str],
-                   parsed: dict[str, dict[str, Any]]) -> dict[str, tuple[str, Any]]:
-    """Step 2's pickle checks: each file in ``pending`` parses, and the ranks agree (``_compare_facts``);
-    a file the reader's pass parsed (``parsed``: its absolute path -> facts) is not parsed again, the
-    others (the reader stopped early, or does not read them) one at a time. Returns the facts seen."""
+                   parsed: dict[str, _Parsed]) -> dict[str, tuple[str, Any]]:
+    """Step 2's zip and pickle checks: each file in ``pending`` is a whole zip and parses, and the ranks agree
+    (``_compare_facts``); a file the reader's pass parsed (``parsed``: its absolute path -> what it found) is
+    not opened again, the others (the reader stopped early, or does not read them) one at a time. Returns the
+    facts seen."""
     seen: dict[str, tuple[str, Any]] = {}
     facts_wanted = source.kind in _DEEPSPEED_KINDS
     for rel in pending:
-        facts = parsed.get(os.path.abspath(top / rel))
+        found = parsed.get(os.path.abspath(top / rel))
+        if found is not None and found.zip_problem is not None:
+            _add_problem(report, FileProblem(rel, f"{top / rel}: {found.zip_problem}", RECOPY, "ckpt.structure.zip"))
+            continue
+        facts = found.facts if found is not None else None
         if facts is None:
             structure, problem = parse_torch_file(top, rel)
             if problem is not None:
@@ -251,6 +260,16 @@ def _check_ranks(report: StructureReport, source: Source, names: set[str], desc:
                      f"the folder holds rank files up to rank {world - 1}")
 
 
+@dataclass(frozen=True)
+class _Parsed:
+    """What verify keeps of one file the reader parsed (the structure itself is not kept)."""
+
+    facts: dict[str, Any]
+    """``deepspeed_facts`` of its structure."""
+    zip_problem: str | None
+    """``zip_records_problem`` of its central directory, as the parse read it."""
+
+
 @dataclass
 class _ReaderPass:
     """What the format's reader made of the checkpoint, run once: its model or what stopped it, and the
@@ -258,16 +277,17 @@ class _ReaderPass:
 
     ckpt: TrainingCheckpoint | None = None
     failure: Exception | None = None
-    parsed: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """A parsed file's absolute path (``os.path.abspath``: no system call per file) -> ``deepspeed_facts`` of its
-    structure (the structure is not kept)."""
+    parsed: dict[str, _Parsed] = field(default_factory=dict)
+    """A parsed file's absolute path (``os.path.abspath``: no system call per file) -> what verify keeps of it."""
 
 
 def _run_reader(source: Source) -> _ReaderPass:
     out = _ReaderPass()
 
-    def keep(path: Path, structure: Any) -> None:
-        out.parsed[os.path.abspath(path)] = deepspeed_facts(structure)
+    def keep(path: Path, structure: Any, records: list[ZipInfo]) -> None:
+        key = os.path.abspath(path)
+        if key not in out.parsed:  # a file the reader parses twice (rank 0's) is checked once
+            out.parsed[key] = _Parsed(deepspeed_facts(structure), zip_records_problem(path, records))
 
     with observe_structures(keep):
         try:
@@ -345,15 +365,17 @@ def verify_structure(path: str | Path, *, world_size: int | None = None,
                "checkpoint-N (`shardkit inspect PATH` says what a folder is)", "ckpt.structure.unknown")
         return report
     report.kind, report.tensor_folder = source.kind, str(source.tag_dir)
-    desc = _describe(report, path)
-    top, rels = _walk(source)
-    report.path = str(top)
-    pending = _check_files(report, source, top, rels)
-    # the reader parses most rank files anyway: it runs first, where the byte checks passed, and the pickle
-    # checks take its parses (one parse per file); its verdict is reported only if the files check whole
-    refused = desc is not None and bool(desc.refusals)
-    done = _run_reader(source) if report.ok and not refused else _ReaderPass()
-    seen = _parse_pending(report, source, top, pending, done.parsed)
+    # the layout detection, the reader's opening and its description each parse rank 0's files: parsed once
+    with reusing_parses():
+        desc = _describe(report, path)
+        top, rels = _walk(source)
+        report.path = str(top)
+        pending = _check_files(report, source, top, rels)
+        # the reader parses most rank files anyway: it runs first, where the byte checks passed, and the zip and
+        # pickle checks take its parses (one per file); its verdict is reported only if the files check whole
+        refused = desc is not None and bool(desc.refusals)
+        done = _run_reader(source) if report.ok and not refused else _ReaderPass()
+        seen = _parse_pending(report, source, top, pending, done.parsed)
     _check_ranks(report, source, {r for r in rels if "/" not in r}, desc, seen, top)
     if report.step is None and isinstance(seen.get("global_steps", ("", None))[1], int):
         report.step = seen["global_steps"][1]
