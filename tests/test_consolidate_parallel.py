@@ -21,6 +21,7 @@ from shardkit.storage.shared_save import launch_from_env
 from shardkit.storage.tags import STAGING_PREFIX
 from tests import test_reshard_parallel as reshard_tests
 from tests._ports import job_port
+from tests._slow_writes import slow_fsync_cli
 from tests.test_reshard_parallel import (
     TIMEOUT_S,
     _cli,
@@ -40,10 +41,13 @@ big = reshard_tests.big
 NAME = "model.safetensors"
 
 
-def _start(rank: int, world: int, src: Path, out: Path, port: str, *args: str, **extra: str) -> subprocess.Popen[str]:
-    """Process ``rank`` of ``world`` as torchrun would start it (MASTER_PORT tells this run's job apart)."""
+def _start(rank: int, world: int, src: Path, out: Path, port: str, *args: str, slow: bool = False,
+           **extra: str) -> subprocess.Popen[str]:
+    """Process ``rank`` of ``world`` as torchrun would start it (MASTER_PORT tells this run's job apart);
+    ``slow``: its every fsync takes seconds (tests/_slow_writes.py), so a kill lands mid-share."""
     env = _env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
-    return subprocess.Popen(_cli("consolidate", src, "-o", out / NAME, "--workers", "1", *args), env=env,
+    argv = ("consolidate", src, "-o", out / NAME, "--workers", "1", *args)
+    return subprocess.Popen(slow_fsync_cli(*argv) if slow else _cli(*argv), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -83,7 +87,7 @@ def test_a_process_killed_mid_copy_fails_the_run_naming_it(big, tmp_path):
     out = tmp_path / "out"
     fast = {"SHARDKIT_STALE_S": "3"}
     port = job_port()
-    r1 = _start(1, 2, big, out, port, **fast)
+    r1 = _start(1, 2, big, out, port, slow=True, **fast)  # slowed: still copying when the kill comes
     r0 = _start(0, 2, big, out, port, **fast)
     try:
         staged = _wait_for(out, f"{STAGING_PREFIX}{NAME}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests import _ranks_zero3 as R
+from tests._slow_writes import slow_fsync_cli
 
 pytestmark = pytest.mark.slow
 
@@ -177,7 +178,9 @@ def test_an_output_folder_removed_mid_write_fails_and_publishes_nothing(sources,
 
     big = scale_checkpoint(sources["fp32"], tmp_path / "big", 150).parent
     out = tmp_path / "out"
-    run = subprocess.Popen([sys.executable, "-m", "shardkit", "reshard", str(big), "--world-size", "3", "-o", str(out)],
+    # fsyncs slowed (tests/_slow_writes.py): the whole 250 MB write can end between two polls of a test
+    # process the load keeps off the CPU, and the folder removed would be the published checkpoint (exit 0)
+    run = subprocess.Popen(slow_fsync_cli("reshard", big, "--world-size", "3", "-o", out),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -79,9 +79,12 @@ def test_two_processes_under_torchrun_write_the_bytes_one_process_writes(sources
     assert verify.returncode == 0, verify.stdout
 
 
-def _start_rank(rank: int, world: int, src: Path, out: Path, port: str, **extra: str) -> subprocess.Popen[str]:
+def _start_rank(rank: int, world: int, src: Path, out: Path, port: str, slow: bool = False,
+                **extra: str) -> subprocess.Popen[str]:
+    """``slow``: every fsync of the process takes seconds (tests/_slow_writes.py), so a kill lands mid-share."""
     env = _env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
-    return subprocess.Popen(_cli("reshard", src, "--world-size", "3", "-o", out, "--workers", "1"), env=env,
+    argv = ("reshard", src, "--world-size", "3", "-o", out, "--workers", "1")
+    return subprocess.Popen(slow_fsync_cli(*argv) if slow else _cli(*argv), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -99,7 +102,9 @@ def test_a_rank_killed_mid_write_fails_the_run_naming_it(big, tmp_path):
     out = tmp_path / "out"
     fast = {"SHARDKIT_STALE_S": "3"}
     port = job_port()
-    r1 = _start_rank(1, 2, big, out, port, **fast)
+    # rank 1's fsyncs slowed: its whole share took under a second, and a test process the load kept
+    # off the CPU that long would kill a rank that had finished (rank 0 then publishes: exit 0, not 1)
+    r1 = _start_rank(1, 2, big, out, port, slow=True, **fast)
     r0 = _start_rank(0, 2, big, out, port, **fast)
     try:
         _wait_for(out, f"{STAGING_PREFIX}*/.shardkit-verdict.json")  # both agreed: rank 1 writes its share now
@@ -169,7 +174,9 @@ def test_sigterm_mid_write_stops_the_writers_and_removes_the_staging_folder(big,
     (out / "older").mkdir()
     scale_checkpoint(big, out, 1)  # a checkpoint already there: 'latest' must still name it afterwards
     before = (out / "latest").read_text()
-    run = subprocess.Popen(_cli("reshard", big, "--world-size", "3", "-o", out, "--tag", "new"), env=_env(),
+    # fsyncs slowed (tests/_slow_writes.py): the rest of the 250 MB write can end between two polls of a
+    # test process the load keeps off the CPU, and the SIGTERM then comes after the publish (exit 0)
+    run = subprocess.Popen(slow_fsync_cli("reshard", big, "--world-size", "3", "-o", out, "--tag", "new"), env=_env(),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(out, f"{STAGING_PREFIX}new/*optim_states.pt")
