@@ -104,7 +104,9 @@ def test_a_rank_that_exits_before_preflight_is_named_within_the_timeout():
     assert r1 == {"exited": True}
     assert r0["ok"] is False
     assert r0["text"].startswith("ranks [1] of 2 did not reach the placement preflight within 3s")
-    assert r0["elapsed"] < 3.0 + 10  # the deadline, plus building the model; never a hang
+    # the deadline plus the preflight's first imports (torch.distributed.fsdp ...): 10.2 s measured at load 8.6
+    # on 2 cores, so 3 + 30 as in test_hostile_env; a hang would be the ranks' 120 s timeout
+    assert r0["elapsed"] < 3.0 + 30
 
 
 def test_a_rank_that_arrives_after_the_others_gave_up_fails_the_same_way():
