@@ -41,7 +41,7 @@ _LAZY: dict[str, str] = {
     "verify_checkpoint": "shardkit.storage.verify",
     "check_resumable": "shardkit.storage.verify",
     "check_resumable_distributed": "shardkit.storage.verify",
-    "load_dcp_state": "shardkit.checkpoint.dcp.reader",
+    "load_dcp_state": "shardkit.checkpoint.dcp.safe_load",
     "save_deepspeed_checkpoint": "shardkit.checkpoint.ops.save_zero3",
     "replace_optimizer_state": "shardkit.placement.replace",
     "plan_optimizer_moves": "shardkit.placement.replace",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
 from shardkit.checkpoint.readers.deepspeed_scalars import step_value
 from shardkit.checkpoint.writers.dcp_format import (
     Stored,
@@ -112,7 +112,7 @@ def test_written_files_are_what_dcp_save_writes_and_load_bit_for_bit(tmp_path):
     assert torch.equal(entry["exp_avg"], state["optim"]["state"]["w"]["exp_avg"]) and entry["step"].item() == 3.0
     assert got["optim"]["param_groups"] == state["optim"]["param_groups"]
     # and into a training run's own tensors, through shardkit's restricted reader
-    from shardkit.checkpoint.dcp.reader import load_dcp_state
+    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 
     into = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
     load_dcp_state(into, ours)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.dcp.reader import load_dcp_state
+from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 from shardkit.checkpoint.ops.convert.names import build_name_map
 from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
 from shardkit.core.errors import CheckpointError
@@ -124,7 +124,7 @@ def test_written_like_dcp_save_and_read_straight_from_the_files(converted, tmp_p
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, _load_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
     from shardkit.checkpoint.dcp.slices import DcpSlices
     from shardkit.checkpoint.ops.convert.to_dcp_plan import ADAMW_GROUP_DEFAULTS
     from tests.test_dcp_plain_metadata import assert_same_as_torch
@@ -488,7 +488,7 @@ def test_two_processes_under_torchrun_write_what_one_process_writes(source, tmp_
     import subprocess
     import sys
 
-    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
     from shardkit.storage.manifest import read_manifest
 
     one, two = tmp_path / "one", tmp_path / "two"

@@ -22,7 +22,7 @@ def assert_same_as_torch(path: Path) -> DcpMetadata:
     planner paths, each item's file, offset and length); returns it."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
 
     ours, real = read_plain_metadata(path), read_dcp_metadata(path)
     assert list(ours.keys) == list(real.state_dict_metadata)
@@ -93,7 +93,7 @@ def test_a_poisoned_metadata_is_refused_by_name_and_nothing_runs(tmp_path):
 @pytest.mark.parametrize("reader", ["plain", "torch"])
 def test_truncated_foreign_and_missing_files_are_named(tmp_path, reader):
     """Both readers (torch-free, and the one dcp.load uses) name the file, what is wrong and the fix."""
-    from shardkit.checkpoint.dcp.reader import read_dcp_metadata
+    from shardkit.checkpoint.dcp.safe_load import read_dcp_metadata
 
     read = read_plain_metadata if reader == "plain" else read_dcp_metadata
     d = _save(tmp_path, {"w": torch.arange(6.0)})

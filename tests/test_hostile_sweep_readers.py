@@ -202,7 +202,7 @@ def test_a_rank_file_holding_no_tensor_where_one_belongs_is_named(sweep_sources,
 def test_a_dcp_metadata_whose_chunks_do_not_fit_is_named(sweep_sources, tmp_path):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    from shardkit.checkpoint.dcp.reader import load_dcp_state
+    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 
     src = sweep_sources.copy("fsdp2", tmp_path)
     tag = src / "step2"

@@ -248,7 +248,7 @@ def _dcp_dir(tmp_path: Path) -> Path:
 
 
 def test_dcp_state_loads_through_the_safe_reader(tmp_path):
-    from shardkit.checkpoint.dcp.reader import load_dcp_state
+    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 
     d = _dcp_dir(tmp_path)
     state = {"w": torch.zeros(6), "lr": 0.0}
@@ -257,7 +257,7 @@ def test_dcp_state_loads_through_the_safe_reader(tmp_path):
 
 
 def test_poisoned_dcp_metadata_is_refused_without_running_it(tmp_path):
-    from shardkit.checkpoint.dcp.reader import load_dcp_state
+    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 
     d = _dcp_dir(tmp_path)
     marker = tmp_path / "ran"
@@ -270,7 +270,7 @@ def test_poisoned_dcp_metadata_is_refused_without_running_it(tmp_path):
 def test_dcp_bytes_item_that_would_run_code_is_refused(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from shardkit.checkpoint.dcp.reader import load_dcp_state
+    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 
     marker = tmp_path / "ran"
     d = tmp_path / "dcp"

@@ -74,7 +74,7 @@ def test_dcp_load_reads_the_metadata_with_torch_2_6s_reader(monkeypatch, tmp_pat
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from shardkit.checkpoint.dcp.reader import load_dcp_state
+    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 
     saved = {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}}
     dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)

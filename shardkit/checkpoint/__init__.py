@@ -21,5 +21,5 @@ Every writer goes through ``io.staged_save.atomic_checkpoint``: a save is writte
 replaced, so a save killed at any point leaves the previous checkpoint and its ``latest`` pointer
 intact (re-saving an existing tag keeps a loadable copy named by ``latest`` until the new one is in
 place). Every loader checks the manifest first (``io.verify.check_resumable_distributed``) and
-unpickles nothing outside an allow-list (``io.torch_load``, ``dcp.reader``).
+unpickles nothing outside an allow-list (``io.torch_load``, ``dcp.safe_load``).
 """

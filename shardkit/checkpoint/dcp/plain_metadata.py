@@ -1,6 +1,6 @@
 """A DCP ``.metadata`` file read without torch, as plain frozen dataclasses.
 
-``dcp.reader.read_dcp_metadata`` rebuilds torch's own ``Metadata`` objects (for ``dcp.load``),
+``dcp.safe_load.read_dcp_metadata`` rebuilds torch's own ``Metadata`` objects (for ``dcp.load``),
 which needs ``import torch`` (1.2 s, 224 MB here) even where a converter only wants to know which
 byte ranges of which ``.distcp`` file hold a tensor. ``read_plain_metadata`` reads the same pickle
 through the same allow-list (the globals ``dcp.save`` writes, refused by name before anything is
@@ -33,8 +33,10 @@ from typing import Any
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import Dtype
 
+METADATA_NAME = ".metadata"
+"""The file that makes a folder a complete DCP checkpoint (``dcp.save`` writes it last, on rank 0)."""
 _MD = "torch.distributed.checkpoint.metadata"
-#: The allow-list, shared with ``reader`` (which resolves the same names to torch's classes).
+#: The allow-list, shared with ``safe_load`` (which resolves the same names to torch's classes).
 METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
                     "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
 PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
@@ -121,15 +123,25 @@ class _Unpickler(pickle.Unpickler):
             return tuple
         if module == "torch" and _DTYPE_NAME.match(name):
             return Dtype(name)
-        if module == "pathlib" and name in PATH_CLASSES:
-            import pathlib
+        plain = plain_global(module, name)
+        if plain is None:
+            raise refused_global(self._source, module, name)
+        return plain
 
-            return getattr(pathlib, name)  # builds a path object from strings; no I/O
-        if (module, name) == ("collections", "OrderedDict"):
-            import collections
 
-            return collections.OrderedDict
-        raise refused_global(self._source, module, name)
+def plain_global(module: str, name: str) -> Any | None:
+    """The allowed globals that are not torch's (the same object for both unpicklers), else None: pathlib's
+    paths (``StorageMeta.checkpoint_id``; a path is built from strings, no I/O) and ``OrderedDict`` (older
+    writers)."""
+    if module == "pathlib" and name in PATH_CLASSES:
+        import pathlib
+
+        return getattr(pathlib, name)
+    if (module, name) == ("collections", "OrderedDict"):
+        import collections
+
+        return collections.OrderedDict
+    return None
 
 
 def refused_global(source: str, module: str, name: str) -> CheckpointError:

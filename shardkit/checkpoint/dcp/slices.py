@@ -13,7 +13,7 @@ transform (``transform_descriptors``), a stored (uncompressed) zip with exactly 
 the chunk's size, and a ``data.pkl`` that rebuilds one tensor from that record with storage offset 0,
 the chunk's shape and contiguous strides (read by a restricted unpickler that only records the
 arguments; nothing is constructed or called). Chunks split along dim 0 only (FSDP2's ``Shard(0)``).
-Anything else answers ``None`` and the caller reads that tensor through ``load_dcp_state``.
+Anything else answers ``None`` and the caller reads that tensor through ``safe_load.load_dcp_state``.
 
 The same checks give what else a converter needs without torch: a tensor stored whole (a buffer, an
 Adam ``step``) as a ``TensorRef`` to its record (``tensor_ref``, ``scalar``), a non-tensor item's
@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, StorageInfo, read_plain_metadata
-from shardkit.checkpoint.dcp.reader import METADATA_NAME
+from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, StorageInfo, read_plain_metadata
 from shardkit.checkpoint.model.tensors import contiguous_strides
 from shardkit.storage.torch_load import ITEMSIZE, STORAGE_DTYPES, TensorRef
 from shardkit.storage.torch_zip import pread_exact

@@ -11,7 +11,7 @@ import math
 import struct
 from pathlib import Path
 
-from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, read_plain_metadata
+from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, read_plain_metadata
 from shardkit.checkpoint.dcp.slices import DcpSlices
 from shardkit.checkpoint.hf_trainer.fsdp_files import (
     SHARDED_PER_RANK,
@@ -23,7 +23,6 @@ from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef, read_structure
 
-METADATA_NAME = ".metadata"
 #: Weight files of a folder from_pretrained loads as it is.
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 #: A safetensors header is read only up to this size (the format's own limit is 100 MB).

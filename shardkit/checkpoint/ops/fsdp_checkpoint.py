@@ -21,7 +21,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state, read_dcp_metadata
+from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME
+from shardkit.checkpoint.dcp.safe_load import load_dcp_state, read_dcp_metadata
 from shardkit.checkpoint.writers.dcp import MODEL_KEY, OPTIM_KEY
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError

@@ -5,7 +5,7 @@ tensor's stored chunks are located with ``dcp.slices.DcpSlices`` (dim-0 slabs in
 records: one byte range each). Model tensors are the keys under ``model.`` (shardkit's
 ``save_fsdp_checkpoint`` saves ``{"model": ..., "optim": ...}``, accelerate's FSDP save of the
 Trainer ``{"model": ...}``). A tensor whose chunks cannot be read as byte ranges is read whole
-through ``load_dcp_state`` (that tensor alone in memory).
+through ``dcp.safe_load.load_dcp_state`` (that tensor alone in memory).
 
 Where the folder holds shardkit's optimizer state (``optim.state.<fqn>.{exp_avg,exp_avg_sq,step}``
 and ``optim.param_groups.<i>.<key>``, as ``get_state_dict`` flattens a torch Adam/AdamW), it is
@@ -24,8 +24,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, read_plain_metadata
-from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state
+from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, read_plain_metadata
+from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 from shardkit.checkpoint.dcp.slices import DcpSlices
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor

@@ -28,8 +28,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from shardkit.checkpoint.dcp.plain_metadata import DcpMetadata, TensorMeta, read_plain_metadata
-from shardkit.checkpoint.dcp.reader import METADATA_NAME, load_dcp_state
+from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, TensorMeta, read_plain_metadata
+from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 from shardkit.checkpoint.dcp.slices import DcpSlices
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor

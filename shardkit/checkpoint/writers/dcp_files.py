@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-from shardkit.checkpoint.dcp.reader import METADATA_NAME
+from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.writers.dcp import DcpItems
 from shardkit.checkpoint.writers.dcp_format import (

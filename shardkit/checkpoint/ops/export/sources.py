@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardkit.checkpoint.dcp.reader import METADATA_NAME
+from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME
 from shardkit.checkpoint.hf_trainer.folder import checkpoint_dirs
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, per_rank_kind, read_by_shardkit, unread_why
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME

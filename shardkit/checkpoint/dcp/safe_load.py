@@ -30,16 +30,14 @@ from typing import Any
 
 from shardkit.checkpoint.dcp.plain_metadata import (
     METADATA_CLASSES,
-    PATH_CLASSES,
+    METADATA_NAME,
     READ_ERRORS,
     not_metadata,
+    plain_global,
     refused_global,
     unreadable,
 )
 from shardkit.core.errors import CheckpointError
-
-METADATA_NAME = ".metadata"
-
 
 
 def _allowed_global(module: str, name: str) -> Any | None:
@@ -60,15 +58,7 @@ def _allowed_global(module: str, name: str) -> Any | None:
         return getattr(torch, name)
     if module == "torch.serialization" and name == "_get_layout":
         return torch.serialization._get_layout
-    if module == "pathlib" and name in PATH_CLASSES:
-        import pathlib
-
-        return getattr(pathlib, name)
-    if module == "collections" and name == "OrderedDict":
-        import collections
-
-        return collections.OrderedDict
-    return None
+    return plain_global(module, name)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
