@@ -307,7 +307,7 @@ def _check_reader(report: StructureReport, source: Source, done: _ReaderPass) ->
     if exc is not None:
         # verify reports, it never ends in a traceback: a reader that meets damage it does not name itself is
         # one more finding, the exception's first line shown (torch's DCP CheckpointException, a BaseException,
-        # no longer leaves the readers: dcp.reader.load_dcp_state names the item's file instead)
+        # no longer leaves the readers: dcp.safe_load.load_dcp_state names the item's file instead)
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         _error(report, source.kind, None, f"{source.tag_dir}: its files do not hold what their names promise "
                f"({type(exc).__name__}: {first})", "re-copy the checkpoint, or resume from another one",
