@@ -127,6 +127,46 @@ def test_truncated_rank_file_is_named_when_read(copy_of):
         gather_param(ckpt, ckpt.slots[0])
 
 
+@pytest.mark.parametrize("label", LABELS)
+def test_the_readers_windows_hold_the_bytes_of_the_ranks_overlapping_them(sources, label):
+    """readers.zero3 stores no piece list: a window of elements gets the pieces of the ranks holding it,
+    clipped to it, and their bytes are those elements of the master (and of each Adam moment)."""
+    from shardkit.checkpoint.model.tensors import Pieces
+    from shardkit.checkpoint.readers.zero3 import read_zero3
+
+    tag_dir = open_zero3_checkpoint(sources[label]).tag_dir
+    model = read_zero3(tag_dir, lazy=True)
+    masters, moments = _independent_gather(tag_dir, FP32), _independent_gather(tag_dir, "exp_avg")
+    for name, expected in [*((n, masters[n]) for n in masters), *((f"{n}.exp_avg", moments[n]) for n in moments)]:
+        t = model.weights[name] if name in masters else model.optimizer[name[: -len(".exp_avg")]]["exp_avg"]
+        assert isinstance(t.pieces, Pieces) and t.covered()
+        flat = expected.reshape(-1)
+        for lo, hi in ((0, t.numel), (t.numel // 3, min(t.numel, t.numel // 3 + 5)), (t.numel - 1, t.numel)):
+            got, at = [], lo
+            for piece in t.pieces_in(lo, hi):
+                assert piece.start == at, f"{name}[{lo}:{hi}]: pieces out of order or overlapping"
+                with open(piece.file, "rb") as fh:
+                    fh.seek(piece.offset)
+                    got.append(torch.frombuffer(bytearray(fh.read(piece.numel * flat.element_size())), dtype=flat.dtype))
+                at += piece.numel
+            assert at == hi and torch.equal(torch.cat(got) if got else flat[:0], flat[lo:hi]), f"{name}[{lo}:{hi}]"
+
+
+def test_a_lazy_read_names_a_damaged_rank_file_when_its_pieces_are_asked_for(copy_of):
+    from shardkit.checkpoint.readers.zero3 import read_zero3
+
+    root = copy_of("fp32")
+    victim = root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=rf"{victim}: cannot be read as a torch checkpoint"):
+        read_zero3(root / "global_step2")  # eager (the default): every rank file parsed before anything is written
+    model = read_zero3(root / "global_step2", lazy=True)  # rank 0's files alone are read
+    t = next(iter(model.weights.values()))
+    assert list(t.pieces_in(0, 1))[0].file.name == "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with pytest.raises(CheckpointError, match=rf"{victim}: cannot be read as a torch checkpoint"):
+        list(t.pieces_in(0, t.numel))
+
+
 def test_latest_pointing_nowhere_and_ambiguous_root(copy_of):
     root = copy_of("fp32")
     (root / "latest").write_text("global_step9")

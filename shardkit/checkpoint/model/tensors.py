@@ -58,13 +58,13 @@ class Piece:
 
 class Pieces(Sequence[Piece]):
     """Pieces computed on demand (a reader's layout arithmetic), in element order, each covering the
-    elements after the one before: subclasses give ``__len__``, ``piece`` and ``first_at``."""
+    elements after the one before: subclasses give ``__len__``, ``piece`` and ``overlapping``."""
 
     def piece(self, i: int) -> Piece:
         raise NotImplementedError
 
-    def first_at(self, element: int) -> int:
-        """Index of the piece holding ``element`` (``len(self)`` when past the end)."""
+    def overlapping(self, lo: int, hi: int) -> range:
+        """Indices of the pieces holding elements of ``[lo, hi)``."""
         raise NotImplementedError
 
     @overload
@@ -83,12 +83,10 @@ class Pieces(Sequence[Piece]):
         return self.piece(i)
 
     def within(self, lo: int, hi: int) -> Iterator[Piece]:
-        """The pieces holding elements of ``[lo, hi)`` (not clipped), found by arithmetic, not a scan."""
-        for i in range(self.first_at(lo), len(self)):
-            p = self.piece(i)
-            if p.start >= hi:
-                return
-            yield p
+        """The pieces holding elements of ``[lo, hi)`` (not clipped), found by arithmetic, not a scan:
+        no other piece is computed (a ZeRO-3 rank file is parsed only when one of its pieces is asked for)."""
+        for i in self.overlapping(lo, hi):
+            yield self.piece(i)
 
 
 @dataclass

@@ -173,8 +173,9 @@ class RankPieces(Pieces):
     def __len__(self) -> int:
         return self._count
 
-    def first_at(self, element: int) -> int:
-        return min(self._count, max(0, element) // max(1, self._slot.partition_numel))
+    def overlapping(self, lo: int, hi: int) -> range:
+        partition = max(1, self._slot.partition_numel)
+        return range(min(self._count, max(0, lo) // partition), min(self._count, -(-max(0, hi) // partition)))
 
     def piece(self, i: int) -> Piece:
         slot, ckpt = self._slot, self._files.ckpt

@@ -96,11 +96,6 @@ class Zero3Checkpoint:
         """Aliases: ``{name not stored: name that holds the data}`` (tied weights)."""
         return dict(self.model_state.get("shared_params") or {})
 
-    def buffers(self) -> dict[str, "torch.Tensor"]:
-        names = self.model_state.get("buffer_names") or []
-        module = self.model_state.get("module") or {}
-        return {n: module[n] for n in names if n in module}
-
     @contextmanager
     def open_rank(self, rank: int) -> Iterator["RankPartitions"]:
         """Map one rank's optim file; its pages are released when the block ends."""
@@ -193,16 +188,6 @@ class RankPartitions:
                 "The rank files come from different saves or the file is damaged."
             )
         return t.reshape(-1)
-
-    def scalar_state(self, sub_group: int) -> dict[str, Any]:
-        """Non-partitioned optimizer state of a sub-group (``step``), identical on every rank."""
-        entry = self._state.get(sub_group) or {}
-        return {k: v for k, v in entry.items() if k not in self.ckpt.state_keys}
-
-    def param_slice(self, slot: ParamSlot, key: str) -> "torch.Tensor":
-        """This rank's unpadded piece of ``slot``: full-parameter elements ``slot.rank_range(rank)``."""
-        start, stop = slot.rank_range(self.rank)
-        return self.flat(key, slot.sub_group).narrow(0, slot.offset, stop - start)
 
 
 def zero3_optimizer_sd(sd: Any, path: Path) -> dict[str, Any]:
