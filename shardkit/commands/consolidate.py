@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replace FILE if it exists (only ever a regular file, never one inside a checkpoint)")
     add_no_verify(p)
     p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="source files hashed and rank files copied at once, per process (default: one per file, at least the "
+                   help="source files hashed and output windows copied at once, per process (default: one per file, at least the "
                         "usable cores, at most max(cores, 8))")
     add_dry_run(p)
     add_json(p)
@@ -56,7 +56,7 @@ def consolidate_command(args: argparse.Namespace) -> int:
     from shardkit.storage.pipeline import CHECKED_LEVELS
 
     if args.workers is not None and args.workers < 1:
-        raise UsageError(f"--workers {args.workers}: must be at least 1 (rank files copied at once)")
+        raise UsageError(f"--workers {args.workers}: must be at least 1 (output windows copied at once)")
     if args.dry_run:
         return _dry_run(args)
     clock = Stopwatch()

@@ -79,7 +79,7 @@ def consolidate_zero3(
     (default: from ``srun``/``torchrun``'s variables; one process does everything without them).
     """
     if workers is not None and workers < 1:
-        raise UsageError(f"workers={workers}: must be at least 1 (rank files copied at once)")
+        raise UsageError(f"workers={workers}: must be at least 1 (output windows copied at once)")
     out_name = output_dtype(dtype)
     refuse_unsupported(checkpoint, "consolidate")  # a layout nothing converts correctly: refused before anything is read
     source = _source(checkpoint)
