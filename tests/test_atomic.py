@@ -27,6 +27,27 @@ def test_failed_write_leaves_the_old_file_and_no_temporaries(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 
 
+
+def test_an_interrupt_landing_as_the_temporary_is_created_removes_it(tmp_path, monkeypatch):
+    # CI: SIGTERM (the CLI raises it as an exception at the next bytecode) arrived just as open()
+    # returned, before the file object was bound: the temporary stayed, though the run said removed
+    import builtins
+
+    from shardkit.storage import atomic
+
+    def open_then_interrupted(path, mode="r", *args, **kwargs):
+        builtins.open(path, mode, *args, **kwargs).close()  # the file exists, as after the syscall
+        raise KeyboardInterrupt
+
+    target = tmp_path / "model.safetensors"
+    atomic_write_text(target, "old")
+    monkeypatch.setattr(atomic, "open", open_then_interrupted, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_open(target, "wb"):
+            pass
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+    assert target.read_text() == "old"
+
 def test_atomic_save_round_trips_a_tensor(tmp_path):
     import torch
 

@@ -161,8 +161,12 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
         raise ValueError(f"atomic_open is for writing; mode {mode!r} has no 'w'")
     final = Path(path)
     tmp = _temp_name(final)
-    fh = open(tmp, mode)
+    fh: IO[Any] | None = None
     try:
+        # opened inside the try: a SIGTERM (raised as an exception by the CLI) that lands as open()
+        # returns, after the file exists but before ``fh`` is bound, still removes it (CI: a stopped
+        # consolidate left its ``.model.safetensors.tmp-*`` behind while saying it had removed it)
+        fh = open(tmp, mode)
         yield fh
         fh.flush()
         os.fsync(fh.fileno())
@@ -170,9 +174,11 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
         os.replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException:
-        fh.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        with signals_deferred():  # a second signal must not cut the removal short
+            if fh is not None:
+                fh.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         raise
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
