@@ -218,13 +218,21 @@ def publish_dir(staged: str | os.PathLike[str], final: str | os.PathLike[str]) -
     staged, final = Path(staged), Path(final)
     fsync_tree(staged)
     old: Path | None = None
-    if final.exists():
-        old = final.with_name(f"{STAGING_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-    os.replace(staged, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    # the swap runs with SIGINT/SIGTERM held: one landing between the two renames left ``final``
+    # missing, the old output under a staging name and the new one removed by the caller's clean-up
+    with signals_deferred():
+        if final.exists():
+            old = final.with_name(f"{STAGING_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
+            _rename(final, old)
+        try:
+            _rename(staged, final)
+        except BaseException:
+            if old is not None:
+                _rename(old, final)  # the new folder could not be put in place: the old one goes back
+            raise
+        fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 def _link_copy(src: Path, dst: Path) -> None:
     """A complete copy of ``src`` at ``dst`` made of hard links (no data copied); plain copies where

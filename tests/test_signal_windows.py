@@ -1,0 +1,82 @@
+"""A SIGTERM (raised by the CLI as an exception, ``cli.Terminated``) or a Ctrl-C landing at any step of a
+write leaves either the old output or the new one, complete, and no staging folder or temporary behind.
+
+Each test makes the signal arrive at one exact step: a stand-in for the step does the step's work, then
+sends the signal to this thread (``signal.raise_signal``: delivered at once, its Python handler runs at the
+next bytecode), as a real signal landing just after the system call returned would. No timing involved.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+import shardkit.storage.atomic as atomic
+from shardkit.storage.atomic import publish_dir
+
+
+@pytest.fixture
+def sigterm_raises():
+    """SIGTERM handled as the CLI handles it: ``Terminated`` raised in the main thread."""
+    from shardkit.cli import Terminated
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield Terminated
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _folder(path: Path, content: str) -> Path:
+    path.mkdir()
+    (path / "model.safetensors").write_text(content)
+    return path
+
+
+def test_sigterm_between_the_two_renames_of_a_forced_publish_keeps_a_complete_output(tmp_path, monkeypatch,
+                                                                                     sigterm_raises):
+    # export --force / reshard --force: the old output was renamed aside, the new one not yet in place,
+    # when SIGTERM came; the caller then removed its staging folder: the output was gone, the old one
+    # left under a .shardkit-tmp-old-* name nothing removes or restores
+    final = _folder(tmp_path / "out", "old")
+    staged = _folder(tmp_path / ".shardkit-tmp-out-1@host-0000abcd", "new")
+    real_rename, calls = atomic._rename, []
+
+    def rename_then_sigterm(src, dst):
+        real_rename(src, dst)
+        calls.append(dst)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(atomic, "_rename", rename_then_sigterm)
+    with pytest.raises(sigterm_raises):
+        try:
+            publish_dir(staged, final)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)  # what export_hf and reshard_trainer do on any failure
+            raise
+    assert os.listdir(tmp_path) == ["out"]
+    assert (final / "model.safetensors").read_text() == "new"  # the signal waited for the swap to finish
+
+
+def test_a_failed_rename_into_place_puts_the_old_output_back(tmp_path, monkeypatch):
+    final = _folder(tmp_path / "out", "old")
+    staged = _folder(tmp_path / ".shardkit-tmp-out-1@host-0000abcd", "new")
+    real_rename, calls = atomic._rename, []
+
+    def second_fails(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(atomic, "_rename", second_fails)
+    with pytest.raises(OSError, match="No space left"):
+        publish_dir(staged, final)
+    assert sorted(os.listdir(tmp_path)) == [".shardkit-tmp-out-1@host-0000abcd", "out"]
+    assert (final / "model.safetensors").read_text() == "old"
