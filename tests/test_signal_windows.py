@@ -80,3 +80,29 @@ def test_a_failed_rename_into_place_puts_the_old_output_back(tmp_path, monkeypat
         publish_dir(staged, final)
     assert sorted(os.listdir(tmp_path)) == [".shardkit-tmp-out-1@host-0000abcd", "out"]
     assert (final / "model.safetensors").read_text() == "old"
+
+
+def test_a_signal_landing_while_the_handlers_are_swapped_is_deferred_and_no_handler_is_left_swapped(
+        monkeypatch, sigterm_raises):
+    # signals_deferred installs its handler for SIGINT, then SIGTERM: a SIGTERM between the two ran the
+    # CLI's handler, whose exception escaped the swap with SIGINT's handler left recording (Ctrl-C ignored)
+    from shardkit.storage.atomic import signals_deferred
+
+    real_signal, swaps = signal.signal, []
+
+    def swap_then_sigterm(sig, handler):
+        previous = real_signal(sig, handler)
+        swaps.append(sig)
+        if len(swaps) == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return previous
+
+    int_before, term_before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    steps = []
+    monkeypatch.setattr(signal, "signal", swap_then_sigterm)
+    with pytest.raises(sigterm_raises):
+        with signals_deferred():
+            monkeypatch.setattr(signal, "signal", real_signal)  # only the first swap is watched
+            steps.append("clean-up finished")
+    assert steps == ["clean-up finished"]
+    assert signal.getsignal(signal.SIGINT) is int_before and signal.getsignal(signal.SIGTERM) is term_before

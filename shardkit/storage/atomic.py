@@ -45,14 +45,31 @@ def signals_deferred() -> Iterator[None]:
         return
     came: list[int] = []
     held = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda signum, _frame: came.append(signum)) for sig in held}
+    # the handlers are swapped with both signals blocked: one landing between the two swaps ran the
+    # other's handler mid-swap, whose exception left SIGINT (or SIGTERM) ignored for the rest of the run
+    with _blocked(held):
+        previous = {sig: signal.signal(sig, lambda signum, _frame: came.append(signum)) for sig in held}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        with _blocked(held):
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if came:
             signal.raise_signal(came[0])  # the handler the block held off now runs as it would have
+
+@contextlib.contextmanager
+def _blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """``signals`` blocked by the OS for the block (main thread), then delivered: to the handlers in
+    place by then, since Python looks a handler up when it runs it."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - Windows
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 def is_disk_full(exc: BaseException) -> bool:
     """True for the errors a full disk (or an exhausted quota) surfaces as: OSError ENOSPC/EDQUOT,
