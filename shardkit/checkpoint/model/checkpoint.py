@@ -16,11 +16,12 @@ loader where bytes cannot be described so), keyed by the parameter's name in the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.model.tensors import SourceTensor, refuse_uncovered
 
 
 @dataclass
@@ -56,7 +57,18 @@ class TrainingCheckpoint:
         """Names of the trainable parameters, in model order."""
         return [n for n in self.weights if n not in self.frozen and n not in self.buffers]
 
+    def all_tensors(self) -> Iterator[tuple[str, SourceTensor]]:
+        """Every tensor with what it is: the weights by name, each optimizer state as ``exp_avg of 'w'``."""
+        yield from self.weights.items()
+        for name, states in self.optimizer.items():
+            for state, t in states.items():
+                yield f"{state} of {name!r}", t
+
     def uncovered(self) -> list[str]:
         """Tensors whose pieces do not cover every element exactly once (checked before writing)."""
-        tensors = [*self.weights.values(), *(t for states in self.optimizer.values() for t in states.values())]
-        return [t.name for t in tensors if not t.covered()]
+        return [t.name for _, t in self.all_tensors() if not t.covered()]
+
+    def refuse_uncovered(self) -> None:
+        """CheckpointError naming the first tensor (weights, then optimizer states) whose pieces do not
+        hold every element exactly once, and where (``tensors.refuse_uncovered``)."""
+        refuse_uncovered(self.folder, self.all_tensors())

@@ -15,11 +15,12 @@ of the ranks overlapping it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, overload
 
+from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import ITEMSIZE
 
 if TYPE_CHECKING:
@@ -102,6 +103,9 @@ class SourceTensor:
     list append to it."""
     load: Callable[[], "torch.Tensor"] | None = None
     """Reads the whole tensor (only where ``pieces`` cannot describe it)."""
+    index_fault: str | None = None
+    """Set by a reader whose source's own index of the tensor's chunks does not cover it exactly once,
+    where ``load`` reads it anyway (torch's ``dcp.load`` leaves elements no chunk holds as they were)."""
 
     @property
     def numel(self) -> int:
@@ -129,11 +133,87 @@ class SourceTensor:
 
     def covered(self) -> bool:
         """True when the pieces cover every element once (checked before anything is written)."""
+        return self.coverage_fault() is None
+
+    def coverage_fault(self) -> str | None:
+        """None when the pieces hold every element exactly once; else the first gap or overlap, in words
+        (``elements 16..31 of 32 are in no stored piece``)."""
         if self.load is not None or isinstance(self.pieces, Pieces):
-            return True  # computed from a layout that covers every element by construction
-        pos = 0
-        for p in sorted(self.pieces, key=lambda p: p.start):
-            if p.start != pos:
-                return False
-            pos += p.numel
-        return pos == self.numel
+            # a loader's coverage is its reader's to judge; a layout covers every element by construction
+            return self.index_fault
+        pos, last = 0, None
+        for p in sorted((p for p in self.pieces if p.numel), key=lambda p: p.start):
+            if p.start > pos:
+                return (f"elements {pos:,}..{p.start - 1:,} of {self.numel:,} are in no stored piece"
+                        + (f" (the pieces around them are in {last.file.name} and {p.file.name})" if last else ""))
+            if p.start < pos and last is not None:
+                return (f"elements {p.start:,}..{min(pos, p.start + p.numel) - 1:,} are stored twice, in "
+                        f"{last.file.name} and in {p.file.name}")
+            pos, last = p.start + p.numel, p
+        if pos < self.numel:
+            return f"elements {pos:,}..{self.numel - 1:,} of {self.numel:,} are in no stored piece"
+        if pos > self.numel:
+            return f"its pieces hold {pos:,} elements where the tensor has {self.numel:,}"
+        return None
+
+
+def box_fault(shape: tuple[int, ...], boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+    """None when the boxes ``(offsets, sizes)`` (a DCP tensor's chunks, in any dims) tile ``shape`` exactly
+    once; else the first region no box holds, or two hold, as index ranges (``[32:64, 0:128] is in no
+    stored chunk``). Swept one dim at a time: slabs of dim 0 cost one pass over their starts."""
+    for offsets, sizes in boxes:
+        if len(offsets) != len(shape) or any(o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+            return f"a chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside the shape {list(shape)}"
+    found = _box_gap(shape, [b for b in boxes if all(b[1])])
+    if found is None:
+        return None
+    region, count = found
+    where = ("[" + ", ".join(f"{lo}:{hi}" for lo, hi in region) + "]") if region else "its one element"
+    return f"{where} is in no stored chunk" if count == 0 else f"{where} is stored in {count} chunks"
+
+
+def _box_gap(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+             ) -> tuple[list[tuple[int, int]], int] | None:
+    if not shape:
+        return None if len(boxes) == 1 else ([], len(boxes))
+    cuts = sorted({0, shape[0], *(o[0] for o, _ in boxes), *(o[0] + n[0] for o, n in boxes)})
+    boxes = sorted(boxes, key=lambda b: b[0][0])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    nxt = 0
+    for lo, hi in zip(cuts, cuts[1:]):
+        active = [b for b in active if b[0][0] + b[1][0] > lo]
+        while nxt < len(boxes) and boxes[nxt][0][0] <= lo:
+            active.append(boxes[nxt])
+            nxt += 1
+        inner = _box_gap(shape[1:], [(o[1:], n[1:]) for o, n in active])
+        if inner is not None:
+            return [(lo, hi), *inner[0]], inner[1]
+    return None
+
+
+def written_as(tensors: Mapping[str, SourceTensor]) -> Iterator[tuple[str, SourceTensor]]:
+    """``{output name: tensor}`` as ``refuse_uncovered`` takes it: the output name said where it is not the
+    source's (a Hugging Face name, a tied alias)."""
+    for name, t in tensors.items():
+        yield (name if name == t.name else f"written as {name!r}"), t
+
+
+def refuse_uncovered(folder: Path, tensors: Iterable[tuple[str, SourceTensor]]) -> None:
+    """Raise CheckpointError naming the first tensor whose pieces do not hold every element exactly once,
+    with its first gap or overlap; every operation calls it before it writes anything. Each tensor comes
+    with what it is to the caller (its output name, ``exp_avg of 'w'``), said beside its source name
+    where the two differ."""
+    faults = [(role, t, fault) for role, t in tensors if (fault := t.coverage_fault()) is not None]
+    if not faults:
+        return
+    role, t, fault = faults[0]
+    more = ""
+    if len(faults) > 1:
+        names = ", ".join(repr(f[1].name) for f in faults[1:4]) + (", ..." if len(faults) > 4 else "")
+        more = f" {len(faults) - 1} more tensor(s) are not fully stored either: {names}."
+    raise CheckpointError(
+        f"{folder}: tensor {t.name!r}{'' if role == t.name else f' ({role})'} ({t.dtype}{list(t.shape)}) is not "
+        f"fully stored: {fault}.{more} The checkpoint's index of its pieces (DCP's .metadata, the ranks' partition "
+        "records) does not add up to the tensor: a rank's save stopped part-way, or files of different saves are "
+        "mixed. Nothing was written; pass a complete checkpoint (save it again, or restore the missing files "
+        "from the same save)")

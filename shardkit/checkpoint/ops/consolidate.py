@@ -37,7 +37,7 @@ from typing import Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.model.tensors import SourceTensor, refuse_uncovered, written_as
 from shardkit.checkpoint.ops.consolidate_output import ConsolidateResult, check_output_file, remove_stale_temps
 from shardkit.checkpoint.ops.consolidate_shared import write_shared
 from shardkit.checkpoint.ops.export.sources import Source, resolve_source
@@ -45,7 +45,7 @@ from shardkit.checkpoint.ops.export.writer import SourceFiles, Stopped, entry_dt
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core import progress
-from shardkit.core.errors import CheckpointError, ShardkitError, UsageError
+from shardkit.core.errors import ShardkitError, UsageError
 from shardkit.storage.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.request import RunRequest, source_of
@@ -162,11 +162,7 @@ def output_tensors(ckpt: TrainingCheckpoint, include_frozen: bool = True) -> dic
     for alias, holder in ckpt.aliases.items():
         if holder in tensors and alias not in tensors:
             tensors[alias] = tensors[holder]
-    for name, t in tensors.items():
-        if not t.covered():
-            raise CheckpointError(
-                f"{ckpt.folder}: tensor {name!r} ({t.dtype}{list(t.shape)}) is not fully stored: its pieces do not "
-                "cover every element once. A rank's file is missing or from another save; nothing was written")
+    refuse_uncovered(ckpt.folder, written_as(tensors))
     return tensors
 
 

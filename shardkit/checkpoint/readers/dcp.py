@@ -28,7 +28,7 @@ from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, r
 from shardkit.checkpoint.dcp.safe_load import load_dcp_state
 from shardkit.checkpoint.dcp.slices import DcpSlices
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import Piece, SourceTensor
+from shardkit.checkpoint.model.tensors import Piece, SourceTensor, box_fault
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.manifest import MANIFEST_NAME, Manifest, read_manifest
 
@@ -67,7 +67,7 @@ def dcp_tensors(tag_dir: Path, md: DcpMetadata | None = None) -> dict[str, Sourc
     try:
         for key, meta in md.tensors.items():
             if key.startswith(MODEL_PREFIX):
-                out[key[len(MODEL_PREFIX):]] = _tensor(tag_dir, slices, key, key[len(MODEL_PREFIX):])
+                out[key[len(MODEL_PREFIX):]] = dcp_tensor(slices, key, key[len(MODEL_PREFIX):])
     finally:
         slices.close()
     if not out:
@@ -78,12 +78,18 @@ def dcp_tensors(tag_dir: Path, md: DcpMetadata | None = None) -> dict[str, Sourc
     return out
 
 
-def _tensor(tag_dir: Path, slices: DcpSlices, key: str, name: str) -> SourceTensor:
+def dcp_tensor(slices: DcpSlices, key: str, name: str) -> SourceTensor:
+    """Tensor ``key`` of the DCP folder ``slices`` reads, as ``name``: its chunks as byte-range pieces, or
+    where they are not dim-0 slabs in plain records, read whole by torch's ``dcp.load`` (that tensor
+    alone in memory). The chunks ``.metadata`` lists are checked either way: ``dcp.load`` leaves the
+    elements no chunk holds as ``torch.empty`` left them, and nothing would tell."""
     meta = slices.md.tensors[key]
     dtype, shape = meta.dtype, meta.size
-    chunks = slices.chunks(key) if math.prod(shape) > 0 else []
+    chunks = slices.chunks(key) if meta.chunks and math.prod(shape) > 0 else []
     if chunks is None:
-        return SourceTensor(name, dtype, shape, load=_loader(tag_dir, key, shape, dtype))
+        fault = box_fault(shape, [(c.offsets, c.sizes) for c in meta.chunks])
+        return SourceTensor(name, dtype, shape, load=_loader(slices.tag_dir, key, shape, dtype),
+                            index_fault=fault and f"of the chunks {METADATA_NAME} lists, {fault}")
     return SourceTensor(name, dtype, shape, [Piece(c.file, c.data_offset, c.start, c.numel) for c in chunks])
 
 
@@ -146,7 +152,7 @@ def _describe_optimizer(ckpt: TrainingCheckpoint, md: DcpMetadata, manifest: Man
                                  "for it. Only Adam/AdamW without amsgrad converts")
             if "step" not in keys:
                 raise CheckpointError(f"{tag_dir}: optimizer state of {fqn} has no 'step'; Adam's bias correction needs it")
-            ckpt.optimizer[fqn] = {k: _tensor(tag_dir, slices, keys[k], f"{fqn}.{k}") for k in OPTIM_STATE}
+            ckpt.optimizer[fqn] = {k: dcp_tensor(slices, keys[k], f"{fqn}.{k}") for k in OPTIM_STATE}
             steps[fqn], step_tensor = _step_tensor(slices, keys["step"], fqn)
             if step_tensor is not None:
                 step_tensors[fqn] = step_tensor

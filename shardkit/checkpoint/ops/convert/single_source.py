@@ -80,11 +80,3 @@ def refuse_weights_only(ckpt: TrainingCheckpoint, found: Source, target: str, wh
             f"{found.tag_dir}: shardkit's {found.kind} reader describes this checkpoint's weights only, not its "
             f"optimizer state, {why}; convert --to {target} takes the kinds whose reader describes the optimizer "
             "(`shardkit inspect` says which). For the weights alone: shardkit export")
-
-
-def refuse_uncovered(ckpt: TrainingCheckpoint, tag_dir: Path) -> None:
-    """CheckpointError naming the tensors whose pieces do not cover them (a rank's file missing)."""
-    uncovered = ckpt.uncovered()
-    if uncovered:
-        raise CheckpointError(f"{tag_dir}: tensors {uncovered[:4]} are not fully stored (their pieces do not cover "
-                              "them); the checkpoint is incomplete. Pass a complete checkpoint")

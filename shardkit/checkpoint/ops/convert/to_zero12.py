@@ -20,7 +20,7 @@ from typing import Any, Callable
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
 from shardkit.checkpoint.ops.convert.result import ConvertResult
-from shardkit.checkpoint.ops.convert.single_source import open_source, refuse_uncovered
+from shardkit.checkpoint.ops.convert.single_source import open_source
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     carry_run_state,
     decide_precision,
@@ -86,7 +86,7 @@ def convert_to_zero12(
                          needs="fp32 masters and Adam moments", same_format=already_zero12, tag=tag, force=force,
                          verify=verify, warn=warn or warn_unverified)
     ckpt, tag, root, checked, tag_dir = opened.ckpt, opened.tag, opened.root, opened.checked, opened.tag_dir
-    refuse_uncovered(ckpt, tag_dir)
+    ckpt.refuse_uncovered()
     notes: list[str] = [*opened.found.notes]
     cfg = _config(read_ds_config(ds_config), ckpt, stage, notes)
     target, not_carried = plan_zero12_target(ckpt, cfg, stage, world_size, target_names(ckpt, name_prefix, notes),

@@ -35,7 +35,7 @@ from typing import Any, Callable
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
 from shardkit.checkpoint.ops.convert.result import ConvertResult
-from shardkit.checkpoint.ops.convert.single_source import refuse_uncovered, refuse_weights_only
+from shardkit.checkpoint.ops.convert.single_source import refuse_weights_only
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     check_target_config,
     decide_precision,
@@ -154,7 +154,7 @@ def convert_to_zero3(
 
     ckpt = read_checkpoint(found.kind, tag_dir)
     refuse_weights_only(ckpt, found, "zero3", "and a ZeRO-3 checkpoint needs fp32 masters and Adam moments")
-    refuse_uncovered(ckpt, tag_dir)
+    ckpt.refuse_uncovered()
     notes: list[str] = [*found.notes]
     precision = decide_precision(cfg, precision, source_precision(ckpt), tag_dir, notes)
     names = target_names(ckpt, name_prefix, notes)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
-from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.model.tensors import SourceTensor, refuse_uncovered, written_as
 from shardkit.checkpoint.ops.export.adapter_spec import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_spec
 from shardkit.checkpoint.ops.export.conversion import apply_conversion
 from shardkit.checkpoint.ops.export.match import adapter_names, match, normalize
@@ -167,7 +167,7 @@ def _model_plan(tensors: dict[str, SourceTensor], aliases: dict[str, str], src: 
     """A full model: the config's class on the meta device says which tensors, in which order."""
     spec = model_spec(config_dir)
     matched = match(tensors, aliases, spec, src.tag_dir)
-    _check_covered(matched.tensors, src)
+    refuse_uncovered(src.tag_dir, written_as(matched.tensors))
     written, notes = matched.tensors, list(matched.notes)
     if spec.conversion is not None:  # fused in memory, split on disk (MoE experts): as save_pretrained writes them
         written, converted = apply_conversion(spec.conversion, written)
@@ -206,18 +206,11 @@ def _adapter_plan(tensors: dict[str, SourceTensor], lora: list[str], src: Source
                         + ([f"shape differs: {'; '.join(wrong[:5])}"] if wrong else []))
             + ". Pass --model-config DIR with the adapter_config.json and base config.json it was trained with; "
             "nothing was written")
-    _check_covered(chosen, src)
+    refuse_uncovered(src.tag_dir, written_as(chosen))
     left = len(tensors) - len(chosen)
     notes = [f"PEFT {spec.peft_type} adapter: {len(chosen)} tensors written as {ADAPTER_WEIGHTS} with {adapter_dir / ADAPTER_CONFIG}; "
              f"{left} base-model tensors left out (load with PeftModel.from_pretrained(base_model, DIR))"]
     return Plan(chosen, dtype or "fp32", f"PEFT {spec.peft_type} adapter", spec.total_parameters, adapter_dir, notes)
-
-
-def _check_covered(tensors: dict[str, SourceTensor], src: Source) -> None:
-    for name, t in tensors.items():
-        if not t.covered():
-            raise CheckpointError(f"{src.tag_dir}: tensor {t.name!r} (for {name}) is not fully stored: its pieces do not "
-                                  "cover every element once. A rank's file is missing or from another save")
 
 
 def _copy_config(staged: Path, raw_config: dict[str, object], out_name: str) -> list[str]:
