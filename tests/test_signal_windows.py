@@ -106,3 +106,50 @@ def test_a_signal_landing_while_the_handlers_are_swapped_is_deferred_and_no_hand
             steps.append("clean-up finished")
     assert steps == ["clean-up finished"]
     assert signal.getsignal(signal.SIGINT) is int_before and signal.getsignal(signal.SIGTERM) is term_before
+
+
+def _linear_and_adam(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("after", ["link_copy", "rename_aside"])
+def test_sigterm_while_a_tag_is_saved_again_leaves_the_old_or_the_new_save_whole(tmp_path, monkeypatch,
+                                                                                 sigterm_raises, after):
+    # link_copy: stopped while the old tag was copied aside (hard links): the partial copy stayed;
+    # rename_aside: stopped between renaming the old tag aside and the new one into place: the tag was
+    # missing, 'latest' named the copy, and the staging folder was removed
+    from shardkit.checkpoint.ops.torch_training import resume_training, save_training
+
+    root = tmp_path / "root"
+    model, opt = _linear_and_adam(0)
+    save_training(root, model=model, optimizer=opt, step=1, tag="ckpt")
+    if after == "link_copy":
+        real_copy = atomic._link_copy
+
+        def copy_then_sigterm(src, dst):
+            real_copy(src, dst)
+            signal.raise_signal(signal.SIGTERM)
+
+        monkeypatch.setattr(atomic, "_link_copy", copy_then_sigterm)
+    else:
+        real_rename = atomic._rename
+
+        def rename_then_sigterm(src, dst):
+            real_rename(src, dst)
+            if Path(src).name == "ckpt":
+                signal.raise_signal(signal.SIGTERM)
+
+        monkeypatch.setattr(atomic, "_rename", rename_then_sigterm)
+    with pytest.raises(sigterm_raises):
+        save_training(root, model=model, optimizer=opt, step=2, tag="ckpt")
+    assert sorted(os.listdir(root)) == ["ckpt", "latest"]
+    assert (root / "latest").read_text() == "ckpt"
+    # stopped before the swap: the old save; once the swap began, the signal waited for it to finish
+    assert resume_training(root, model=_linear_and_adam(1)[0]).step == (1 if after == "link_copy" else 2)

@@ -278,20 +278,33 @@ def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], ta
     fsync_tree(staged)
     kept: Path | None = None
     trash: Path | None = None
-    if final.exists():
-        kept = root / f"{tag}{REPLACED_MARK}{uuid.uuid4().hex[:8]}"
-        _link_copy(final, kept)
-        fsync_dir(root)
-        if read_latest(root) == tag:
-            write_latest(root, kept.name)
-        trash = root / f"{STAGING_PREFIX}old-{tag}-{uuid.uuid4().hex[:8]}"
-        _rename(final, trash)
-    _rename(staged, final)
-    fsync_dir(root)
-    write_latest(root, tag)
-    for d in (trash, kept):
-        if d is not None:
-            shutil.rmtree(d, ignore_errors=True)
+    switching = False
+    try:
+        if final.exists():
+            kept = root / f"{tag}{REPLACED_MARK}{uuid.uuid4().hex[:8]}"
+            _link_copy(final, kept)
+            fsync_dir(root)
+        # from moving ``latest`` to the copy until it names the new folder, SIGINT/SIGTERM wait: one
+        # landing between the renames left the tag missing (the old folder under a staging name, the
+        # new one removed by the caller's clean-up) while the CLI said the previous output was unchanged
+        with signals_deferred():
+            switching = True
+            if kept is not None:
+                if read_latest(root) == tag:
+                    write_latest(root, kept.name)
+                trash = root / f"{STAGING_PREFIX}old-{tag}-{uuid.uuid4().hex[:8]}"
+                _rename(final, trash)
+            _rename(staged, final)
+            fsync_dir(root)
+            write_latest(root, tag)
+            for d in (trash, kept):
+                if d is not None:
+                    shutil.rmtree(d, ignore_errors=True)
+    except BaseException:
+        if not switching and kept is not None:
+            with signals_deferred():  # stopped while copying: the partial copy goes, nothing else changed
+                shutil.rmtree(kept, ignore_errors=True)
+        raise
     return final
 
 def remove_stale_saves(root: str | os.PathLike[str], *, keep: str | None = None,
