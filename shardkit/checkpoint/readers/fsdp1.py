@@ -26,20 +26,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, TensorMeta, read_plain_metadata
-from shardkit.checkpoint.dcp.safe_load import load_dcp_state
+from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, read_plain_metadata
 from shardkit.checkpoint.dcp.slices import DcpSlices
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
-from shardkit.checkpoint.readers.dcp import dcp_tensors
+from shardkit.checkpoint.readers.dcp import dcp_tensor, dcp_tensors
 from shardkit.checkpoint.readers.deepspeed_scalars import step_value
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import ITEMSIZE, TensorRef, read_structure
-
-if TYPE_CHECKING:
-    import torch
 
 #: accelerate's ``FSDP_MODEL_NAME``/``OPTIMIZER_NAME`` (``utils/constants.py``).
 MODEL_FILE = "pytorch_model_fsdp.bin"
@@ -190,7 +186,7 @@ def _read_dcp_optimizer(optim_dir: Path, ckpt: TrainingCheckpoint) -> None:
             if state == "step":
                 steps[name] = _dcp_step(slices, md, key, optim_dir)
             elif meta is not None:
-                ckpt.optimizer.setdefault(name, {})[state] = _dcp_tensor(slices, optim_dir, key, f"{name}.{state}", meta)
+                ckpt.optimizer.setdefault(name, {})[state] = dcp_tensor(slices, key, f"{name}.{state}")
             else:
                 ok, value = slices.value(key)
                 ckpt.scalars.setdefault("optimizer_values", {})[f"{name}.{state}"] = value if ok else repr(value)
@@ -209,24 +205,6 @@ def _dcp_step(slices: DcpSlices, md: DcpMetadata, key: str, where: Path) -> floa
     if value is None:
         raise CheckpointError(f"{where}: {key} is not a one-element number; not a step torch's optimizers save")
     return value
-
-
-def _dcp_tensor(slices: DcpSlices, folder: Path, key: str, name: str, meta: TensorMeta) -> SourceTensor:
-    chunks = slices.chunks(key) if meta.chunks and all(meta.size) else []
-    if chunks is None:  # not dim-0 slabs in plain records: read whole, that tensor alone in memory
-        return SourceTensor(name, meta.dtype, meta.size, load=_dcp_loader(folder, key, meta))
-    return SourceTensor(name, meta.dtype, meta.size, [Piece(c.file, c.data_offset, c.start, c.numel) for c in chunks])
-
-
-def _dcp_loader(folder: Path, key: str, meta: TensorMeta) -> Any:
-    def load() -> "torch.Tensor":
-        import torch
-
-        holder = {key: torch.empty(meta.size, dtype=getattr(torch, meta.dtype))}
-        load_dcp_state(holder, folder)
-        return holder[key]
-
-    return load
 
 
 def refuse_ids(where: Path, keys: list[Any], weights: str) -> None:
