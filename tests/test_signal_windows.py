@@ -153,3 +153,49 @@ def test_sigterm_while_a_tag_is_saved_again_leaves_the_old_or_the_new_save_whole
     assert (root / "latest").read_text() == "ckpt"
     # stopped before the swap: the old save; once the swap began, the signal waited for it to finish
     assert resume_training(root, model=_linear_and_adam(1)[0]).step == (1 if after == "link_copy" else 2)
+
+
+def test_sigterm_as_the_claim_of_a_save_returns_leaves_no_staging_folder(tmp_path, monkeypatch, sigterm_raises):
+    # the claim (staging folder + owner file) was made before the try whose clean-up removes it, and
+    # the clean-up only knew it once ``claimed`` was set: a signal in between left .shardkit-tmp-ckpt
+    import shardkit.storage.staged_save as staged_save
+    from shardkit.checkpoint.ops.torch_training import resume_training, save_training
+
+    root = tmp_path / "root"
+    model, opt = _linear_and_adam(0)
+    save_training(root, model=model, optimizer=opt, step=1, tag="ckpt")
+    real_claim = staged_save.claim
+
+    def claim_then_sigterm(*args, **kwargs):
+        staged = real_claim(*args, **kwargs)
+        signal.raise_signal(signal.SIGTERM)
+        return staged
+
+    monkeypatch.setattr(staged_save, "claim", claim_then_sigterm)
+    with pytest.raises(sigterm_raises):
+        save_training(root, model=model, optimizer=opt, step=2, tag="ckpt")
+    assert sorted(os.listdir(root)) == ["ckpt", "latest"]
+    assert resume_training(root, model=_linear_and_adam(1)[0]).step == 1
+
+
+def test_repeated_sigterms_during_a_save_clean_up_still_remove_the_staging_folder(tmp_path, monkeypatch,
+                                                                                  sigterm_raises):
+    # a scheduler repeating its cancel: every removal of the staging folder met a fresh SIGTERM, whose
+    # exception cut it short before anything was removed
+    from shardkit.storage.staged_save import atomic_checkpoint
+
+    real_rmtree = shutil.rmtree
+
+    def sigterm_then_rmtree(path, *args, **kwargs):
+        if Path(path).name.startswith(".shardkit-tmp-ckpt"):
+            signal.raise_signal(signal.SIGTERM)
+        real_rmtree(path, *args, **kwargs)
+
+    root = tmp_path / "root"
+    monkeypatch.setattr(shutil, "rmtree", sigterm_then_rmtree)
+    with pytest.raises(sigterm_raises):
+        with atomic_checkpoint(root, "ckpt", engine="torch", manifest=False) as save:
+            (save.path / "model.pt").write_bytes(b"partial")
+            signal.raise_signal(signal.SIGTERM)
+    monkeypatch.undo()
+    assert os.listdir(root) == []

@@ -17,9 +17,9 @@ from typing import Any, Iterator
 from shardkit.core.errors import CheckpointError
 from shardkit.platform.dist import all_gather_object, barrier, broadcast_object, rank_world
 from shardkit.platform.versions import library_versions
-from shardkit.storage.atomic import disk_full_error, is_disk_full, publish_tag, staging_dir
+from shardkit.storage.atomic import disk_full_error, is_disk_full, publish_tag, signals_deferred, staging_dir
 from shardkit.storage.manifest import Manifest, describe_files_distributed, write_manifest
-from shardkit.storage.shared_save import OWNER_NAME, Launch, claim, heartbeat
+from shardkit.storage.shared_save import OWNER_NAME, Launch, claim, heartbeat, remove_own_claim
 from shardkit.storage.tags import LATEST_NAME, check_tag
 
 
@@ -66,19 +66,22 @@ def atomic_checkpoint(
     staged = staging_dir(root, tag)
     err: str | None = None
     claimed = False
-    if rank == 0:
-        try:
-            # an exclusive claim: a second writer of the same output (another convert, say) is
-            # refused while this one runs, instead of both writing into one staging folder
-            host = socket.gethostname()
-            claim(root, tag, Launch(0, world, f"save-{host}-{os.getpid()}-{time.time_ns()}", "process group", host))
-            claimed = True
-        except CheckpointError as exc:
-            err = str(exc)
-        except OSError as exc:
-            err = f"cannot prepare the save of {tag!r} in {root} ({_one_line(exc)}); check the path and its permissions"
+    host = socket.gethostname()
+    launch = Launch(0, world, f"save-{host}-{os.getpid()}-{time.time_ns()}", "process group", host)
     save = StagedSave(path=staged, final=root / tag, rank=rank, world_size=world, facts=dict(facts))
     try:
+        if rank == 0:
+            # the claim inside the try: an interrupt landing as it returns, before ``claimed`` is set,
+            # left the claimed staging folder behind; the clean-up finds it by its owner file
+            try:
+                # an exclusive claim: a second writer of the same output (another convert, say) is
+                # refused while this one runs, instead of both writing into one staging folder
+                claim(root, tag, launch)
+                claimed = True
+            except CheckpointError as exc:
+                err = str(exc)
+            except OSError as exc:
+                err = f"cannot prepare the save of {tag!r} in {root} ({_one_line(exc)}); check the path and its permissions"
         err = broadcast_object(err)
         if err:
             raise CheckpointError(err)
@@ -86,9 +89,14 @@ def atomic_checkpoint(
     except BaseException:
         # whatever stopped it (a failed rank, a full disk, Ctrl-C or SIGTERM between any two steps):
         # the staging folder this save claimed goes (never another writer's: a refused claim
-        # leaves it alone), unless it was already published under its tag
-        if claimed and not save.published:
-            shutil.rmtree(staged, ignore_errors=True)
+        # leaves it alone), unless it was already published under its tag; a second signal (a
+        # scheduler repeating its cancel) waits for the removal
+        if rank == 0:
+            with signals_deferred():
+                if claimed and not save.published:
+                    shutil.rmtree(staged, ignore_errors=True)
+                elif not claimed:
+                    remove_own_claim(staged, launch)
         raise
 
 
