@@ -25,6 +25,7 @@ from shardkit.platform.dist import all_gather_object, broadcast_object, rank_wor
 from shardkit.platform.versions import library_versions
 from shardkit.storage.atomic import atomic_write_text
 from shardkit.storage.digest import ALGORITHMS, default_algorithm, new_hasher
+from shardkit.storage.listing import walk
 from shardkit.storage.tags import STAGING_PREFIX, tag_problem
 
 MANIFEST_NAME = "shardkit_manifest.json"
@@ -312,7 +313,7 @@ def checkpoint_files(tag_dir: str | os.PathLike[str]) -> list[str]:
     """Relative paths of every file under ``tag_dir`` except the manifest and temporaries, sorted."""
     root = Path(tag_dir)
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in walk(root):  # ``root`` itself: the command's one listing of a source
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(STAGING_PREFIX))
         for name in filenames:
             rel = Path(dirpath, name).relative_to(root).as_posix()

@@ -8,6 +8,7 @@ from deep inside ``torch.load``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -19,7 +20,7 @@ from shardkit.core.errors import CheckpointError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.platform.dist import all_gather_object, rank_world
 from shardkit.storage.atomic import os_errors_named
-from shardkit.storage.listing import FolderListing
+from shardkit.storage.listing import FolderListing, list_folder, lists_source_once
 from shardkit.storage.manifest import (
     ENGINES,
     MANIFEST_NAME,
@@ -168,6 +169,9 @@ def links_leaving(tag_dir: Path, listing: FolderListing | None = None) -> list[t
     inside = tag_dir.resolve()
     out = []
     walks: Iterable[tuple[str, list[str], list[str]]] = os.walk(tag_dir)
+    if listing is None or not listing.describes(tag_dir):
+        with contextlib.suppress(OSError):  # no folder: os.walk finds nothing either
+            listing = list_folder(tag_dir)  # the command's one listing of it (storage.listing)
     if listing is not None and listing.describes(tag_dir):
         walks = itertools.chain([(str(tag_dir), [], list(listing.links))],
                                 *(os.walk(tag_dir / sub) for sub in listing.folders))
@@ -241,6 +245,7 @@ def precision_naming_problem(tag_dir: Path, bf16: bool) -> tuple[str, str] | Non
 
 
 @os_errors_named("verifying the checkpoint")
+@lists_source_once("path")  # the link check and the file walk share one listing of the tag folder
 def verify_checkpoint(
     path: str | os.PathLike[str],
     *,

@@ -34,6 +34,7 @@ from typing import Any
 from shardkit.checkpoint.layout.description import CheckpointDescription, Refusal
 from shardkit.checkpoint.zero3.files import RANK_FILE
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.listing import list_folder
 from shardkit.storage.torch_load import TensorRef, read_structure
 
 _MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -52,9 +53,10 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def is_deepspeed_folder(folder: Path) -> bool:
     """True when ``folder`` holds DeepSpeed rank files (or a universal checkpoint's ``zero/``)."""
-    if (folder / UNIVERSAL_FOLDER).is_dir() and any(_MP_MODEL.match(e.name) for e in folder.iterdir()):
+    listed = list_folder(folder)  # the command's one listing of it (storage.listing)
+    if (folder / UNIVERSAL_FOLDER).is_dir() and any(_MP_MODEL.match(name) for name in listed.names):
         return True
-    return any(e.name.endswith(("_model_states.pt", "_optim_states.pt")) for e in folder.iterdir() if e.is_file())
+    return any(name.endswith(("_model_states.pt", "_optim_states.pt")) for name in listed.files)
 
 
 def _value(stub: Any) -> Any:
@@ -148,7 +150,7 @@ def describe_deepspeed(tag_dir: Path, given: str) -> CheckpointDescription:
     Reads rank 0's model states and optimizer-states pickles with ``read_structure`` (tensors are
     offsets, never read); raises CheckpointError (from the reader) when they are not readable.
     """
-    names = sorted(e.name for e in tag_dir.iterdir())
+    names = list(list_folder(tag_dir).names)  # sorted
     zero3_models = sorted(n for n in names if (m := RANK_FILE.match(n)) and m.group(4) == "model")
     optims = sorted((int(m.group(2)), n) for n in names if (m := RANK_FILE.match(n)) and m.group(4) == "optim"
                     and m.group(3) == "00")

@@ -24,6 +24,7 @@ from shardkit.checkpoint.layout.torch_files import (
     describe_hf_model,
 )
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.listing import walk
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, read_latest
 from shardkit.storage.verify import verify_checkpoint
@@ -35,7 +36,7 @@ LATEST_UNIVERSAL = "latest_universal"
 def _size(folder: Path) -> tuple[int, int]:
     """(files, bytes) under ``folder``, links not followed (a stat per file, nothing read)."""
     n = total = 0
-    for top, _dirs, names in os.walk(folder):
+    for top, _dirs, names in walk(folder):  # the folder itself: its one listing (storage.listing)
         for name in names:
             st = os.lstat(os.path.join(top, name))
             n, total = n + 1, total + st.st_size

@@ -47,6 +47,7 @@ from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core import progress
 from shardkit.core.errors import ShardkitError, UsageError
 from shardkit.storage.atomic import atomic_open, disk_full_named, os_errors_named
+from shardkit.storage.listing import list_folder, lists_source_once
 from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.request import RunRequest, source_of
 from shardkit.storage.safetensors_file import TensorEntry, header_layout, write_header
@@ -54,6 +55,7 @@ from shardkit.storage.shared_save import Launch, launch_from_env, split_by_bytes
 
 
 @os_errors_named("consolidating the checkpoint")
+@lists_source_once("checkpoint", "output")  # each step asking what the source holds: one listing of its folders
 def consolidate_zero3(
     checkpoint: str | Path,
     output: str | Path,
@@ -87,7 +89,7 @@ def consolidate_zero3(
     launch = launch or launch_from_env()
     # every process resolves -o the same way: the staging folder is named after the file
     out = check_output_file(Path(output), source.tag_dir, force=force)
-    n_files = sum(1 for f in source.tag_dir.iterdir() if f.is_file())
+    n_files = len(list_folder(source.tag_dir).files)
     workers = workers or default_workers(max(1, n_files))
     if launch.distributed:
         # sizes now; each process hashes its share of the files beside its copy (nothing is

@@ -55,6 +55,7 @@ from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import library_versions
 from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.listing import lists_source_once
 from shardkit.storage.manifest import MANIFEST_NAME, FileEntry, Manifest
 from shardkit.storage.pipeline import (
     check_output_root,
@@ -108,6 +109,7 @@ class ReshardResult:
 
 
 @os_errors_named("resharding the checkpoint")
+@lists_source_once("checkpoint", "output")  # each step asking what the source holds: one listing of its folders
 def reshard_zero3(
     checkpoint: str | Path,
     output: str | Path,

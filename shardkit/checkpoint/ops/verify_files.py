@@ -23,6 +23,7 @@ from typing import Any
 
 from shardkit.checkpoint.dcp.plain_metadata import read_plain_metadata
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.listing import list_folder
 from shardkit.storage.structure_observers import observe_structures
 from shardkit.storage.torch_load import DeepSpeedObjectStub, read_structure
 
@@ -177,7 +178,7 @@ def dcp_problems(folder: Path, *, prefix: str = "") -> list[FileProblem]:
             out.append(FileProblem(f"{prefix}.metadata", f"{meta}: tensor {name!r} has {len(lost)} chunk(s) with no "
                                    f"storage entry (offsets {lost[:_SHOWN]}): its bytes are nowhere",
                                    "re-copy .metadata, or resume from another checkpoint", "ckpt.structure.metadata"))
-    for extra in sorted(f.name for f in folder.iterdir() if f.name.endswith(".distcp") and f.name not in reach):
+    for extra in sorted(n for n in list_folder(folder).names if n.endswith(".distcp") and n not in reach):
         out.append(FileProblem(f"{prefix}{extra}", f"{folder / extra}: a .distcp file {meta} does not reference (from "
                                "another save into the same folder?); no load reads it", "remove it if it is left "
                                "over from another save", "ckpt.structure.distcp_extra", warning=True))

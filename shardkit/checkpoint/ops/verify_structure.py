@@ -43,6 +43,7 @@ from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.findings import Finding, Report, Severity
+from shardkit.storage.listing import list_folder, lists_source_once, walk
 from shardkit.storage.manifest import MANIFEST_NAME, Manifest, seal
 from shardkit.storage.structure_observers import observe_structures, reusing_parses
 
@@ -112,13 +113,14 @@ def _walk(source: Source) -> tuple[Path, list[str]]:
     Trainer's own files beside a DeepSpeed tag (as ``../name``)."""
     top = source.folder if source.kind.startswith("fsdp") else source.tag_dir
     rels = []
-    for dirpath, dirnames, filenames in os.walk(top):
+    for dirpath, dirnames, filenames in walk(top):  # ``top`` itself: the command's one listing of it
         dirnames.sort()
         for name in filenames:
             if name != MANIFEST_NAME:
                 rels.append(Path(dirpath, name).relative_to(top).as_posix())
     if top != source.folder and top.parent == source.folder:
-        rels += [f"../{e.name}" for e in source.folder.iterdir() if e.is_file() and e.suffix in _TORCH_SUFFIXES]
+        beside = list_folder(source.folder)
+        rels += [f"../{n}" for n in beside.names if n in beside.files and Path(n).suffix in _TORCH_SUFFIXES]
     return top, sorted(rels)
 
 
@@ -344,6 +346,7 @@ def _describe(report: StructureReport, path: str | Path) -> CheckpointDescriptio
     return desc
 
 
+@lists_source_once("path")  # the resolver, layout detection, file walk and reader share one listing of each folder
 def verify_structure(path: str | Path, *, world_size: int | None = None,
                      engine: str | None = None) -> StructureReport:
     """Check the checkpoint at ``path`` (no shardkit manifest) for everything its structure tells.

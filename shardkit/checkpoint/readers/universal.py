@@ -37,6 +37,7 @@ from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.listing import list_folder
 from shardkit.storage.tags import LATEST_NAME, read_latest
 from shardkit.storage.torch_load import TensorRef, read_structure
 
@@ -67,7 +68,7 @@ def universal_tag_dir(path: Path) -> Path | None:
 
 def _is_universal(folder: Path) -> bool:
     return (folder / UNIVERSAL_FOLDER).is_dir() and any(
-        _MP_MODEL.match(e.name) or _ZERO3_MODEL.match(e.name) for e in folder.iterdir())
+        _MP_MODEL.match(n) or _ZERO3_MODEL.match(n) for n in list_folder(folder).names)
 
 
 def read_universal(folder: Path) -> TrainingCheckpoint:
@@ -125,7 +126,7 @@ def read_universal(folder: Path) -> TrainingCheckpoint:
 
 def _model_files(folder: Path) -> tuple[list[Path], bool]:
     """The model-states files ds_to_universal copied (ZeRO-3: one per data-parallel rank, in rank order)."""
-    names = [e.name for e in folder.iterdir()]
+    names = list_folder(folder).names  # the command's one listing of it (storage.listing)
     zero3 = sorted((int(m.group(1)), int(m.group(2)), n) for n in names if (m := _ZERO3_MODEL.match(n)))
     mp = sorted((int(m.group(1)), n) for n in names if (m := _MP_MODEL.match(n)))
     if mp:  # ZeRO-1/2's conversion, or shardkit's writer (which links the ZeRO-3 name to it for ZeRO-3 engines)
@@ -146,7 +147,7 @@ def _refuse_tensor_parallel(folder: Path, model_files: list[Path], model_state: 
     """A conversion of a tensor-parallel run: its atoms are TP merges in the training code's layout."""
     dims = _dict(model_state.get("checkpoint_parallel_dimensions"))
     tp = max(_int(model_state.get("mp_world_size")), _int(dims.get("tp_degree")))
-    mp_ranks = sorted(n for n in (e.name for e in folder.iterdir()) if _mp_rank(n) > 0)
+    mp_ranks = sorted(n for n in list_folder(folder).names if _mp_rank(n) > 0)
     if tp <= 1 and not mp_ranks:
         return
     zero = folder / UNIVERSAL_FOLDER

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import agreed_steps, loss_scaler, per_parameter_steps, run_scalars
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIM_FILE, OPTIMIZER_KEY, tensor_from_ref
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.listing import FolderListing
+from shardkit.storage.listing import FolderListing, list_folder
 from shardkit.storage.torch_load import TensorRef, read_structure
 
 if TYPE_CHECKING:
@@ -142,7 +141,7 @@ def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None,
     ``listing``: of ``tag_dir``, already taken by the caller (a resuming rank lists its tag folder once)."""
     found: dict[int, Path] = {}
     prefixes, other = set(), []
-    names = listing.names if listing is not None and listing.describes(tag_dir) else os.listdir(tag_dir)
+    names = listing.names if listing is not None and listing.describes(tag_dir) else list_folder(tag_dir).names
     for name in names:  # names, not Paths: a resuming rank lists thousands of files and opens 3
         m = OPTIM_FILE.match(name)
         if m:

@@ -34,6 +34,7 @@ from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoin
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.core.errors import CheckpointError
+from shardkit.storage.listing import list_folder
 from shardkit.storage.torch_load import ITEMSIZE, TensorRef, read_structure
 
 #: File names DeepSpeed MoE writes beside the ZeRO files (``expp_rank_*``, ``layer_*_expert_*``):
@@ -49,13 +50,14 @@ def read_zero3(tag_dir: Path, *, lazy: bool = False) -> TrainingCheckpoint:
     rank file from another save is named before anything is written; ``lazy=True`` parses a rank's
     files the first time one of its pieces is asked for (a process of a split run parses only the
     files its share reads; its output is staged, so a late error still loses nothing)."""
-    moe = sorted(f.name for f in tag_dir.iterdir() if any(m in f.name for m in _MOE_MARKERS))
+    listing = list_folder(tag_dir)  # handed on: the opener lists the folder no more (storage.listing)
+    moe = sorted(name for name in listing.names if any(m in name for m in _MOE_MARKERS))
     if moe:
         raise CheckpointError(
             f"{tag_dir}: holds DeepSpeed MoE expert files ({', '.join(moe[:3])}): expert-parallel weights live outside "
             "the data-parallel rank files this export reads, so the exported model would lack its experts. Export "
             "it with DeepSpeed's own tools (ds_to_universal) instead")
-    return describe_zero3(open_zero3_checkpoint(tag_dir, torch_free=True), lazy=lazy)
+    return describe_zero3(open_zero3_checkpoint(tag_dir, torch_free=True, listing=listing), lazy=lazy)
 
 
 def describe_zero3(ckpt: Zero3Checkpoint, *, lazy: bool = False,

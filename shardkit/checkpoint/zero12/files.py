@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.listing import FolderListing
+from shardkit.storage.listing import FolderListing, list_folder
 from shardkit.storage.torch_load import TensorRef
 
 if TYPE_CHECKING:
@@ -27,9 +27,11 @@ OPTIMIZER_KEY = "optimizer_state_dict"
 def is_zero12_folder(tag_dir: Path, listing: FolderListing | None = None) -> bool:
     """True when ``tag_dir`` holds a ZeRO-1/2 layout: rank optimizer files and one ``mp_rank_00`` model file.
     ``listing``: of ``tag_dir``, already taken (not listed again)."""
-    if listing is not None and listing.describes(tag_dir):
-        return MODEL_FILE in listing.files and any(OPTIM_FILE.match(name) for name in listing.names)
-    return (tag_dir / MODEL_FILE).is_file() and any(OPTIM_FILE.match(p.name) for p in tag_dir.iterdir())
+    if listing is None or not listing.describes(tag_dir):
+        if not (tag_dir / MODEL_FILE).is_file():  # no folder, or no ZeRO-1/2 save: nothing to list
+            return False
+        listing = list_folder(tag_dir)  # the command's one listing of it, where a command holds one
+    return MODEL_FILE in listing.files and any(OPTIM_FILE.match(name) for name in listing.names)
 
 
 def tensor_from_ref(ref: TensorRef) -> "torch.Tensor":

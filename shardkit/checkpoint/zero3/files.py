@@ -40,8 +40,9 @@ def resolve_tag_dir(path: str | Path, listing: FolderListing | None = None) -> t
             f"{p}: is the staging directory of a save that never completed (killed or failed before it was "
             f"renamed into place). Resume from the checkpoint named in {p.parent / LATEST_NAME}"
         )
-    files = listing.files if listing is not None and listing.describes(p) else (f.name for f in p.iterdir() if f.is_file())
-    if any(RANK_FILE.match(name) for name in files):
+    if listing is None or not listing.describes(p):
+        listing = list_folder(p)  # the command's one listing of it, where a command holds one (storage.listing)
+    if any(RANK_FILE.match(name) for name in listing.files):
         return p, p.name
     latest = p / LATEST_NAME
     tag = latest_tag(p)  # one folder name inside p, or a CheckpointError naming the pointer file

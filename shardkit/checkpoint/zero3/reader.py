@@ -32,7 +32,7 @@ from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE, r
 from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.config.view import deepspeed_view
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.listing import FolderListing
+from shardkit.storage.listing import FolderListing, list_folder
 from shardkit.storage.torch_load import TensorRef, read_structure, safe_torch_load
 
 
@@ -57,6 +57,8 @@ def open_zero3_checkpoint(path: str | Path, *, torch_free: bool = False,
         def load(f: Path) -> Any:
             return safe_torch_load(f, mmap=True)
     tag_dir, tag = resolve_tag_dir(path, listing)
+    if listing is None or not listing.describes(tag_dir):
+        listing = list_folder(tag_dir)  # one listing instead of a stat per rank file (2 x world)
     try:
         return _describe(tag_dir, tag, load, torch_free, listing if listing is not None and listing.describes(tag_dir)
                          else None)

@@ -44,6 +44,7 @@ from shardkit.config.loading import config_digest
 from shardkit.core.errors import UsageError
 from shardkit.platform.versions import library_versions
 from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.listing import lists_source_once
 from shardkit.storage.manifest import Manifest
 from shardkit.storage.pipeline import (
     check_output_root,
@@ -58,6 +59,7 @@ from shardkit.storage.verify import refuse_links_leaving
 
 
 @os_errors_named("converting the checkpoint")
+@lists_source_once("source", "output")  # each step asking what the source holds: one listing of its folders
 def convert_to_dcp(
     source: str | Path,
     output: str | Path,

@@ -26,11 +26,13 @@ from shardkit.checkpoint.writers.universal import universal_state_keys, write_un
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS
 from shardkit.config.loading import config_digest
 from shardkit.storage.atomic import os_errors_named, write_latest
+from shardkit.storage.listing import lists_source_once
 from shardkit.storage.pipeline import warn_unverified
 from shardkit.storage.staged_save import atomic_checkpoint
 
 
 @os_errors_named("converting the checkpoint")
+@lists_source_once("source", "output")  # each step asking what the source holds: one listing of its folders
 def convert_to_universal(
     source: str | Path,
     output: str | Path,

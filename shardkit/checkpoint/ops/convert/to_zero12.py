@@ -37,6 +37,7 @@ from shardkit.config.loading import config_digest
 from shardkit.config.paths import get
 from shardkit.core.errors import UsageError
 from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.listing import lists_source_once
 from shardkit.storage.pipeline import warn_unverified
 from shardkit.storage.shared_save import outcome_unchanged
 from shardkit.storage.staged_save import atomic_checkpoint
@@ -48,6 +49,7 @@ GRADIENT_CLIPPING_DEFAULT = 1.0
 
 
 @os_errors_named("converting the checkpoint")
+@lists_source_once("source", "output")  # each step asking what the source holds: one listing of its folders
 def convert_to_zero12(
     source: str | Path,
     output: str | Path,

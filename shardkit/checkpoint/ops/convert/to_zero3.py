@@ -53,6 +53,7 @@ from shardkit.core.errors import UsageError
 from shardkit.platform.dist import process_group_active
 from shardkit.platform.versions import library_versions
 from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.listing import list_folder, lists_source_once
 from shardkit.storage.manifest import FileEntry, Manifest
 from shardkit.storage.pipeline import (
     check_output_root,
@@ -70,6 +71,7 @@ from shardkit.storage.verify import refuse_links_leaving
 
 
 @os_errors_named("converting the checkpoint")
+@lists_source_once("source", "output")  # each step asking what the source holds: one listing of its folders
 def convert_to_zero3(
     source: str | Path,
     output: str | Path,
@@ -150,7 +152,7 @@ def convert_to_zero3(
     expected = {e.path: e for e in manifest.files} if manifest is not None and verify and launch.distributed else {}
     _check_now(tag_dir, expected, [n for n in expected if n == ".metadata"])  # every process parses it next
     verified = checked.level if not launch.distributed or manifest is None else ("hash" if verify else "sizes")
-    before = signatures(sorted(f for f in tag_dir.iterdir() if f.is_file()))
+    before = signatures(sorted(tag_dir / name for name in list_folder(tag_dir).files))
 
     ckpt = read_checkpoint(found.kind, tag_dir)
     refuse_weights_only(ckpt, found, "zero3", "and a ZeRO-3 checkpoint needs fp32 masters and Adam moments")
