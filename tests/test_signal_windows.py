@@ -199,3 +199,27 @@ def test_repeated_sigterms_during_a_save_clean_up_still_remove_the_staging_folde
             signal.raise_signal(signal.SIGTERM)
     monkeypatch.undo()
     assert os.listdir(root) == []
+
+
+def test_sigterms_during_a_claim_and_its_removal_leave_no_staging_folder(tmp_path, monkeypatch, sigterm_raises):
+    # stopped while the claim swept the root's leftovers, then again while it removed its own claim
+    import shardkit.storage.shared_save as shared_save
+    from shardkit.storage.shared_save import claim, launch_from_env
+
+    def sweep_stopped(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+
+    real_rmtree = shutil.rmtree
+
+    def sigterm_then_rmtree(path, *args, **kwargs):
+        if Path(path).name.startswith(".shardkit-tmp-ckpt"):
+            signal.raise_signal(signal.SIGTERM)
+        real_rmtree(path, *args, **kwargs)
+
+    root = tmp_path / "root"
+    monkeypatch.setattr(shared_save, "remove_stale_saves", sweep_stopped)
+    monkeypatch.setattr(shutil, "rmtree", sigterm_then_rmtree)
+    with pytest.raises(sigterm_raises):
+        claim(root, "ckpt", launch_from_env({}, single=True))
+    monkeypatch.undo()
+    assert os.listdir(root) == []

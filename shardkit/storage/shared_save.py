@@ -38,7 +38,7 @@ from shardkit.core import progress
 from shardkit.core.env_settings import read_seconds
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import SHARDKIT_VERSION
-from shardkit.storage.atomic import atomic_write_text, publish_tag, remove_stale_saves, staging_dir
+from shardkit.storage.atomic import atomic_write_text, publish_tag, remove_stale_saves, signals_deferred, staging_dir
 from shardkit.storage.manifest import FileEntry, Manifest, write_manifest
 from shardkit.storage.tags import LATEST_NAME
 
@@ -237,7 +237,8 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True, request: 
             if sweep:
                 remove_stale_saves(root, keep=staged.name, is_live=lambda d: owner_alive(d)[0])
         except BaseException:
-            remove_own_claim(staged, launch)  # an interrupt or error after the claim leaves nothing either
+            with signals_deferred():  # a second signal must not cut the removal short
+                remove_own_claim(staged, launch)  # an interrupt or error after the claim leaves nothing either
             raise
         return staged
     raise CheckpointError(f"{staged}: could not be claimed (it kept coming back); is another run writing {root / tag}?")
