@@ -14,6 +14,7 @@ reshard (``zero3.reshard_plan``) both end here.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import os
 import struct
@@ -243,13 +244,17 @@ def zero_fill(window: memoryview) -> None:
         ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(window)), 0, len(window))
 
 
-def pread_exact(fd: int, window: memoryview, offset: int, path: str) -> None:
+def pread_exact(fd: int, window: memoryview, offset: int, path: str | os.PathLike[str], item: str = "") -> None:
+    """Fill ``window`` from byte ``offset`` of ``fd`` (the file ``path``; ``item``: the tensor read, for the
+    message). A file that ends first raises OSError with ``filename=path``: the CLI's line names the file,
+    and a failed copy finds the source to check by it (``reshard_zero12._suspects``)."""
     done = 0
     while done < len(window):
         got = os.preadv(fd, [window[done:]], offset + done)
         if got <= 0:
-            raise OSError(f"{path}: ended at byte {offset + done}, {len(window) - done} bytes short of the "
-                          "tensor data it should hold (the file was truncated while being read)")
+            raise OSError(errno.EIO, f"ended at byte {offset + done}, {len(window) - done} bytes short of the tensor "
+                          f"data{f' of {item}' if item else ''} it should hold (the file was truncated while being "
+                          "read)", os.fspath(path))
         done += got
 
 

@@ -273,7 +273,7 @@ class DcpSlices:
         if fd is None:
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
         data = bytearray(ref.numel * ref.itemsize)
-        pread_exact(fd, memoryview(data), ref.file_offset, f"{path} ({ref.key})")
+        pread_exact(fd, memoryview(data), ref.file_offset, path, ref.key)
         self.bytes_read += len(data)
         return bytes(data)
 
@@ -349,5 +349,5 @@ class DcpSlices:
             if fd is None:
                 fd = self._fds[ch.file] = os.open(ch.file, os.O_RDONLY)
             dst = view[(a - start) * elsize:(b - start) * elsize]
-            pread_exact(fd, dst, ch.data_offset + (a - ch.start) * elsize, f"{ch.file} ({key})")
+            pread_exact(fd, dst, ch.data_offset + (a - ch.start) * elsize, ch.file, key)
             self.bytes_read += len(dst)

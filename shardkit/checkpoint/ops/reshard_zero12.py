@@ -17,6 +17,7 @@ instead of a second read of every source file on threads of its own.
 from __future__ import annotations
 
 import errno
+import os
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,7 +164,8 @@ def _suspects(exc: BaseException, sources: Sequence[tuple[Path, FileEntry]]) -> 
     """The source files whose digests could explain the failed write ``exc``, the only ones hashed to the end
     before it is raised (a 2 TB source and a full disk: "disk full" at once, not after 2 TB of hashing): none for
     an error no source content causes (``_NOT_DATA_ERRNOS``, a full disk ``disk_full_named`` reworded); the
-    source files the error names (a source truncated under the copy); every source when it names none."""
+    source files an OSError in its chain names as its ``filename`` (a source truncated under the copy:
+    ``torch_zip.pread_exact``); every source when none is named."""
     chain: list[BaseException] = []
     at: BaseException | None = exc
     while at is not None and at not in chain:
@@ -171,6 +173,6 @@ def _suspects(exc: BaseException, sources: Sequence[tuple[Path, FileEntry]]) -> 
         at = at.__cause__ or at.__context__
     if any(is_disk_full(e) or (isinstance(e, OSError) and e.errno in _NOT_DATA_ERRNOS) for e in chain):
         return []
-    said = " ".join(f"{e} {getattr(e, 'filename', '') or ''}" for e in chain)
-    named = [(path, entry) for path, entry in sources if str(path) in said]
+    files = {Path(os.fsdecode(e.filename)) for e in chain if isinstance(e, OSError) and e.filename is not None}
+    named = [(path, entry) for path, entry in sources if path in files]
     return named or list(sources)
