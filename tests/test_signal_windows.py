@@ -223,3 +223,37 @@ def test_sigterms_during_a_claim_and_its_removal_leave_no_staging_folder(tmp_pat
         claim(root, "ckpt", launch_from_env({}, single=True))
     monkeypatch.undo()
     assert os.listdir(root) == []
+
+
+def test_repeated_sigterms_while_a_trainer_reshard_is_removed_leave_no_staging_folder(tmp_path, monkeypatch,
+                                                                                     sigterm_raises):
+    # the reshard of checkpoint-N is stopped, and the removal of its model-sized staging folder beside
+    # the output met a second SIGTERM: the folder stayed (only a later run on this host removes it)
+    import shardkit.checkpoint.ops.reshard_trainer as reshard_trainer
+    from shardkit.checkpoint.hf_trainer.folder import TrainerCheckpoint
+
+    src = tmp_path / "run" / "checkpoint-2"
+    (src / "global_step2").mkdir(parents=True)
+    (src / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    (src / "latest").write_text("global_step2")
+    (src / "trainer_state.json").write_text("{}")
+
+    def reshard_stopped(source, staged, *args, **kwargs):
+        (staged / "global_step2").mkdir(parents=True)
+        (staged / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"partial")
+        signal.raise_signal(signal.SIGTERM)
+
+    real_rmtree = shutil.rmtree
+
+    def sigterm_then_rmtree(path, *args, **kwargs):
+        if Path(path).name.startswith(".shardkit-tmp-checkpoint-2-"):
+            signal.raise_signal(signal.SIGTERM)
+        real_rmtree(path, *args, **kwargs)
+
+    out = tmp_path / "new" / "checkpoint-2"
+    monkeypatch.setattr(reshard_trainer, "reshard_zero3", reshard_stopped)
+    monkeypatch.setattr(shutil, "rmtree", sigterm_then_rmtree)
+    with pytest.raises(sigterm_raises):
+        reshard_trainer.reshard_trainer_checkpoint(TrainerCheckpoint(src), out, 2)
+    monkeypatch.undo()
+    assert os.listdir(out.parent) == []

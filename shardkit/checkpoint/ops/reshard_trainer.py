@@ -27,7 +27,7 @@ from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core.errors import CheckpointError, UsageError
-from shardkit.storage.atomic import os_errors_named, publish_dir
+from shardkit.storage.atomic import os_errors_named, publish_dir, signals_deferred
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.shared_save import launch_from_env
 from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
@@ -174,7 +174,8 @@ def reshard_trainer_checkpoint(
         copied, skipped = _copy_trainer_files(src, staged, {src_tag, new_tag}, rng)
         publish_dir(staged, final)  # fsyncs the tree; an existing (forced) folder is swapped, never half-replaced
     except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
+        with signals_deferred():  # a second SIGTERM (a repeated cancel) must not cut the removal short
+            shutil.rmtree(staged, ignore_errors=True)
         raise
     moved = dataclasses.replace(
         r, output=final, files=[final / f.relative_to(staged) for f in r.files],
