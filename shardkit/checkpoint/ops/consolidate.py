@@ -43,6 +43,7 @@ from shardkit.checkpoint.ops.consolidate_shared import write_shared
 from shardkit.checkpoint.ops.export.sources import Source, resolve_source
 from shardkit.checkpoint.ops.export.writer import SourceFiles, Stopped, entry_dtype, output_dtype, write_elements
 from shardkit.checkpoint.readers.registry import read_checkpoint
+from shardkit.checkpoint.readers.zero3 import read_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core import progress
 from shardkit.core.errors import ShardkitError, UsageError
@@ -103,8 +104,12 @@ def consolidate_zero3(
     for note in [*source.notes, *notes] if launch.rank == 0 else []:
         say(note)
     # the tag folder that was verified is read, not ``checkpoint`` again: a save between the two could
-    # move 'latest' to a tag nobody verified
-    ckpt = read_checkpoint(source.kind, source.tag_dir)
+    # move 'latest' to a tag nobody verified. A split run's process parses only the rank files its window
+    # reads (lazy): eagerly, every process parsed every rank's pickle, processes x ranks parses on the
+    # shared filesystem; a damaged file is then named by the process reading it, and nothing is published
+    # (the output is staged). One process reads every piece anyway: eager names damage before the output exists
+    lazy = launch.distributed and source.kind == "zero3"
+    ckpt = read_zero3(source.tag_dir, lazy=True) if lazy else read_checkpoint(source.kind, source.tag_dir)
     tensors = output_tensors(ckpt, include_frozen)
     entries = {n: TensorEntry(n, entry_dtype(t, out_name), tuple(t.shape)) for n, t in tensors.items()}
     header, data_start = header_layout(entries)
