@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.writers.zero3 import TargetOptimizer
-from shardkit.checkpoint.writers.zero12 import OPTIM_FILE, FileJob, SameRun, Zero12Files, Zero12Target, file_jobs
+from shardkit.checkpoint.writers.zero12 import FileJob, SameRun, Zero12Files, Zero12Target, file_jobs
+from shardkit.checkpoint.zero3.files import OPTIM_FILE
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError

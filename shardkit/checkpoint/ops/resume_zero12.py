@@ -45,7 +45,7 @@ from shardkit.checkpoint.ops.resume_state import (
 )
 from shardkit.checkpoint.readers.zero12 import Zero12Layout, read_zero12, zero12_layout
 from shardkit.checkpoint.writers.zero3 import read_slice
-from shardkit.checkpoint.writers.zero12 import OPTIM_FILE as OPTIM_FILE_NAME
+from shardkit.checkpoint.zero3.files import OPTIM_FILE as OPTIM_FILE_NAME
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_listed
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, client_state_keys
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY, is_zero12_folder

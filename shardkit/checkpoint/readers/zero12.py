@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import agreed_steps, loss_scaler, per_parameter_steps, run_scalars
-from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIM_FILE, OPTIMIZER_KEY, tensor_from_ref
+from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIM_FILE_PATTERN, OPTIMIZER_KEY, tensor_from_ref
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.listing import FolderListing, list_folder
 from shardkit.storage.torch_load import TensorRef, read_structure
@@ -143,7 +143,7 @@ def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None,
     prefixes, other = set(), []
     names = listing.names if listing is not None and listing.describes(tag_dir) else list_folder(tag_dir).names
     for name in names:  # names, not Paths: a resuming rank lists thousands of files and opens 3
-        m = OPTIM_FILE.match(name)
+        m = OPTIM_FILE_PATTERN.match(name)
         if m:
             found[int(m.group(2))] = tag_dir / name
             prefixes.add(m.group(1) or "")

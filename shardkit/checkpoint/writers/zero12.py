@@ -47,6 +47,7 @@ from shardkit.checkpoint.writers.zero3 import (
     read_slice,
     tensor_segments,
 )
+from shardkit.checkpoint.zero3.files import OPTIM_FILE
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY, tensor_from_ref
 from shardkit.core import progress
 from shardkit.core.errors import UsageError
@@ -61,7 +62,6 @@ from shardkit.storage.torch_zip import RecordData, write_torch_zip
 if TYPE_CHECKING:
     import torch
 
-OPTIM_FILE = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 _MODULE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: DeepSpeed's ``nccl_start_alignment_factor``: a group's flat buffer is padded to a multiple of this x world size.
 ALIGNMENT_FACTOR = 2

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardkit.checkpoint.zero3.files import OPTIM_FILE
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.listing import FolderListing, list_folder
 from shardkit.storage.torch_load import TensorRef
@@ -17,8 +18,10 @@ from shardkit.storage.torch_load import TensorRef
 if TYPE_CHECKING:
     import torch
 
-#: One data-parallel rank's optimizer file; groups: the bf16 prefix and the rank.
-OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+#: One data-parallel rank's optimizer file, ``zero3.files.OPTIM_FILE`` (DeepSpeed names it alike at every ZeRO
+#: stage), as a pattern; groups: the bf16 prefix and the rank.
+OPTIM_FILE_PATTERN = re.compile(
+    "^" + re.escape(OPTIM_FILE).replace(r"\{prefix\}", "(bf16_)?").replace(r"\{rank\}", r"(\d+)") + "$")
 MODEL_FILE = "mp_rank_00_model_states.pt"
 """The one model-states file: the full 16-bit module, ``param_shapes``, frozen fragments, the DeepSpeed config."""
 OPTIMIZER_KEY = "optimizer_state_dict"
@@ -31,7 +34,7 @@ def is_zero12_folder(tag_dir: Path, listing: FolderListing | None = None) -> boo
         if not (tag_dir / MODEL_FILE).is_file():  # no folder, or no ZeRO-1/2 save: nothing to list
             return False
         listing = list_folder(tag_dir)  # the command's one listing of it, where a command holds one
-    return MODEL_FILE in listing.files and any(OPTIM_FILE.match(name) for name in listing.names)
+    return MODEL_FILE in listing.files and any(OPTIM_FILE_PATTERN.match(name) for name in listing.names)
 
 
 def tensor_from_ref(ref: TensorRef) -> "torch.Tensor":
