@@ -257,3 +257,24 @@ def test_repeated_sigterms_while_a_trainer_reshard_is_removed_leave_no_staging_f
         reshard_trainer.reshard_trainer_checkpoint(TrainerCheckpoint(src), out, 2)
     monkeypatch.undo()
     assert os.listdir(out.parent) == []
+
+
+def test_sigterm_while_the_json_result_file_is_written_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch,
+                                                                                            sigterm_raises):
+    # --json-file wrote PATH.tmp-<pid> outside any try: a SIGTERM before the rename left it behind
+    import argparse
+
+    from shardkit.commands._parser import emit_json
+
+    target = tmp_path / "result.json"
+    target.write_text('{"old": true}\n')
+
+    def sigterm_instead_of_rename(src, dst):
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(os, "replace", sigterm_instead_of_rename)
+    with pytest.raises(sigterm_raises):
+        emit_json(argparse.Namespace(json=False, json_file=str(target)), {"new": True})
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["result.json"]
+    assert target.read_text() == '{"old": true}\n'

@@ -245,15 +245,12 @@ def emit_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
 
 def _write_atomically(path: str, text: str) -> None:
     """A reader polling PATH never sees half a result: written beside it, then renamed."""
-    import os
-
     if path == "-":
         (_REAL_STDOUT[-1] if _REAL_STDOUT else sys.stdout).write(text)
         return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    from shardkit.storage.atomic import atomic_write_text  # removes its temporary whatever stops it, a SIGTERM too
+
+    atomic_write_text(path, text)
 
 
 def _plain(value: Any) -> Any:
