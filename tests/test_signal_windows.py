@@ -278,3 +278,32 @@ def test_sigterm_while_the_json_result_file_is_written_leaves_the_old_file_and_n
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["result.json"]
     assert target.read_text() == '{"old": true}\n'
+
+
+def test_repeated_sigterms_while_a_universal_write_is_removed_leave_no_staging_folder(tmp_path, monkeypatch,
+                                                                                     sigterm_raises):
+    import shardkit.checkpoint.writers.universal as universal
+
+    def write_stopped(ckpt, staged, *args):
+        (staged / "zero" / "w").mkdir(parents=True)
+        (staged / "zero" / "w" / "fp32.pt").write_bytes(b"partial")
+        signal.raise_signal(signal.SIGTERM)
+
+    real_rmtree = shutil.rmtree
+
+    def sigterm_then_rmtree(path, *args, **kwargs):
+        if Path(path).name.startswith(".shardkit-tmp-global_step2"):
+            signal.raise_signal(signal.SIGTERM)
+        real_rmtree(path, *args, **kwargs)
+
+    class Model:
+        trainable: list[str] = []
+
+    root = tmp_path / "universal"
+    monkeypatch.setattr(universal, "universal_state_keys", lambda ckpt: [])
+    monkeypatch.setattr(universal, "_write", write_stopped)
+    monkeypatch.setattr(shutil, "rmtree", sigterm_then_rmtree)
+    with pytest.raises(sigterm_raises):
+        universal.write_universal(Model(), root, "global_step2")
+    monkeypatch.undo()
+    assert os.listdir(root) == []

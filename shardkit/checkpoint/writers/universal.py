@@ -36,7 +36,7 @@ from shardkit.checkpoint.layout.detect import LATEST_UNIVERSAL
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.atomic import atomic_save, publish_dir, staging_dir, write_latest
+from shardkit.storage.atomic import atomic_save, publish_dir, signals_deferred, staging_dir, write_latest
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,8 @@ def write_universal(ckpt: TrainingCheckpoint, root: Path, tag: str) -> Path:
         _write(ckpt, staged, ckpt.trainable, keys)
         publish_dir(staged, root / tag)
     except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
+        with signals_deferred():  # a second SIGTERM (a repeated cancel) must not cut the removal short
+            shutil.rmtree(staged, ignore_errors=True)
         raise
     write_latest(root, tag, LATEST_UNIVERSAL)
     return root / tag
