@@ -203,7 +203,13 @@ def refuse_uncovered(folder: Path, tensors: Iterable[tuple[str, SourceTensor]]) 
     with its first gap or overlap; every operation calls it before it writes anything. Each tensor comes
     with what it is to the caller (its output name, ``exp_avg of 'w'``), said beside its source name
     where the two differ."""
-    faults = [(role, t, fault) for role, t in tensors if (fault := t.coverage_fault()) is not None]
+    faults, seen = [], set()
+    for role, t in tensors:
+        if id(t) not in seen:  # a tied alias is its holder's tensor: checked, and named, once
+            seen.add(id(t))
+            fault = t.coverage_fault()
+            if fault is not None:
+                faults.append((role, t, fault))
     if not faults:
         return
     role, t, fault = faults[0]
