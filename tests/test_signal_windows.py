@@ -307,3 +307,23 @@ def test_repeated_sigterms_while_a_universal_write_is_removed_leave_no_staging_f
         universal.write_universal(Model(), root, "global_step2")
     monkeypatch.undo()
     assert os.listdir(root) == []
+
+
+def test_sigterm_as_the_heartbeat_starts_stops_the_heartbeat(tmp_path, monkeypatch, sigterm_raises):
+    # the heartbeat thread was started before the try whose finally stops it: a signal in between left
+    # it writing .shardkit-alive-0 into the staging folder while the run's clean-up removed the folder
+    import threading
+
+    import shardkit.storage.shared_save as shared_save
+
+    def watch_stopped(counts):
+        signal.raise_signal(signal.SIGTERM)
+
+    staged = tmp_path / ".shardkit-tmp-ckpt"
+    staged.mkdir()
+    monkeypatch.setattr(shared_save.progress, "watch_peers", watch_stopped)
+    before = set(threading.enumerate())
+    with pytest.raises(sigterm_raises):
+        with shared_save.heartbeat(staged, 0):
+            pass
+    assert [t for t in set(threading.enumerate()) - before if t.name == "shardkit-heartbeat"] == []

@@ -296,14 +296,17 @@ def heartbeat(staged: Path, rank: int, *, alive_file: bool = True) -> Iterator[N
                 return
 
     thread = threading.Thread(target=beat, name="shardkit-heartbeat", daemon=True)
-    thread.start()
-    if rank == 0 and own is not None:
-        progress.watch_peers(lambda: _peer_counts(staged, own))
     try:
+        # started inside the try: an interrupt landing before it left the thread beating on, writing
+        # its alive file into the staging folder while the clean-up removed it
+        thread.start()
+        if rank == 0 and own is not None:
+            progress.watch_peers(lambda: _peer_counts(staged, own))
         yield
     finally:
         stop.set()
-        thread.join()
+        if thread.ident is not None:  # started
+            thread.join()
         if own is not None and rank != 0:
             with contextlib.suppress(OSError):
                 own.write_text("%d %d\n" % progress.counts())  # the final count, for rank 0's closing line
