@@ -56,10 +56,13 @@ def _argv(sweep_sources: Any, command: str, src: Path, out: Path) -> list[Any]:
     if command == "convert --to zero3":
         return ["convert", src, "--to", "zero3", "--world-size", "2", "--ds-config", sweep_sources.root("ds_config"),
                 "-o", out]
+    if command == "convert --to universal":
+        return ["convert", src, "--to", "universal", "-o", out]
     return ["convert", src, "--to", "zero2", "--world-size", "2", "-o", out]
 
 
-@pytest.mark.parametrize("command", ["consolidate", "export", "convert --to zero3", "convert --to zero2"])
+@pytest.mark.parametrize("command", ["consolidate", "export", "convert --to zero3", "convert --to zero2",
+                                     "convert --to universal"])
 def test_a_tensor_its_index_does_not_cover_is_refused_naming_it_and_nothing_is_written(
         sweep_sources, tmp_path, run_cli, command):
     src = _damaged(sweep_sources, tmp_path / "src")

@@ -88,10 +88,7 @@ def universal_state_keys(ckpt: TrainingCheckpoint) -> list[str]:
             f"{ckpt.folder}: a universal checkpoint needs every trainable parameter's optimizer state, and this "
             f"{ckpt.format} source {'describes none' if not keys else 'lacks it for ' + ', '.join(lacking[:5])}; "
             "export writes its weights instead. Nothing was written")
-    uncovered = ckpt.uncovered()
-    if uncovered:
-        raise CheckpointError(f"{ckpt.folder}: the pieces of {', '.join(uncovered[:5])} do not cover them exactly once; "
-                              "the source is damaged. Nothing was written")
+    ckpt.refuse_uncovered()
     return keys
 
 

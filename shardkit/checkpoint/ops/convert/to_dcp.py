@@ -117,6 +117,7 @@ def convert_to_dcp(
     # the files whose bytes are copied, as they are now: one rewritten during the copy fails the run
     before = signatures(files)
     refuse_weights_only(ckpt, found, "fsdp2", "so an FSDP2 resume would start Adam from zero")
+    ckpt.refuse_uncovered()  # before the staging folder exists (the writer's own check meets it mid-write)
     plan = plan_dcp_target(ckpt, adam_w_mode)
     refuse_if_any(plan.uncarried, source_dir, "fsdp2")
     items = dcp_items(ckpt, plan.layout)
