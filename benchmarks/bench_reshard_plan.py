@@ -2,10 +2,11 @@
 1,024 source ranks of a 70B Llama (723 parameters, ~1 TB of ZeRO-3 files with Adam).
 
 A real checkpoint of that size cannot be generated here, so the source is simulated where the
-planner meets it: ``ReshardPlan`` reads each source rank's structure (``read_structure``) through
-``_optim``/``_model``; here those return what ``read_structure`` returns for a real 0.19.8 save of
-that shape (flat fp32 partitions and Adam moments as TensorRefs at file offsets), with the
-parameter layout, the sub-group rule and the pickles all shardkit's own. Per world size it builds
+planner meets it: the ZeRO-3 reader (``readers.zero3.describe_zero3``, lazy, as ``reshard`` opens it) reads
+each source rank's structure through its ``read``; here that returns what ``read_structure`` returns for a real
+0.19.8 save of that shape (flat fp32 partitions and Adam moments as TensorRefs at file offsets), with the
+parameter layout, the sub-group rule and the same-run ZeRO-3 writer (``writers.zero3_same_run``) all
+shardkit's own. Per world size it builds
 the share of one process among ``world / 8`` processes (8 GPUs a node: one process per node),
 resharding to half and to double the world, and prints: files in the share, seconds to build them
 (pickle + byte segments), segments per file, source structures read, and the pickle size. The
@@ -29,10 +30,11 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._llama_reports import llama70b_params  # noqa: E402
 from shardkit.checkpoint.ops.reshard import split_by_bytes  # noqa: E402
+from shardkit.checkpoint.readers.zero3 import describe_zero3  # noqa: E402
+from shardkit.checkpoint.writers.zero3_same_run import Zero3SameRun  # noqa: E402
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot, Zero3Checkpoint  # noqa: E402
 from shardkit.checkpoint.zero3.layout import DEFAULT_SUB_GROUP_SIZE, partition_numel  # noqa: E402
 from shardkit.checkpoint.zero3.repartition import plan_layout  # noqa: E402
-from shardkit.checkpoint.zero3.reshard_plan import ReshardPlan  # noqa: E402
 from shardkit.storage.torch_load import DeepSpeedObjectStub, TensorRef, TorchSize  # noqa: E402
 
 GPUS_PER_NODE = 8
@@ -90,17 +92,14 @@ def measure(world: int, target: int) -> dict[str, Any]:
     ckpt, optim = synthetic_checkpoint(world)
     reads: list[int] = []
 
-    class Plan(ReshardPlan):
-        def _optim(self, rank: int) -> dict[str, Any]:  # type: ignore[override]
-            reads.append(rank)
-            return optim(rank)
+    by_path = {p: r for r, p in enumerate(ckpt.optim_files)}
 
-        def _model(self, rank: int) -> dict[str, Any]:  # type: ignore[override]
-            return ckpt.model_state
+    def read(path: Path) -> dict[str, Any]:
+        reads.append(by_path[path])
+        return optim(by_path[path])
 
     t0 = time.perf_counter()
-    plan = Plan(ckpt, plan_layout(ckpt, target))
-    files = plan.files()
+    files = Zero3SameRun(describe_zero3(ckpt, lazy=True, read=read), plan_layout(ckpt, target)).files()
     processes = max(1, target // GPUS_PER_NODE)
     share = split_by_bytes([f.nbytes for f in files], processes)[0]
     setup = time.perf_counter() - t0

@@ -18,7 +18,7 @@ saved, so the plain ``load_checkpoint`` takes them unchanged:
 
 Speed, memory, scale: nothing imports torch or unpickles a tensor. The source files are parsed by
 ``read_structure``; each new file is a pickle plus byte ranges of the source files
-(``zero3.reshard_plan``), copied through one 1 MiB buffer per writer thread, crc'd and hashed
+(``ops.reshard_zero3``: the ZeRO-3 reader, then the ZeRO-3 writer for the same run), copied through one 1 MiB buffer per writer thread, crc'd and hashed
 (blake3 by default, for the manifest) as written, fsynced by its writer (``torch_zip``). ``workers`` threads
 write at once; under ``srun``/``torchrun`` every launched process writes its share of the files
 (balanced by bytes) into one staging folder and process 0 seals one manifest
@@ -43,12 +43,9 @@ from typing import Any, Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
+from shardkit.checkpoint.ops.reshard_zero3 import Zero3Reshard, plan_zero3_reshard
 from shardkit.checkpoint.ops.reshard_zero12 import Zero12Reshard, plan_zero12_reshard, write_hashing_sources
-from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
-from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
-from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, plan_layout
-from shardkit.checkpoint.zero3.reshard_plan import OutputFile, ReshardPlan
 from shardkit.checkpoint.zero12.files import is_zero12_folder
 from shardkit.config.loading import config_digest
 from shardkit.core import progress
@@ -162,8 +159,7 @@ def reshard_zero3(
             warn(note)
     verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
     expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
-    ckpt: Zero3Checkpoint | Zero12Reshard
-    zero12_notes: list[str] = []
+    ckpt: Zero3Reshard | Zero12Reshard
     if is_zero12_folder(source_dir):
         # ZeRO-1/2 (checkpoint.zero12): one partition per rank and parameter group, no sub-groups
         if sub_group_size is not None:
@@ -172,12 +168,12 @@ def reshard_zero3(
         ckpt = plan_zero12_reshard(source_dir, world_size)  # the ZeRO-1/2 reader -> the ZeRO-1/2 writer
         unchanged = world_size == ckpt.world_size
         jobs = _copy_jobs(ckpt, expected) if unchanged else [_Job(f.name, f.nbytes, f.write, f.contents) for f in ckpt.jobs]
-        zero12_notes = [] if unchanged else ckpt.notes
+        if unchanged:
+            ckpt.notes = []
     else:
-        ckpt = open_zero3_checkpoint(source_dir, torch_free=True)
-        layout = plan_layout(ckpt, world_size, sub_group_size)
-        unchanged = _layout_unchanged(ckpt, layout)
-        jobs = _copy_jobs(ckpt, expected) if unchanged else _reshard_jobs(ckpt, layout)
+        ckpt = plan_zero3_reshard(source_dir, world_size, sub_group_size)  # the ZeRO-3 reader -> the ZeRO-3 writer
+        unchanged = ckpt.unchanged
+        jobs = _copy_jobs(ckpt, expected) if unchanged else [_Job(f.name, f.nbytes, _built(f.build)) for f in ckpt.jobs]
     mine = split_by_bytes([j.nbytes for j in jobs], launch.world)[launch.rank]
     share = [jobs[i] for i in mine]
     sources = [*ckpt.optim_files, *ckpt.model_files]
@@ -195,7 +191,7 @@ def reshard_zero3(
             return None
         return Manifest(
             engine="deepspeed", tag=tag, world_size=world_size, step=ckpt.model_state.get("global_steps"),
-            zero_stage=ckpt.stage if isinstance(ckpt, Zero12Reshard) else 3,
+            zero_stage=ckpt.stage,
             dtype=ckpt.precision, versions=library_versions(), config_digest=config_digest(ckpt.ds_config or None),
             extra={"resharded_from": {"path": str(ckpt.tag_dir), "world_size": ckpt.world_size,
                                       "ds_version": ckpt.ds_version, "verified": verified,
@@ -222,7 +218,7 @@ def reshard_zero3(
         files=[final / j.name for j in jobs],
         bytes=sum(e.size for e in entries) if launch.rank == 0 else 0,
         manifest=final / MANIFEST_NAME if manifest else None,
-        notes=[n for n in (client_state_note(ckpt, world_size),) if n] if isinstance(ckpt, Zero3Checkpoint) else zero12_notes,
+        notes=ckpt.notes,
         verified=verified,
         copied_unchanged=unchanged,
         rank=launch.rank,
@@ -246,15 +242,7 @@ class _Job:
     """The file as ``data.pkl`` + source byte ranges, where it is written without torch (``writers.zero12``)."""
 
 
-def _layout_unchanged(ckpt: Zero3Checkpoint, layout: TargetLayout) -> bool:
-    """True when the new layout is the source's own: same world size, same sub-groups and offsets."""
-    if layout.world_size != ckpt.world_size or layout.sub_group_param_group != ckpt.sub_group_param_group:
-        return False
-    new = [(j, tp.source.name, tp.offset) for j, params in enumerate(layout.sub_groups) for tp in params]
-    return new == [(s.sub_group, s.name, s.offset) for s in ckpt.slots]
-
-
-def _copy_jobs(ckpt: Zero3Checkpoint | Zero12Reshard, expected: dict[str, FileEntry]) -> list[_Job]:
+def _copy_jobs(ckpt: Zero3Reshard | Zero12Reshard, expected: dict[str, FileEntry]) -> list[_Job]:
     # Copies, never hard links: DeepSpeed's torch.save opens a rank file with O_TRUNC and rewrites it
     # in place when a run saves the same tag again, so a link would let the source run change the
     # resharded checkpoint under its manifest (and the other way round). The bytes are read anyway
@@ -280,11 +268,9 @@ def _copy_jobs(ckpt: Zero3Checkpoint | Zero12Reshard, expected: dict[str, FileEn
     return [_Job(src.name, src.stat().st_size, copy(src)) for src in [*ckpt.optim_files, *ckpt.model_files]]
 
 
-def _reshard_jobs(ckpt: Zero3Checkpoint, layout: TargetLayout) -> list[_Job]:
-    def write(f: OutputFile) -> Callable[[Path], WrittenFile]:
-        return lambda out: write_torch_zip(out, *f.build())
-
-    return [_Job(f.name, f.nbytes, write(f)) for f in ReshardPlan(ckpt, layout).files()]
+def _built(build: Callable[[], tuple[bytes, list[tuple[str, RecordData]]]]) -> Callable[[Path], WrittenFile]:
+    """A job writing the file ``build`` makes (its pickle and records) without torch."""
+    return lambda out: write_torch_zip(out, *build())
 
 
 def _write_share(staged: Path, share: list[_Job], workers: int, outcome: str,

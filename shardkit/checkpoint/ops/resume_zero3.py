@@ -153,7 +153,7 @@ def load_zero3_checkpoint(
                               for v in opt.optimizer.state.get(f, {}).values() if hasattr(v, "device")}),
         kernel_replays=kernels,
     )
-    note = client_state_note(ckpt, layout.world_size)
+    note = client_state_note(ckpt.model_state, ckpt.world_size, layout.world_size)
     if note:
         result.notes.append(note)
     if precision_note:

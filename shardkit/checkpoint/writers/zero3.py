@@ -14,7 +14,7 @@ written:
   ``fp32_flat_groups``.
 
 What goes where is decided before (``Zero3Target``, planned by ``ops.convert.to_zero3_plan``): the
-sub-group layout at N ranks (``zero3.repartition.plan_layout``: ``ceil(numel / N)`` elements per rank,
+sub-group layout at N ranks (``zero3.repartition.layout_of``: ``ceil(numel / N)`` elements per rank,
 zero padding), the param groups in the resuming optimizer's format, one step per sub-group.
 ``_rigid_load_state_dict`` copies flat tensors without looking at names, so the layout order (the
 param groups' order of parameters) is what makes the load right.
@@ -42,7 +42,7 @@ from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor, contiguous_strides
 from shardkit.checkpoint.writers.dcp_format import is_plain
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
-from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
+from shardkit.checkpoint.zero3.layout import append_segment, partition_numel, rank_range
 from shardkit.checkpoint.zero3.repartition import TargetLayout
 from shardkit.core import progress
 from shardkit.core.errors import UsageError
@@ -141,16 +141,42 @@ def write_rank_files(folder: Path, out: RankStates, outcome: str, workers: int |
 
 
 def tensor_segments(t: SourceTensor, lo: int, hi: int) -> list[Segment] | None:
-    """Elements ``[lo, hi)`` of ``t`` as byte ranges of its pieces; None when a loader holds it."""
+    """Elements ``[lo, hi)`` of ``t`` as byte ranges of its pieces (only those holding them: a ZeRO-3 source's
+    are computed, not scanned); None when a loader holds it."""
     if t.load is not None:
         return None
     size = ITEMSIZE[t.dtype]
-    out = []
-    for p in sorted(t.pieces, key=lambda p: p.start):
-        a, b = max(lo, p.start), min(hi, p.start + p.numel)
-        if b > a:
-            out.append(Segment(str(p.file), p.offset + (a - p.start) * size, (b - a) * size))
-    return out
+    return [Segment(str(p.file), p.offset, p.numel * size) for p in t.pieces_in(lo, hi)]
+
+
+def flat_segments(layout: TargetLayout, j: int, rank: int, tensor: Callable[[str], SourceTensor],
+                  dtype: str | None = None) -> list[Segment] | None:
+    """Rank ``rank``'s flat tensor of sub-group ``j`` (both ZeRO-3 writers): each parameter's elements of
+    ``tensor(name)`` as byte ranges of its pieces, then the parameter's zero padding, adjacent ranges merged;
+    None where a tensor is held by a loader or is not of ``dtype`` (when given)."""
+    segments: list[Segment] = []
+    for tp in layout.sub_groups[j]:
+        t = tensor(tp.source.name)
+        lo, hi = tp.rank_range(rank)
+        got = tensor_segments(t, lo, hi) if dtype is None or t.dtype == dtype else None
+        if got is None:
+            return None
+        for seg in got:
+            append_segment(segments, seg.path, seg.offset, seg.nbytes)
+        if tp.partition_numel > hi - lo:
+            append_segment(segments, None, 0, (tp.partition_numel - (hi - lo)) * ITEMSIZE[t.dtype])
+    return segments
+
+
+def fragment_segments(t: SourceTensor, rank: int, world_size: int) -> list[Segment] | None:
+    """Rank ``rank``'s ZeRO-3 fragment of the frozen parameter ``t`` (``ceil(numel / world_size)`` elements,
+    the last rank's tail zero) as byte ranges of its pieces; None when a loader holds it."""
+    pn = partition_numel(t.numel, world_size)
+    lo, hi = rank_range(rank, pn, t.numel)
+    segments = tensor_segments(t, lo, hi)
+    if segments is not None and pn > hi - lo:
+        segments.append(Segment(None, 0, (pn - (hi - lo)) * ITEMSIZE[t.dtype]))
+    return segments
 
 
 def _whole_ref(t: SourceTensor, key: str) -> TensorRef | None:
@@ -323,9 +349,7 @@ class RankStates:
         t = self.ckpt.weights[name]
         pn = partition_numel(t.numel, self.layout.world_size)
         lo, hi = rank_range(rank, pn, t.numel)
-        segments = tensor_segments(t, lo, hi) if t.dtype == self.module_dtype else None
-        if segments is not None and pn > hi - lo:
-            segments.append(Segment(None, 0, (pn - (hi - lo)) * ITEMSIZE[self.module_dtype]))
+        segments = fragment_segments(t, rank, self.layout.world_size) if t.dtype == self.module_dtype else None
         if self.plain and segments is not None:
             return NewTensor(self.module_dtype, pn, segments)
         import torch  # lazy: the torch route only
@@ -344,25 +368,14 @@ class RankStates:
         """Rank ``rank``'s flat ``key`` tensor of sub-group ``j``, written later: byte ranges of the
         source and zero runs when every slice is float32 there (copied through one 1 MiB buffer,
         never built), else produced slice by slice (``_partition``)."""
-        segments: list[Segment] = []
-        readable = True
-        for tp in self.layout.sub_groups[j]:
-            lo, hi = tp.rank_range(rank)
-            t = self._tensor(tp.source.name, key)
-            got = tensor_segments(t, lo, hi) if t.dtype == "float32" else None
-            if got is None:
-                readable = False
-                break
-            segments.extend(got)
-            if tp.partition_numel > hi - lo:
-                segments.append(Segment(None, 0, (tp.partition_numel - (hi - lo)) * 4))
+        segments = flat_segments(self.layout, j, rank, lambda name: self._tensor(name, key), "float32")
         numel = self.layout.sub_group_numel(j)
-        if self.plain and readable:
+        if self.plain and segments is not None:
             return NewTensor("float32", numel, segments)
         import torch  # lazy: the torch route only
 
         return LazyTensor(numel, torch.float32, partial(self._partition, j, rank, key),
-                          segments=(lambda: segments) if readable else None)
+                          segments=(lambda: segments) if segments is not None else None)
 
     def _partition(self, j: int, rank: int, key: str) -> "torch.Tensor":
         """Rank ``rank``'s flat ``key`` tensor (fp32) of sub-group ``j``: each parameter's

@@ -1,10 +1,8 @@
 """A ZeRO-3 checkpoint's state at another world size, built rank by rank: the target layout
 (sub-groups as ZeRO-3 builds them at the new size), each new rank's flat partitions, model-states
-and optimizer-states dicts. ``reshard`` writes them to files; ``resume`` loads them in-process.
-
-A new rank's flat tensor is a run of byte ranges of the source rank files plus zero padding
-(``partition_segments``): ``reshard`` copies those ranges file to file through one buffer instead
-of building the tensor.
+and optimizer-states dicts. The in-process ``resume`` loads them; ``reshard`` and ``convert --to zero3``
+take the layout (``layout_of``) and write the files through the ZeRO-3 writers (``writers.zero3``,
+``writers.zero3_same_run``), each new rank's flat tensor as byte ranges of the source plus zero padding.
 """
 
 from __future__ import annotations
@@ -13,20 +11,20 @@ import copy
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.gather import full_frozen_params
 from shardkit.checkpoint.zero3.layout import (
     DEFAULT_SUB_GROUP_SIZE,
-    append_segment,
     client_state_keys,
     partition_numel,
     rank_range,
 )
 from shardkit.config.paths import get
 from shardkit.core.errors import CheckpointError, UsageError
-from shardkit.storage.stream import LazyTensor, Segment
+from shardkit.storage.stream import LazyTensor
 from shardkit.storage.torch_load import safe_torch_load
 
 if TYPE_CHECKING:
@@ -66,9 +64,16 @@ class TargetLayout:
 
 def plan_layout(ckpt: Zero3Checkpoint, world_size: int, sub_group_size: int | None = None) -> TargetLayout:
     """The layout DeepSpeed builds at ``world_size`` for the checkpoint's parameters, in their order."""
+    return layout_of(ckpt.slots, world_size, sub_group_size, ckpt.ds_config, ckpt.tag_dir)
+
+
+def layout_of(slots: list[ParamSlot], world_size: int, sub_group_size: int | None, ds_config: dict[str, Any],
+              where: Path) -> TargetLayout:
+    """The layout DeepSpeed builds at ``world_size`` for ``slots`` (the parameters in their order);
+    ``sub_group_size`` None: the one ``ds_config`` (saved in ``where``) sets."""
     if world_size < 1:
         raise UsageError(f"world_size {world_size}: must be at least 1 (the number of data-parallel ranks)")
-    elements = sum(slot.numel for slot in ckpt.slots)
+    elements = sum(slot.numel for slot in slots)
     if world_size > MAX_WORLD_SIZE or world_size > elements:
         # two files per rank: a typo (an extra zero or two) would fill the disk with files that
         # hold nothing but padding
@@ -77,9 +82,9 @@ def plan_layout(ckpt: Zero3Checkpoint, world_size: int, sub_group_size: int | No
                             f"the checkpoint's {elements:,} trainable elements (every extra rank would hold only "
                             "padding)") + "; pass the data-parallel world size of the resuming run")
     if sub_group_size is None:
-        sub_group_size = saved_sub_group_size(ckpt)
+        sub_group_size = saved_sub_group_size(ds_config, where)
     by_group: dict[int, list[ParamSlot]] = {}
-    for slot in ckpt.slots:
+    for slot in slots:
         by_group.setdefault(slot.param_group, []).append(slot)
     groups: list[list[ParamSlot]] = []
     owners: list[int] = []
@@ -90,21 +95,21 @@ def plan_layout(ckpt: Zero3Checkpoint, world_size: int, sub_group_size: int | No
     return _assign_offsets(groups, owners, world_size)
 
 
-def saved_sub_group_size(ckpt: Zero3Checkpoint) -> int:
-    """``zero_optimization.sub_group_size`` of the saved config, as DeepSpeed read it."""
-    value = get(ckpt.ds_config, "zero_optimization.sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+def saved_sub_group_size(ds_config: dict[str, Any], where: Path) -> int:
+    """``zero_optimization.sub_group_size`` of the config saved in ``where``, as DeepSpeed read it."""
+    value = get(ds_config, "zero_optimization.sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     if value == "auto":
         # DeepSpeed's config base drops "auto" keys, so the run that saved used the default
-        warnings.warn(f"{ckpt.tag_dir}: the saved zero_optimization.sub_group_size is 'auto', which DeepSpeed "
+        warnings.warn(f"{where}: the saved zero_optimization.sub_group_size is 'auto', which DeepSpeed "
                       f"treats as its default {DEFAULT_SUB_GROUP_SIZE:.0e}; using that. Pass --sub-group-size N "
-                      "if the resuming run sets another value", stacklevel=3)
+                      "if the resuming run sets another value", stacklevel=4)
         return DEFAULT_SUB_GROUP_SIZE
     try:
         size = int(value)
     except (TypeError, ValueError):
         size = 0
     if size < 1 or (isinstance(value, float) and value != size):
-        raise UsageError(f"{ckpt.tag_dir}: the saved zero_optimization.sub_group_size is {value!r}, not a positive "
+        raise UsageError(f"{where}: the saved zero_optimization.sub_group_size is {value!r}, not a positive "
                          "integer; pass the resuming run's value with --sub-group-size N (DeepSpeed's default is 1e9)")
     return size
 
@@ -225,28 +230,23 @@ def model_state_for_rank(
     return sd
 
 
-def client_state_note(ckpt: Zero3Checkpoint, world_size: int) -> str | None:
+def client_state_note(model_state: dict[str, Any], saved_world_size: int, world_size: int) -> str | None:
     """Say where client_state comes from when ranks cannot keep their own (another world size)."""
-    keys = client_state_keys(ckpt.model_state)
-    if world_size == ckpt.world_size or not keys:
+    keys = client_state_keys(model_state)
+    if world_size == saved_world_size or not keys:
         return None
     return (f"client_state {keys} comes from rank 0's file for every one of the {world_size} rank(s) (saved at "
-            f"{ckpt.world_size}: there is no one-to-one mapping of ranks); per-rank values (data-loader "
+            f"{saved_world_size}: there is no one-to-one mapping of ranks); per-rank values (data-loader "
             "positions, RNG) must be rebuilt by the training script")
 
 
-def optim_state_for_rank(
-    ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, optim0: dict[str, Any], *, source: "SourceBytes | None" = None
-) -> dict[str, Any]:
+def optim_state_for_rank(ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, optim0: dict[str, Any]) -> dict[str, Any]:
     """Rank ``rank``'s optim_states dict with lazy tensors (produced when written or materialized).
 
     ``optim0`` is the loaded optim file whose param groups and non-partition state (``step``, a
     custom optimizer's statistics) the rank takes: its own file at the saved world size, rank 0's at
     another (``check_rank_values`` says what that loses). A non-partition tensor of several elements
     is refused unless the new sub-group is the saved one (it belongs to that partition).
-
-    With ``source`` (``source_bytes(ckpt)``) the lazy tensors also carry their ``Segment``s, so
-    ``stream_save`` copies them file to file without building them.
     """
     import torch
 
@@ -262,16 +262,14 @@ def optim_state_for_rank(
         new_entry: dict[str, Any] = {}
         for k, v in entry.items():
             if k in ckpt.state_keys:
-                new_entry[k] = LazyTensor(layout.sub_group_numel(j), v.dtype, _producer(ckpt, layout, rank, j, k, v.dtype),
-                                          _segments(source, ckpt, layout, rank, j, k, v.dtype))
+                new_entry[k] = LazyTensor(layout.sub_group_numel(j), v.dtype, _producer(ckpt, layout, rank, j, k, v.dtype))
             else:
                 if torch.is_tensor(v) and v.numel() > 1 and not _same_partition(ckpt, layout, j):
                     raise CheckpointError(_unmappable_state_message(ckpt, layout, first, j, k, v))
                 new_entry[k] = copy.deepcopy(v)
         state[j] = new_entry
     fp32 = [
-        LazyTensor(layout.sub_group_numel(j), torch.float32, _producer(ckpt, layout, rank, j, FP32, torch.float32),
-                   _segments(source, ckpt, layout, rank, j, FP32, torch.float32))
+        LazyTensor(layout.sub_group_numel(j), torch.float32, _producer(ckpt, layout, rank, j, FP32, torch.float32))
         for j in range(len(layout.sub_groups))
     ]
     return optim_dict(optim0, layout, state, fp32)
@@ -306,7 +304,7 @@ def optim_dict(optim0: dict[str, Any], layout: TargetLayout, state: dict[int, di
                fp32: list[Any]) -> dict[str, Any]:
     """A new rank's optim_states dict: rank 0's with the new ``state`` and fp32 partitions, param
     groups indexing the new sub-groups, ``partition_count`` the new world size (the torch path and
-    the torch-free ``reshard_plan`` both build theirs here)."""
+    the torch-free ``writers.zero3_same_run`` both build theirs here)."""
     src = optim0["optimizer_state_dict"]
     param_groups = []
     for g, group in enumerate(src["optimizer_state_dict"].get("param_groups") or [{}]):
@@ -331,74 +329,3 @@ def optim_dict(optim0: dict[str, Any], layout: TargetLayout, state: dict[int, di
 
 def _producer(ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, j: int, key: str, dtype: "torch.dtype") -> Callable[[], "torch.Tensor"]:
     return lambda: build_partition(ckpt, layout, rank, j, key, dtype)
-
-
-@dataclass(frozen=True)
-class SourceBytes:
-    """Where every source rank's flat tensors lie in its optim file (for file-to-file copies)."""
-
-    paths: list[str]
-    """Source rank ``r``'s optim file."""
-    start: dict[tuple[int, str, int], int]
-    """``(source rank, key, source sub-group)`` -> byte offset of that flat tensor's first element."""
-    dtype: dict[tuple[str, int], "torch.dtype"]
-    """``(key, source sub-group)`` -> element type (the same on every rank)."""
-
-
-def source_bytes(ckpt: Zero3Checkpoint) -> SourceBytes | None:
-    """The byte offsets of every source flat tensor, or None when any is unknown (the reader could
-    not tie a mapped tensor to its zip record): callers then build tensors in memory instead."""
-    start: dict[tuple[int, str, int], int] = {}
-    dtype: dict[tuple[str, int], Any] = {}
-    firsts = {s.sub_group: s for s in ckpt.slots if s.offset == 0}
-    for rank in range(ckpt.world_size):
-        with ckpt.open_rank(rank) as part:
-            for j, slot in firsts.items():
-                for key in (FP32, *ckpt.state_keys):
-                    try:
-                        t = part.flat(key, j)
-                    except CheckpointError:
-                        continue  # no optimizer state for this sub-group (never stepped): nothing to copy
-                    at = part.byte_offset(slot, key)
-                    if at is None or dtype.setdefault((key, j), t.dtype) != t.dtype:
-                        return None
-                    start[(rank, key, j)] = at
-    return SourceBytes([str(p) for p in ckpt.optim_files], start, dtype)
-
-
-def partition_segments(
-    ckpt: Zero3Checkpoint, layout: TargetLayout, source: SourceBytes, rank: int, sub_group: int, key: str
-) -> list[Segment] | None:
-    """New rank ``rank``'s flat ``key`` tensor of ``sub_group`` as source byte ranges and zero runs
-    (adjacent ranges merged), or None when a piece's source offset or dtype is not known."""
-    segs: list[Segment] = []
-
-    for tp in layout.sub_groups[sub_group]:
-        src = tp.source
-        dtype = source.dtype.get((key, src.sub_group))
-        if dtype is None:
-            return None
-        size = dtype.itemsize
-        lo, hi = tp.rank_range(rank)
-        for s in range(ckpt.world_size):
-            s_lo, s_hi = src.rank_range(s)
-            a, b = max(lo, s_lo), min(hi, s_hi)
-            if b > a:
-                base = source.start.get((s, key, src.sub_group))
-                if base is None:
-                    return None
-                append_segment(segs, source.paths[s], base + (src.offset + a - s_lo) * size, (b - a) * size)
-        if tp.partition_numel > hi - lo:
-            append_segment(segs, None, 0, (tp.partition_numel - (hi - lo)) * size)
-    return segs
-
-
-def _segments(
-    source: SourceBytes | None, ckpt: Zero3Checkpoint, layout: TargetLayout, rank: int, j: int, key: str, dtype: "torch.dtype"
-) -> Callable[[], list[Segment]] | None:
-    if source is None:
-        return None
-    if any(source.dtype.get((key, tp.source.sub_group)) != dtype for tp in layout.sub_groups[j]):
-        return None  # a type change needs the in-memory path (build_partition converts)
-    segs = partition_segments(ckpt, layout, source, rank, j, key)
-    return None if segs is None else (lambda: segs)

@@ -2,7 +2,7 @@
 is written: the resuming run's config checked (``check_target_config``: stage 3, no fp16,
 ``sub_group_size``, precision), the optimizer its engine builds and the param-group format that
 optimizer loads (``target_optimizer``, ``target_param_groups``), the sub-group layout at N ranks
-(``zero3.repartition.plan_layout``) in the order the source's param groups list their parameters,
+(``zero3.repartition.layout_of``) in the order the source's param groups list their parameters,
 the one Adam step each sub-group keeps, the names the resuming engine's module has, and DeepSpeed's
 counters and client state. ``plan_zero3_target`` reads only the ``TrainingCheckpoint`` (its tensors'
 names and the scalars its reader filled in), so every reader that describes the optimizer is planned
@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
@@ -23,7 +22,7 @@ from shardkit.checkpoint.ops.convert.names import ADAM_STATE_KEYS, ADAM_TYPES, D
 from shardkit.checkpoint.writers.zero3 import TargetOptimizer, Zero3Target
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, DEFAULT_SUB_GROUP_SIZE
-from shardkit.checkpoint.zero3.repartition import plan_layout
+from shardkit.checkpoint.zero3.repartition import layout_of
 from shardkit.config.loading import load_config
 from shardkit.config.paths import get
 from shardkit.core.errors import CheckpointError, UsageError
@@ -238,11 +237,10 @@ def plan_zero3_target(ckpt: TrainingCheckpoint, cfg: dict[str, Any] | None, worl
     not_carried: list[str] = list(ckpt.scalars.get("not_carried") or [])
     source_groups, opt, groups = target_groups(ckpt, cfg, not_carried)
     shapes = {n: ckpt.weights[n].shape for n in ckpt.optimizer}
+    # the source's parameters in their groups' order (the sub_group/offset fields of a ZeRO-3 source are unused)
     slots = [ParamSlot(n, shapes[n], ckpt.weights[n].numel, g, 0, 0, 0)
              for g, group in enumerate(source_groups) for n in group["params"]]
-    # plan_layout reads only ``slots`` when sub_group_size is given: the source's parameters stand in
-    # for a source ZeRO-3 checkpoint's (their sub_group/offset fields are unused)
-    layout = plan_layout(SimpleNamespace(slots=slots), world_size, sub_group_size)  # type: ignore[arg-type]
+    layout = layout_of(slots, world_size, sub_group_size, {}, tag_dir)
     steps: dict[str, float] = dict(ckpt.scalars.get("step") or {})
     step_tensors: dict[str, SourceTensor] = dict(ckpt.scalars.get("step_tensors") or {})
     sub_steps = [_step_value([tp.source.name for tp in params], steps, step_tensors, tag_dir) for params in layout.sub_groups]
