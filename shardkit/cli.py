@@ -17,6 +17,7 @@ from shardkit._version import __version__
 from shardkit.commands._parser import HelpFormatter, json_results, reset_renamed_notes
 from shardkit.core.env_settings import check_all, warn_unknown
 from shardkit.core.errors import ShardkitError
+from shardkit.storage.atomic import forget_published, published_outputs
 
 EPILOG = """examples:
   shardkit smoke --engine all --world-size 2 --steps 4
@@ -67,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if getattr(args, "sigterm_cleans_up", False):
         _terminate_as_interrupt()
+    forget_published()
     try:
         # every SHARDKIT_* variable judged before any work: a bad value refused naming it (exit 2),
         # not met hours later by the code that reads it; a name shardkit does not read warned about
@@ -76,8 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with json_results(args):
             return int(args.func(args) or 0)
     except Terminated:
-        print(f"shardkit {args.command}: terminated (SIGTERM); nothing was published: the partial output (staging "
-              "folder or temporary file) was removed, the previous output is unchanged", file=sys.stderr)
+        print(f"shardkit {args.command}: terminated (SIGTERM); {_outcome()}", file=sys.stderr)
         return 143
     except ShardkitError as exc:
         print(f"shardkit {args.command}: error: {exc}", file=sys.stderr)
@@ -89,8 +90,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardkit {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"shardkit {args.command}: interrupted", file=sys.stderr)
+        done = published_outputs()
+        print(f"shardkit {args.command}: interrupted{'; ' + _outcome() if done else ''}", file=sys.stderr)
         return 130
+
+
+def _outcome() -> str:
+    """What a stopped command left: a signal can land after its output was put in place (or be held
+    until its switch was done), and then saying nothing was published would send the user to redo it."""
+    done = published_outputs()
+    if done:
+        return (f"it came after {', '.join(map(str, done))} was put in place: that output is complete (nothing "
+                "need be run again for it); what the command does after publishing was not done")
+    return ("nothing was published: the partial output (staging folder or temporary file) was removed, the "
+            "previous output is unchanged")
 
 
 if __name__ == "__main__":  # pragma: no cover

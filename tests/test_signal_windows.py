@@ -327,3 +327,39 @@ def test_sigterm_as_the_heartbeat_starts_stops_the_heartbeat(tmp_path, monkeypat
         with shared_save.heartbeat(staged, 0):
             pass
     assert [t for t in set(threading.enumerate()) - before if t.name == "shardkit-heartbeat"] == []
+
+
+def test_a_signal_held_until_the_output_is_in_place_is_reported_as_after_publishing(
+        sweep_sources, tmp_path, run_cli, monkeypatch):
+    # a SIGTERM that lands while consolidate renames its file into place is held until the rename is
+    # done: the output is then complete, and the CLI must not say "nothing was published"
+    record = atomic.note_published
+
+    def record_then_sigterm(path):
+        record(path)
+        signal.raise_signal(signal.SIGTERM)  # held by the switch's signals_deferred, delivered after it
+
+    monkeypatch.setattr(atomic, "note_published", record_then_sigterm)
+    out = tmp_path / "out" / "model.safetensors"
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        code, _, err = run_cli("consolidate", sweep_sources.root("fsdp2"), "-o", out)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143, err
+    assert (f"terminated (SIGTERM); it came after {out} was put in place: that output is complete (nothing need "
+            "be run again for it)") in err, err
+    assert "nothing was published" not in err and "Traceback" not in err
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as f:
+        assert len(list(f.keys())) > 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.safetensors"]
+
+
+def test_publish_dir_records_the_output_it_put_in_place(tmp_path):
+    atomic.forget_published()
+    staged = _folder(tmp_path / ".staging", "new")
+    publish_dir(staged, tmp_path / "final")
+    assert atomic.published_outputs() == [tmp_path / "final"]
+    atomic.forget_published()

@@ -16,6 +16,7 @@ import shutil
 import signal
 import threading
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
@@ -135,6 +136,26 @@ def disk_full_named(path: str | os.PathLike[str], outcome: str) -> Iterator[None
 # os.replace, through a name tests can interrupt to simulate a crash between two renames
 _rename = os.replace
 
+#: The outputs this process put in place, newest last (a few: only the CLI reads it). A SIGTERM or
+#: Ctrl-C can land after a publish, and publish_dir/publish_tag hold one that lands during their
+#: switch until it is done: the CLI's "nothing was published" would then be false (cli.py asks).
+_published: deque[Path] = deque(maxlen=8)
+
+
+def note_published(path: str | os.PathLike[str]) -> None:
+    """Record that ``path`` is now a complete output in place (for the CLI's interrupt message)."""
+    _published.append(Path(path))
+
+
+def published_outputs() -> list[Path]:
+    """What ``note_published`` recorded since ``forget_published``, oldest first."""
+    return list(_published)
+
+
+def forget_published() -> None:
+    _published.clear()
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Flush a directory entry (a rename or new file) to disk; a no-op where dirs cannot be opened."""
     try:
@@ -171,9 +192,10 @@ def _temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
+def atomic_open(path: str | os.PathLike[str], mode: str = "wb", *, output: bool = False) -> Iterator[IO[Any]]:
     """Open a temporary sibling of ``path`` for writing; on success fsync and rename it over
-    ``path``; on any exception remove it and leave ``path`` untouched."""
+    ``path``; on any exception remove it and leave ``path`` untouched. ``output``: ``path`` is what
+    the command publishes (recorded by ``note_published`` as soon as it is in place)."""
     if "w" not in mode:
         raise ValueError(f"atomic_open is for writing; mode {mode!r} has no 'w'")
     final = Path(path)
@@ -188,7 +210,12 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
         fh.flush()
         os.fsync(fh.fileno())
         fh.close()
-        os.replace(tmp, final)
+        if output:
+            with signals_deferred():  # the rename and its record as one step, for the CLI's message
+                os.replace(tmp, final)
+                note_published(final)
+        else:
+            os.replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException:
         with signals_deferred():  # a second signal must not cut the removal short
@@ -247,6 +274,7 @@ def publish_dir(staged: str | os.PathLike[str], final: str | os.PathLike[str]) -
             if old is not None:
                 _rename(old, final)  # the new folder could not be put in place: the old one goes back
             raise
+        note_published(final)
         fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -297,6 +325,7 @@ def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], ta
             _rename(staged, final)
             fsync_dir(root)
             write_latest(root, tag)
+            note_published(final)
             for d in (trash, kept):
                 if d is not None:
                     shutil.rmtree(d, ignore_errors=True)

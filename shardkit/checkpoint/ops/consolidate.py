@@ -145,7 +145,7 @@ def consolidate_zero3(
         say(note)
     # atomic_open: a temporary sibling, fsynced and renamed over ``out`` only when every byte is
     # written; positional writes go straight to its descriptor (nothing is buffered in the file object)
-    with disk_full_named(out, outcome), atomic_open(out, "wb") as fh:
+    with disk_full_named(out, outcome), atomic_open(out, "wb", output=True) as fh:
         write_header_only(fh.fileno())
         copy_share(fh.fileno())
     return result

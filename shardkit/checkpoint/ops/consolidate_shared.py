@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.atomic import disk_full_named, fsync_dir, signals_deferred, staging_dir
+from shardkit.storage.atomic import disk_full_named, fsync_dir, note_published, signals_deferred, staging_dir
 from shardkit.storage.manifest import FileEntry
 from shardkit.storage.pipeline import check_source_digests, hash_beside
 from shardkit.storage.request import RunRequest
@@ -70,7 +70,9 @@ def write_shared(out: Path, launch: Launch, request: RunRequest, write_small: Ca
             if launch.rank == 0:
                 gather_parts(staged, launch, started)
         if launch.rank == 0:
-            os.replace(data, out)
+            with signals_deferred():  # the rename and its record as one step, for the CLI's message
+                os.replace(data, out)
+                note_published(out)
             fsync_dir(out.parent)
             shutil.rmtree(staged, ignore_errors=True)
             claimed = None

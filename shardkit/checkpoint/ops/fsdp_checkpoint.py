@@ -370,7 +370,7 @@ def export_safetensors(model: "torch.nn.Module", out: str | os.PathLike[str], *,
         tensors[name] = t
     from safetensors.torch import save_file
 
-    with atomic_open(out, "wb") as fh:
+    with atomic_open(out, "wb", output=True) as fh:
         # save_file writes by path (streaming, no second in-memory copy): into atomic_open's own
         # temporary, which atomic_open then fsyncs and renames over ``out``
         save_file(tensors, fh.name, metadata={"format": "pt", **(metadata or {})})
