@@ -45,6 +45,14 @@ class FolderListing:
         """True when this is the listing of ``folder`` (a caller may hand on a listing of another)."""
         return self.folder == folder
 
+    def has(self, name: str) -> bool:
+        """True when the folder holds an entry ``name``, of any kind (``names`` as a set, built once)."""
+        return name in self._name_set
+
+    @functools.cached_property
+    def _name_set(self) -> frozenset[str]:
+        return frozenset(self.names)
+
 
 def list_folder(folder: Path) -> FolderListing:
     """``folder``'s entries, read once (OSError as ``os.scandir`` raises it: a missing folder, no permission);

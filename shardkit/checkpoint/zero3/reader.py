@@ -82,8 +82,8 @@ def _positive_int(value: Any, field: str, where: Path) -> int:
 
 
 def _describe(tag_dir: Path, tag: str, load: Any, torch_free: bool, listing: FolderListing | None) -> Zero3Checkpoint:
-    def exists(f: Path) -> bool:  # a folder named as a rank file "exists" here too: the parse names it as one
-        return (f.name in listing.files or f.name in listing.folders) if listing is not None else f.exists()
+    def exists(f: Path) -> bool:  # any entry (a folder, a FIFO) named as a rank file "exists": the parse names it
+        return listing.has(f.name) if listing is not None else f.exists()
 
     def names() -> list[str]:
         return list(listing.names) if listing is not None else [f.name for f in tag_dir.iterdir()]
