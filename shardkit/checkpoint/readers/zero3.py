@@ -24,8 +24,9 @@ the loss scaler, scheduler, client state and counters of rank 0's files.
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, Pieces, SourceTensor
@@ -40,6 +41,7 @@ from shardkit.storage.torch_load import ITEMSIZE, TensorRef, read_structure
 #: File names DeepSpeed MoE writes beside the ZeRO files (``expp_rank_*``, ``layer_*_expert_*``):
 #: expert-parallel weights that the data-parallel rank files do not hold.
 _MOE_MARKERS = ("expp_rank_", "_expert_")
+_T = TypeVar("_T")
 
 
 def read_zero3(tag_dir: Path, *, lazy: bool = False) -> TrainingCheckpoint:
@@ -109,6 +111,10 @@ class RankFiles:
         self.ckpt, self._read = ckpt, read
         self._optim: dict[int, dict[str, list[int]]] = {}
         self._frozen: dict[int, dict[str, int]] = {}
+        # a lazy read's copier threads ask for ranks at once: each file is parsed by one of them, the
+        # others wait for it (one lock per rank file, so parses of different ranks still overlap)
+        self._locks: dict[tuple[int, int], threading.Lock] = {}
+        self._locks_lock = threading.Lock()
         self.optim_file0 = read(ckpt.optim_files[0])
         """Rank 0's optim file as parsed (what a reshard writes back around the new partitions)."""
         self.optim0 = _optimizer_dict(self.optim_file0)
@@ -120,25 +126,36 @@ class RankFiles:
     def optim(self, rank: int) -> dict[str, list[int]]:
         """``{FP32 or state key: byte offset of each sub-group's flat}`` in rank ``rank``'s optim file."""
         table = self._optim.get(rank)
-        if table is None:
-            osd = self.optim0 if rank == 0 else _optimizer_dict(self._read(self.ckpt.optim_files[rank]))
-            table = {FP32: [_offset(ref) for ref in _optim_flats(self.ckpt, rank, osd)]}
-            for j in range(len(self.ckpt.sub_group_numel)):
-                for key, ref in _state_flats(self.ckpt, rank, osd, j).items():
-                    if ref.dtype != self.state_dtypes[key]:
-                        raise CheckpointError(
-                            f"{self.ckpt.optim_files[rank]}: {key} of sub-group {j} is {ref.dtype}, rank 0's is "
-                            f"{self.state_dtypes[key]}; the rank files come from different saves")
-                    table.setdefault(key, []).append(_offset(ref))
-            self._optim[rank] = table
+        return table if table is not None else self._once(self._optim, rank, self._read_optim)
+
+    def _read_optim(self, rank: int) -> dict[str, list[int]]:
+        osd = self.optim0 if rank == 0 else _optimizer_dict(self._read(self.ckpt.optim_files[rank]))
+        table = {FP32: [_offset(ref) for ref in _optim_flats(self.ckpt, rank, osd)]}
+        for j in range(len(self.ckpt.sub_group_numel)):
+            for key, ref in _state_flats(self.ckpt, rank, osd, j).items():
+                if ref.dtype != self.state_dtypes[key]:
+                    raise CheckpointError(
+                        f"{self.ckpt.optim_files[rank]}: {key} of sub-group {j} is {ref.dtype}, rank 0's is "
+                        f"{self.state_dtypes[key]}; the rank files come from different saves")
+                table.setdefault(key, []).append(_offset(ref))
         return table
 
     def frozen(self, rank: int) -> dict[str, int]:
         """``{frozen parameter: byte offset of its fragment}`` in rank ``rank``'s model-states file."""
         table = self._frozen.get(rank)
         if table is None:
-            table = self._frozen[rank] = self._read_frozen(rank) if self.ckpt.frozen_param_shapes else {}
+            table = self._once(self._frozen, rank, lambda r: self._read_frozen(r) if self.ckpt.frozen_param_shapes else {})
         return table
+
+    def _once(self, tables: dict[int, _T], rank: int, read: Callable[[int], _T]) -> _T:
+        """``tables[rank]``, read by the first thread that asks for it (the others wait for its result)."""
+        with self._locks_lock:
+            lock = self._locks.setdefault((id(tables), rank), threading.Lock())
+        with lock:
+            table = tables.get(rank)
+            if table is None:
+                table = tables[rank] = read(rank)
+            return table
 
     def _read_frozen(self, rank: int) -> dict[str, int]:
         ckpt = self.ckpt
