@@ -26,6 +26,7 @@ def _tag(root: Path) -> Path:
     ("zero3_sealed", "consolidate"), ("zero3_sealed", "verify"), ("zero3_sealed", "convert --to fsdp2"),
     ("zero3_sealed", "reshard"),
     ("fsdp2", "consolidate"), ("fsdp2", "verify"), ("fsdp2", "convert --to zero3"),
+    ("zero3", "export"), ("zero3_sealed", "export"), ("fsdp2", "export"),
 ])
 def test_a_command_lists_its_tag_folder_once(sweep_sources, tmp_path, run_cli, kind, command):
     """zero3: DeepSpeed's own save (no manifest: verify's structural check); zero3_sealed: shardkit's (a

@@ -40,6 +40,7 @@ from shardkit.checkpoint.ops.export.writer import ShardJob, entry_dtype, output_
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import atomic_write_text, disk_full_named, os_errors_named, publish_dir
+from shardkit.storage.listing import lists_source_once
 from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
 from shardkit.storage.torch_load import ITEMSIZE
@@ -81,6 +82,7 @@ class Plan:
 
 
 @os_errors_named("exporting the checkpoint")
+@lists_source_once("source", "output")  # each step asking what the source holds: one listing of its folders
 def export_hf_folder(
     source: str | Path,
     output: str | Path,
