@@ -8,7 +8,7 @@ a ``SegmentedRecord``: byte ranges of source files and zero runs, copied through
 so memory stays at ``chunk_bytes`` whatever the record's size. ISA-L's crc32, blake3 (or sha256),
 ``os.preadv`` and ``write`` release the GIL on large buffers, so threads write files in parallel.
 Nothing here imports torch: ``stream.stream_save`` (lazy torch tensors) and the torch-free
-reshard (``zero3.reshard_plan``) both end here.
+reshard (``writers.zero3_same_run`` and ``writers.zero12``) both end here.
 """
 
 from __future__ import annotations
