@@ -32,6 +32,19 @@ def sigterm_raises():
     signal.signal(signal.SIGTERM, previous)
 
 
+def _sigterm_on_removal(monkeypatch, prefix: str) -> None:
+    """Every ``shutil.rmtree`` of a folder named ``prefix...`` first meets a fresh SIGTERM (a scheduler
+    repeating its cancel): a clean-up not run with signals held is cut short before removing anything."""
+    real_rmtree = shutil.rmtree
+
+    def sigterm_then_rmtree(path, *args, **kwargs):
+        if Path(path).name.startswith(prefix):
+            signal.raise_signal(signal.SIGTERM)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", sigterm_then_rmtree)
+
+
 def _folder(path: Path, content: str) -> Path:
     path.mkdir()
     (path / "model.safetensors").write_text(content)
@@ -184,15 +197,8 @@ def test_repeated_sigterms_during_a_save_clean_up_still_remove_the_staging_folde
     # exception cut it short before anything was removed
     from shardkit.storage.staged_save import atomic_checkpoint
 
-    real_rmtree = shutil.rmtree
-
-    def sigterm_then_rmtree(path, *args, **kwargs):
-        if Path(path).name.startswith(".shardkit-tmp-ckpt"):
-            signal.raise_signal(signal.SIGTERM)
-        real_rmtree(path, *args, **kwargs)
-
     root = tmp_path / "root"
-    monkeypatch.setattr(shutil, "rmtree", sigterm_then_rmtree)
+    _sigterm_on_removal(monkeypatch, ".shardkit-tmp-ckpt")
     with pytest.raises(sigterm_raises):
         with atomic_checkpoint(root, "ckpt", engine="torch", manifest=False) as save:
             (save.path / "model.pt").write_bytes(b"partial")
@@ -209,16 +215,9 @@ def test_sigterms_during_a_claim_and_its_removal_leave_no_staging_folder(tmp_pat
     def sweep_stopped(*args, **kwargs):
         signal.raise_signal(signal.SIGTERM)
 
-    real_rmtree = shutil.rmtree
-
-    def sigterm_then_rmtree(path, *args, **kwargs):
-        if Path(path).name.startswith(".shardkit-tmp-ckpt"):
-            signal.raise_signal(signal.SIGTERM)
-        real_rmtree(path, *args, **kwargs)
-
     root = tmp_path / "root"
     monkeypatch.setattr(shared_save, "remove_stale_saves", sweep_stopped)
-    monkeypatch.setattr(shutil, "rmtree", sigterm_then_rmtree)
+    _sigterm_on_removal(monkeypatch, ".shardkit-tmp-ckpt")
     with pytest.raises(sigterm_raises):
         claim(root, "ckpt", launch_from_env({}, single=True))
     monkeypatch.undo()
@@ -243,16 +242,9 @@ def test_repeated_sigterms_while_a_trainer_reshard_is_removed_leave_no_staging_f
         (staged / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"partial")
         signal.raise_signal(signal.SIGTERM)
 
-    real_rmtree = shutil.rmtree
-
-    def sigterm_then_rmtree(path, *args, **kwargs):
-        if Path(path).name.startswith(".shardkit-tmp-checkpoint-2-"):
-            signal.raise_signal(signal.SIGTERM)
-        real_rmtree(path, *args, **kwargs)
-
     out = tmp_path / "new" / "checkpoint-2"
     monkeypatch.setattr(reshard_trainer, "reshard_zero3", reshard_stopped)
-    monkeypatch.setattr(shutil, "rmtree", sigterm_then_rmtree)
+    _sigterm_on_removal(monkeypatch, ".shardkit-tmp-checkpoint-2-")
     with pytest.raises(sigterm_raises):
         reshard_trainer.reshard_trainer_checkpoint(TrainerCheckpoint(src), out, 2)
     monkeypatch.undo()
@@ -289,20 +281,13 @@ def test_repeated_sigterms_while_a_universal_write_is_removed_leave_no_staging_f
         (staged / "zero" / "w" / "fp32.pt").write_bytes(b"partial")
         signal.raise_signal(signal.SIGTERM)
 
-    real_rmtree = shutil.rmtree
-
-    def sigterm_then_rmtree(path, *args, **kwargs):
-        if Path(path).name.startswith(".shardkit-tmp-global_step2"):
-            signal.raise_signal(signal.SIGTERM)
-        real_rmtree(path, *args, **kwargs)
-
     class Model:
         trainable: list[str] = []
 
     root = tmp_path / "universal"
     monkeypatch.setattr(universal, "universal_state_keys", lambda ckpt: [])
     monkeypatch.setattr(universal, "_write", write_stopped)
-    monkeypatch.setattr(shutil, "rmtree", sigterm_then_rmtree)
+    _sigterm_on_removal(monkeypatch, ".shardkit-tmp-global_step2")
     with pytest.raises(sigterm_raises):
         universal.write_universal(Model(), root, "global_step2")
     monkeypatch.undo()
