@@ -43,8 +43,9 @@ from typing import Any, Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
-from shardkit.checkpoint.ops.reshard_zero3 import Zero3Reshard, plan_zero3_reshard
-from shardkit.checkpoint.ops.reshard_zero12 import Zero12Reshard, plan_zero12_reshard, write_hashing_sources
+from shardkit.checkpoint.ops.reshard_source import PlannedReshard
+from shardkit.checkpoint.ops.reshard_zero3 import plan_zero3_reshard
+from shardkit.checkpoint.ops.reshard_zero12 import plan_zero12_reshard, write_hashing_sources
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero12.files import is_zero12_folder
 from shardkit.config.loading import config_digest
@@ -159,21 +160,22 @@ def reshard_zero3(
             warn(note)
     verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
     expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
-    ckpt: Zero3Reshard | Zero12Reshard
+    ckpt: PlannedReshard[Any]
     if is_zero12_folder(source_dir):
         # ZeRO-1/2 (checkpoint.zero12): one partition per rank and parameter group, no sub-groups
         if sub_group_size is not None:
             raise UsageError(f"--sub-group-size {sub_group_size}: a ZeRO-3 setting, and {source_dir} is a ZeRO-1/2 "
                              "checkpoint (no sub-groups). Leave the flag out")
         ckpt = plan_zero12_reshard(source_dir, world_size)  # the ZeRO-1/2 reader -> the ZeRO-1/2 writer
-        unchanged = world_size == ckpt.world_size
-        jobs = _copy_jobs(ckpt, expected) if unchanged else [_Job(f.name, f.nbytes, f.write, f.contents) for f in ckpt.jobs]
-        if unchanged:
-            ckpt.notes = []
+        jobs = [_Job(f.name, f.nbytes, f.write, f.contents) for f in ckpt.jobs]
+        if ckpt.unchanged:
+            ckpt.notes = []  # they say how the writer builds the files, and the files are copied instead
     else:
         ckpt = plan_zero3_reshard(source_dir, world_size, sub_group_size)  # the ZeRO-3 reader -> the ZeRO-3 writer
-        unchanged = ckpt.unchanged
-        jobs = _copy_jobs(ckpt, expected) if unchanged else [_Job(f.name, f.nbytes, _built(f.build)) for f in ckpt.jobs]
+        jobs = [_Job(f.name, f.nbytes, _built(f.build)) for f in ckpt.jobs]
+    unchanged = ckpt.unchanged
+    if unchanged:
+        jobs = _copy_jobs(ckpt, expected)
     mine = split_by_bytes([j.nbytes for j in jobs], launch.world)[launch.rank]
     share = [jobs[i] for i in mine]
     sources = [*ckpt.optim_files, *ckpt.model_files]
@@ -242,7 +244,7 @@ class _Job:
     """The file as ``data.pkl`` + source byte ranges, where it is written without torch (``writers.zero12``)."""
 
 
-def _copy_jobs(ckpt: Zero3Reshard | Zero12Reshard, expected: dict[str, FileEntry]) -> list[_Job]:
+def _copy_jobs(ckpt: PlannedReshard[Any], expected: dict[str, FileEntry]) -> list[_Job]:
     # Copies, never hard links: DeepSpeed's torch.save opens a rank file with O_TRUNC and rewrites it
     # in place when a run saves the same tag again, so a link would let the source run change the
     # resharded checkpoint under its manifest (and the other way round). The bytes are read anyway

@@ -19,11 +19,11 @@ from __future__ import annotations
 import errno
 import os
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.ops.reshard_source import PlannedReshard
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.writers.zero3 import TargetOptimizer
 from shardkit.checkpoint.writers.zero12 import FileJob, SameRun, Zero12Files, Zero12Target, file_jobs
@@ -38,28 +38,7 @@ from shardkit.storage.stream import SourceDigests, WrittenFile, main_source, wri
 from shardkit.storage.torch_zip import RecordData
 
 
-@dataclass
-class Zero12Reshard:
-    """The opened source, in the words ``reshard`` seals and reports with, and the files to write."""
-
-    tag_dir: Path
-    stage: int
-    world_size: int
-    """Ranks that saved the source."""
-    precision: str
-    ds_config: dict[str, Any]
-    ds_version: str | None
-    optim_files: list[Path]
-    model_files: list[Path]
-    model_state: dict[str, Any]
-    """The source's model-states dict (``global_steps``...)."""
-    jobs: list[FileJob]
-    """The new tag folder's files: one optimizer file per new rank, then the model states."""
-    notes: list[str] = field(default_factory=list)
-    """Why the files are built with torch, where they are (empty on the byte route)."""
-
-
-def plan_zero12_reshard(tag_dir: Path, world_size: int) -> Zero12Reshard:
+def plan_zero12_reshard(tag_dir: Path, world_size: int) -> PlannedReshard[FileJob]:
     """The ZeRO-1/2 tag folder ``tag_dir`` read once and planned at ``world_size`` ranks (nothing written yet).
     Raises CheckpointError, naming the file, for a source the reader refuses."""
     ckpt = read_checkpoint("zero12", tag_dir)
@@ -73,11 +52,13 @@ def plan_zero12_reshard(tag_dir: Path, world_size: int) -> Zero12Reshard:
         notes.append("the new rank files were built in memory with torch (one partition of one state per writer "
                      "thread, slower than the byte-range copy) because the byte-range writer cannot express the "
                      f"source: {'; '.join([files.torch_route_reason, *read_by_torch])}")
-    return Zero12Reshard(
+    unchanged = world_size == saved  # ZeRO-1/2 has no sub-groups: the same world size is the same layout
+    return PlannedReshard(
         tag_dir=tag_dir, stage=int(source["zero_stage"]), world_size=saved, precision=ckpt.precision,
         ds_config=dict(source.get("ds_config") or {}), ds_version=source.get("ds_version"),
         optim_files=[tag_dir / OPTIM_FILE.format(prefix=native["prefix"], rank=r) for r in range(saved)],
-        model_files=[tag_dir / MODEL_FILE], model_state=native["model_states"], jobs=file_jobs(files), notes=notes)
+        model_files=[tag_dir / MODEL_FILE], model_state=native["model_states"], unchanged=unchanged,
+        jobs=file_jobs(files), notes=notes)
 
 
 def plan_same_run(ckpt: TrainingCheckpoint, world_size: int) -> Zero12Target:

@@ -10,38 +10,16 @@ change (same world size, same sub-groups) is a byte copy of the rank files.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from shardkit.checkpoint.ops.reshard_source import PlannedReshard
 from shardkit.checkpoint.readers.zero3 import read_zero3
 from shardkit.checkpoint.writers.zero3_same_run import OutputFile, Zero3SameRun
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot
 from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, layout_of
 
 
-@dataclass
-class Zero3Reshard:
-    """The opened source, in the words ``reshard`` seals and reports with, and the files to write."""
-
-    tag_dir: Path
-    world_size: int
-    """Ranks that saved the source."""
-    precision: str
-    ds_config: dict[str, Any]
-    ds_version: str | None
-    optim_files: list[Path]
-    model_files: list[Path]
-    model_state: dict[str, Any]
-    """Rank 0's model-states dict (``global_steps``...)."""
-    unchanged: bool
-    """The new layout is the source's own: the rank files are copied, ``jobs`` is empty."""
-    jobs: list[OutputFile]
-    notes: list[str] = field(default_factory=list)
-    stage: int = 3
-
-
-def plan_zero3_reshard(tag_dir: Path, world_size: int, sub_group_size: int | None) -> Zero3Reshard:
+def plan_zero3_reshard(tag_dir: Path, world_size: int, sub_group_size: int | None) -> PlannedReshard[OutputFile]:
     """The ZeRO-3 tag folder ``tag_dir`` planned at ``world_size`` ranks (nothing written yet). Its rank files are
     parsed when a job first needs their pieces (a process of a split run parses the few its share reads); one from
     another save is named then, before anything is published."""
@@ -53,8 +31,8 @@ def plan_zero3_reshard(tag_dir: Path, world_size: int, sub_group_size: int | Non
     layout = layout_of(slots, world_size, sub_group_size, source["ds_config"], tag_dir)
     unchanged = _layout_unchanged(slots, native["sub_group_param_group"], saved, layout)
     note = client_state_note(native["model_states"], saved, world_size)
-    return Zero3Reshard(
-        tag_dir=tag_dir, world_size=saved, precision=ckpt.precision, ds_config=dict(source["ds_config"] or {}),
+    return PlannedReshard(
+        tag_dir=tag_dir, stage=3, world_size=saved, precision=ckpt.precision, ds_config=dict(source["ds_config"] or {}),
         ds_version=source["ds_version"], optim_files=native["optim_files"], model_files=native["model_files"],
         model_state=native["model_states"], unchanged=unchanged,
         jobs=[] if unchanged else Zero3SameRun(ckpt, layout).files(), notes=[note] if note else [])
