@@ -5,6 +5,7 @@ import json
 import pytest
 from packaging.version import Version
 
+from shardkit.platform.verified import PACKAGES, show_recorded
 from shardkit.platform.versions import (
     installed_versions,
     known_bad_findings,
@@ -219,8 +220,9 @@ def test_versions_page_table_is_the_record():
     section = page.split("## Verified versions", 1)[1]
     table = {tuple(cell.strip() for cell in line.strip("|").split("|"))
              for line in section.splitlines() if re.match(r"^\| \d+\.\d+\.\d+ \|", line)}
-    shown = {(cells[0], cells[1], re.match(r"\d{4}-\d\d-\d\d", cells[-1]).group(0)) for cells in table}
-    recorded = {(r["deepspeed"], r["torch"], r["date"]) for r in _shipped_rows()["releases"]}
+    shown = {(cells[0], cells[1], cells[2], re.match(r"\d{4}-\d\d-\d\d", cells[-1]).group(0)) for cells in table}
+    recorded = {(r["deepspeed"], r["torch"], show_recorded(r["transformers"]), r["date"])
+                for r in _shipped_rows()["releases"]}
     assert shown == recorded, f"docs/versions.md shows {sorted(shown ^ recorded)} differently from verified_releases.json"
 
 
@@ -250,3 +252,48 @@ def test_verifier_keeps_one_row_per_deepspeed_torch_pair(tmp_path):
     assert [(r["deepspeed"], r["torch"]) for r in data["failed"]] == [("0.19.8", "2.14.1")]
     assert [r["deepspeed"] for r in verified_releases(data)] == ["0.19.8", "0.18.9"]
     assert "torch" in data["about"]
+
+
+def test_every_shipped_row_names_every_package_versions_compares():
+    for row in _shipped_rows()["releases"] + _shipped_rows()["failed"]:
+        missing = [name for name in PACKAGES if not row.get(name)]
+        assert not missing, f"row {row['deepspeed']}/{row['torch']} names no {missing}: it would vouch for nothing there"
+
+
+def test_versions_on_the_installed_packages_is_verified(run_cli):
+    # what ./install.sh installs on a CPU machine (torch 2.13.0+cpu, DeepSpeed 0.19.8, transformers
+    # 5.24.0) is a row of the record: the suite runs on it, so `versions` must say so
+    code, out, err = run_cli("versions", "--json")
+    data = json.loads(out)
+    assert data["support"]["verified"] is True, (data["installed"], data["support"])
+    assert data["support"]["verified_why"] == ""
+
+
+def test_a_differing_package_is_named_with_how_far_it_is(run_cli, monkeypatch):
+    from shardkit.platform.environment import report
+
+    faked = {"torch": "2.13.0+cpu", "deepspeed": "0.19.8", "transformers": "5.26.1"}
+    monkeypatch.setattr(report, "installed_versions", lambda: dict(faked))
+    code, out, err = run_cli("versions")
+    line = " ".join(out.split("\nverified", 1)[1].split())  # the console wraps long lines
+    assert line.startswith("False (transformers 5.26.1 is 2 minor releases newer than 5.24.0 "
+                           "(the row ran 5.23.0 to 5.24.0); closest verified row: torch 2.13.0+cpu, deepspeed "
+                           "0.19.8, transformers 5.23.0-5.24.0"), out
+    code, out, err = run_cli("versions", "--json")
+    assert "transformers 5.26.1 is 2 minor releases newer" in json.loads(out)["support"]["verified_why"]
+
+
+@pytest.mark.parametrize("versions, why", [
+    ({"torch": "2.12.0", "transformers": "5.24.0"}, "torch 2.12.0 is 1 minor release older than 2.13.0"),
+    ({"torch": "2.13.0", "transformers": "5.22.3"}, "transformers 5.22.3 is 1 minor release older than 5.23.0"),
+    ({"torch": "2.13.0", "transformers": "6.0.0"}, "transformers 6.0.0 is 1 major release newer than 5.24.0"),
+    ({"torch": "2.13.0", "transformers": None}, "transformers is not installed (the row ran 5.23.0-5.24.0)"),
+    ({"torch": "2.13.0", "transformers": "5.23.7"}, ""),
+])
+def test_a_row_vouches_for_its_transformers_range_and_names_what_differs(versions, why):
+    rows = [{"deepspeed": "0.19.8", "torch": "2.13.0+cpu", "transformers": ["5.23.0", "5.24.0"], "result": "pass"},
+            {"deepspeed": "0.18.9", "torch": "2.13.0+cpu", "result": "pass"}]  # names no transformers
+    status = support_status({"deepspeed": "0.19.8", **versions}, rows)
+    assert status.verified is (not why) and status.why.startswith(why), status.why
+    status = support_status({"deepspeed": "0.18.9", "torch": "2.13.0", "transformers": "5.23.0"}, rows)
+    assert not status.verified and "the row records no transformers version" in status.why

@@ -46,7 +46,9 @@ def versions_command(args: argparse.Namespace) -> int:
         con.print(f"{name:13} {version or 'not installed'}")
     status = data["support"]
     con.print(f"{'supported':13} {status['supported']} (shardkit is tested with deepspeed {status['range']})")
-    con.print(f"{'verified':13} {status['verified'] if status['verified'] is not None else 'no verified list'}")
+    verified = status["verified"] if status["verified"] is not None else "no verified list"
+    con.print(f"{'verified':13} {verified}" + (f" ({status['verified_why']})" if status.get("verified_why") else ""),
+              markup=False)
     for note in status["notes"]:
         con.print(f"[yellow]note[/yellow] {note}")
     if data["deepspeed"] is None:

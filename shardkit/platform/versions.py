@@ -22,6 +22,7 @@ from shardkit.config.paths import get, has
 from shardkit.config.view import DeepSpeedView, deepspeed_view
 from shardkit.core.errors import UsageError
 from shardkit.core.findings import Finding, Severity
+from shardkit.platform.verified import PACKAGES, match, verified_deepspeed_releases, verified_releases
 
 # DeepSpeed releases the version table and the test suite cover (pyproject pins the same range).
 SUPPORTED_DEEPSPEED = SpecifierSet(">=0.16.0,<0.20")
@@ -29,7 +30,6 @@ SUPPORTED_DEEPSPEED = SpecifierSet(">=0.16.0,<0.20")
 # offload_{optimizer,param}.pin_memory default flipped False -> True in 0.19.5 (DeepSpeed PR #8207).
 PIN_MEMORY_DEFAULT_TRUE_SINCE = Version("0.19.5")
 
-PACKAGES = ("torch", "deepspeed", "transformers")
 
 #: torch 2.7 added ``reshard_after_forward=None`` to ``fully_shard`` (the root stays unsharded after
 #: forward, since backward needs it first); torch 2.6 refuses None ("reshard_after_forward should be a
@@ -373,36 +373,8 @@ class SupportStatus:
     supported: bool | None
     verified: bool | None
     notes: list[str] = field(default_factory=list)
-
-
-def verified_releases(data: Any = None) -> list[dict[str, Any]]:
-    """Rows of shardkit/data/verified_releases.json whose ``result`` is "pass", [] when absent.
-
-    The verification run records failures too (``"result": "fail"``, what broke); a failed row
-    must never make a release read as verified. Accepted shapes: a list of {"deepspeed": ..,
-    "torch": .., "result": ..} or {"releases": [...]}; ``data`` is the parsed file (read when None).
-    """
-    if data is None:
-        try:
-            text = resources.files("shardkit").joinpath("data/verified_releases.json").read_text("utf-8")
-            data = json.loads(text)
-        except (FileNotFoundError, OSError, ValueError):
-            return []
-    rows = data.get("releases", data.get("verified", [])) if isinstance(data, dict) else data
-    return [r for r in rows if isinstance(r, dict) and r.get("result") == "pass"] if isinstance(rows, list) else []
-
-
-def verified_deepspeed_releases() -> list[str]:
-    out = []
-    for row in verified_releases():
-        v = row.get("deepspeed")
-        if isinstance(v, str):
-            try:
-                Version(v)
-            except InvalidVersion:
-                continue
-            out.append(v)
-    return out
+    why: str = ""
+    """When not verified: which package differs from the closest verified row, and by how much."""
 
 
 def support_status(versions: dict[str, str | None] | None = None, rows: list[dict[str, Any]] | None = None) -> SupportStatus:
@@ -423,21 +395,6 @@ def support_status(versions: dict[str, str | None] | None = None, rows: list[dic
         )
     rows = verified_releases() if rows is None else rows
     if rows:
-        status.verified = any(
-            all(row.get(k) is None or _same_release(row.get(k), versions.get(k)) for k in PACKAGES)
-            and _same_release(row.get("deepspeed"), ds)
-            for row in rows
-        )
+        found = match(versions, rows)
+        status.verified, status.why = found.verified, found.why
     return status
-
-
-def _same_release(recorded: Any, installed: str | None) -> bool:
-    """Same release number: "2.13.0+cpu" (recorded) and "2.13.0+cu121" (installed) are one torch
-    release built for another platform; the local part and string spelling do not matter."""
-    if not isinstance(recorded, str) or installed is None:
-        return False
-    try:
-        # Version("2.13") == Version("2.13.0"): packaging pads the release with zeros when comparing
-        return Version(Version(recorded).base_version) == Version(Version(installed).base_version)
-    except InvalidVersion:
-        return recorded == installed

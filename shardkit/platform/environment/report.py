@@ -123,6 +123,7 @@ def version_report(
             "range": str(SUPPORTED_DEEPSPEED),
             "supported": status.supported,
             "verified": status.verified,
+            "verified_why": status.why,
             "notes": status.notes,
         },
     }
