@@ -100,6 +100,7 @@ def build_layouts(base: Path) -> dict[str, Path]:
     ``tensor_parallel`` (``mp_world_size`` 2 and an ``mp_rank_01`` file), ``pipeline`` (a
     ``layer_01-model_00-model_states.pt``), ``moe`` (``expp_rank_0`` and ``layer_0_expert_0`` files),
     ``nvme`` (``offload_optimizer.device`` nvme and the ``offloaded_tensors/`` DeepSpeed copies).
+    ``mixed_stages``: the ZeRO-3 save's files copied into a copy of the ZeRO-2 one's tag folder.
     ``trainer_zero2``: the ZeRO-2 root as a Trainer ``checkpoint-4``.
     """
     key = str(base)
@@ -134,7 +135,11 @@ def build_layouts(base: Path) -> dict[str, Path]:
         _resave(f, _set_nvme)
     (nvme / tag / "offloaded_tensors" / "rank0").mkdir(parents=True)
     (nvme / tag / "offloaded_tensors" / "rank0" / "optimizer.swp").write_bytes(b"\0" * 64)
-    out.update(autoep=autoep, tensor_parallel=tp, pipeline=pipe, moe=moe, nvme=nvme)
+    # two real saves of different stages copied into one tag folder: ZeRO-3's files over a ZeRO-2 save's
+    mixed = _copy(out["zero2_bf16"], base / "mixed_stages")
+    for f in sorted((out["zero3"] / tag).iterdir()):
+        shutil.copy(f, mixed / tag / f.name)
+    out.update(autoep=autoep, tensor_parallel=tp, pipeline=pipe, moe=moe, nvme=nvme, mixed_stages=mixed)
     trainer = _copy(out["zero2_bf16"], base / "trainer" / "checkpoint-4")
     (trainer / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
     out["trainer_zero2"] = trainer

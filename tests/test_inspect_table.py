@@ -27,7 +27,7 @@ from tests import _ranks_layouts as L
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DEEPSPEED = ("zero1", "zero2_bf16", "zero2_offload", "zero3", "universal", "trainer_zero2",
-             "autoep", "tensor_parallel", "pipeline", "moe", "nvme")
+             "autoep", "tensor_parallel", "pipeline", "moe", "nvme", "mixed_stages")
 SWEEP = ("fsdp2", "zero3_sealed", "fsdp2_converted")
 WEIGHTS_ONLY = ("fsdp1_bins_weights_only", "fsdp2_full_plain_weights_only", "dcp_model_folder")
 KINDS = (*DEEPSPEED, *I.ACCELERATE_SAVES, *WEIGHTS_ONLY, *SWEEP, "hf", "trainer_weights")

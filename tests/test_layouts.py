@@ -31,6 +31,8 @@ REFUSED = {
     "pipeline": ["pipeline-parallel layer files (layer_01-model_00-model_states.pt)"],
     "moe": ["native DeepSpeed MoE expert files", "expp_rank_0_mp_rank_00_optim_states.pt"],
     "nvme": ["offloaded_tensors/ (the NVMe swap folder", "swapped to NVMe"],
+    "mixed_stages": ["zero_pp_rank_0_mp_rank_00_model_states.pt, zero_pp_rank_1_mp_rank_00_model_states.pt beside "
+                     "the ZeRO-1/2 files (mp_rank_00_model_states.pt)", "two saves of different stages"],
 }
 
 COMMANDS = {

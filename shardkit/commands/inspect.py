@@ -110,7 +110,8 @@ def inspect_command(args: argparse.Namespace) -> int:
     found = verdicts(desc)
     if args.json or args.json_file:
         emit_json(args, {"command": "inspect", "ok": True, **desc.to_dict(),
-                         "commands": [{"command": v.command, "applies": v.applies, "why": v.why} for v in found],
+                         "commands": [{"command": v.command, "applies": v.applies, "why": v.why, "guarded": v.guarded}
+                                      for v in found],
                          "seconds": clock.seconds})
     if not args.json:
         print("\n".join(_lines(desc, found)))

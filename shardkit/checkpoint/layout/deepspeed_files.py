@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from shardkit.checkpoint.layout.description import CheckpointDescription, Refusal
 from shardkit.checkpoint.zero3.files import RANK_FILE
+from shardkit.checkpoint.zero12.files import MODEL_FILE as ZERO12_MODEL_FILE
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.listing import list_folder
 from shardkit.storage.torch_load import TensorRef, read_structure
@@ -41,6 +43,8 @@ _MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _EXPERT_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _EXPERT_MODEL = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _PIPE_LAYER = re.compile(r"^layer_(\d+)-.*model_states\.pt$")
+#: ZeRO-3's per-rank model-states files: beside a ZeRO-1/2 save's one model file they mean two saves in one folder.
+_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
 #: The folder ds_to_universal writes beside the model states, and the file every parameter has there.
 UNIVERSAL_FOLDER = "zero"
 UNIVERSAL_FP32 = "fp32.pt"
@@ -57,6 +61,24 @@ def is_deepspeed_folder(folder: Path) -> bool:
     if (folder / UNIVERSAL_FOLDER).is_dir() and any(_MP_MODEL.match(name) for name in listed.names):
         return True
     return any(name.endswith(("_model_states.pt", "_optim_states.pt")) for name in listed.files)
+
+
+def mixed_stages(tag_dir: Path, names: Iterable[str]) -> Refusal | None:
+    """ZeRO-3 per-rank model files beside a ZeRO-1/2 save's ``mp_rank_00_model_states.pt``: two saves of
+    different stages copied into one folder, or None. From the names alone; ``inspect`` lists it as a marker
+    (so every command is refused by ``support.refuse_unsupported``) and the ZeRO-1/2 reader raises it, the
+    same words either way."""
+    names = list(names)
+    zero3 = sorted(n for n in names if _ZERO3_MODEL_FILE.match(n))
+    if ZERO12_MODEL_FILE not in names or not zero3:
+        return None
+    shown = ", ".join(zero3[:3]) + (" ..." if len(zero3) > 3 else "")
+    return Refusal(
+        f"{shown} beside the ZeRO-1/2 files ({ZERO12_MODEL_FILE})", str(tag_dir),
+        "ZeRO-3 rank files and ZeRO-1/2 files mixed in one folder (two saves of different stages): a ZeRO-1/2 save "
+        f"writes one {ZERO12_MODEL_FILE}, a ZeRO-3 save one zero_pp_rank_R_mp_rank_00_model_states.pt per rank, and "
+        "reading either way would mix the partitions of two runs",
+        "Pass a folder one save wrote (re-copy the tag folder from the run that saved it)")
 
 
 def _value(stub: Any) -> Any:
@@ -88,7 +110,8 @@ def _numel(shape: Any) -> int:
 def _refusals(tag_dir: Path, names: list[str], model_state: dict[str, Any], model_file: str,
               optim: dict[str, Any], optim_file: str) -> list[Refusal]:
     """The markers of layouts that no command converts correctly, as found in this folder."""
-    out: list[Refusal] = []
+    mixed = mixed_stages(tag_dir, names)
+    out: list[Refusal] = [mixed] if mixed is not None else []
     mp_ranks = sorted({int(m.group(3)) for n in names if (m := RANK_FILE.match(n))}
                       | {int(m.group(1)) for n in names if (m := _MP_MODEL.match(n))})
     mp_world = int(model_state.get("mp_world_size") or 1)
@@ -210,4 +233,6 @@ def describe_deepspeed(tag_dir: Path, given: str) -> CheckpointDescription:
         desc.notes.append(f"a universal checkpoint loads at any world size with checkpoint.load_universal; it was "
                           f"converted from a DeepSpeed run at {int(model_state.get('dp_world_size') or 0)} rank(s)")
     desc.refusals = _refusals(tag_dir, names, model_state, model_file or "", osd, optim_file)
+    if mixed_stages(tag_dir, names) is not None:  # rank 0's optimizer file tells one of the two saves' stage
+        desc.layout = f"DeepSpeed, ZeRO-1/2 and ZeRO-3 files mixed (rank 0's optimizer file: ZeRO-{stage})"
     return desc

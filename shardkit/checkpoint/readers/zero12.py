@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardkit.checkpoint.layout.deepspeed_files import mixed_stages
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import agreed_steps, loss_scaler, per_parameter_steps, run_scalars
@@ -52,8 +52,6 @@ from shardkit.storage.torch_load import TensorRef, read_structure
 if TYPE_CHECKING:
     import torch
 
-#: ZeRO-3's per-rank model-states files: beside ZeRO-1/2 files they mean two saves in one folder.
-_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
 #: DeepSpeed MoE expert files: expert-parallel weights outside the data-parallel rank files.
 _MOE_MARKERS = ("expp_rank_", "_expert_")
 
@@ -147,13 +145,16 @@ def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None,
         if m:
             found[int(m.group(2))] = tag_dir / name
             prefixes.add(m.group(1) or "")
-        elif _ZERO3_MODEL_FILE.match(name) or any(k in name for k in _MOE_MARKERS):
+        elif any(k in name for k in _MOE_MARKERS):
             other.append(name)
+    mixed = mixed_stages(tag_dir, names)  # the words inspect lists it with
+    if mixed is not None:
+        raise CheckpointError(mixed.message())
     if other:
         raise CheckpointError(
-            f"{tag_dir}: holds {', '.join(sorted(other)[:3])} beside the ZeRO-1/2 files: ZeRO-3 rank files (two saves "
-            "of different stages mixed in one folder) or DeepSpeed MoE expert files (weights the data-parallel rank "
-            "files do not hold). Nothing was read; pass a folder one ZeRO-1/2 save wrote")
+            f"{tag_dir}: holds {', '.join(sorted(other)[:3])} beside the ZeRO-1/2 files: DeepSpeed MoE expert files "
+            "(weights the data-parallel rank files do not hold). Nothing was read; pass a folder one ZeRO-1/2 save "
+            "wrote without expert parallelism")
     world = len(found)
     if world == 0 or sorted(found) != list(range(world)) or len(prefixes) != 1:
         # the missing ranks named, not every rank found (a folder may hold thousands)
