@@ -63,6 +63,21 @@ def _flag_names(token: str) -> list[str]:
     return names
 
 
+def _old_spellings(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Flags a parser keeps only for old scripts (help "old spelling of --X") -> what to write instead."""
+    out = {}
+    for action in parser._actions:
+        new = re.match(r"old spelling of (--[a-z][a-z0-9-]*)", action.help or "")
+        if new:
+            out.update({s: new.group(1) for s in action.option_strings})
+    return out
+
+
+def _takes_old_json_file(parser: argparse.ArgumentParser) -> bool:
+    """`--json` takes an optional value on the commands that once took `--json FILE` (smoke, preflight)."""
+    return any("--json" in a.option_strings and a.nargs == "?" for a in parser._actions)
+
+
 def check(words: list[str], root: argparse.ArgumentParser, strict_command: bool) -> str | None:
     """None when ``words`` (what follows `shardkit`) names a real command and only its flags."""
     parser, path = root, ["shardkit"]
@@ -83,12 +98,19 @@ def check(words: list[str], root: argparse.ArgumentParser, strict_command: bool)
     if _subparsers(parser):  # `config --fit`: a flag of one of its kinds
         known |= {f for sub in _subparsers(parser).values() for f in _flags(sub)}
     passthrough = _passes_through(parser)
-    for word in rest:
+    old = {} if passthrough else _old_spellings(parser)
+    for i, word in enumerate(rest):
         if word in STOP or word.startswith("#"):
             break
         for flag in _flag_names(word):
             if flag not in known and not passthrough:
                 return f"`{' '.join(path)}` has no flag {flag} (it has: {', '.join(sorted(known))})"
+            if flag in old:
+                return f"`{' '.join(path)}` {flag} is the old spelling: write {old[flag]}"
+        following = rest[i + 1] if i + 1 < len(rest) else None
+        if (word == "--json" and _takes_old_json_file(parser) and following is not None
+                and following not in STOP and not following.startswith(("-", "#"))):
+            return f"`{' '.join(path)}` --json {following} is the old spelling: write --json-file {following}"
         if passthrough and not word.startswith("-") and word not in known:
             break  # the launcher's or the script's own arguments from here on
     return None
@@ -162,7 +184,20 @@ def test_a_missing_flag_or_command_is_named(parser, words, problem):
     assert why is not None and problem in why, why
 
 
+@pytest.mark.parametrize("words, problem", [
+    ("smoke --engine all --nproc 2 --steps 4", "`shardkit smoke` --nproc is the old spelling: write --world-size"),
+    ("preflight ds.json --world-size 2 --json placement.json",
+     "`shardkit preflight` --json placement.json is the old spelling: write --json-file placement.json"),
+    ("verify ckpt --no-checksum", "`shardkit verify` --no-checksum is the old spelling: write --no-verify"),
+])
+def test_an_old_spelling_is_named_with_the_current_one(parser, words, problem):
+    assert check(_tokens(words), parser, strict_command=True) == problem
+
+
 @pytest.mark.parametrize("words", [
+    "smoke --engine zero3 --json",
+    "preflight ds.json --json --world-size 2",
+    "preflight ds.json --json  # the report alone on stdout",
     "launch --launcher torchrun --standalone --nproc_per_node 2 train.py --deepspeed_config ds.json",
     "config zero3 --pin-memory/--no-pin-memory",
     "verify ckpt --world-size 8  # --not-a-flag in a comment",
