@@ -22,7 +22,7 @@ given another ``-o``, can only time out: the message says what it was given.)
 No silent waits (issue 26: a shell where a pod exported ``RANK``/``WORLD_SIZE``/``MASTER_*``
 waited in silence for processes that never come): a process still waiting after
 ``ANNOUNCE_AFTER_S`` says which variables made it rank r of N, what it waits for, how long it will
-wait and the fix, and says it again every ``SHARDKIT_SILENCE_S`` (default ``REPEAT_S``) until it
+wait and the fix, and says it again every ``SHARDKIT_SILENCE_S`` (default 120 s, env_settings.SETTINGS) until it
 stops after ``SHARDKIT_JOIN_TIMEOUT_S``.
 """
 
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from shardkit.core.env_settings import read_seconds
+from shardkit.core.env_settings import SETTINGS, read_seconds
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import atomic_write_text, staging_dir
 from shardkit.storage.request import RELEASE, RunRequest, differences, mismatch_message, shown
@@ -59,8 +59,6 @@ VERDICT = ".shardkit-verdict.json"
 SEEN = ".shardkit-seen-{rank}"
 #: A launched run's processes meet within a second or two; a process still waiting after this says so.
 ANNOUNCE_AFTER_S = 2.0
-#: Seconds between the reports of a process that is still waiting (unless SHARDKIT_SILENCE_S says).
-REPEAT_S = 10.0
 #: How long process 0 keeps a refused run's staging folder for the others to read why (they ack).
 LINGER_S = 5.0
 
@@ -299,7 +297,8 @@ class _Reporter:
 
     def __init__(self, command: str) -> None:
         self.command = command
-        silence = read_seconds("SHARDKIT_SILENCE_S", REPEAT_S, during_run=True)
+        # the seconds between two reports: SHARDKIT_SILENCE_S, with the one default every silent rank uses
+        silence = read_seconds("SHARDKIT_SILENCE_S", float(SETTINGS["SHARDKIT_SILENCE_S"].default), during_run=True)
         self.interval = silence if silence > 0 else float("inf")  # 0: never report
         self.next_at = min(ANNOUNCE_AFTER_S, self.interval)
         self.spoken = False
