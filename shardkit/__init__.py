@@ -28,6 +28,7 @@ _LAZY: dict[str, str] = {
     "known_bad_findings": "shardkit.platform.versions",
     "installed_versions": "shardkit.platform.versions",
     "load_zero3_checkpoint": "shardkit.checkpoint.ops.resume_zero3",
+    "guard_plain_loads": "shardkit.checkpoint.ops.resume_zero3",
     "restore_cpu_adam_kernel_state": "shardkit.checkpoint.ops.cpu_adam_kernel",
     "open_zero3_checkpoint": "shardkit.checkpoint.zero3.reader",
     "consolidate_zero3": "shardkit.checkpoint.ops.consolidate",

@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "fsdp",
         aliases=["fsdp2"],  # the --engine vocabulary's name for it (estimate, smoke, verify)
         help="shardkit FSDP2 JSON (or an Accelerate config with --format accelerate)",
-        description="Write shardkit's FSDP2 config, applied by shardkit.engines.fsdp.apply_fsdp (torch fully_shard).",
+        description="Write shardkit's FSDP2 config, applied by shardkit.apply_fsdp (torch fully_shard).",
         epilog="example:\n  shardkit config fsdp --wrap LlamaDecoderLayer --mixed-precision bf16 -o fsdp.json",
         formatter_class=HelpFormatter,
     )

@@ -242,7 +242,7 @@ def _unread_groups(groups: dict[tuple[str, str], list[int]], details: dict[int, 
         f"{len(groups)} different parameter sets across the ranks; {_who(ranks)} built sets not compared name by "
         f"name (rank 0 reads the maps of the {MAX_DETAIL_GROUPS} largest groups only)",
         "Build the same model on every rank (same code, same config, same conditional modules); run "
-        "shardkit.placement.collect_records on one of the ranks named to list its parameters.",
+        "shardkit.collect_records on one of the ranks named to list its parameters.",
         rule="placement.param_set")]
 
 

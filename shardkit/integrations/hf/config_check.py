@@ -100,7 +100,7 @@ def _fsdp_not_enabled(trainer: Any) -> list[Finding]:
             "the unsharded model (DDP on several ranks), so memory and checkpoints are not what the FSDP config "
             "says. Accelerate enables FSDP only on accelerator ranks (GPU/XPU/NPU/HPU ...), never on CPU ranks",
             "run on GPUs (or another accelerator); to test FSDP2 on CPU ranks use shardkit's own FSDP2 path "
-            "(`shardkit smoke --engine fsdp2`, shardkit.engines.fsdp.apply_fsdp), which runs on gloo",
+            "(`shardkit smoke --engine fsdp2`, shardkit.apply_fsdp), which runs on gloo",
             "hf-fsdp-not-enabled",
         )
     ]

@@ -222,7 +222,7 @@ def convert_to_zero3(
     notes.append(f"param groups written in {opt.name}'s format ({'AdamW' if opt.adam_w_mode else 'Adam'}); "
                  f"{len(layout.sub_groups)} sub-group(s) at sub_group_size {sub_group_size}")
     if opt.name in ("FusedAdam", "DeepSpeedCPUAdam"):
-        notes.append("on a CPU run, load with shardkit.checkpoint.ops.resume_zero3.guard_plain_loads(engine)"
+        notes.append("on a CPU run, load with shardkit.guard_plain_loads(engine)"
                      ".load_checkpoint(OUT), or call shardkit.restore_cpu_adam_kernel_state(engine) on every rank after "
                      "engine.load_checkpoint (DeepSpeed's CPU Adam kernels keep beta**step outside the checkpoint)")
     return ConvertResult(
