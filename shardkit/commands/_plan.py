@@ -2,8 +2,11 @@
 CLI: the ``--dry-run`` plan (what would be read, where it would be written and through which staging
 place, by how many processes) and the byte progress display around the real run.
 
-The plan reads directory listings and the ``latest`` pointer only: no rank file is opened, nothing is
-created, so a dry run is safe on a checkpoint another job is still reading.
+A dry run is the real command stopped where it would first write (``run_checks``,
+``storage.dry_run``): every check the run makes before writing (the source's layout and manifest, the
+model config, the output path, ``--force``) is made by the run's own code, with the same exit code and
+message, and nothing is created or removed. The plan itself then reads directory listings and the
+``latest`` pointer only.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import argparse
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 def source_tag_dir(path: str | Path) -> tuple[Path, str]:
@@ -53,6 +56,16 @@ def launch_summary() -> dict[str, Any]:
 
     launch = launch_from_env()
     return {"processes": launch.world, "launcher": launch.launcher, "rank": launch.rank}
+
+
+def run_checks(args: argparse.Namespace, command: Callable[[argparse.Namespace], int]) -> None:
+    """--dry-run: ``command`` run as without --dry-run (no JSON, no progress display) up to its first
+    write, so the dry run refuses exactly what the run refuses; nothing is written."""
+    from shardkit.storage.dry_run import checks_only
+
+    real = argparse.Namespace(**{**vars(args), "dry_run": False, "json": False, "json_file": None, "quiet": True})
+    with checks_only(args.command):
+        command(real)
 
 
 def plan_of(command: str, source: str, output: Path, staging: str, workers: int | None,

@@ -101,8 +101,9 @@ def _dry_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from shardkit.commands._parser import emit_json
-    from shardkit.commands._plan import launch_summary, plan_of, print_plan
+    from shardkit.commands._plan import launch_summary, plan_of, print_plan, run_checks
 
+    run_checks(args, consolidate_command)  # the run's own checks, stopped before its first write
     out = Path(args.output)
     if out.is_dir():
         out = out / "model.safetensors"

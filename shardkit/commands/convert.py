@@ -85,10 +85,10 @@ def convert_command(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers {args.workers}: must be at least 1 (files written at once)")
+    if args.dry_run:  # the run below, stopped before its first write, then the plan
+        return _dry_run(args)
     if args.to == "universal":
         r = _to_universal(args, warn)
-        if r is None:
-            return _dry_run(args)
         resume = (f"engine.load_checkpoint({str(r.output)!r}) at any world size, with \"checkpoint\": "
                   "{\"load_universal\": true} in the DeepSpeed config")
     elif args.to == "fsdp2":
@@ -107,8 +107,6 @@ def convert_command(args: argparse.Namespace) -> int:
         if trainer is not None and trainer.note():
             print(f"note: {trainer.note()}")
         source = args.source if trainer is None else trainer.folder
-        if args.dry_run:
-            return _dry_run(args)
         with byte_progress(args, "convert"):
             r = convert_to_dcp(source, args.output, tag=args.tag, force=args.force,
                                verify=not args.no_verify, warn=warn, adam_w_mode=adam_w, workers=args.workers)
@@ -125,8 +123,6 @@ def convert_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--adam-w-mode {args.adam_w_mode} with --to {args.to}: the FSDP2 checkpoint's param "
                              "groups already record decoupled_weight_decay; drop --adam-w-mode")
         prefix = {"module": "module.", "none": "", None: None}[args.name_prefix]
-        if args.dry_run:
-            return _dry_run(args)
         with byte_progress(args, "convert"):
             if args.to == "zero3":
                 r = convert_to_zero3(args.source, args.output, world_size=args.world_size, tag=args.tag,
@@ -155,8 +151,8 @@ def convert_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _to_universal(args: argparse.Namespace, warn: Callable[[str], None]) -> "ConvertResult | None":
-    """--to universal (None for --dry-run): the flags that choose per-rank files or names do not apply."""
+def _to_universal(args: argparse.Namespace, warn: Callable[[str], None]) -> "ConvertResult":
+    """--to universal: the flags that choose per-rank files or names do not apply."""
     from shardkit.checkpoint.ops.convert.to_universal import convert_to_universal
     from shardkit.commands._plan import byte_progress
     from shardkit.core.errors import UsageError
@@ -170,8 +166,6 @@ def _to_universal(args: argparse.Namespace, warn: Callable[[str], None]) -> "Con
         if getattr(args, dest) is not None:
             flag = "--" + dest.replace("_", "-")
             raise UsageError(f"{flag} {getattr(args, dest)} with --to universal: {reason}; drop {flag}")
-    if args.dry_run:
-        return None
     with byte_progress(args, "convert"):
         return convert_to_universal(args.source, args.output, tag=args.tag, force=args.force,
                                     verify=not args.no_verify, warn=warn)
@@ -182,10 +176,11 @@ def _dry_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from shardkit.commands._parser import emit_json
-    from shardkit.commands._plan import plan_of, print_plan, source_tag_dir
+    from shardkit.commands._plan import plan_of, print_plan, run_checks, source_tag_dir
     from shardkit.storage.atomic import staging_dir
     from shardkit.storage.pipeline import check_output_root
 
+    run_checks(args, convert_command)  # the run's own checks, stopped before its first write
     out = Path(args.output)
     tag_dir, source_tag = source_tag_dir(args.source)
     tag = args.tag or source_tag

@@ -85,8 +85,9 @@ def _dry_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from shardkit.commands._parser import emit_json
-    from shardkit.commands._plan import plan_of, print_plan
+    from shardkit.commands._plan import plan_of, print_plan, run_checks
 
+    run_checks(args, export_command)  # the run's own checks, stopped before its first write
     out = Path(args.output)
     staging = f"a hidden .shardkit-tmp-{out.name}-<pid@host>-<nonce> folder beside {out}"
     plan = plan_of("export", args.checkpoint, out, staging, args.workers, dtype=args.dtype,

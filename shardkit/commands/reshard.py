@@ -144,10 +144,11 @@ def _dry_run(args: argparse.Namespace, trainer: bool) -> int:
     from pathlib import Path
 
     from shardkit.commands._parser import emit_json
-    from shardkit.commands._plan import plan_of, print_plan, source_tag_dir
+    from shardkit.commands._plan import plan_of, print_plan, run_checks, source_tag_dir
     from shardkit.storage.atomic import staging_dir
     from shardkit.storage.pipeline import check_output_root
 
+    run_checks(args, reshard_command)  # the run's own checks, stopped before its first write
     out = Path(args.output)
     if trainer:  # the new checkpoint-N folder is staged beside itself
         final, staging = out, f"a hidden .shardkit-tmp-{out.name}-<pid@host>-<nonce> folder beside {out}"

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Mapping
 
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.atomic import signals_deferred, staging_dir
+from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.manifest import FileEntry, Manifest
 from shardkit.storage.pipeline import check_source_digests, hash_beside
 from shardkit.storage.request import RunRequest
@@ -73,6 +74,7 @@ def write_tag_shared(
     entries plus ``finish``'s are sealed under ``facts(entries)`` (None: no manifest). Returns
     the entries this process wrote (on process 0: every file of the tag). ``request``: what this
     process was asked to do; every process's must be rank 0's before anything is written."""
+    writing_starts(f"{root}/{tag}")  # a --dry-run stops here: every check before it has passed
     started = time.monotonic()
     made_root = not os.path.lexists(root)
     # process 0's claimed staging folder until it is published: removed by this function whatever

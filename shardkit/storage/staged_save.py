@@ -18,6 +18,7 @@ from shardkit.core.errors import CheckpointError
 from shardkit.platform.dist import all_gather_object, barrier, broadcast_object, rank_world
 from shardkit.platform.versions import library_versions
 from shardkit.storage.atomic import disk_full_error, is_disk_full, publish_tag, signals_deferred, staging_dir
+from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.manifest import Manifest, describe_files_distributed, write_manifest
 from shardkit.storage.shared_save import OWNER_NAME, Launch, claim, heartbeat, remove_own_claim
 from shardkit.storage.tags import LATEST_NAME, check_tag
@@ -61,6 +62,7 @@ def atomic_checkpoint(
     ``manifest=False`` (reshard's ``--no-manifest``) skips the hashing and the manifest.
     """
     check_tag(tag, "tag")  # the same on every rank, so every rank raises before any collective
+    writing_starts(f"{root}/{tag}")  # a --dry-run stops here: every check before it has passed
     root = Path(root)
     rank, world = rank_world()
     staged = staging_dir(root, tag)

@@ -48,6 +48,7 @@ from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core import progress
 from shardkit.core.errors import ShardkitError, UsageError
 from shardkit.storage.atomic import atomic_open, disk_full_named, os_errors_named
+from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.listing import list_folder, lists_source_once
 from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.request import RunRequest, source_of
@@ -130,6 +131,7 @@ def consolidate_zero3(
     result.share_bytes = hi - lo
     progress.expect(hi - lo)
     outcome = f"nothing written: the partial file was removed, {out} is unchanged"
+    writing_starts(str(out))  # a --dry-run stops here: every check before it has passed
     if launch.distributed:
         manifest_files = checked.manifest.files if checked.manifest is not None and verify else []
         to_hash = [manifest_files[i] for i in split_by_bytes([e.size for e in manifest_files], launch.world)[launch.rank]]

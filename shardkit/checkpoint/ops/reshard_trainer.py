@@ -28,6 +28,7 @@ from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import os_errors_named, publish_dir, signals_deferred
+from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.shared_save import launch_from_env
 from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
@@ -164,6 +165,7 @@ def reshard_trainer_checkpoint(
                          f"'{DEEPSPEED_TAG_PREFIX}*'); pass e.g. --tag {DEEPSPEED_TAG_PREFIX}{src_tag.removeprefix(DEEPSPEED_TAG_PREFIX) or '100'}")
     check_output_folder(final, src, force=force)
     rng = plan_rng_files([e.name for e in src.iterdir() if e.is_file()], world_size)
+    writing_starts(str(final))  # a --dry-run stops here: every check before it has passed
     final.parent.mkdir(parents=True, exist_ok=True)
     leftovers = remove_stale_staging(final)
     staged = staging_folder(final)

@@ -40,6 +40,7 @@ from shardkit.checkpoint.ops.export.writer import ShardJob, entry_dtype, output_
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import atomic_write_text, disk_full_named, os_errors_named, publish_dir
+from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.listing import lists_source_once
 from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
 from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
@@ -133,6 +134,7 @@ def export_hf_folder(
     jobs = [ShardJob(s, {n: plan.tensors[n] for n in s.names}, out_name) for s in shards]
     n_workers = min(workers or default_workers(len(jobs)), len(jobs))
 
+    writing_starts(str(final))  # a --dry-run stops here: every check before it has passed
     final.parent.mkdir(parents=True, exist_ok=True)
     leftovers = remove_stale_staging(final)
     if leftovers:
