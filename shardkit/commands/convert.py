@@ -87,6 +87,7 @@ def convert_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers {args.workers}: must be at least 1 (files written at once)")
     if args.dry_run:  # the run below, stopped before its first write, then the plan
         return _dry_run(args)
+    trainer = None
     if args.to == "universal":
         r = _to_universal(args, warn)
         resume = (f"engine.load_checkpoint({str(r.output)!r}) at any world size, with \"checkpoint\": "
@@ -133,6 +134,15 @@ def convert_command(args: argparse.Namespace) -> int:
                                       tag=args.tag, force=args.force, verify=not args.no_verify, warn=warn,
                                       ds_config=args.ds_config, name_prefix=prefix, workers=args.workers)
         resume = f"engine.load_checkpoint({str(r.output)!r}) on {r.world_size} rank(s)"
+    if r.rank == 0 and (args.to != "fsdp2" or trainer is None):  # a Trainer folder's files are named above
+        from pathlib import Path
+
+        from shardkit.checkpoint.ops.carried_files import root_files_not_converted
+
+        left, other_tags = root_files_not_converted(Path(args.source))
+        r.not_carried.extend(left)
+        if other_tags:
+            r.notes.append(other_tags)
     _emit_result(args, r, clock.seconds)
     if r.rank != 0:  # under srun/torchrun: process 0 reports the whole result
         print(f"rank {r.rank} of {r.processes} ({r.launcher}): wrote its share, {r.share_files} files, "

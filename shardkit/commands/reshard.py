@@ -97,6 +97,10 @@ def reshard_command(args: argparse.Namespace) -> int:
         f"on {r.world_size} rank(s)"
     )
     print(f"source checked: {CHECKED_LEVELS[r.verified]}")
+    if r.carried:
+        print(f"copied unchanged: {', '.join(r.carried)}")
+    for line in r.not_carried:
+        print(f"not carried: {line}")
     for note in r.notes:
         print(f"note: {note}")
     return 0
@@ -125,7 +129,7 @@ def _reshard_trainer(args: argparse.Namespace, source: "TrainerCheckpoint", cloc
                                        force=args.force, verify=not args.no_verify, workers=args.workers,
                                        warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
     r = t.reshard
-    _emit_result(args, r, clock.seconds, t.folder, trainer_files=t.copied, notes=t.notes)
+    _emit_result(args, r, clock.seconds, t.folder, trainer_files=t.copied, notes=t.notes, not_carried=t.not_carried)
     print(
         f"wrote {t.folder}: Trainer checkpoint with {r.tag}/ ({len(r.files)} files, {r.bytes / 2**20:,.1f} MiB), world "
         f"size {r.source_world_size} -> {r.world_size}; resume with Trainer.train(resume_from_checkpoint="
@@ -165,7 +169,8 @@ def _dry_run(args: argparse.Namespace, trainer: bool) -> int:
 
 
 def _emit_result(args: argparse.Namespace, r: "ReshardResult", seconds: float, wrote: object,
-                 trainer_files: list[str] | None = None, notes: list[str] | None = None) -> None:
+                 trainer_files: list[str] | None = None, notes: list[str] | None = None,
+                 not_carried: list[str] | None = None) -> None:
     """--json / --json-file: what was read, written and checked, and how long it took."""
     if not (args.json or args.json_file):
         return
@@ -179,7 +184,8 @@ def _emit_result(args: argparse.Namespace, r: "ReshardResult", seconds: float, w
     else:
         data.update(wrote={"path": str(wrote), "files": len(r.files), "bytes": r.bytes},
                     world_size={"from": r.source_world_size, "to": r.world_size}, checked=CHECKED_LEVELS[r.verified],
-                    notes=list(r.notes if notes is None else notes))
+                    notes=list(r.notes if notes is None else notes), carried=list(r.carried),
+                    not_carried=list(r.not_carried if not_carried is None else not_carried))
         if trainer_files is not None:
             data["trainer_files"] = list(trainer_files)
     emit_json(args, data)

@@ -37,11 +37,20 @@ the byte ranges cannot express is written through torch instead, and the result'
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.ops.carried_files import (
+    RootFiles,
+    copy_root_files,
+    plan_root_files,
+    remove_created,
+    tag_files_not_carried,
+)
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
 from shardkit.checkpoint.ops.reshard_source import PlannedReshard
 from shardkit.checkpoint.ops.reshard_zero3 import plan_zero3_reshard
@@ -52,7 +61,7 @@ from shardkit.config.loading import config_digest
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import library_versions
-from shardkit.storage.atomic import os_errors_named
+from shardkit.storage.atomic import os_errors_named, signals_deferred
 from shardkit.storage.listing import lists_source_once
 from shardkit.storage.manifest import MANIFEST_NAME, FileEntry, Manifest
 from shardkit.storage.pipeline import (
@@ -104,6 +113,12 @@ class ReshardResult:
     launcher: str = "single process"
     ds_config: dict[str, Any] = field(default_factory=dict)
     """The DeepSpeed config the source recorded (the new rank files record it unchanged)."""
+    carried: list[str] = field(default_factory=list)
+    """Files of the source root beside the tag copied into the output root (``a -> b``: an RNG file renamed for
+    its rank), e.g. Accelerate's random_states_<process>.pkl, scheduler.bin; ``carried_files`` decides."""
+    not_carried: list[str] = field(default_factory=list)
+    """``name (why)`` for every entry of the source the output does not hold (other tags, RNG files of ranks that
+    do not exist any more, folders, links); never dropped without a word."""
 
 
 @os_errors_named("resharding the checkpoint")
@@ -121,6 +136,7 @@ def reshard_zero3(
     warn: Callable[[str], None] | None = None,
     workers: int | None = None,
     launch: Launch | None = None,
+    carry_root: bool = True,
 ) -> ReshardResult:
     """Write ``checkpoint`` repartitioned for ``world_size`` ranks under ``output/<tag>`` + ``output/latest``.
 
@@ -138,6 +154,10 @@ def reshard_zero3(
     ``workers``: files written at once by this process (default ``default_workers``). ``launch``:
     this process's share of the files (default: from ``srun``/``torchrun``'s variables; one
     process does everything without them).
+
+    Given a root, the files beside its tag (Accelerate's ``save_state`` files, ``zero_to_fp32.py``) are copied
+    into ``output`` before ``latest`` moves, RNG files by rank (``carried_files``), and whatever is not carried is
+    named in the result (``carry_root=False``: the caller carries them, as the Trainer reshard does).
     """
     check_world_size(world_size)
     check_workers(workers, "rank files")
@@ -147,6 +167,13 @@ def reshard_zero3(
     source_dir, source_tag = resolve_tag_dir(checkpoint)
     tag = output_tag(tag, checkpoint, source_dir, source_tag)
     root = Path(output)
+    root_files: RootFiles | None = None
+    tag_not_carried: list[str] = []
+    if launch.rank == 0:
+        if carry_root and source_dir.parent == Path(checkpoint) and source_dir != Path(checkpoint):
+            root_files = plan_root_files(Path(checkpoint), source_tag, world_size)
+        elif carry_root:
+            tag_not_carried = tag_files_not_carried(source_dir)
     if launch.rank == 0:
         # the others write into the staging folder rank 0 claims after this check (by the time
         # they run it, that folder may already be in ``root``)
@@ -204,13 +231,31 @@ def reshard_zero3(
     request = RunRequest("reshard", source_of(source_dir), str(root.resolve()), tag, {
         "--world-size": world_size, "--sub-group-size": sub_group_size, "--no-verify": not verify,
         "--no-manifest": not manifest})
-    entries = write_tag_shared(
-        root, tag, launch, request=request,
-        write_mine=lambda staged: _write_share(staged, share, workers, outcome_unchanged(root),
-                                               [(f, expected[f.name]) for f in to_hash] if hash_in_copy else None),
-        to_hash=[] if hash_in_copy else [(f, expected[f.name]) for f in to_hash],
-        hash_workers=workers, before=before, activity=RESHARD,
-        facts=facts)
+    made_root = not os.path.lexists(root)
+    placed: list[Path] = []
+
+    def carry(staged: Path, entries: list[FileEntry]) -> list[FileEntry]:
+        # every share written and the source's digests matched: the root's files go in before 'latest' moves
+        if root_files is not None:
+            placed.extend(copy_root_files(root_files, root))
+        return []
+
+    try:
+        entries = write_tag_shared(
+            root, tag, launch, request=request,
+            write_mine=lambda staged: _write_share(staged, share, workers, outcome_unchanged(root),
+                                                   [(f, expected[f.name]) for f in to_hash] if hash_in_copy else None),
+            to_hash=[] if hash_in_copy else [(f, expected[f.name]) for f in to_hash],
+            hash_workers=workers, before=before, activity=RESHARD,
+            facts=facts, finish=carry)
+    except BaseException:
+        if placed:
+            with signals_deferred():  # the files this run put beside an unpublished tag go with it
+                remove_created(placed)
+                if made_root:
+                    with contextlib.suppress(OSError):
+                        root.rmdir()
+        raise
     final = root / tag
     return ReshardResult(
         output=root,
@@ -220,7 +265,7 @@ def reshard_zero3(
         files=[final / j.name for j in jobs],
         bytes=sum(e.size for e in entries) if launch.rank == 0 else 0,
         manifest=final / MANIFEST_NAME if manifest else None,
-        notes=ckpt.notes,
+        notes=[*ckpt.notes, *(root_files.notes(world_size) if root_files is not None else [])],
         verified=verified,
         copied_unchanged=unchanged,
         rank=launch.rank,
@@ -230,6 +275,8 @@ def reshard_zero3(
         workers=workers,
         launcher=launch.launcher,
         ds_config=dict(ckpt.ds_config or {}),
+        carried=root_files.carried if root_files is not None else [],
+        not_carried=root_files.not_carried if root_files is not None else tag_not_carried,
     )
 
 

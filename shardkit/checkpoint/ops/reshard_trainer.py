@@ -24,6 +24,7 @@ from shardkit.checkpoint.hf_trainer.folder import (
 )
 from shardkit.checkpoint.hf_trainer.rng_files import RngPlan, plan_rng_files
 from shardkit.checkpoint.layout.support import refuse_unsupported
+from shardkit.checkpoint.ops.carried_files import tag_files_not_carried
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core.errors import CheckpointError, UsageError
@@ -48,6 +49,8 @@ class TrainerReshardResult:
     rng: RngPlan
     notes: list[str] = field(default_factory=list)
     """What the user should know: RNG files, files not carried, the batch size at the new world size."""
+    not_carried: list[str] = field(default_factory=list)
+    """``name (why)`` for every entry of the source the new folder does not hold (also in ``notes``)."""
 
 
 def _is_shardkit_trainer_checkpoint(p: Path) -> bool:
@@ -171,7 +174,8 @@ def reshard_trainer_checkpoint(
     staged = staging_folder(final)
     try:
         r = reshard_zero3(src, staged, world_size, tag=new_tag, sub_group_size=sub_group_size, manifest=manifest,
-                          verify=verify, warn=warn, workers=workers, launch=launch_from_env(single=True))
+                          verify=verify, warn=warn, workers=workers, launch=launch_from_env(single=True),
+                          carry_root=False)  # the Trainer's files are carried below, into the same staging folder
         # the resharded tag is written anew; a stale folder named like the new tag would collide with it
         copied, skipped = _copy_trainer_files(src, staged, {src_tag, new_tag}, rng)
         publish_dir(staged, final)  # fsyncs the tree; an existing (forced) folder is swapped, never half-replaced
@@ -197,5 +201,8 @@ def reshard_trainer_checkpoint(
         notes.append(batch)
     if (src / "scheduler.pt").is_file():
         notes.append("scheduler.pt copied unchanged: the Trainer's LR scheduler counts optimizer steps, not ranks")
-    return TrainerReshardResult(folder=final, reshard=moved, copied=copied, rng=rng, notes=notes + list(r.notes))
+    dropped = [f"{n} ({rng.dropped_why(world_size)})" for n in rng.dropped]
+    dropped += [f"{n} (the one-process RNG file beside per-rank ones: not the ranks' own)" for n in rng.stray]
+    return TrainerReshardResult(folder=final, reshard=moved, copied=copied, rng=rng, notes=notes + list(r.notes),
+                                not_carried=[*skipped, *dropped, *tag_files_not_carried(src_tag_dir)])
 
