@@ -99,8 +99,8 @@ def test_consolidate_never_writes_into_the_source_checkpoint(sealed, run_cli):
         (sealed / TAG / "new" / "m.safetensors", "is inside the checkpoint being read"),
         (sealed / "latest", "is a checkpoint's 'latest' pointer"),
         # the root (the folder holding 'latest') is a checkpoint folder too
-        (sealed / "model.safetensors", f"{sealed} is a checkpoint folder; consolidate never writes into one"),
-        (sealed / "exports" / "m.safetensors", f"{sealed} is a checkpoint folder; consolidate never writes into one"),
+        (sealed / "model.safetensors", f"is inside the checkpoint being read ({sealed})"),
+        (sealed / "exports" / "m.safetensors", f"is inside the checkpoint being read ({sealed})"),
     ]
     for target, why in targets:
         code, _, err = run_cli("consolidate", sealed, "-o", target, "--force")

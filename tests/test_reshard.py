@@ -107,7 +107,7 @@ def test_output_is_safe_loadable_with_manifest_and_latest(sources, tmp_path, run
 
 def test_refuses_to_overwrite_its_source_and_bad_world_size(sources, run_cli):
     code, _, err = run_cli("reshard", sources["fp32"], "--world-size", "3", "-o", sources["fp32"])
-    assert code == 2 and "would overwrite the checkpoint being read" in err
+    assert code == 2 and "holds the checkpoint being read" in err and "--tag NEW_TAG" not in err
     code, _, err = run_cli("reshard", sources["fp32"], "--world-size", "0", "-o", "/tmp/x")
     assert code == 2 and "--world-size 0: must be at least 1" in err
 
@@ -135,7 +135,7 @@ def test_a_different_model_is_named_before_any_tensor_is_touched(sources):
 def test_refuses_to_write_into_the_source_root_under_another_tag(sources, run_cli):
     before = (Path(sources["fp32"]) / "latest").read_text()
     code, _, err = run_cli("reshard", sources["fp32"], "--world-size", "3", "-o", sources["fp32"], "--tag", "ws3")
-    assert code == 2 and "is the folder of the checkpoint being read" in err and "'latest'" in err
+    assert code == 2 and "holds the checkpoint being read" in err and "'latest' would point at the new tag" in err
     assert (Path(sources["fp32"]) / "latest").read_text() == before and not (Path(sources["fp32"]) / "ws3").exists()
 
 

@@ -248,7 +248,7 @@ def test_output_folder_rules_and_atomicity(runs, tmp_path):
     src = base / "src" / "checkpoint-2"
     # -o the source itself, or a Trainer output_dir
     code, _, err = _cli("reshard", src, "--world-size", "3", "-o", src)
-    assert code == 2 and "is, holds or lies inside the checkpoint being read" in err
+    assert code == 2 and f"is the checkpoint being read ({src})" in err
     code, _, err = _cli("reshard", src, "--world-size", "3", "-o", base / "resumed")
     assert code == 2 and "is a Trainer output_dir" in err and str(base / "resumed" / "checkpoint-2") in err
     # a non-empty folder of other files is never replaced

@@ -252,8 +252,8 @@ def staging_dir(root: str | os.PathLike[str], tag: str) -> Path:
     """Where a save of ``tag`` is written before it is renamed into place (same on every rank)."""
     return Path(root) / f"{STAGING_PREFIX}{tag}"
 
-def publish_dir(staged: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
-    """fsync a fully written staging directory and rename it to ``final``.
+def publish_dir(staged: str | os.PathLike[str], final: str | os.PathLike[str], *, drop: tuple[str, ...] = ()) -> None:
+    """fsync a fully written staging directory and rename it to ``final`` (``drop``: as ``publish_tag``'s).
 
     When ``final`` already exists (the same tag saved twice) it is first renamed aside and removed
     after the new one is in place, so there is no moment without a complete directory on disk under
@@ -274,6 +274,7 @@ def publish_dir(staged: str | os.PathLike[str], final: str | os.PathLike[str]) -
             if old is not None:
                 _rename(old, final)  # the new folder could not be put in place: the old one goes back
             raise
+        _drop(final, drop)
         note_published(final)
         fsync_dir(final.parent)
         if old is not None:
@@ -292,8 +293,11 @@ def _link_copy(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, copy_function=link)
     fsync_tree(dst)
 
-def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], tag: str) -> Path:
+def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], tag: str, *,
+                drop: tuple[str, ...] = ()) -> Path:
     """Rename the fully written ``staged`` directory to ``root/<tag>`` and point ``latest`` at it.
+    ``drop``: names removed from the folder right after its rename (the claim's owner file, which
+    stays until then so that no run ever sees a live staging folder without it).
 
     Saving a tag that already exists never leaves ``latest`` naming a missing folder, nor the only
     good copy under a staging name: the old copy is first duplicated (hard links) under the
@@ -323,6 +327,7 @@ def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], ta
                 trash = root / f"{STAGING_PREFIX}old-{tag}-{uuid.uuid4().hex[:8]}"
                 _rename(final, trash)
             _rename(staged, final)
+            _drop(final, drop)
             fsync_dir(root)
             write_latest(root, tag)
             note_published(final)
@@ -335,6 +340,14 @@ def publish_tag(root: str | os.PathLike[str], staged: str | os.PathLike[str], ta
                 shutil.rmtree(kept, ignore_errors=True)
         raise
     return final
+
+def _drop(folder: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            (folder / name).unlink()
+    if names:
+        fsync_dir(folder)
+
 
 def remove_stale_saves(root: str | os.PathLike[str], *, keep: str | None = None,
                        is_live: Callable[[Path], bool] | None = None) -> list[str]:

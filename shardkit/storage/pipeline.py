@@ -1,7 +1,7 @@
 """The steps every checkpoint operation shares, in the order it runs them: verify the source before
 anything is unpickled (``verify_before_reading``), choose the output's tag and refuse an output
 folder where writing would destroy something (``output_tag``, ``source_tag_as_new_tag``,
-``check_output_root``), size the writer pool (``default_workers``); staging and sealing the output
+``check_output_root``; ``refuse_output_in_checkpoint``, the check every command's output runs), size the writer pool (``default_workers``); staging and sealing the output
 is ``staged_save.atomic_checkpoint``. Reshard, convert and consolidate (and the coming export) call these instead
 of borrowing them from one another. Which tag folder a source path designates is the format's
 question (``zero3.files.resolve_tag_dir``); what a tag may be is ``tags``'.
@@ -125,32 +125,72 @@ def output_tag(tag: str | None, checkpoint: str | Path, source_dir: Path, source
     return check_tag(tag) if tag is not None else source_tag_as_new_tag(checkpoint, source_dir, source_tag)
 
 
+#: Names that make a folder a checkpoint's own, whatever wrote it: shardkit's manifest, the pointers beside
+#: DeepSpeed's tags (``latest``, ds_to_universal's ``latest_universal``), DeepSpeed's rank-0 model files and
+#: DCP's ``.metadata``. Listed here, below every format, so every command's output check shares them.
+CHECKPOINT_MARKERS = (MANIFEST_NAME, LATEST_NAME, "latest_universal", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                      "mp_rank_00_model_states.pt", ".metadata")
+
+
+def _is_checkpoint_folder(folder: Path) -> bool:
+    return folder.name.startswith(STAGING_PREFIX) or any(os.path.lexists(folder / m) for m in CHECKPOINT_MARKERS)
+
+
+def _free_sibling(folder: Path, suffix: str) -> Path:
+    """``folder``'s sibling named ``<name><suffix>`` (``<name>_2<suffix>``... when taken): the -o a refusal advises."""
+    for n in range(1, 100):
+        candidate = folder.parent / f"{folder.name}{'' if n == 1 else f'_{n}'}{suffix}"
+        if not os.path.lexists(candidate):
+            break
+    return candidate
+
+
+def refuse_output_in_checkpoint(output: Path, sources: list[Path], *, writes: str, suffix: str) -> None:
+    """Refuse ``-o output`` (the folder or file a command creates or replaces) when it is, holds or lies inside
+    the checkpoint being read (``sources``: the folders read, a DeepSpeed tag folder's root included where it
+    holds ``latest``), or lies inside any other checkpoint folder (``CHECKPOINT_MARKERS``, a staging folder).
+    Every command that writes from a checkpoint (reshard, convert, consolidate, export) runs this one check
+    before anything is written: written next to ``latest``, an output becomes part of a root whose next save's
+    clean-up, ``latest`` and loaders treat what is there as theirs, and a resume or verify of the source then
+    meets files it never saved. The UsageError names the folder, and advises a free sibling of the outermost
+    checkpoint folder (``<name><suffix>``), where following the advice works. ``writes``: what the command writes,
+    in words ("the resharded checkpoint")."""
+    real = Path(os.path.realpath(output))
+    srcs = [Path(os.path.realpath(s)) for s in sources]
+    roots = srcs + [s.parent for s in srcs if _is_checkpoint_folder(s.parent)]
+    held = next((s for s in srcs if s == real or s.is_relative_to(real)), None)
+    above = [f for f in real.parents if f in roots or _is_checkpoint_folder(f)]
+    if held is None and not above:
+        return
+    outer = above[-1] if above else real  # parents run from the nearest to /: the last is the outermost
+    fix = f"Nothing was written. Write {writes} to another folder, e.g. -o {_free_sibling(outer, suffix)}"
+    if held is not None:
+        pointer = (f": its '{LATEST_NAME}' would point at the new tag, and the source run could no longer resume from "
+                   f"{held.name!r}") if held.parent == real and os.path.lexists(real / LATEST_NAME) else ""
+        raise UsageError(f"-o {output}: {'is' if held == real else 'holds'} the checkpoint being read ({held})"
+                         f"{pointer}. {fix}")
+    if outer in roots:
+        raise UsageError(f"-o {output}: {real} is inside the checkpoint being read ({outer}); written there it would "
+                         f"sit beside the source's own files, which its '{LATEST_NAME}', its next save and its "
+                         f"loaders treat as theirs. {fix}")
+    raise UsageError(f"-o {output}: {outer} is a checkpoint folder; shardkit never writes into one (its "
+                     f"'{LATEST_NAME}', its next save and its loaders treat what is there as theirs). {fix}")
+
+
 def check_output_root(root: Path, tag: str, source_dir: Path, *, force: bool = False) -> None:
     """Refuse an output folder where writing ``<tag>/`` and ``latest`` would destroy something.
 
     Accepted: a path that does not exist, an empty folder, or a shardkit checkpoint folder (one
-    holding at least one tag folder with a manifest). Refused: the source checkpoint's own folder
-    or anything inside it; a non-empty folder of other files (the save sequence removes leftovers
+    holding at least one tag folder with a manifest). Refused: what ``refuse_output_in_checkpoint``
+    refuses (the source, its root, a folder holding it or inside any checkpoint folder); a non-empty
+    folder of other files (the save sequence removes leftovers
     of interrupted saves there and points ``latest`` at the new tag); a ``<tag>`` or ``latest``
     that is not a shardkit checkpoint / a regular file; an existing ``<tag>`` checkpoint unless
     ``force``.
     """
 
-    src, src_root = source_dir.resolve(), source_dir.parent.resolve()
+    refuse_output_in_checkpoint(root, [source_dir], writes="the new checkpoint", suffix="_new")
     final = root / tag
-    if final.resolve() == src:
-        raise UsageError(
-            f"-o {root} with tag {tag!r} would overwrite the checkpoint being read ({source_dir}); "
-            "write to another folder or pass --tag NEW_TAG"
-        )
-    if root.resolve() == src_root:
-        raise UsageError(
-            f"-o {root} is the folder of the checkpoint being read: the resharded copy would move its 'latest' "
-            f"pointer away from {source_dir.name!r} and the source run could no longer resume from it. Write to "
-            f"another folder, e.g. -o {root.resolve().name}_resharded/"
-        )
-    if root.resolve().is_relative_to(src):
-        raise UsageError(f"-o {root} is inside the checkpoint being read ({source_dir}); write to another folder")
     if not root.exists() and not root.is_symlink():
         return
     if not root.is_dir():

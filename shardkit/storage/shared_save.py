@@ -8,9 +8,11 @@ anyway), so ``shardkit reshard`` under ``srun``/``torchrun`` needs neither torch
 rendezvous port. The files, all inside ``root/.shardkit-tmp-<tag>/``:
 
 - ``.shardkit-owner.json``: the claim (job id, host, pid, and what the run was asked to do:
-  ``io.request``), made by process 0 with an exclusive ``mkdir``; another run finds it and refuses
-  while the owner is alive, or removes it when the owner is gone (same host: its pid no longer
-  exists; another host: no heartbeat for ``SHARDKIT_STALE_S``).
+  ``io.request``), made by process 0: the folder is built with it under a private name and renamed
+  to the staging name, and it stays until the folder is renamed into place, so no run ever sees a
+  live staging folder without it; another run finds it and refuses while the owner is alive, or
+  removes it when the owner is gone (same host: its pid no longer exists; another host: no
+  heartbeat for ``SHARDKIT_STALE_S``), and removes a folder with files but no owner file at once.
 - ``.shardkit-joined-<rank>.json``, ``.shardkit-verdict.json``: the first contact, where the
   processes agree on the request before anything is written (``io.shared_meet``).
 - ``.shardkit-alive-<rank>``: touched every ``HEARTBEAT_S`` by each process while it writes.
@@ -18,18 +20,21 @@ rendezvous port. The files, all inside ``root/.shardkit-tmp-<tag>/``:
   the error that stopped it. Process 0 waits for every part; a process that never joins, stops
   its heartbeat or reports an error fails the run, named, and the staging folder is removed.
 
-These bookkeeping files are removed before the folder is published.
+These bookkeeping files are removed before the folder is published, the owner file right after.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -45,8 +50,12 @@ from shardkit.storage.tags import LATEST_NAME
 OWNER_NAME = ".shardkit-owner.json"
 _PART = ".shardkit-part-{rank}.json"
 _ALIVE = ".shardkit-alive-{rank}"
-#: A staging folder younger than this without an owner file is a claim under way, not a leftover.
+#: An *empty* staging folder younger than this without an owner file may be an older release's claim
+#: under way (it made the folder, then the owner file); one holding files, or older, is a leftover.
 CLAIM_GRACE_S = 30.0
+#: ``<staging name>.claim-<pid>@<host>-<nonce>``: a claim being made (``_claim_folder``), judged by its
+#: name until its owner file is written
+_PRIVATE_CLAIM = re.compile(r"\.claim-(\d+)@(.+)-[0-9a-f]{8}$")
 #: Seconds between heartbeats of a writing process.
 HEARTBEAT_S = 5.0
 
@@ -170,8 +179,9 @@ def owner_alive(staged: Path, grace: float = 0.0) -> tuple[bool, str]:
     """Whether the run that made ``staged`` may still be writing into it, and who that is.
 
     A folder without an owner file is a killed save's leftover (older shardkit saves wrote none),
-    unless one appears within ``grace`` seconds: a claim writes it right after its ``mkdir``, so a
-    writer racing for the same tag waits that long before judging.
+    unless one appears within ``grace`` seconds (an older release's claim wrote it right after its
+    ``mkdir``; this release's claim appears with it), or it is a claim being made under its private
+    name (``_claim_folder``), judged by the pid that name carries.
     """
     owner = read_json(staged / OWNER_NAME)
     deadline = time.monotonic() + grace
@@ -180,6 +190,11 @@ def owner_alive(staged: Path, grace: float = 0.0) -> tuple[bool, str]:
         owner = read_json(staged / OWNER_NAME)
     newest = min(_age(staged), _age(staged / OWNER_NAME))
     if owner is None:
+        private = _PRIVATE_CLAIM.search(staged.name)
+        if private is not None:  # a claim being made, before its owner file: its name says whose
+            pid, host = int(private.group(1)), private.group(2)
+            who = f"a claim being made by pid {pid} on host {host!r}"
+            return (_pid_alive(pid) if host == socket.gethostname() else _age(staged) < stale_s()), who
         return False, f"a killed save (no {OWNER_NAME})"
     who = f"job {owner.get('job')!r}, pid {owner.get('pid')} on host {owner.get('host')!r}"
     if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
@@ -206,26 +221,18 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True, request: 
                         "request_digest": request_digest})
     for _ in range(3):
         try:
-            # the folder and its owner file come into being together as far as an interrupt can
-            # tell (Ctrl-C / SIGTERM are held for these two file operations): whatever stops this
-            # run afterwards finds its claim by the owner file and removes it (remove_own_claim)
-            with _interrupts_held():
-                try:
-                    staged.mkdir()
-                    made = True
-                except FileExistsError:
-                    made = False
-                if made:
-                    try:
-                        atomic_write_text(staged / OWNER_NAME, owner)
-                    except BaseException:
-                        shutil.rmtree(staged, ignore_errors=True)
-                        raise
+            # the folder appears under the staging name with its owner file already in it (made under a
+            # private name, then renamed), and a Ctrl-C or SIGTERM waits for the step: whatever stops this
+            # run afterwards finds its claim by the owner file and removes it (remove_own_claim), and no
+            # run ever sees a live claim without one. A mask on the main thread held nothing back here:
+            # the kernel hands a process's SIGINT to a thread that does not block it (the progress
+            # thread), and the main thread then raised between the mkdir and the owner file, leaving an
+            # empty staging folder that the next run took for a claim under way
+            with signals_deferred():
+                made = _claim_folder(staged, owner)
             if not made:
                 alive, who = owner_alive(staged, grace=1.0)
-                if not alive and not (staged / OWNER_NAME).exists() and _age(staged) < CLAIM_GRACE_S:
-                    # made a moment ago, its owner file not written yet (a claimer paused between the
-                    # two on a loaded machine, or an older release): another claim, not a leftover
+                if not alive and _claim_under_way(staged):
                     alive, who = True, f"a run claiming it right now ({OWNER_NAME} not written yet)"
                 if alive:
                     raise CheckpointError(
@@ -244,29 +251,56 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True, request: 
     raise CheckpointError(f"{staged}: could not be claimed (it kept coming back); is another run writing {root / tag}?")
 
 
+def _claim_folder(staged: Path, owner: str) -> bool:
+    """Make ``staged`` holding the owner file ``owner`` from its first moment; False if it exists.
+
+    Built under a private name beside it (``<staging name>.claim-<pid>@<host>-<nonce>``: a sweep
+    tells a live one from a killed one's by that pid, ``owner_alive``), then renamed. ``rename`` puts a folder
+    over an *empty* one, so the name is looked up first; the one folder it could still replace is
+    an older release's claim in the instant between its ``mkdir`` and its owner file."""
+    if os.path.lexists(staged):
+        return False
+    private = staged.with_name(f"{staged.name}.claim-{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    private.mkdir()
+    try:
+        atomic_write_text(private / OWNER_NAME, owner)
+        try:
+            os.rename(private, staged)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another claim won the name meanwhile
+                shutil.rmtree(private, ignore_errors=True)
+                return False
+            raise
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+    return True
+
+
+def _claim_under_way(staged: Path) -> bool:
+    """Whether ``staged``, which has no owner file, may still be a claim being made.
+
+    Never by this release: its claims appear with their owner file (``_claim_folder``) and keep it
+    until the folder is renamed into place (``seal``, ``staged_save``), so a folder without one has
+    no live owner. An older release made the folder first and wrote the owner file right after,
+    before any content; for such a claim paused between the two on a loaded machine, an *empty*
+    folder younger than ``CLAIM_GRACE_S`` is left alone. A folder holding anything (a rank file a
+    killed run wrote) is a leftover at any age: it was refused for ``CLAIM_GRACE_S`` before."""
+    try:
+        with os.scandir(staged) as entries:
+            if any(True for _ in entries):
+                return False
+    except OSError:
+        return False
+    return _age(staged) < CLAIM_GRACE_S
+
+
 def remove_own_claim(staged: Path, launch: Launch) -> None:
     """Remove the staging folder ``staged`` if this run claimed it (its owner file names this job):
     the clean-up after any failure or interrupt, which need not know how far the claim got."""
     owner = read_json(staged / OWNER_NAME)
     if owner is not None and owner.get("job") == launch.job and owner.get("pid") == os.getpid():
         shutil.rmtree(staged, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """SIGINT and SIGTERM held back by the OS for the body (a few file operations that must not be
-    split), then delivered: Python runs its handlers in the main thread only, so elsewhere this
-    holds nothing back and needs not to."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 # --- heartbeats and parts --------------------------------------------------------------------------
@@ -291,7 +325,7 @@ def heartbeat(staged: Path, rank: int, *, alive_file: bool = True) -> Iterator[N
                     if p == own:
                         p.write_text("%d %d\n" % progress.counts())
                     else:
-                        p.touch()
+                        os.utime(p)  # not touch(): an owner file removed meanwhile is not made again, empty
             if stop.wait(interval):
                 return
 
@@ -306,7 +340,8 @@ def heartbeat(staged: Path, rank: int, *, alive_file: bool = True) -> Iterator[N
     finally:
         stop.set()
         if thread.ident is not None:  # started
-            thread.join()
+            with signals_deferred():  # a second Ctrl-C must not leave it writing while the folder is removed
+                thread.join()
         if own is not None and rank != 0:
             with contextlib.suppress(OSError):
                 own.write_text("%d %d\n" % progress.counts())  # the final count, for rank 0's closing line
@@ -369,13 +404,14 @@ def gather_parts(staged: Path, launch: Launch, started: float) -> list[FileEntry
 
 def seal(staged: Path, root: Path, tag: str, manifest: Manifest | None) -> Path:
     """Process 0: remove the bookkeeping files, write the manifest (the completion marker) and
-    publish the tag (rename into place, ``latest`` last)."""
+    publish the tag (rename into place, ``latest`` last); the owner file is removed once renamed."""
     for p in staged.iterdir():
-        if p.name == OWNER_NAME or p.name.startswith(_BOOKKEEPING):
+        if p.name.startswith(_BOOKKEEPING):
             p.unlink()
     if manifest is not None:
         write_manifest(staged, manifest)
-    return publish_tag(root, staged, tag)
+    # the owner file goes last, from the published folder: a staging folder without one is never live
+    return publish_tag(root, staged, tag, drop=(OWNER_NAME,))
 
 
 def outcome_unchanged(root: Path) -> str:

@@ -136,10 +136,7 @@ def _write_and_publish(save: StagedSave, staged: Path, root: Path, tag: str, *, 
                               "'latest' are unchanged")
     known = {e.path: e for e in save.known_files}
     files = describe_files_distributed(staged, exclude={*known, OWNER_NAME}) if manifest else []
-    barrier()  # every rank has listed the folder: the claim can go
-    if rank == 0:
-        with contextlib.suppress(FileNotFoundError):
-            (staged / OWNER_NAME).unlink()
+    barrier()  # every rank has listed the folder
     if rank == 0 and manifest:
         fields = dict(save.facts)
         fields.setdefault("world_size", world)
@@ -156,7 +153,8 @@ def _write_and_publish(save: StagedSave, staged: Path, root: Path, tag: str, *, 
                    f"Fix permissions or free space in {root} and save again")
     if rank == 0 and err is None:
         try:
-            publish_tag(root, staged, tag)
+            # the owner file goes once the folder is renamed: a staging folder without one is never live
+            publish_tag(root, staged, tag, drop=(OWNER_NAME,))
             save.published = True
         except (OSError, CheckpointError) as exc:
             err = (f"{root / tag}: the save was written but could not be completed on rank 0 ({_one_line(exc)}); "

@@ -26,7 +26,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Sequence, TypeVar
 
-from shardkit.storage.atomic import disk_full_named, fsync_file
+from shardkit.core.files import open_regular, regular_fd
+from shardkit.storage.atomic import disk_full_named, fsync_file, signals_deferred
 from shardkit.storage.digest import Hasher, new_hasher
 from shardkit.storage.torch_pickle import StubPickler
 from shardkit.storage.torch_zip import (
@@ -203,8 +204,7 @@ def write_parallel(jobs: Sequence[tuple[Path, Callable[[Path], _T]]], workers: i
     An interrupt (Ctrl-C, or SIGTERM turned into an exception by the command) stops them the same
     way. ``workers=1`` writes in this thread.
     """
-    import threading
-    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+    from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
     cancel = threading.Event()
 
@@ -234,16 +234,24 @@ def write_parallel(jobs: Sequence[tuple[Path, Callable[[Path], _T]]], workers: i
 
     if workers <= 1 or len(jobs) <= 1:
         return [run(path, write) for path, write in jobs]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name) as pool:
-        futures = [pool.submit(run, path, write) for path, write in jobs]
-        try:
-            wait(futures, return_when=FIRST_EXCEPTION)
-        finally:
-            if any(f.done() and not f.cancelled() and f.exception() is not None for f in futures) or \
-                    not all(f.done() for f in futures):
-                cancel.set()
-            for f in futures:
-                f.cancel()  # the queued ones; the running ones stop at their next buffer
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name)
+    futures: list[Future[_T]] = []
+    try:
+        # submitted with Ctrl-C/SIGTERM held: submit starts a thread and waits for it to run, and an
+        # interrupt landing in that wait left a thread the pool never joins (not yet recorded), running
+        # the queued jobs, uncancelled, after the caller had removed the staging folder: a whole rank file
+        # in a staging folder without its owner file
+        with signals_deferred():
+            futures = [pool.submit(run, path, write) for path, write in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:
+        if any(f.done() and not f.cancelled() and f.exception() is not None for f in futures) or \
+                not all(f.done() for f in futures):
+            cancel.set()
+        for f in futures:
+            f.cancel()  # the queued ones; the running ones stop at their next buffer
+        with signals_deferred():  # a second Ctrl-C must not leave a writer running past the caller's clean-up
+            pool.shutdown(wait=True)
     failures = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
     # the first real failure, not the WriteCancelled of the files it stopped
     real = [e for e in failures if not isinstance(e, WriteCancelled)]
@@ -253,22 +261,25 @@ def write_parallel(jobs: Sequence[tuple[Path, Callable[[Path], _T]]], workers: i
 
 
 def copy_file_hashed(src: str | Path, dst: str | Path, *, chunk_bytes: int = CHUNK_BYTES,
-                     algorithm: str | None = None) -> WrittenFile:
+                     algorithm: str | None = None, planned: bool = False) -> WrittenFile:
     """Copy ``src`` to a new file ``dst`` through one buffer, hashing the bytes as they are written
     (``algorithm``: the source manifest's, so the copy's digest is also the check of the source).
+
+    ``planned``: the operation counted this file's size in its ``progress.expect`` (a reshard's copied
+    rank file); otherwise (a carried file beside the checkpoint) its bytes grow the progress total.
 
     A copy, never a link: the source's owner may rewrite it in place later (``torch.save`` truncates
     and rewrites an existing file), which must not change the copy its manifest describes.
     """
     buf = memoryview(bytearray(chunk_bytes))
-    with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as raw:
+    with open_regular(src, buffering=0) as fin, open(dst, "xb", buffering=0) as raw:
         out = HashingWriter(raw, algorithm)
         while True:
             check_cancelled()
             n = fin.readinto(buf)
             if not n:
                 break
-            out.write(buf[:n])
+            out.write(buf[:n], planned=planned)
         return out.written()
 
 
@@ -284,7 +295,7 @@ class _Cursor:
     def read_to(self, end: int | None) -> None:
         """Hash the file from ``pos`` up to ``end`` (None: its end), read here through one buffer."""
         if self.fd is None:
-            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self.fd = regular_fd(self.path)
             self.buf = memoryview(bytearray(CHUNK_BYTES))
         assert self.buf is not None
         while end is None or self.pos < end:

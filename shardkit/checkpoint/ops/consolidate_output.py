@@ -12,7 +12,8 @@ from pathlib import Path
 
 from shardkit.core.errors import UsageError
 from shardkit.core.files import file_kind
-from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX
+from shardkit.storage.pipeline import refuse_output_in_checkpoint
+from shardkit.storage.tags import LATEST_NAME
 
 
 @dataclass
@@ -42,12 +43,6 @@ class ConsolidateResult:
     launcher: str = "single process"
 
 
-#: Files whose presence makes a folder a checkpoint (tag) folder: shardkit's completion marker and
-#: the rank-0 files DeepSpeed writes. Nothing is ever written inside such a folder.
-_CHECKPOINT_MARKERS = ("shardkit_manifest.json", "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                       "mp_rank_00_model_states.pt")
-
-
 def check_output_file(output: Path, source_dir: Path, *, force: bool = False) -> Path:
     """The path ``consolidate`` may write for ``-o output``, or a UsageError saying why not.
 
@@ -62,19 +57,11 @@ def check_output_file(output: Path, source_dir: Path, *, force: bool = False) ->
     out = output / "model.safetensors" if output.is_dir() else output
     real = Path(os.path.realpath(out))
     src = source_dir.resolve()
-    if real == src or real.is_relative_to(src):
-        raise UsageError(f"-o {output}: {real} is inside the checkpoint being read ({source_dir}); writing there "
-                         "would change the checkpoint. Write the weights to another folder")
     if real.name == LATEST_NAME and (real.parent == src.parent or (real.parent / LATEST_NAME).is_file()):
         raise UsageError(f"-o {output}: {real} is a checkpoint's '{LATEST_NAME}' pointer; replacing it would "
                          "break resuming from that folder. Choose another file name")
-    for folder in real.parents:
-        # a root (the folder holding 'latest') is a checkpoint folder too: its next save's cleanup
-        # and DeepSpeed's loaders treat whatever is in it as theirs
-        if (folder.name.startswith(STAGING_PREFIX) or any((folder / m).exists() for m in _CHECKPOINT_MARKERS)
-                or os.path.lexists(folder / LATEST_NAME)):
-            raise UsageError(f"-o {output}: {folder} is a checkpoint folder; consolidate never writes into one. "
-                             "Write the weights to another folder")
+    # the source, its root, a folder holding it or any checkpoint folder: the check every command's output runs
+    refuse_output_in_checkpoint(out, [source_dir], writes="the weights", suffix=".safetensors")
     if not os.path.lexists(out):
         return out
     try:

@@ -31,6 +31,7 @@ from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.atomic import os_errors_named, publish_dir, signals_deferred
 from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.manifest import MANIFEST_NAME
+from shardkit.storage.pipeline import refuse_output_in_checkpoint
 from shardkit.storage.shared_save import launch_from_env
 from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
 from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, read_latest
@@ -65,10 +66,7 @@ def check_output_folder(output: Path, source: Path, *, force: bool) -> None:
     """Refuse an ``-o`` whose replacement would destroy something: the source (or a folder holding
     or inside it), a file, a Trainer output_dir, any non-empty folder that is not a Trainer
     checkpoint shardkit wrote (those are replaced only with ``force``)."""
-    out, src = output.resolve(), source.resolve()
-    if out == src or out.is_relative_to(src) or src.is_relative_to(out):
-        raise UsageError(f"-o {output}: is, holds or lies inside the checkpoint being read ({source}); write the "
-                         f"resharded checkpoint to another folder, e.g. -o {source.parent}_ws_new/{source.name}")
+    refuse_output_in_checkpoint(output, [source], writes="the resharded checkpoint", suffix="_resharded")
     if not output.exists() and not output.is_symlink():
         return
     if output.is_symlink() or not output.is_dir():

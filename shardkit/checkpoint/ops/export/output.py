@@ -16,6 +16,7 @@ from typing import Any
 
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.manifest import MANIFEST_NAME, read_manifest, seal
+from shardkit.storage.pipeline import refuse_output_in_checkpoint
 from shardkit.storage.tags import tag_problem
 
 #: ``extra["kind"]`` of an export's manifest: what makes a folder one shardkit may replace.
@@ -33,12 +34,7 @@ def _is_export(folder: Path) -> bool:
 
 def check_output_dir(output: Path, sources: list[Path], *, force: bool) -> None:
     """Refuse ``-o output`` when writing it would destroy something (see the module doc)."""
-    out = output.resolve()
-    for src in sources:
-        s = src.resolve()
-        if out == s or out.is_relative_to(s) or s.is_relative_to(out):
-            raise UsageError(f"-o {output}: is, holds or lies inside the checkpoint being read ({src}); export to "
-                             "another folder")
+    refuse_output_in_checkpoint(output, sources, writes="the model folder", suffix="_hf")
     if not output.exists() and not output.is_symlink():
         return
     if output.is_symlink() or not output.is_dir():
