@@ -82,7 +82,7 @@ def test_file_nothing_models_is_copied_and_named(accelerate_save, tmp_path, run_
     (src / "pytorch_model" / "README").write_text("saved by hand")
     (src / "elsewhere").symlink_to(tmp_path)
     out = tmp_path / "out"
-    code, stdout, err = run_cli("reshard", src, "--world-size", 2, "-o", out)
+    code, stdout, err = run_cli("reshard", src, "--world-size", 3, "-o", out)
     assert code == 0, err
     assert "run_notes.txt" in stdout.split("copied unchanged: ")[1].splitlines()[0]
     assert (out / "run_notes.txt").read_text() == "lr sweep 3"
@@ -90,8 +90,11 @@ def test_file_nothing_models_is_copied_and_named(accelerate_save, tmp_path, run_
     assert "not carried: pytorch_model/README (in the tag folder but not a DeepSpeed rank file" in stdout
     assert "not carried: elsewhere (a link or special file: never followed)" in stdout
     assert not (out / "extras").exists() and not (out / "elsewhere").exists()
-    # same world size: both ranks keep their own RNG file
+    # ranks 0 and 1 keep their own RNG file; rank 2 gets none (another rank's would repeat its draws), said so
     assert (out / "random_states_1.pkl").read_bytes() == (src / "random_states_1.pkl").read_bytes()
+    assert not (out / "random_states_2.pkl").exists()
+    assert ("note: no RNG state for rank(s) 2: they did not exist in the saved run. Accelerate's load_state logs "
+            "\"Could not load random states\"") in stdout
 
 
 def test_root_with_several_tags_names_the_others(accelerate_save, tmp_path, run_cli):
@@ -109,6 +112,10 @@ def test_root_with_several_tags_names_the_others(accelerate_save, tmp_path, run_
     code, stdout, err = run_cli("reshard", src / "pytorch_model_old", "--world-size", 1, "-o", tmp_path / "old")
     assert code == 0, err
     assert (tmp_path / "old" / "pytorch_model_old").is_dir()
+    assert not (tmp_path / "old" / "random_states_0.pkl").exists()  # saved with the tag 'latest' names
+    assert (f"note: {src / 'pytorch_model_old'} is a tag folder of {src}, which holds custom_checkpoint_0.pkl, "
+            "random_states_0.pkl, random_states_1.pkl, scheduler.bin") in stdout
+    assert "they belong to the save 'latest' names (pytorch_model)" in stdout
 
     code, stdout, err = run_cli("convert", src, "--to", "fsdp2", "-o", tmp_path / "dcp", "--json")
     assert code == 0, err

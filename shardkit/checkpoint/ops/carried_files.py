@@ -192,3 +192,23 @@ def root_files_not_converted(source: Path) -> tuple[list[str], str | None]:
         lines.append(f"{name}{'/' if folder else ''} (no slot for it in the converted checkpoint, which holds model "
                      f"and optimizer state; it stays in {source})")
     return lines, other_tags_note(source, tag, others)
+
+
+def root_left_note(tag_dir: Path) -> str | None:
+    """When the checkpoint given is a tag folder inside a DeepSpeed root with files beside its tags (Accelerate's
+    ``random_states_0.pkl`` ...): what is left there and how to carry it. None when there is nothing such."""
+    from shardkit.storage.tags import read_latest
+
+    root = tag_dir.parent
+    if not (root / LATEST_NAME).is_file():
+        return None
+    listing = list_folder(root)
+    names = sorted(n for n in listing.files if n not in listing.links and n != LATEST_NAME and not n.startswith("."))
+    if not names:
+        return None
+    shown = ", ".join(names[:6] + (["..."] if len(names) > 6 else []))
+    latest = read_latest(root)
+    how = (f"pass {root} to carry them (RNG files by rank)" if latest == tag_dir.name
+           else f"they belong to the save '{LATEST_NAME}' names ({latest}), not necessarily to {tag_dir.name}")
+    return (f"{tag_dir} is a tag folder of {root}, which holds {shown} beside its tags: not carried, since the "
+            f"checkpoint given is the tag folder; {how}")

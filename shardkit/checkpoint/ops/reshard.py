@@ -49,6 +49,7 @@ from shardkit.checkpoint.ops.carried_files import (
     copy_root_files,
     plan_root_files,
     remove_created,
+    root_left_note,
     tag_files_not_carried,
 )
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
@@ -75,6 +76,7 @@ from shardkit.storage.request import RunRequest, source_of
 from shardkit.storage.shared_save import Launch, launch_from_env, outcome_unchanged, split_by_bytes
 from shardkit.storage.shared_tag import Activity, signatures, write_tag_shared
 from shardkit.storage.stream import WrittenFile, copy_file_hashed, write_parallel
+from shardkit.storage.tags import LATEST_NAME
 from shardkit.storage.torch_load import read_structure
 from shardkit.storage.torch_zip import RecordData, write_torch_zip
 
@@ -169,11 +171,16 @@ def reshard_zero3(
     root = Path(output)
     root_files: RootFiles | None = None
     tag_not_carried: list[str] = []
+    root_notes: list[str] = []
+    given = Path(checkpoint).parent if Path(checkpoint).name == LATEST_NAME else Path(checkpoint)
     if launch.rank == 0:
-        if carry_root and source_dir.parent == Path(checkpoint) and source_dir != Path(checkpoint):
-            root_files = plan_root_files(Path(checkpoint), source_tag, world_size)
+        if carry_root and source_dir.parent == given and source_dir != given:
+            root_files = plan_root_files(given, source_tag, world_size)
+            root_notes = root_files.notes(world_size)
         elif carry_root:
             tag_not_carried = tag_files_not_carried(source_dir)
+            left = root_left_note(source_dir)  # the root's files are not this source's, yet a resume may read them
+            root_notes = [left] if left else []
     if launch.rank == 0:
         # the others write into the staging folder rank 0 claims after this check (by the time
         # they run it, that folder may already be in ``root``)
@@ -265,7 +272,7 @@ def reshard_zero3(
         files=[final / j.name for j in jobs],
         bytes=sum(e.size for e in entries) if launch.rank == 0 else 0,
         manifest=final / MANIFEST_NAME if manifest else None,
-        notes=[*ckpt.notes, *(root_files.notes(world_size) if root_files is not None else [])],
+        notes=[*ckpt.notes, *root_notes],
         verified=verified,
         copied_unchanged=unchanged,
         rank=launch.rank,
