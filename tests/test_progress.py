@@ -133,3 +133,101 @@ def test_the_heartbeat_carries_the_counts_to_rank_0(tmp_path):
         with heartbeat(tmp_path, 0):
             assert meter.job()[:2] == (1400, 2000)
         assert meter.job()[:2] == (1400, 2000)  # what the peers last said is kept once the heartbeat ends
+
+
+# --- the contract: binary units, done never past the total, the time taken at the end -------------------
+
+def test_bytes_no_plan_counted_grow_the_total_with_the_bytes_done():
+    clock = _Clock()
+    meter = progress.ByteProgress("shardkit reshard", clock=clock)
+    meter.expect(3 * 2**20)  # the tensor data a writer planned
+    meter.advance(3 * 2**20)
+    meter.grow(2**19)  # headers and pickles around it, counted as they are written
+    clock.now += 2.0
+    assert meter.line() == "shardkit reshard: 3.5 MiB of 3.5 MiB (100%), 1.8 MiB/s, 0 s left"
+    meter.outcome = "done"
+    assert meter.line() == "shardkit reshard: 3.5 MiB of 3.5 MiB (100%), 1.8 MiB/s (done after 2 s)"
+
+
+def test_a_torch_zip_counts_its_storages_as_planned_and_the_rest_as_grown(tmp_path):
+    from shardkit.storage.torch_zip import write_torch_zip
+
+    data = bytes(range(256)) * 1000
+    with progress.reporting("x", quiet=True) as meter:
+        progress.expect(len(data))
+        write_torch_zip(tmp_path / "f.pt", b"not a real pickle", [("0", data)])
+    size = (tmp_path / "f.pt").stat().st_size
+    assert meter.job()[:2] == (size, size) and size > len(data)
+
+
+def _closing(err: str, label: str) -> str:
+    return [ln for ln in err.splitlines() if ln.startswith(f"{label}: ")][-1]
+
+
+def _done_and_total(line: str) -> tuple[float, float]:
+    import re
+
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    m = re.match(r"[^:]+: ([\d.]+) (\w+) of ([\d.]+) (\w+) \(", line)
+    assert m, line
+    return float(m.group(1)) * units[m.group(2)], float(m.group(3)) * units[m.group(4)]
+
+
+def test_every_route_ends_at_its_total_in_binary_units(run_cli, tmp_path):
+    # reshard to the same world size copies the rank files and carries zero_to_fp32.py beside them; to
+    # another it writes new ones; convert writes DCP files, its small file and .metadata. Each once
+    # ended past its total ("1.8 MiB of 1.7 MiB"): the carried files, zip headers, pickles and the small
+    # file were counted as done and never expected
+    from tests import _ranks_zero3 as R
+
+    source = R.build_sources(tmp_path.parent.parent / "zero3")["fp32"]
+    runs = [("shardkit reshard", ("reshard", source, "--world-size", "2", "-o", tmp_path / "same")),
+            ("shardkit reshard", ("reshard", source, "--world-size", "3", "-o", tmp_path / "ws3")),
+            ("shardkit convert", ("convert", source, "--to", "fsdp2", "-o", tmp_path / "dcp"))]
+    for label, argv in runs:
+        code, out, err = run_cli(*argv)
+        assert code == 0, err
+        line = _closing(err, label)
+        done, total = _done_and_total(line)
+        assert done == total, line
+        assert "MiB/s (done after" in line or "KiB/s (done after" in line, line
+        assert " left" not in line and "MB/s" not in line, line
+
+
+def test_on_a_terminal_the_bar_speaks_binary_units_and_ends_with_the_time_taken():
+    import os
+    import pty
+    import re
+
+    master, replica = pty.openpty()
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    term = os.fdopen(replica, "w", buffering=1)
+    try:
+        assert term.isatty()
+        with progress.reporting("shardkit reshard", stream=term):  # live: the stream is a terminal
+            progress.expect(3 * 2**20)
+            for _ in range(6):
+                progress.advance(2**19)
+                time.sleep(0.25)
+        time.sleep(0.3)
+    finally:
+        term.close()
+        reader.join(timeout=5)
+        os.close(master)
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    last = [ln for ln in re.split(r"[\r\n]+", screen) if "shardkit reshard" in ln][-1]
+    assert "3.0 MiB of 3.0 MiB (100%)" in last and "MiB/s (done after" in last, last
+    assert "MB/s" not in screen and "0:00:00" not in screen, screen[-500:]

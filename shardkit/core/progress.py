@@ -1,10 +1,18 @@
 """Bytes done of the total, the rate and the time left, for every command that moves checkpoint bytes.
 
 The byte loops (``storage``'s hashing writer, ``copy_bytes``, the export and consolidate cast
-writes) call one function, :func:`advance`, with the bytes they just wrote; the operations say how
-many they plan to write with :func:`expect` once they know. Both cost one attribute read when no
-command is reporting (a library call, a test, a rank of a training run), so the writers need no
-option threaded through them.
+writes) call one function, :func:`advance`, with the planned bytes they just wrote (tensor data, a
+whole file copied); the operations say how many they plan to write with :func:`expect` once they
+know. Bytes no plan can count before they exist (zip headers and directories, pickles, a DCP
+``.metadata``) go through :func:`grow`, which adds them to the total and to the bytes done alike, so
+the bytes done never pass the total ("1.8 MiB of 1.7 MiB" was every such byte counted as done and
+none expected). All three cost one attribute read when no command is reporting (a library call, a
+test, a rank of a training run), so the writers need no option threaded through them.
+
+What the user reads is one sentence, :func:`describe`, on a terminal and in a log alike: bytes done
+of the total in binary units (KiB, MiB, GiB), the percentage, the rate in the same units per second
+(MiB/s), the time left while running, and at the end the time taken (``done after 12 s``, or
+``stopped after``) in place of the time left.
 
 A command turns reporting on around its work with :func:`reporting`: a live rich bar on a terminal,
 a plain line every ``interval`` seconds otherwise (a Slurm log, a pipe), one closing line, nothing
@@ -39,6 +47,8 @@ class ByteProgress:
         self.peers: Callable[[], list[tuple[int, int]]] | None = None
         """The other processes' (bytes written, bytes expected), as their heartbeat files last said."""
         self._peers_read: tuple[float, list[tuple[int, int]]] | None = None
+        self.outcome: str | None = None
+        """None while running; "done" or "stopped" once the command's work ended (set by :func:`reporting`)."""
 
     def advance(self, nbytes: int) -> None:
         with self._lock:
@@ -46,6 +56,12 @@ class ByteProgress:
 
     def expect(self, nbytes: int) -> None:
         with self._lock:
+            self._total += nbytes
+
+    def grow(self, nbytes: int) -> None:
+        """Bytes written that no plan counted: done and total grow together."""
+        with self._lock:
+            self._done += nbytes
             self._total += nbytes
 
     @property
@@ -82,19 +98,32 @@ class ByteProgress:
             self._peers_read = (now, self.peers())
         return self._peers_read[1]
 
-    def line(self) -> str:
-        """``label: 1.2 GiB of 4.0 GiB (30%), 310 MiB/s, 9 s left``: what a plain progress line says."""
-        elapsed = max(self.clock() - self.started, 1e-9)
+    def figures(self) -> str:
+        """:func:`describe` of the whole job now: what the live bar shows after its label and bar."""
         done, expected, how = self.job()
-        total = expected or None
-        rate = done / elapsed
-        text = f"{self.label}: {format_bytes(done)}"
-        if total:
-            text += f" of {format_bytes(total)} ({min(100.0, 100.0 * done / total):.0f}%)"
-        text += f", {format_bytes(rate)}/s"
-        if total and rate > 0:
-            text += f", {_duration(max(0.0, (total - done) / rate))} left"
-        return text + how
+        return describe(done, expected or None, self.clock() - self.started, outcome=self.outcome) + how
+
+    def line(self) -> str:
+        """``label: 1.2 GiB of 4.0 GiB (30%), 310.0 MiB/s, 9 s left``: what a plain progress line says."""
+        return f"{self.label}: {self.figures()}"
+
+
+def describe(done: int, total: int | None, elapsed: float, *, outcome: str | None = None) -> str:
+    """The progress contract, the one sentence both displays show: ``1.2 GiB of 4.0 GiB (30%), 310.0
+    MiB/s, 9 s left`` while running; ``..., 310.0 MiB/s (done after 13 s)`` once ``outcome`` is set.
+    Binary units throughout (format_bytes), the rate in the same units per second; without a total,
+    no percentage and no time left."""
+    elapsed = max(elapsed, 1e-9)
+    rate = done / elapsed
+    text = format_bytes(done)
+    if total:
+        text += f" of {format_bytes(total)} ({min(100.0, 100.0 * done / total):.0f}%)"
+    text += f", {format_bytes(rate)}/s"
+    if outcome is not None:
+        return text + f" ({outcome} after {_duration(elapsed)})"
+    if total and rate > 0:
+        text += f", {_duration(max(0.0, (total - done) / rate))} left"
+    return text
 
 
 _ACTIVE: ByteProgress | None = None
@@ -112,6 +141,14 @@ def expect(nbytes: int) -> None:
     active = _ACTIVE
     if active is not None:
         active.expect(nbytes)
+
+
+def grow(nbytes: int) -> None:
+    """``nbytes`` written that no :func:`expect` planned (headers, pickles, metadata): added to the
+    total and to the bytes done, so done never passes the total (no-op when nothing reports)."""
+    active = _ACTIVE
+    if active is not None:
+        active.grow(nbytes)
 
 
 def counts() -> tuple[int, int]:
@@ -152,12 +189,12 @@ def reporting(label: str, *, quiet: bool = False, rank: int = 0, processes: int 
         finished = True
     finally:
         _ACTIVE = previous
+        meter.outcome = "done" if finished else "stopped"  # the last line or frame says the time taken
         stop.set()
         if thread is not None:
             thread.join(timeout=5)
             if not live and meter.done:
-                how = "done" if finished else "stopped"
-                print(f"{meter.line()} ({how} after {_duration(meter.clock() - meter.started)})", file=out, flush=True)
+                print(meter.line(), file=out, flush=True)
 
 
 def _plain_lines(meter: ByteProgress, out: TextIO, interval: float, stop: threading.Event) -> None:
@@ -168,22 +205,17 @@ def _plain_lines(meter: ByteProgress, out: TextIO, interval: float, stop: thread
 
 def _live_bar(meter: ByteProgress, out: TextIO, interval: float, stop: threading.Event) -> None:
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, Progress, TextColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-               TransferSpeedColumn(), TimeRemainingColumn())
+    # rich's own DownloadColumn/TransferSpeedColumn/TimeRemainingColumn mix decimal rates (MB/s) with
+    # binary totals and end a finished bar at 0:00:00: the figures are describe()'s, as in a log
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[figures]}"))
     with Progress(*columns, console=Console(file=out), transient=False) as bar:
-        task = bar.add_task(meter.label, total=None)
+        task = bar.add_task(meter.label, total=None, figures="")
         while True:
             finished = stop.wait(0.2)
-            bar.update(task, completed=meter.done, total=meter.total)
+            total = meter.total
+            bar.update(task, completed=meter.done, total=total if total else None, figures=meter.figures())
             if finished:
                 return
 

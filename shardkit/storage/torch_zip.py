@@ -82,6 +82,8 @@ _U32 = 0xFFFFFFFF  # the 32-bit field value that says "the real one is in the zi
 #: Sizes and offsets from which a record is written zip64 (miniz: ``>= MZ_UINT32_MAX``). A module
 #: constant so a test can lower it and exercise the zip64 branches without writing 4 GiB.
 ZIP64_AT = _U32
+#: The records that hold tensor data, what the writers' ``progress.expect`` counts.
+STORAGES = "data/"
 _FLAGS = 0x0808  # bit 3: sizes and crc follow the data (data descriptor); bit 11: UTF-8 names
 
 
@@ -96,7 +98,9 @@ class HashingWriter:
     def written(self) -> WrittenFile:
         return WrittenFile(self.size, self.sha.hexdigest(), self.algorithm)
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, *, planned: bool = False) -> None:
+        """``planned``: bytes an operation counted in its ``progress.expect`` (a storage's data, a file
+        copied whole); the rest (headers, pickles) grow the progress total as they are written."""
         self.sha.update(data)
         view = memoryview(data).cast("B")
         done = 0
@@ -106,7 +110,7 @@ class HashingWriter:
                 raise OSError(f"short write to {getattr(self.raw, 'name', 'the output file')}")
             done += n
         self.size += len(view)
-        progress.advance(len(view))
+        (progress.advance if planned else progress.grow)(len(view))
 
 
 @dataclass
@@ -161,7 +165,7 @@ class ZipWriter:
         view = memoryview(data).cast("B")
         entry = self._header(name, len(view))
         entry.crc = crc32(view)
-        self.out.write(view)
+        self.out.write(view, planned=name.startswith(STORAGES))
         self._footer(entry)
 
     def add_segments(self, name: str, nbytes: int, segments: Sequence[Segment], buf: memoryview) -> None:
@@ -169,6 +173,7 @@ class ZipWriter:
         if sum(s.nbytes for s in segments) != nbytes:
             raise RuntimeError(f"record {name}: segments hold {sum(s.nbytes for s in segments)} bytes, expected {nbytes}")
         entry = self._header(name, nbytes)
+        planned = name.startswith(STORAGES)
         fds: dict[str, int] = {}
         crc, fill = 0, 0
         try:
@@ -191,11 +196,11 @@ class ZipWriter:
                     if fill == len(buf):
                         check_cancelled()
                         crc = crc32(buf, crc)
-                        self.out.write(buf)
+                        self.out.write(buf, planned=planned)
                         fill = 0
             if fill:
                 crc = crc32(buf[:fill], crc)
-                self.out.write(buf[:fill])
+                self.out.write(buf[:fill], planned=planned)
         finally:
             for fd in fds.values():
                 os.close(fd)

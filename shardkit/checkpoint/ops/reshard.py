@@ -312,7 +312,7 @@ def _copy_jobs(ckpt: PlannedReshard[Any], expected: dict[str, FileEntry]) -> lis
             read_structure(src)
             want = expected.get(src.name)
             # hashed with the source manifest's algorithm: the copy's digest is the check of the source as well
-            digest = copy_file_hashed(src, out, algorithm=want.algorithm if want is not None else None)
+            digest = copy_file_hashed(src, out, algorithm=want.algorithm if want is not None else None, planned=True)
             if want is not None and digest.digest != want.digest:
                 raise CheckpointError(
                     f"{src}: its {want.algorithm} is {digest.digest}, its manifest says {want.digest}: the file is corrupted, or was "

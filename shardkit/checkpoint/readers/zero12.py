@@ -44,6 +44,7 @@ from shardkit.checkpoint.layout.deepspeed_files import mixed_stages
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import agreed_steps, loss_scaler, per_parameter_steps, run_scalars
+from shardkit.checkpoint.readers.zero12_place import check_group_places
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIM_FILE_PATTERN, OPTIMIZER_KEY, tensor_from_ref
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.listing import FolderListing, list_folder
@@ -65,6 +66,8 @@ class _Rank:
     """Each group's ``base_optimizer_state`` entry (``exp_avg``... over the padded partition)."""
     paddings: list[int]
     """``group_paddings``: the tail padding cut from each group's fp32 slice on this rank."""
+    mappings: Any
+    """``param_slice_mappings``: per group, where each parameter's fragment lies in this rank's partition."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,8 @@ def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None,
     config = opened.ds_config
     world, every = opened.world_size, len(opened.parsed_ranks) == opened.world_size
     parsed = {r: _Rank(p, o[OPTIMIZER_KEY]["single_partition_of_fp32_groups"], _group_states(p, o[OPTIMIZER_KEY]),
-                       [int(x) for x in o[OPTIMIZER_KEY].get("group_paddings") or []])
+                       [int(x) for x in o[OPTIMIZER_KEY].get("group_paddings") or []],
+                       o[OPTIMIZER_KEY].get("param_slice_mappings"))
               for r, p, o in zip(opened.parsed_ranks, optim_files, optims)}
     files = list(parsed.values())
     shapes: list[dict[str, Any]] = list(model["param_shapes"] or [])
@@ -267,6 +271,9 @@ def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None,
             layout.offsets[name] = (g, offset)
             offset += math.prod(shape) + pad
         layout.partitions.append(partition)
+        # each file holds its own rank's partition (a copied or swapped rank file agrees on every size)
+        check_group_places(tag_dir, g, partition, offset, params,
+                           {r: (rank.path, rank.paddings[g], rank.mappings) for r, rank in parsed.items()}, world)
         # all files parsed: their slices add up to the data exactly; a share of them: the data fits the partitions
         held = sum(r.fp32[g].numel for r in files) if every else partition * world
         if len(pads) != len(group) or (offset != held if every else offset > held):

@@ -104,6 +104,8 @@ def write_small_and_metadata(path: Path, items: DcpItems, names: dict[str, str],
     sizes = {e.path: e.size for e in written}
     stored = {item.key: Stored(names[item.key], 0, sizes[names[item.key]]) for item in items.big}
     out = []
+    # the small tensors' data, planned like the big files' (the zips around them and .metadata grow the total)
+    progress.expect(sum(item.nbytes for item in items.small if isinstance(item, TensorItem)))
     with disk_full_named(path / SMALL_FILE, outcome), open(path / SMALL_FILE, "wb") as raw:
         hashing = _Hashing(raw)
         for item in items.small:
