@@ -56,6 +56,7 @@ from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world
 from shardkit.checkpoint.ops.reshard_source import PlannedReshard
 from shardkit.checkpoint.ops.reshard_zero3 import plan_zero3_reshard
 from shardkit.checkpoint.ops.reshard_zero12 import plan_zero12_reshard, write_hashing_sources
+from shardkit.checkpoint.ops.verify_files import parse_torch_file
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero12.files import is_zero12_folder
 from shardkit.config.loading import config_digest
@@ -76,8 +77,8 @@ from shardkit.storage.request import RunRequest, source_of
 from shardkit.storage.shared_save import Launch, launch_from_env, outcome_unchanged, split_by_bytes
 from shardkit.storage.shared_tag import Activity, signatures, write_tag_shared
 from shardkit.storage.stream import WrittenFile, copy_file_hashed, write_parallel
+from shardkit.storage.structure_observers import reusing_parses
 from shardkit.storage.tags import LATEST_NAME
-from shardkit.storage.torch_load import read_structure
 from shardkit.storage.torch_zip import RecordData, write_torch_zip
 
 RESHARD = Activity("the reshard", "re-run the reshard", "publish the reshard of", "reshard another tag")
@@ -306,10 +307,17 @@ def _copy_jobs(ckpt: PlannedReshard[Any], expected: dict[str, FileEntry]) -> lis
     # without reflinks (ext4).
     def copy(src: Path) -> Callable[[Path], WrittenFile]:
         def write(out: Path) -> WrittenFile:
-            # a copy carries whatever the file's pickle holds: parse it through the allow-list first
-            # (the pickle only, not the tensor records), so a rank file no reader parses (model states
-            # of rank > 0) cannot carry a code-running global into a sealed output DeepSpeed would load
-            read_structure(src)
+            # the new manifest vouches for what is copied, so each file is checked as verify checks it first: its
+            # pickle parsed through the allow-list (a rank file no reader parses, model states of rank > 0, cannot
+            # carry a code-running global into a sealed output DeepSpeed would load), its zip records against the
+            # central directory (a rewritten record size torch.load refuses), and the rank's own share as the reader
+            # checks the ranks it parses (ckpt.check_copied); one parse for all three (reusing_parses)
+            with reusing_parses(keep=1):
+                _, problem = parse_torch_file(src.parent, src.name)
+                if problem is not None:
+                    raise CheckpointError(f"{problem.message}. Nothing was published (a copy of it would be sealed as "
+                                          f"whole). Fix: {problem.fix}")
+                ckpt.check_copied(src)
             want = expected.get(src.name)
             # hashed with the source manifest's algorithm: the copy's digest is the check of the source as well
             digest = copy_file_hashed(src, out, algorithm=want.algorithm if want is not None else None, planned=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 J = TypeVar("J")
 
@@ -30,3 +30,7 @@ class PlannedReshard(Generic[J]):
     states (ZeRO-3 plans none for an unchanged layout; ZeRO-1/2's are closures, planned anyway)."""
     notes: list[str] = field(default_factory=list)
     """What the report says of the source or how the files were built (empty when they are copied)."""
+    check_copied: Callable[[Path], None] = lambda path: None
+    """Checks one source file the copy route carries against its place, as the reader checks the files it
+    parses (ZeRO-3's lazy reader parses a rank file when its pieces are read, and a copy reads none); the
+    ZeRO-1/2 reader has parsed and checked every rank file already."""

@@ -31,11 +31,14 @@ def plan_zero3_reshard(tag_dir: Path, world_size: int, sub_group_size: int | Non
     layout = layout_of(slots, world_size, sub_group_size, source["ds_config"], tag_dir)
     unchanged = _layout_unchanged(slots, native["sub_group_param_group"], saved, layout)
     note = client_state_note(native["model_states"], saved, world_size)
+    # a copied rank file is checked as the reader checks the files it parses (a copy reads no pieces)
+    rank_of = {path: r for files in (native["optim_files"], native["model_files"]) for r, path in enumerate(files)}
     return PlannedReshard(
         tag_dir=tag_dir, stage=3, world_size=saved, precision=ckpt.precision, ds_config=dict(source["ds_config"] or {}),
         ds_version=source["ds_version"], optim_files=native["optim_files"], model_files=native["model_files"],
         model_state=native["model_states"], unchanged=unchanged,
-        jobs=[] if unchanged else Zero3SameRun(ckpt, layout).files(), notes=[note] if note else [])
+        jobs=[] if unchanged else Zero3SameRun(ckpt, layout).files(), notes=[note] if note else [],
+        check_copied=lambda path: native["check_rank"](rank_of[path]))
 
 
 def _layout_unchanged(slots: list[ParamSlot], owners: list[int], saved_world: int, layout: TargetLayout) -> bool:

@@ -19,7 +19,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from shardkit.checkpoint.dcp.plain_metadata import read_plain_metadata
 from shardkit.core.errors import CheckpointError
@@ -30,6 +30,9 @@ from shardkit.storage.torch_load import DeepSpeedObjectStub, read_structure
 #: A zip record's local header: signature, then fixed fields; name and extra lengths at bytes 26-30.
 _LOCAL_HEADER = 30
 _LOCAL_SIGNATURE = b"PK\x03\x04"
+#: General-purpose flag bit 3: the record's crc and sizes follow its data (a data descriptor), optionally signed.
+_DESCRIPTOR_FLAG = 0x08
+_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 #: Items named per file in a message (a file that lost its tail loses many items at once).
 _SHOWN = 3
 
@@ -79,9 +82,38 @@ def zip_records_problem(path: Path, records: list[zipfile.ZipInfo]) -> str | Non
                 if end > size:
                     return (f"record {info.filename} ends at byte {end:,} but the file has {size:,} bytes: "
                             "cut short (an interrupted save or copy)")
+                disagree = _own_size_problem(fh, info, header, end)
+                if disagree is not None:
+                    return f"record {info.filename}: {disagree}"
     except (OSError, ValueError, struct.error) as exc:
         return _unreadable(path, exc)
     return None
+
+
+def _own_size_problem(fh: BinaryIO, info: zipfile.ZipInfo, header: bytes, end: int) -> str | None:
+    """The record's own crc and size (its data descriptor, right after its data, where flag bit 3 is set, as
+    torch's writer and shardkit's set it; else its local header) against what the central directory says.
+
+    A directory entry whose size was rewritten (the file's size unchanged) still lies inside the file, and the
+    pickle still parses: only here does it show, where torch.load stops with 'record size ... does not match'."""
+    flags = struct.unpack("<H", header[6:8])[0]
+    if flags & _DESCRIPTOR_FLAG:
+        fh.seek(end)
+        tail = fh.read(24)
+        body = tail[4:] if tail[:4] == _DESCRIPTOR_SIGNATURE else tail
+        # 12 bytes (crc, sizes as 4 bytes) or, for a zip64 record, 20 (sizes as 8 bytes)
+        own = [struct.unpack(f, body[:n]) for f, n in (("<II", 8), ("<IQ", 12)) if len(body) >= n]
+        if (info.CRC, info.compress_size) in own:
+            return None
+        found = (f"its data descriptor says {own[0][1]:,} bytes (crc {own[0][0]:08x})" if tail[:4] == _DESCRIPTOR_SIGNATURE
+                 else f"no data descriptor follows where that many bytes would end (byte {end:,})")
+    else:
+        seen = struct.unpack("<II", header[14:22])
+        if seen[1] == 0xFFFFFFFF or seen == (info.CRC, info.compress_size):  # zip64: the size is in its extra field
+            return None
+        found = f"its local header says {seen[1]:,} bytes (crc {seen[0]:08x})"
+    return (f"the central directory says {info.compress_size:,} bytes (crc {info.CRC:08x}), but {found}: the zip's "
+            "directory was edited or the file is damaged (torch.load refuses it)")
 
 
 def _unreadable(path: Path, exc: Exception) -> str:

@@ -226,10 +226,12 @@ def _scalars(ckpt: Zero3Checkpoint, optim0: dict[str, Any]) -> dict[str, Any]:
 def _native(ckpt: Zero3Checkpoint, files: RankFiles) -> dict[str, Any]:
     """What a ZeRO-3 writer needs to write the source back as its own run at another world size
     (``writers.zero3_same_run``): rank 0's two dicts as parsed, the rank files, and where each trainable
-    parameter lies in the sub-groups (the source's ``ParamSlot``s, in their order)."""
+    parameter lies in the sub-groups (the source's ``ParamSlot``s, in their order); ``check_rank(r)`` parses rank r's
+    files and checks them against rank 0's layout, as reading their pieces would (a reshard that copies them)."""
     return {"optim_file": files.optim_file0, "model_states": ckpt.model_state, "slots": list(ckpt.slots),
             "sub_group_param_group": list(ckpt.sub_group_param_group), "optim_files": list(ckpt.optim_files),
-            "model_files": list(ckpt.model_files), "prefix": "bf16_" if ckpt.optim_files[0].name.startswith("bf16_") else ""}
+            "model_files": list(ckpt.model_files), "prefix": "bf16_" if ckpt.optim_files[0].name.startswith("bf16_") else "",
+            "check_rank": lambda rank: (files.optim(rank), files.frozen(rank))}
 
 
 def _offset(ref: TensorRef) -> int:
