@@ -67,9 +67,15 @@ def run(args: argparse.Namespace) -> int:
         code = _run_plain(args, engine, clock, report)
         if code is not None:
             return code
+    if args.write_manifest and report.manifest is not None:
+        raise UsageError(f"--write-manifest: {report.tag_dir}/shardkit_manifest.json exists already; verify checks "
+                         "against it without the flag")
     if args.write_manifest:
-        raise UsageError(f"--write-manifest: {args.checkpoint} has a shardkit manifest already (or is no checkpoint); "
-                         "verify checks against it without the flag")
+        # no manifest, and no reader knows the folder: nothing to write one for (the findings say what it holds)
+        why = "; ".join(f.message for f in report.errors[:2]) or "no checkpoint found"
+        raise UsageError(f"--write-manifest: {args.checkpoint} is no checkpoint shardkit reads ({why}), so no manifest "
+                         "was written. Pass a checkpoint root, tag folder, DCP folder or Trainer checkpoint-N "
+                         "(`shardkit inspect PATH` says what a folder is)")
     if args.json or args.json_file:
         files = report.manifest.files if report.manifest is not None else []
         emit_json(args, {**report.to_dict(), "command": "verify", "files": len(files),
@@ -92,7 +98,8 @@ def _run_plain(args: argparse.Namespace, engine: str | None, clock: Stopwatch, m
     with no complete checkpoint the readers' reason is added: tags without 'latest', what the folder holds).
     The manifest check's findings that hold without a manifest (the Trainer's newest checkpoint, its RNG
     files) are carried over."""
-    from shardkit.checkpoint.ops.verify_structure import NO_DIGESTS, verify_structure, write_plain_manifest
+    from shardkit.checkpoint.ops.verify_manifest import write_plain_manifest
+    from shardkit.checkpoint.ops.verify_structure import NO_DIGESTS, verify_structure
     from shardkit.commands._parser import emit_json
     from shardkit.core.render import print_report
 
@@ -125,4 +132,7 @@ def _run_plain(args: argparse.Namespace, engine: str | None, clock: Stopwatch, m
         print(f"{NO_DIGESTS}{hint}.")
         if manifest_note:
             print(manifest_note)
+        elif args.write_manifest:
+            print("--write-manifest: no manifest was written: the checkpoint is not whole (the errors above), and a "
+                  "manifest would vouch for it; fix them, then run it again")
     return report.exit_code

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import inspect
 import os
@@ -155,6 +156,18 @@ def _scan(folder: Path) -> FolderListing:
         entries = sorted(it, key=lambda e: e.name)
     return FolderListing(
         folder=folder, names=tuple(e.name for e in entries),
-        files=frozenset(e.name for e in entries if e.is_file()),
+        files=frozenset(e.name for e in entries if _is_file(e)),
         links=tuple(e.name for e in entries if e.is_symlink()),
         folders=tuple(e.name for e in entries if e.is_dir(follow_symlinks=False)))
+
+
+def _is_file(entry: os.DirEntry[str]) -> bool:
+    """``Path.is_file``'s answer for a listed entry: a link that loops (``loop -> loop``, ELOOP) or leads
+    nowhere is no file, as it is for every command that asks ``Path.is_file`` (``DirEntry.is_file`` raises
+    ELOOP, which stopped every command listing the folder with 'Too many levels of symbolic links')."""
+    try:
+        return entry.is_file()
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOENT, errno.ENOTDIR, errno.EBADF):
+            return False
+        raise

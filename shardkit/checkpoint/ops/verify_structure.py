@@ -14,11 +14,12 @@ Nothing records what the bytes should be, so this is a structural check, in thre
 Layouts no command converts correctly (``layout`` refusals: AutoEP, MoE experts, tensor/pipeline
 parallel ranks, NVMe) are named as warnings and step 3 is skipped: DeepSpeed's own load may still
 resume them at the same world size. ``write_plain_manifest`` records sizes and digests of a folder
-that passed, so later verifies compare bytes.
+that passed, so later verifies compare bytes (``verify_manifest``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.findings import Finding, Report, Severity
+from shardkit.storage.links import LINK_OUTSIDE_FIX, link_outside_message, links_leaving, links_nowhere
 from shardkit.storage.listing import list_folder, lists_source_once, walk
-from shardkit.storage.manifest import MANIFEST_NAME, Manifest, seal
+from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.structure_observers import observe_structures, reusing_parses
 
 #: ZeRO-1/2's one model-states file (every rank's optimizer file beside it).
@@ -53,8 +55,6 @@ _TORCH_SUFFIXES = (".pt", ".bin", ".pth")
 _FSDP_PER_RANK = re.compile(r"^(pytorch_model_fsdp|optimizer)_(\d+)_rank(\d+)\.bin$")
 _FSDP_FULL = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?\.bin$")
 _DEEPSPEED_KINDS = ("zero3", "zero12", "universal")
-#: Kinds whose manifest ``shardkit verify`` then finds (the tag or DCP folder it resolves to).
-MANIFEST_KINDS = {"zero3": "deepspeed", "zero12": "deepspeed", "dcp": "fsdp2"}
 _SHOWN = 5
 
 NO_DIGESTS = ("structural check only: this checkpoint has no shardkit manifest, so no digests exist to compare its "
@@ -132,6 +132,28 @@ def _compare_facts(report: StructureReport, seen: dict[str, tuple[str, Any]], re
             _error(report, rel, value, f"ranks disagree: {rel} records {key}={value!r} where {first[0]} records "
                    f"{first[1]!r}: files of two saves are mixed in one folder",
                    "re-copy the tag folder from one save (every rank's files of the same step)", "ckpt.structure.ranks")
+
+
+def _check_links(report: StructureReport, top: Path, rels: list[str]) -> tuple[list[str], set[str]]:
+    """Links leading out of the folder checked (errors, as verify of a sealed checkpoint names them: never read
+    through) and links leading nowhere (warnings: a missing target or a loop, which no command reads). Returns the
+    files without the links that lead nowhere (no files: a rank file's name among them is then missing), and the
+    links leading out (not read)."""
+    leaving = links_leaving(top)
+    for rel, real in leaving:
+        _error(report, rel, real, link_outside_message(top, rel, real), LINK_OUTSIDE_FIX, "ckpt.link.outside")
+    nowhere = links_nowhere(top)
+    for rel, target in nowhere:
+        try:
+            os.stat(top / rel)
+            why = "its target is gone"
+        except OSError as exc:
+            why = "a loop of links" if exc.errno == errno.ELOOP else "its target does not exist"
+        report.add(Finding(Severity.WARNING, rel, target, f"{top / rel}: a symbolic link to {target!r}, which leads "
+                           f"nowhere ({why}): no file of this checkpoint, and no command reads it",
+                           "remove the link (--write-manifest refuses to run while it is there)", "ckpt.link.nowhere"))
+    dropped = {rel for rel, _ in nowhere}
+    return [r for r in rels if r not in dropped], {rel for rel, _ in leaving}
 
 
 def _check_files(report: StructureReport, source: Source, top: Path, rels: list[str]) -> list[str]:
@@ -373,7 +395,8 @@ def verify_structure(path: str | Path, *, world_size: int | None = None,
         desc = _describe(report, path)
         top, rels = _walk(source)
         report.path = str(top)
-        pending = _check_files(report, source, top, rels)
+        rels, leaving = _check_links(report, top, rels)
+        pending = _check_files(report, source, top, [r for r in rels if r not in leaving])
         # the reader parses most rank files anyway: it runs first, where the byte checks passed, and the zip and
         # pickle checks take its parses (one per file); its verdict is reported only if the files check whole
         refused = desc is not None and bool(desc.refusals)
@@ -416,25 +439,3 @@ def _check_resume(report: StructureReport, source: Source, world_size: int | Non
         report.add(Finding(Severity.INFO, "world_size", report.world_size, f"saved at world size {report.world_size}, "
                            f"resuming at {world_size}", "nothing to do where the loader reshards (DCP, universal)",
                            "ckpt.world_size.reshard"))
-
-
-def write_plain_manifest(report: StructureReport) -> Manifest:
-    """Record the sizes and digests of a checkpoint that passed ``verify_structure``, in the folder a later
-    ``shardkit verify`` reads its manifest from; every file is hashed (its bytes read once)."""
-    if not report.ok or report.kind is None or report.tensor_folder is None:
-        raise CheckpointError(f"{report.subject}: not whole, so no manifest is written (it would vouch for damaged "
-                              "files); fix the errors verify reports first")
-    engine = MANIFEST_KINDS.get(report.kind)
-    if engine is None:
-        raise UsageError(f"--write-manifest: {report.subject} is a {report.layout or report.kind} checkpoint; a manifest "
-                         f"is written only where `shardkit verify` reads one back ({', '.join(MANIFEST_KINDS)}: the tag "
-                         "or DCP folder)")
-    folder = Path(report.tensor_folder)
-    if (folder / MANIFEST_NAME).exists():
-        raise UsageError(f"--write-manifest: {folder / MANIFEST_NAME} exists already; verify checks against it")
-    try:
-        return seal(folder, engine=engine, world_size=report.world_size or 1, step=report.step,
-                    zero_stage=report.stage if engine == "deepspeed" else None)
-    except OSError as exc:
-        raise CheckpointError(f"{folder}: cannot write {MANIFEST_NAME} ({exc}); is the folder writable?") from exc
-
