@@ -115,7 +115,11 @@ def _refusals(tag_dir: Path, names: list[str], model_state: dict[str, Any], mode
     mp_ranks = sorted({int(m.group(3)) for n in names if (m := RANK_FILE.match(n))}
                       | {int(m.group(1)) for n in names if (m := _MP_MODEL.match(n))})
     mp_world = int(model_state.get("mp_world_size") or 1)
-    if mp_world > 1 or any(r > 0 for r in mp_ranks):
+    # a PipelineEngine counts its stages as model-parallel ranks (mp_rank_01... one per stage): with pipeline
+    # layer files and tp_degree 1 recorded, mp_rank_01 is the second stage, not a tensor-parallel slice
+    tp_degree = _int(_dict(model_state.get("checkpoint_parallel_dimensions")).get("tp_degree"))
+    stages_only = tp_degree == 1 and any(_PIPE_LAYER.match(n) for n in names)
+    if not stages_only and (mp_world > 1 or any(r > 0 for r in mp_ranks)):
         shown = [n for n in names if "mp_rank_01" in n][:2] or [model_file]
         out.append(Refusal(
             f"tensor/model-parallel ranks (mp_world_size {mp_world}, files {', '.join(shown)})", str(tag_dir),
@@ -165,6 +169,25 @@ def _offload(model_state: dict[str, Any]) -> str | None:
     zero = _dict(_dict(model_state.get("ds_config")).get("zero_optimization"))
     device = _dict(zero.get("offload_optimizer")).get("device")
     return str(device) if device not in (None, "none") else None
+
+
+def _pipeline_heading(desc: CheckpointDescription, names: list[str], model_state: dict[str, Any]) -> None:
+    """A PipelineModule save headed as one: stages and layer files, every rank counted in the world size. Its
+    model-states file is stage 0's, listing stage 0's parameters only, so no parameter count is given."""
+    layers = sorted({int(m.group(1)) for n in names if (m := _PIPE_LAYER.match(n))})
+    if not layers:
+        return
+    degrees = _dict(model_state.get("checkpoint_parallel_dimensions"))
+    stages, tp = _int(degrees.get("pp_degree")), _int(degrees.get("tp_degree")) or 1
+    shown = "? stages" if stages is None else f"{stages} stage{'s' if stages != 1 else ''}"
+    desc.layout = (f"DeepSpeed pipeline-parallel checkpoint (PipelineModule): {shown}, {len(layers)} layers "
+                   f"(layer_{layers[0]:02d}..layer_{layers[-1]:02d} files), ZeRO-{desc.stage} optimizer files")
+    dp = _int(model_state.get("dp_world_size"))
+    desc.world_size = dp * stages * tp if dp is not None and stages is not None else None
+    desc.parameters = desc.elements = None
+    desc.notes.append(f"the weights are in the per-layer files (layer_XX-*model_states.pt, {len(layers)} layers); "
+                      "each stage's model states list only that stage's parameters, so none are counted here"
+                      + (f"; {dp} data-parallel rank(s) per stage" if dp is not None else ""))
 
 
 def describe_deepspeed(tag_dir: Path, given: str) -> CheckpointDescription:
@@ -233,6 +256,7 @@ def describe_deepspeed(tag_dir: Path, given: str) -> CheckpointDescription:
         desc.notes.append(f"a universal checkpoint loads at any world size with checkpoint.load_universal; it was "
                           f"converted from a DeepSpeed run at {int(model_state.get('dp_world_size') or 0)} rank(s)")
     desc.refusals = _refusals(tag_dir, names, model_state, model_file or "", osd, optim_file)
+    _pipeline_heading(desc, names, model_state)
     if mixed_stages(tag_dir, names) is not None:  # rank 0's optimizer file tells one of the two saves' stage
         desc.layout = f"DeepSpeed, ZeRO-1/2 and ZeRO-3 files mixed (rank 0's optimizer file: ZeRO-{stage})"
     return desc
