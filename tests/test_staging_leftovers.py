@@ -191,3 +191,41 @@ def test_a_claim_never_shows_its_staging_folder_without_its_owner_file(tmp_path,
     monkeypatch.undo()
     assert seen and all(isinstance(s, dict) and s["job"] == "job-a" for s in seen), seen
     shutil.rmtree(staged)
+
+
+def test_ctrl_c_while_the_heartbeat_thread_starts_stops_the_heartbeat(tmp_path, monkeypatch):
+    # Thread.start waits for the new thread; an interrupt in that wait, before the thread had its ident,
+    # skipped the heartbeat's join: it wrote .shardkit-alive-0 after the clean-up (2 of 20 real reshards
+    # stopped as the staging folder appeared left a folder holding only that file)
+    import shardkit.storage.shared_save as shared_save
+
+    real_start_new = threading._start_new_thread  # type: ignore[attr-defined]
+    fired: list[str] = []
+
+    def start_new(fn, args, *rest):
+        owner = getattr(fn, "__self__", None)
+        if not isinstance(owner, threading.Thread) or owner.name != "shardkit-heartbeat" or fired:
+            return real_start_new(fn, args, *rest)
+        fired.append(owner.name)
+        gate = threading.Event()
+
+        def late(*a):
+            gate.wait(0.5)  # not yet running when the interrupt lands in start's wait
+            fn(*a)
+
+        ident = real_start_new(late, args, *rest)
+        signal.raise_signal(signal.SIGINT)
+        return ident
+
+    staged = tmp_path / STAGED
+    staged.mkdir()
+    monkeypatch.setattr(threading, "_start_new_thread", start_new)
+    before = set(threading.enumerate())
+    with pytest.raises(KeyboardInterrupt):
+        with shared_save.heartbeat(staged, 0):
+            pass
+    monkeypatch.undo()
+    left = [t for t in set(threading.enumerate()) - before if t.name == "shardkit-heartbeat"]
+    for t in left:
+        t.join(5)
+    assert fired and left == []

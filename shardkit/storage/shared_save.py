@@ -332,8 +332,11 @@ def heartbeat(staged: Path, rank: int, *, alive_file: bool = True) -> Iterator[N
     thread = threading.Thread(target=beat, name="shardkit-heartbeat", daemon=True)
     try:
         # started inside the try: an interrupt landing before it left the thread beating on, writing
-        # its alive file into the staging folder while the clean-up removed it
-        thread.start()
+        # its alive file into the staging folder while the clean-up removed it; and with signals held:
+        # start waits for the new thread, and an interrupt in that wait, before the thread had its
+        # ident, skipped the join below (a reshard stopped so left .shardkit-alive-0 behind)
+        with signals_deferred():
+            thread.start()
         if rank == 0 and own is not None:
             progress.watch_peers(lambda: _peer_counts(staged, own))
         yield

@@ -10,7 +10,8 @@ the file's digest (blake3 by default) computed from the bytes as they are writte
   buffers, so several files are written in parallel by threads (torch's own writer computes its
   crc32 and calls back into Python holding the GIL: two threads ran no faster than one).
 
-``write_parallel`` runs such file jobs on threads; ``copy_file_hashed`` copies one file, hashed;
+``write_parallel`` runs such file jobs on threads (``submit_all``/``join_pool``: no thread of the pool outlives
+an interrupt, for every writer's pool); ``copy_file_hashed`` copies one file, hashed;
 ``write_interleaved`` writes several files from one thread with their records in the order a source file holds
 them, so ``SourceDigests`` hashes that source from the bytes the copy reads (one read of each source byte, not two).
 """
@@ -23,8 +24,9 @@ import io
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Iterator, Sequence, TypeVar
 
 from shardkit.core.files import open_regular, regular_fd
 from shardkit.storage.atomic import disk_full_named, fsync_file, signals_deferred
@@ -46,7 +48,8 @@ from shardkit.storage.torch_zip import (
 )
 
 __all__ = ["CHUNK_BYTES", "FileJob", "LazyTensor", "Segment", "SourceDigests", "WrittenFile", "all_segmented",
-           "copy_file_hashed", "main_source", "materialize", "stream_save", "write_interleaved", "write_parallel"]
+           "copy_file_hashed", "join_pool", "main_source", "materialize", "stream_save", "submit_all", "write_interleaved",
+           "write_parallel"]
 
 _T = TypeVar("_T")
 
@@ -204,7 +207,7 @@ def write_parallel(jobs: Sequence[tuple[Path, Callable[[Path], _T]]], workers: i
     An interrupt (Ctrl-C, or SIGTERM turned into an exception by the command) stops them the same
     way. ``workers=1`` writes in this thread.
     """
-    from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+    from concurrent.futures import FIRST_EXCEPTION, wait
 
     cancel = threading.Event()
 
@@ -237,27 +240,39 @@ def write_parallel(jobs: Sequence[tuple[Path, Callable[[Path], _T]]], workers: i
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name)
     futures: list[Future[_T]] = []
     try:
-        # submitted with Ctrl-C/SIGTERM held: submit starts a thread and waits for it to run, and an
-        # interrupt landing in that wait left a thread the pool never joins (not yet recorded), running
-        # the queued jobs, uncancelled, after the caller had removed the staging folder: a whole rank file
-        # in a staging folder without its owner file
-        with signals_deferred():
-            futures = [pool.submit(run, path, write) for path, write in jobs]
+        futures = submit_all(pool, run, jobs)
         wait(futures, return_when=FIRST_EXCEPTION)
     finally:
         if any(f.done() and not f.cancelled() and f.exception() is not None for f in futures) or \
-                not all(f.done() for f in futures):
+                not all(f.done() for f in futures) or not futures:
             cancel.set()
-        for f in futures:
-            f.cancel()  # the queued ones; the running ones stop at their next buffer
-        with signals_deferred():  # a second Ctrl-C must not leave a writer running past the caller's clean-up
-            pool.shutdown(wait=True)
+        join_pool(pool)  # the queued jobs cancelled; the running ones stop at their next buffer
     failures = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
     # the first real failure, not the WriteCancelled of the files it stopped
     real = [e for e in failures if not isinstance(e, WriteCancelled)]
     if real or failures:
         raise (real or failures)[0]  # type: ignore[misc]
     return [f.result() for f in futures]
+
+
+def submit_all(pool: ThreadPoolExecutor, fn: Callable[..., _T], calls: Iterable[Sequence[Any]]) -> list[Future[_T]]:
+    """``pool.submit(fn, *args)`` for each of ``calls``, with Ctrl-C/SIGTERM held until all are queued.
+
+    ``submit`` starts a thread and waits for it to run; an interrupt landing in that wait left a
+    thread the pool had not recorded yet, so its shutdown never joined it, and the futures were not
+    yet the caller's to cancel: the thread ran the queued jobs to the end after the caller's
+    clean-up (a reshard wrote a whole rank file into its emptied staging folder, which then stayed,
+    without its owner file). Held here, the interrupt is raised once every future is returned."""
+    with signals_deferred():
+        return [pool.submit(fn, *args) for args in calls]
+
+
+def join_pool(pool: ThreadPoolExecutor) -> None:
+    """Cancel ``pool``'s queued jobs and wait for its running ones, with Ctrl-C/SIGTERM held: a second
+    interrupt cutting the wait short left writers running while the caller removed their folder (the
+    running jobs stop at their next buffer once the caller's stop event is set)."""
+    with signals_deferred():
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def copy_file_hashed(src: str | Path, dst: str | Path, *, chunk_bytes: int = CHUNK_BYTES,

@@ -31,7 +31,7 @@ or never joins fails the run, named, and the staging folder (with the partial fi
 from __future__ import annotations
 
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
@@ -54,6 +54,7 @@ from shardkit.storage.pipeline import default_workers, verify_before_reading, wa
 from shardkit.storage.request import RunRequest, source_of
 from shardkit.storage.safetensors_file import TensorEntry, header_layout, write_header
 from shardkit.storage.shared_save import Launch, launch_from_env, split_by_bytes
+from shardkit.storage.stream import join_pool, submit_all
 
 
 @os_errors_named("consolidating the checkpoint")
@@ -195,13 +196,17 @@ def _copy_windows(fd: int, data_start: int, entries: dict[str, TensorEntry], ten
     try:
         if len(windows) == 1:
             return copy(windows[0])
-        with ThreadPoolExecutor(max_workers=len(windows), thread_name_prefix="shardkit-consolidate") as pool:
-            futures = [pool.submit(copy, w) for w in windows]
-            try:
-                wait(futures, return_when=FIRST_EXCEPTION)
-            finally:
-                if not all(f.done() and f.exception() is None for f in futures):
-                    stop.set()  # a failure or an interrupt: the others stop at their next tensor or chunk
+        pool = ThreadPoolExecutor(max_workers=len(windows), thread_name_prefix="shardkit-consolidate")
+        futures: list[Future[int]] = []
+        try:
+            # every thread joined before the caller closes fd: one left running (an interrupt in submit's
+            # thread start, stream.submit_all) wrote through a closed, perhaps reused, descriptor
+            futures = submit_all(pool, copy, [(w,) for w in windows])
+            wait(futures, return_when=FIRST_EXCEPTION)
+        finally:
+            if not futures or not all(f.done() and f.exception() is None for f in futures):
+                stop.set()  # a failure or an interrupt: the others stop at their next tensor or chunk
+            join_pool(pool)
         failed = [e for e in (f.exception() for f in futures) if e is not None]
         real = [e for e in failed if not isinstance(e, Stopped)]
         if failed:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.storage.atomic import signals_deferred
 from shardkit.storage.manifest import MANIFEST_NAME, read_manifest, seal
 from shardkit.storage.pipeline import refuse_output_in_checkpoint
 from shardkit.storage.tags import tag_problem
@@ -62,15 +63,8 @@ def seal_export(staged: Path, final: Path, *, dtype: str, extra: dict[str, Any])
 def remove_staging(staged: Path) -> None:
     """Remove the staging folder. A second SIGTERM/SIGINT arriving meanwhile (a scheduler repeating
     its cancel) is held until the folder is gone: its handler's exception would otherwise cut the
-    removal short and leave a model-sized folder behind."""
-    import signal
-    import threading
-
-    held = None
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask"):
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    try:
+    removal short and leave a model-sized folder behind. Held by swapping the handlers
+    (``signals_deferred``), not by a mask on the main thread: the kernel hands the signal to another
+    thread (the progress line's) while the main thread blocks it, and the handler then ran anyway."""
+    with signals_deferred():
         shutil.rmtree(staged, ignore_errors=True)
-    finally:
-        if held is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)

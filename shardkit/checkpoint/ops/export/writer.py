@@ -22,6 +22,7 @@ from shardkit.checkpoint.ops.export.shard_plan import Shard
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.safetensors_file import TensorEntry, copy_bytes, header_layout, write_header
+from shardkit.storage.stream import join_pool, submit_all
 from shardkit.storage.torch_load import ITEMSIZE
 
 if TYPE_CHECKING:
@@ -177,11 +178,12 @@ def write_shards(folder: Path, jobs: list[ShardJob], workers: int) -> list[int]:
         return [write_shard(folder / j.shard.filename, j, stop) for j in jobs]
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardkit-export")
     try:
-        # submitted inside the try: an interrupt between two submissions must stop the ones running
-        futures = [pool.submit(write_shard, folder / j.shard.filename, j, stop) for j in jobs]
+        # submitted inside the try, with an interrupt held until all are queued (stream.submit_all: one
+        # landing in a thread's start left a thread the pool never joined, writing after the clean-up)
+        futures = submit_all(pool, write_shard, [(folder / j.shard.filename, j, stop) for j in jobs])
         return [f.result() for f in futures]
     except BaseException:
-        stop.set()  # the others stop at their next chunk; shutdown below waits for them
+        stop.set()  # the others stop at their next chunk; join_pool below waits for them
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        join_pool(pool)
