@@ -12,7 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "consolidate",
-        help="write a checkpoint's full fp32 weights (ZeRO-1/2/3...) to one .safetensors file (streaming zero_to_fp32)",
+        help="write the full weights of a ZeRO-1/2/3, universal, FSDP2/DCP or Trainer/Accelerate FSDP checkpoint "
+             "to one .safetensors file (streaming zero_to_fp32)",
         example="shardkit consolidate checkpoints/ -o model.safetensors",
         description=(
             "Gather every parameter's fp32 master from the per-rank ZeRO-3 partitions (any world size, "

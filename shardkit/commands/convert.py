@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "convert",
-        help="convert a ZeRO-3 checkpoint to FSDP2 (DCP) or back, with fp32 masters and Adam state",
+        help="convert a ZeRO-1/2/3, universal, FSDP2/DCP or Trainer/Accelerate FSDP checkpoint to ZeRO-1/2/3, "
+             "FSDP2 (DCP) or universal, with fp32 masters and Adam state",
         example="shardkit convert checkpoints/ --to fsdp2 -o fsdp_ckpt/",
         description=(
             "--to fsdp2: read a DeepSpeed ZeRO-3 checkpoint (fp32 masters, Adam exp_avg/exp_avg_sq, step, "

@@ -12,7 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "export",
-        help="write a checkpoint (ZeRO-3, FSDP2/DCP, Trainer checkpoint-N) as a folder transformers from_pretrained loads",
+        help="write a ZeRO-1/2/3, universal, FSDP2/DCP or Trainer/Accelerate FSDP checkpoint as a folder "
+             "transformers from_pretrained loads",
         example="shardkit export checkpoints/ -o hf_model/ --model-config base_model/ --dtype bf16",
         description=(
             "Write sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json, or one "

@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "reshard",
-        help="repartition a ZeRO-3 checkpoint for another world size; DeepSpeed's plain load_checkpoint takes it",
+        help="repartition a ZeRO-1/2/3 checkpoint (or a Trainer checkpoint-N holding one) for another world size; "
+             "DeepSpeed's plain load_checkpoint takes it",
         example="shardkit reshard checkpoints/ --world-size 3 -o checkpoints_ws3/",
         description=(
             "Write the per-rank files a ZeRO-3 run at M ranks would have saved itself: fp32 masters and "
