@@ -43,11 +43,19 @@ def missing_families(command: str, text: str) -> list[str]:
     return sorted({layout for layout in accepted(command) if not any(w in text for w in FAMILY_WORDS[layout])})
 
 
-def _summaries() -> dict[str, str]:
+def _subparsers() -> argparse._SubParsersAction:
     for action in build_parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return {a.dest: a.help or "" for a in action._choices_actions}
+            return action
     raise AssertionError("shardkit's parser has no commands")
+
+
+def _summaries() -> dict[str, str]:
+    return {a.dest: a.help or "" for a in _subparsers()._choices_actions}
+
+
+def _descriptions() -> dict[str, str]:
+    return {name: p.description or "" for name, p in _subparsers().choices.items()}
 
 
 def _cli_paragraph(command: str) -> str:
@@ -72,7 +80,9 @@ def _task_opening(page: str) -> str:
 # (command, where, the text): the places a user learns what the command takes
 def places() -> list[tuple[str, str, str]]:
     summaries = _summaries()
+    descriptions = _descriptions()
     out = [(c, "shardkit --help", summaries[c]) for c in READING]
+    out += [(c, f"shardkit {c} --help", descriptions[c]) for c in READING]
     out += [(c, "docs/cli.md", _cli_paragraph(c)) for c in READING]
     out += [("convert", "docs/README.md", _index_line("convert.md")), ("export", "docs/README.md", _index_line("export.md"))]
     out += [("export", "docs/tasks/hugging-face-model.md", _task_opening("hugging-face-model.md")),

@@ -16,7 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
              "to one .safetensors file (streaming zero_to_fp32)",
         example="shardkit consolidate checkpoints/ -o model.safetensors",
         description=(
-            "Gather every parameter's fp32 master from the per-rank ZeRO-3 partitions (any world size, "
+            "Of a DeepSpeed ZeRO-1/2/3 or universal checkpoint, an FSDP2/DCP one or the FSDP files the Trainer and "
+            "Accelerate save, write the full weights to one safetensors file. "
+            "ZeRO-3: gather every parameter's fp32 master from the per-rank partitions (any world size, "
             "bf16/fp16/fp32 training, with or without offload) and write one safetensors file. Memory "
             "stays near one rank's partition: rank files are memory-mapped one at a time and each piece "
             "is written straight to its place in the output. CKPT is the folder holding 'latest', a tag "

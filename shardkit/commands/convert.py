@@ -23,8 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
              "FSDP2 (DCP) or universal, with fp32 masters and Adam state",
         example="shardkit convert checkpoints/ --to fsdp2 -o fsdp_ckpt/",
         description=(
-            "--to fsdp2: read a DeepSpeed ZeRO-3 checkpoint (fp32 masters, Adam exp_avg/exp_avg_sq, step, "
-            "param-group hyperparameters, buffers, JSON client state) and write a DCP checkpoint that "
+            "SRC is a DeepSpeed ZeRO-1/2/3 or universal checkpoint, an FSDP2/DCP one, or the FSDP files the Trainer "
+            "and Accelerate save (`shardkit inspect SRC` says what each --to does with it). "
+            "--to fsdp2: read its fp32 masters, Adam exp_avg/exp_avg_sq, step, "
+            "param-group hyperparameters, buffers and JSON client state and write a DCP checkpoint that "
             "shardkit's load_fsdp_checkpoint resumes at any world size, with or without CPU offload. "
             "--to zero3 --world-size N: the reverse, per-rank files DeepSpeed's plain load_checkpoint accepts "
             "at N ranks; --to zero2|zero1 --world-size N: the ZeRO-2/ZeRO-1 files (per-rank optimizer files and the "

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
              "DeepSpeed's plain load_checkpoint takes it",
         example="shardkit reshard checkpoints/ --world-size 3 -o checkpoints_ws3/",
         description=(
-            "Write the per-rank files a ZeRO-3 run at M ranks would have saved itself: fp32 masters and "
+            "Write the per-rank files a ZeRO-1/2/3 run at M ranks would have saved itself: fp32 masters and "
             "Adam moments copied bit for bit into the new partitions (ceil(numel/M) per rank, zero-padded), "
             "step and hyperparameters kept. Resume with engine.load_checkpoint(OUT) as usual: no "
             "'load_universal', no conversion step. Rank files are written in parallel, hashed as they are written; "

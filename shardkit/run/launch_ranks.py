@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from shardkit.autopreflight import site_dir
 from shardkit.autopreflight.launch_link import PACKED_ENV
+from shardkit.core.files import read_regular_text
 from shardkit.run.launch_plan import LaunchPlan, infer_world_size, int_option
 
 DLTS_HOSTFILE = "/job/hostfile"
@@ -147,7 +148,7 @@ def _why_settings_stay_here(runner: Any, env: dict[str, str]) -> str | None:
     for folder in getattr(runner, "DEEPSPEED_ENVIRONMENT_PATHS", []):
         env_file = Path(folder) / getattr(runner, "DEEPSPEED_ENVIRONMENT_NAME", ".deepspeed_env")
         try:
-            lines = env_file.read_text().splitlines() if env_file.is_file() else []
+            lines = read_regular_text(env_file).splitlines() if env_file.is_file() else []
         except OSError:
             continue
         for line in lines:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from shardkit.core.errors import CheckpointError
-from shardkit.core.files import FileReadError, read_regular_file
+from shardkit.core.files import FileReadError, open_regular, read_regular_file, regular_fd
 from shardkit.platform.dist import all_gather_object, broadcast_object, rank_world
 from shardkit.platform.versions import library_versions
 from shardkit.storage.atomic import atomic_write_text
@@ -286,14 +286,14 @@ def file_digest(path: str | os.PathLike[str], algorithm: str, chunk: int = _CHUN
     what is hashed is what was checked to be inside."""
     h = new_hasher(algorithm)
     if inside is None:
-        fh = open(path, "rb")
+        fh = open_regular(path)
     else:
         real = Path(os.path.realpath(path))
         if not real.is_relative_to(inside):
             raise CheckpointError(f"{path}: leads outside the checkpoint folder {inside} (to {real}); it is not read. "
                                   "Replace the link with the real file, or resume from another tag")
         try:
-            fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            fd = regular_fd(real, follow_links=False)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CheckpointError(f"{path}: became a symlink while it was being verified (a save or a copy is "

@@ -30,10 +30,10 @@ import re
 import stat
 import zipfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Iterable
 
 from shardkit.core.errors import CheckpointError
-from shardkit.core.files import file_kind
+from shardkit.core.files import NotRegularFileError, fd_path, open_regular
 from shardkit.storage.structure_observers import parsed, recall
 
 #: Non-torch globals that DeepSpeed ZeRO checkpoints contain (see module docstring for provenance).
@@ -135,42 +135,58 @@ def safe_torch_load(
     import torch
 
     p = Path(path)
-    _check_file(p)
     extra = list(extra_globals)
+    with _open_checked(p) as fh:
+        try:
+            with torch.serialization.safe_globals(_allow_list(real_deepspeed_objects, extra)):
+                # mmap: torch maps by name, so it is handed the name of this very open file
+                return torch.load(fd_path(fh, p) if mmap else fh, map_location=map_location, weights_only=True,
+                                  mmap=mmap)
+        except pickle.UnpicklingError as exc:
+            raise _unsafe_error(p, exc) from None
+        except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, IndexError) as exc:
+            raise CheckpointError(
+                f"{p}: cannot be read as a torch checkpoint ({type(exc).__name__}: {_first_line(exc)}). "
+                "The file is truncated or corrupted (an interrupted save or copy?). Re-copy it, or resume "
+                "from the previous checkpoint; `shardkit verify` checks every file against the manifest."
+            ) from None
+
+
+#: The fix a rank file that is not a regular file is refused with (core.files.open_regular).
+NOT_REGULAR_FIX = "A checkpoint file is always a regular file: restore the rank file from a copy of the checkpoint"
+
+
+def _permission_denied(p: Path, st: os.stat_result) -> CheckpointError:
+    # said before any read, which would otherwise be taken for damage
+    return CheckpointError(f"{p}: permission denied: this user (uid {os.getuid()}) cannot read it (mode "
+                           f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}). The file is not damaged: fix its "
+                           "permissions (chmod a+r), or run as a user who can read the checkpoint")
+
+
+def _open_checked(p: Path) -> BinaryIO:
+    """``p`` opened through core.files.open_regular (a FIFO, device, socket or folder refused by name, nothing
+    read from it), or a CheckpointError saying why it cannot be read: missing, empty, no permission."""
     try:
-        with torch.serialization.safe_globals(_allow_list(real_deepspeed_objects, extra)):
-            return torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        raise _unsafe_error(p, exc) from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, IndexError) as exc:
-        raise CheckpointError(
-            f"{p}: cannot be read as a torch checkpoint ({type(exc).__name__}: {_first_line(exc)}). "
-            "The file is truncated or corrupted (an interrupted save or copy?). Re-copy it, or resume "
-            "from the previous checkpoint; `shardkit verify` checks every file against the manifest."
-        ) from None
-
-
-def _check_file(p: Path) -> None:
-    if p.is_dir():
-        raise CheckpointError(f"{p}: is a directory, expected a checkpoint file (*.pt)")
-    if not p.exists():
-        raise CheckpointError(f"{p}: checkpoint file does not exist. Was a rank's save lost, or is the path wrong?")
-    mode = p.stat().st_mode
-    if not stat.S_ISREG(mode):
-        # a FIFO would block the reader forever, a device would stream without end
-        link = f" (a symlink to {os.path.realpath(p)})" if p.is_symlink() else ""
-        raise CheckpointError(f"{p}{link}: is {file_kind(mode)}, not a regular file, so it is not read; a checkpoint "
-                              "file is always a regular file. Restore the rank file from a copy of the checkpoint")
-    if p.stat().st_size == 0:
+        fh = open_regular(p, fix=NOT_REGULAR_FIX)
+    except NotRegularFileError as exc:
+        if exc.reason == "folder":
+            raise CheckpointError(f"{p}: is a directory, expected a checkpoint file (*.pt)") from None
+        raise
+    except FileNotFoundError:
+        raise CheckpointError(f"{p}: checkpoint file does not exist. Was a rank's save lost, or is the path wrong?") from None
+    except PermissionError:
+        raise _permission_denied(p, os.stat(p)) from None
+    st = os.fstat(fh.fileno())
+    if not os.access(p, os.R_OK):  # opened (root reads anything) where os.access says this user may not
+        fh.close()
+        raise _permission_denied(p, st)
+    if st.st_size == 0:
+        fh.close()
         raise CheckpointError(
             f"{p}: checkpoint file is empty (0 bytes): the save that wrote it did not finish. "
             "Resume from the previous checkpoint."
         )
-    if not os.access(p, os.R_OK):
-        # said before the read, which would raise PermissionError and be taken for damage below
-        raise CheckpointError(f"{p}: permission denied: this user (uid {os.getuid()}) cannot read it (mode "
-                              f"{stat.filemode(mode)}, owner uid {p.stat().st_uid}). The file is not damaged: fix its "
-                              "permissions (chmod a+r), or run as a user who can read the checkpoint")
+    return fh
 
 
 def _unsafe_error(p: Path, exc: Exception) -> CheckpointError:
@@ -339,7 +355,6 @@ def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | No
     import struct
 
     p = Path(path)
-    _check_file(p)
     # parsed a moment ago in a verify (structure_observers.reusing_parses), through the same allow-list
     reused = recall(p) if allowed is None else None
     if reused is not None:
@@ -378,7 +393,7 @@ def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | No
             return storages.setdefault(key, _Storage(key, STORAGE_DTYPES[storage_type]))
 
     try:
-        with zipfile.ZipFile(p) as z, open(p, "rb") as fh:
+        with _open_checked(p) as fh, zipfile.ZipFile(fh) as z:
             names, records = z.namelist(), z.infolist()
             pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if pkl is None:

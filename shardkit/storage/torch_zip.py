@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Sequence, Union
 
 from shardkit.core import progress
+from shardkit.core.files import regular_fd
 from shardkit.storage.digest import default_algorithm, new_hasher
 
 try:
@@ -187,7 +188,7 @@ class ZipWriter:
                     else:
                         fd = fds.get(seg.path)
                         if fd is None:
-                            fd = fds[seg.path] = os.open(seg.path, os.O_RDONLY)
+                            fd = fds[seg.path] = regular_fd(seg.path)
                         pread_exact(fd, window, seg.offset + done, seg.path)
                         if self.on_read is not None:
                             self.on_read(seg.path, seg.offset + done, window)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import open_regular
 from shardkit.storage.torch_load import Dtype
 
 METADATA_NAME = ".metadata"
@@ -184,7 +185,7 @@ def read_plain_metadata(path: str | os.PathLike[str]) -> DcpMetadata:
     wrong, for a missing, truncated or malformed file."""
     p = Path(path)
     try:
-        with open(p, "rb") as fh:
+        with open_regular(p) as fh:
             raw = _Unpickler(fh, str(p)).load()
         return _convert(raw, p)
     except CheckpointError:

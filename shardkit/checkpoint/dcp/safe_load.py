@@ -38,6 +38,7 @@ from shardkit.checkpoint.dcp.plain_metadata import (
     unreadable,
 )
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import open_regular
 
 
 def _allowed_global(module: str, name: str) -> Any | None:
@@ -78,7 +79,7 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
     file and the global for anything outside it, or for a damaged file."""
     p = Path(path)
     try:
-        with open(p, "rb") as fh:
+        with open_regular(p) as fh:
             md = _MetadataUnpickler(fh, str(p)).load()
     except CheckpointError:
         raise

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, StorageInfo, read_plain_metadata
 from shardkit.checkpoint.model.tensors import contiguous_strides
+from shardkit.core.files import open_regular, regular_fd
 from shardkit.storage.torch_load import ITEMSIZE, STORAGE_DTYPES, TensorRef
 from shardkit.storage.torch_zip import pread_exact
 
@@ -228,7 +229,7 @@ class DcpSlices:
             if item is None:
                 return None
             path, info = item
-            with open(path, "rb") as fh:
+            with open_regular(path) as fh:
                 at = _chunk_data_offset(fh, info.offset, info.length, c.sizes, meta.dtype)
             if at is None:
                 return None
@@ -253,7 +254,7 @@ class DcpSlices:
             return None
         path, info = item
         try:
-            with open(path, "rb") as fh:
+            with open_regular(path) as fh:
                 r = _tensor_record(fh, info.offset, info.length)
         except _UNREADABLE:
             return None
@@ -271,7 +272,7 @@ class DcpSlices:
         path = Path(ref.path)
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            fd = self._fds[path] = regular_fd(path)
         data = bytearray(ref.numel * ref.itemsize)
         pread_exact(fd, memoryview(data), ref.file_offset, path, ref.key)
         self.bytes_read += len(data)
@@ -294,7 +295,7 @@ class DcpSlices:
             return False, None
         path, info = item
         try:
-            with open(path, "rb") as fh:
+            with open_regular(path) as fh:
                 z = _item_zip(fh, info.offset, info.length)
                 if z is None:
                     return False, None
@@ -347,7 +348,7 @@ class DcpSlices:
                 continue
             fd = self._fds.get(ch.file)
             if fd is None:
-                fd = self._fds[ch.file] = os.open(ch.file, os.O_RDONLY)
+                fd = self._fds[ch.file] = regular_fd(ch.file)
             dst = view[(a - start) * elsize:(b - start) * elsize]
             pread_exact(fd, dst, ch.data_offset + (a - ch.start) * elsize, ch.file, key)
             self.bytes_read += len(dst)

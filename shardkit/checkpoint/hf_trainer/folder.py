@@ -27,6 +27,7 @@ from typing import Callable
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, fsdp_refusal, read_by_shardkit
 from shardkit.checkpoint.hf_trainer.rng_files import RNG_RANK_FILE, RNG_SINGLE_FILE, plan_rng_files
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import not_regular
 from shardkit.core.findings import Finding, Severity
 from shardkit.storage.atomic import os_errors_named
 from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, read_latest
@@ -116,7 +117,8 @@ def locate_trainer_checkpoint(path: str | Path, *, fsdp_read: bool = False) -> T
     has_ds_root = (p / LATEST_NAME).exists() or any(
         e.name.endswith(("_model_states.pt", "_optim_states.pt")) for e in p.iterdir())
     if has_ds_root:
-        return TrainerCheckpoint(p) if (p / TRAINER_STATE).is_file() else None
+        # of any kind: a FIFO there still makes a Trainer folder (whose check names it), not a plain root
+        return TrainerCheckpoint(p) if (p / TRAINER_STATE).exists() else None
     found = checkpoint_dirs(p)
     if found:
         newest = found[-1][1]
@@ -125,7 +127,7 @@ def locate_trainer_checkpoint(path: str | Path, *, fsdp_read: bool = False) -> T
             older = f". Older checkpoints there: {', '.join(d.name for _, d in found[:-1])}" if found[:-1] else ""
             raise CheckpointError(_no_deepspeed_message(newest, p) + older)
         return TrainerCheckpoint(newest, picked_from=p, others=tuple(d.name for _, d in found[:-1]))
-    if (p / TRAINER_STATE).is_file() or CHECKPOINT_DIR.match(p.name):
+    if (p / TRAINER_STATE).exists() or CHECKPOINT_DIR.match(p.name):
         if _deepspeed_tags(p) or (fsdp_read and _fsdp_read(p)):
             return TrainerCheckpoint(p)  # no 'latest': the DeepSpeed reader names the tags found
         raise CheckpointError(_no_deepspeed_message(p, None))
@@ -149,7 +151,7 @@ def trainer_folder_of_tag(path: str | Path) -> Path | None:
     """The Trainer ``checkpoint-N`` holding ``path`` when ``path`` is its ``global_stepN`` tag folder
     (resharding that alone leaves the Trainer's files behind), else None."""
     p = Path(path)
-    if p.is_dir() and p.name.startswith(DEEPSPEED_TAG_PREFIX) and (p.parent / TRAINER_STATE).is_file():
+    if p.is_dir() and p.name.startswith(DEEPSPEED_TAG_PREFIX) and (p.parent / TRAINER_STATE).exists():
         return p.parent
     return None
 
@@ -203,6 +205,10 @@ def trainer_files_not_converted(folder: Path) -> list[str]:
     return out
 
 
+#: The fix for a Trainer file that is not a regular file (core.files.not_regular).
+_TRAINER_FILE_FIX = "restore the file from a copy of the checkpoint (the Trainer reads it on resume)"
+
+
 def verify_trainer_checkpoint(
     path: str | Path, *, world_size: int | None = None, engine: str | None = None, checksums: bool = True
 ) -> CheckpointReport | None:
@@ -229,6 +235,10 @@ def verify_trainer_checkpoint(
                                  "Trainer still resumes it as is); `shardkit reshard` writes one into the copy it makes",
     }
     report.findings = [dataclasses.replace(f, fix=fixes[f.rule]) if f.rule in fixes else f for f in report.findings]
+    for e in sorted(found.folder.iterdir()):
+        refusal = None if e.is_dir() else not_regular(e, fix=_TRAINER_FILE_FIX)
+        if refusal is not None:  # a FIFO or device in place of trainer_state.json, an RNG file...: the resume reads it
+            report.add(Finding(Severity.ERROR, "file", e.name, str(refusal), _TRAINER_FILE_FIX, "ckpt.trainer.not_regular"))
     note = found.note()
     if note:
         report.add(Finding(Severity.INFO, "checkpoint", found.folder.name, note,

@@ -33,6 +33,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardkit.core.files import open_regular
+
 #: ``accelerate.utils.constants.FSDP_MODEL_NAME`` and ``OPTIMIZER_NAME``.
 FSDP_MODEL_NAME = "pytorch_model_fsdp"
 OPTIMIZER_NAME = "optimizer"
@@ -117,7 +119,7 @@ _DTENSOR_GLOBAL = re.compile(rb"ctorch\.distributed\.[\w.]*\nDTensor\n")
 def _rank_pickle(rank_file: Path) -> bytes | None:
     """The ``data.pkl`` of a per-rank ``torch.save`` file (no tensor byte is read); None when damaged."""
     try:
-        with zipfile.ZipFile(rank_file) as z:
+        with open_regular(rank_file) as fh, zipfile.ZipFile(fh) as z:
             pkl = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
             return z.read(pkl) if pkl is not None else b""
     except (OSError, zipfile.BadZipFile, KeyError):

@@ -24,7 +24,8 @@ from shardkit.checkpoint.layout.torch_files import (
     describe_hf_model,
 )
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.listing import walk
+from shardkit.core.files import not_regular, read_regular_text
+from shardkit.storage.listing import list_folder, walk
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, read_latest
 from shardkit.storage.verify import verify_checkpoint
@@ -54,7 +55,7 @@ def _manifest(desc: CheckpointDescription, folder: Path) -> None:
 
 def _trainer_step(folder: Path) -> int | None:
     try:
-        state = json.loads((folder / TRAINER_STATE).read_text())
+        state = json.loads(read_regular_text(folder / TRAINER_STATE))
     except (OSError, ValueError):
         return None
     step = state.get("global_step") if isinstance(state, dict) else None
@@ -73,8 +74,19 @@ def _tag_folder(p: Path) -> Path | None:
     return None
 
 
+def _refuse_special_files(p: Path) -> None:
+    """A FIFO, device or socket among the folder's entries (or a link to one) is named now: a description reads
+    only some of the files, and would otherwise describe a checkpoint no resume can read."""
+    listing = list_folder(p)
+    for name in listing.names:
+        refusal = None if name in listing.files or name in listing.folders else not_regular(p / name)
+        if refusal is not None and refusal.reason != "folder":
+            raise refusal
+
+
 def _describe_folder(p: Path, given: str) -> CheckpointDescription:
-    if (p / METADATA_NAME).is_file():
+    _refuse_special_files(p)
+    if (p / METADATA_NAME).exists():  # of any kind: a FIFO there is named by the DCP read
         return describe_dcp(p, given)
     if is_deepspeed_folder(p):
         return describe_deepspeed(p, given)

@@ -21,6 +21,7 @@ from shardkit.checkpoint.hf_trainer.fsdp_files import (
 )
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import open_regular
 from shardkit.storage.torch_load import TensorRef, read_structure
 
 #: Weight files of a folder from_pretrained loads as it is.
@@ -153,7 +154,7 @@ def describe_accelerate_fsdp(folder: Path, layout: FsdpLayout, given: str) -> Ch
 
 
 def _safetensors_header(file: Path) -> dict[str, object]:
-    with open(file, "rb") as f:
+    with open_regular(file) as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise CheckpointError(f"{file}: shorter than a safetensors header (8 bytes); the file is truncated")

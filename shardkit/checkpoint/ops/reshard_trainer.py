@@ -28,6 +28,7 @@ from shardkit.checkpoint.ops.carried_files import tag_files_not_carried
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.files import not_regular
 from shardkit.storage.atomic import os_errors_named, publish_dir, signals_deferred
 from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.manifest import MANIFEST_NAME
@@ -106,6 +107,8 @@ def _copy_trainer_files(src: Path, staged: Path, tags: set[str], rng: RngPlan) -
             skipped.append(f"{name} (leftover of an interrupted save)")
         elif name.startswith(DEEPSPEED_TAG_PREFIX) and e.is_dir() and not e.is_symlink():
             skipped.append(f"{name}/ (a DeepSpeed tag '{LATEST_NAME}' does not name; never loaded)")
+        elif not e.is_symlink() and not e.is_dir() and (refusal := not_regular(e)) is not None:
+            raise refusal  # a FIFO or device in place of a Trainer file: the resume reads it, so the source is not whole
         elif e.is_symlink() or not (e.is_file() or e.is_dir()):
             skipped.append(f"{name} (a link or special file)")
         elif e.is_dir():

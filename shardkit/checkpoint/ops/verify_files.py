@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 from shardkit.checkpoint.dcp.plain_metadata import read_plain_metadata
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import NotRegularFileError, not_regular, open_regular
 from shardkit.storage.listing import list_folder
 from shardkit.storage.structure_observers import observe_structures
 from shardkit.storage.torch_load import DeepSpeedObjectStub, read_structure
@@ -58,7 +59,7 @@ def torch_zip_problem(path: Path) -> str | None:
 
     Reads the central directory and 30 bytes per record (a DeepSpeed rank file has a few dozen)."""
     try:
-        with zipfile.ZipFile(path) as z:
+        with open_regular(path) as fh, zipfile.ZipFile(fh) as z:
             records = z.infolist()
     except (zipfile.BadZipFile, OSError, ValueError, struct.error) as exc:
         return _unreadable(path, exc)
@@ -70,7 +71,7 @@ def zip_records_problem(path: Path, records: list[zipfile.ZipInfo]) -> str | Non
     parse: ``storage.structure_observers``): 30 bytes per record are read here, the directory not again."""
     try:
         size = os.stat(path).st_size
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             for info in records:
                 fh.seek(info.header_offset)
                 header = fh.read(_LOCAL_HEADER)
@@ -145,6 +146,8 @@ def parse_torch_file(folder: Path, rel: str) -> tuple[Any, FileProblem | None]:
     try:
         with observe_structures(lambda p, _structure, records: seen.append(records) if p == path else None):
             structure = read_structure(path)
+    except NotRegularFileError as exc:  # a FIFO, device or socket: named as what it is, never opened again
+        return None, FileProblem(rel, str(exc), RECOPY, "ckpt.structure.not_regular")
     except CheckpointError as exc:  # read_structure names a damaged length or nesting field too
         problem = torch_zip_problem(path)
         if problem is not None:
@@ -193,6 +196,10 @@ def dcp_problems(folder: Path, *, prefix: str = "") -> list[FileProblem]:
                                    f"{items[rel]:,} item(s) in (e.g. {key!r})", "a copy made a folder of the file: "
                                    "replace it with the file from the machine that saved it, or resume from another "
                                    "checkpoint", "ckpt.structure.distcp"))
+            continue
+        refusal = not_regular(path)
+        if refusal is not None:  # a FIFO, device or socket: named as what it is, never opened
+            out.append(FileProblem(f"{prefix}{rel}", str(refusal), RECOPY, "ckpt.structure.not_regular"))
             continue
         if not path.is_file():
             out.append(FileProblem(f"{prefix}{rel}", f"{path}: missing; {meta} places {items[rel]:,} item(s) in it "

@@ -26,6 +26,7 @@ from typing import Any
 
 from shardkit.checkpoint.zero3.layout import client_state_keys
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import open_regular
 from shardkit.storage.torch_load import TensorRef
 
 #: How a one-element tensor ``step`` is stored (torch keeps it as a float32 tensor since 1.12, some
@@ -41,7 +42,7 @@ def step_value(value: Any, where: str) -> float:
         if value.path is None or value.file_offset is None:
             raise CheckpointError(f"{where}: step is a tensor whose bytes are not in the file; the file is damaged")
         fmt = _SCALAR_FORMATS[value.dtype]
-        with open(value.path, "rb") as fh:
+        with open_regular(value.path) as fh:
             fh.seek(value.file_offset)
             raw = fh.read(struct.calcsize(fmt))
         return float(struct.unpack(fmt, raw)[0])

@@ -35,6 +35,7 @@ from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.dcp import dcp_tensor, dcp_tensors
 from shardkit.checkpoint.readers.deepspeed_scalars import step_value
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import open_regular
 from shardkit.storage.torch_load import ITEMSIZE, TensorRef, read_structure
 
 #: accelerate's ``FSDP_MODEL_NAME``/``OPTIMIZER_NAME`` (``utils/constants.py``).
@@ -56,7 +57,7 @@ def read_fsdp1_sharded(model_dir: Path) -> TrainingCheckpoint:
         f"{f', written by {ranks} rank(s)' if ranks else ''})"])
     m = _MODEL_DIR.match(model_dir.name)
     optim_dir = model_dir.parent / f"{_OPTIM_ROOT}_{m.group(1) if m else 0}"
-    if (optim_dir / METADATA_NAME).is_file():
+    if (optim_dir / METADATA_NAME).exists():
         _read_dcp_optimizer(optim_dir, ckpt)
         model_slices = DcpSlices(model_dir)
         try:
@@ -100,7 +101,7 @@ def same_bytes(a: SourceTensor, b: SourceTensor) -> bool:
         return False
     pa, pb = a.pieces[0], b.pieces[0]
     left, step = pa.numel * ITEMSIZE[a.dtype], 16 * 2**20
-    with open(pa.file, "rb") as fa, open(pb.file, "rb") as fb:
+    with open_regular(pa.file) as fa, open_regular(pb.file) as fb:
         fa.seek(pa.offset)
         fb.seek(pb.offset)
         while left > 0:

@@ -36,6 +36,7 @@ from shardkit.checkpoint.layout.detect import LATEST_UNIVERSAL
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import open_regular
 from shardkit.storage.atomic import atomic_save, publish_dir, signals_deferred, staging_dir, write_latest
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ def _load(t: SourceTensor, dtype: "torch.dtype | None") -> "torch.Tensor":
         flat = torch.empty(t.numel, dtype=source_dtype)
         size = flat.element_size()
         for p in t.pieces:
-            with open(p.file, "rb") as fh:
+            with open_regular(p.file) as fh:
                 fh.seek(p.offset)
                 raw = bytearray(fh.read(p.numel * size))
             if len(raw) != p.numel * size:

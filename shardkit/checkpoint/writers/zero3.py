@@ -46,6 +46,7 @@ from shardkit.checkpoint.zero3.layout import append_segment, partition_numel, ra
 from shardkit.checkpoint.zero3.repartition import TargetLayout
 from shardkit.core import progress
 from shardkit.core.errors import UsageError
+from shardkit.core.files import open_regular
 from shardkit.platform.versions import package_version
 from shardkit.storage.manifest import FileEntry
 from shardkit.storage.pipeline import default_workers
@@ -200,7 +201,7 @@ def read_slice(t: SourceTensor, lo: int, hi: int) -> "torch.Tensor":
     for p in t.pieces:
         a, b = max(lo, p.start), min(hi, p.start + p.numel)
         if b > a:
-            with open(p.file, "rb") as fh:
+            with open_regular(p.file) as fh:
                 fh.seek(p.offset + (a - p.start) * size)
                 buf[(a - lo) * size:(b - lo) * size] = fh.read((b - a) * size)
     return torch.frombuffer(buf, dtype=getattr(torch, t.dtype)) if buf else torch.empty(0, dtype=getattr(torch, t.dtype))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from shardkit.checkpoint.zero3.files import OPTIM_FILE
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import open_regular
 from shardkit.storage.listing import FolderListing, list_folder
 from shardkit.storage.torch_load import TensorRef
 
@@ -44,7 +45,7 @@ def tensor_from_ref(ref: TensorRef) -> "torch.Tensor":
 
     if ref.path is None:
         raise CheckpointError(f"{ref!r} was not read from a file: its bytes are unknown")
-    with open(ref.path, "rb") as fh:
+    with open_regular(ref.path) as fh:
         fh.seek(ref.record_offset)
         raw = bytearray(fh.read(ref.record_nbytes))
     dtype = getattr(torch, ref.dtype)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from shardkit.checkpoint.zero3.file_offsets import FileOffsets, torch_uint8
 from shardkit.checkpoint.zero3.layout import rank_range
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import regular_fd
 from shardkit.storage.torch_load import safe_torch_load
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class RankPartitions:
             view = memoryview(out.view(torch_uint8()).numpy())
             done, want, at = 0, view.nbytes, base + start * src.element_size()
             if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDONLY)
+                self._fd = regular_fd(self.path)
             while done < want:
                 n = os.preadv(self._fd, [view[done:]], at + done)
                 if n <= 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardkit.core.files import open_regular
 from shardkit.storage.torch_load import iter_leaves
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class FileOffsets:
             return None
         offset = self._base + t.data_ptr()
         probe = min(16, t.numel() * t.element_size())
-        with open(self.path, "rb") as fh:
+        with open_regular(self.path) as fh:
             fh.seek(offset)
             on_disk = fh.read(probe)
         if on_disk != t.reshape(-1)[: max(1, probe // t.element_size())].contiguous().view(torch_uint8()).numpy().tobytes()[:probe]:
@@ -65,7 +66,7 @@ def _zip_data_offsets(path: Path) -> list[int]:
     import zipfile
 
     out = []
-    with zipfile.ZipFile(path) as z, open(path, "rb") as fh:
+    with open_regular(path) as fh, zipfile.ZipFile(fh) as z:
         for info in z.infolist():
             if "/data/" not in info.filename or info.file_size == 0 or info.compress_type != zipfile.ZIP_STORED:
                 continue

@@ -32,8 +32,9 @@ from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE, r
 from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.config.view import deepspeed_view
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import not_regular
 from shardkit.storage.listing import FolderListing, list_folder
-from shardkit.storage.torch_load import TensorRef, read_structure, safe_torch_load
+from shardkit.storage.torch_load import NOT_REGULAR_FIX, TensorRef, read_structure, safe_torch_load
 
 
 def _numel(t: Any) -> int:
@@ -111,6 +112,11 @@ def _describe(tag_dir: Path, tag: str, load: Any, torch_free: bool, listing: Fol
                     f"{f}: missing, but dp_world_size is {world} so every rank 0..{world - 1} must have saved one. "
                     "A rank died during the save or the copy is partial; resume from the previous checkpoint."
                 )
+            # a FIFO, device or socket in a rank file's place: named now, even where this command never reads that file
+            # (a reshard to another world size reads rank 0's model file only): the checkpoint is not whole
+            refusal = not_regular(f, fix=NOT_REGULAR_FIX) if listing is not None and f.name not in listing.files else None
+            if refusal is not None and refusal.reason != "folder":
+                raise refusal
     model_files = [tag_dir / MODEL_FILE.format(rank=r) for r in range(world)]
     optim_files = [tag_dir / OPTIM_FILE.format(prefix=prefix, rank=r) for r in range(world)]
     extra = sorted(name for name in names() if (m := RANK_FILE.match(name)) and int(m.group(2)) >= world)

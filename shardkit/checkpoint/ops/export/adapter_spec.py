@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardkit.checkpoint.ops.export.model_spec import meta_model
 from shardkit.core.errors import UsageError
+from shardkit.core.files import read_regular_text
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -42,7 +43,7 @@ def adapter_spec(config_dir: Path, adapter_dir: Path) -> AdapterSpec:
                          "pip install peft") from None
     path = adapter_dir / ADAPTER_CONFIG
     try:
-        peft_type = json.loads(path.read_text(encoding="utf-8"))["peft_type"]
+        peft_type = json.loads(read_regular_text(path))["peft_type"]
         config = peft.PEFT_TYPE_TO_CONFIG_MAPPING[peft_type].from_pretrained(str(adapter_dir))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"{path}: not a peft adapter config peft {peft.__version__} reads ({type(exc).__name__}: "

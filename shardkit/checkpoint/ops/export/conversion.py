@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import regular_fd
 from shardkit.storage.torch_load import ITEMSIZE
 
 if TYPE_CHECKING:
@@ -337,7 +338,7 @@ def _read(t: SourceTensor) -> torch.Tensor:
     size = ITEMSIZE[t.dtype]
     buf = bytearray(t.numel * size)
     for p in t.pieces:
-        fd = os.open(p.file, os.O_RDONLY)
+        fd = regular_fd(p.file)
         try:
             view = memoryview(buf)[p.start * size:(p.start + p.numel) * size]
             done = 0

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -39,6 +38,7 @@ from shardkit.checkpoint.ops.export.sources import COMPANION_FILES, Source, find
 from shardkit.checkpoint.ops.export.writer import ShardJob, entry_dtype, output_dtype, write_shards
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.files import copy_regular
 from shardkit.storage.atomic import atomic_write_text, disk_full_named, os_errors_named, publish_dir
 from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.listing import lists_source_once
@@ -151,7 +151,7 @@ def export_hf_folder(
                          "weight_map": {n: s.filename for s in shards for n in s.names}}
                 atomic_write_text(staged / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
             if plan.adapter_dir is not None:
-                shutil.copy2(plan.adapter_dir / ADAPTER_CONFIG, staged / ADAPTER_CONFIG)
+                copy_regular(plan.adapter_dir / ADAPTER_CONFIG, staged / ADAPTER_CONFIG)
                 copied = [ADAPTER_CONFIG, *_copy_companions(plan.adapter_dir, config_dir, staged)]
             else:
                 copied = _copy_config(staged, raw_config, out_name) + _copy_companions(config_dir, config_dir, staged)
@@ -233,6 +233,6 @@ def _copy_companions(first: Path, second: Path, staged: Path) -> list[str]:
     for name in COMPANION_FILES:
         f = next((d / name for d in (first, second) if (d / name).is_file() and not (d / name).is_symlink()), None)
         if f is not None:
-            shutil.copy2(f, staged / name)
+            copy_regular(f, staged / name)
             copied.append(name)
     return copied

@@ -23,6 +23,7 @@ from typing import Any
 
 from shardkit.checkpoint.ops.export.conversion import SaveConversion, save_conversion
 from shardkit.core.errors import UsageError
+from shardkit.core.files import read_regular_text
 
 CONFIG_NAME = "config.json"
 
@@ -53,7 +54,7 @@ class ModelSpec:
 def read_config(config_dir: Path) -> dict[str, Any]:
     path = config_dir / CONFIG_NAME
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular_text(path))
     except (OSError, ValueError) as exc:
         raise UsageError(f"{path}: cannot be read as a model config ({type(exc).__name__}: {exc}); pass --model-config "
                          "DIR with the config.json the model was built from") from None

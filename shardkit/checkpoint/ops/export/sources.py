@@ -77,7 +77,7 @@ def resolve_source(path: str | Path) -> Source:
     universal = universal_tag_dir(p)
     if universal is not None:  # ds_to_universal output, or the root whose latest_universal names it
         return Source("universal", universal, p, notes)
-    if (p / METADATA_NAME).is_file():
+    if (p / METADATA_NAME).exists():  # of any kind: a FIFO there is named by the DCP read
         return Source("dcp", p, p, notes)
     fsdp = fsdp_layout(p)
     if fsdp is not None:
@@ -90,7 +90,7 @@ def resolve_source(path: str | Path) -> Source:
         raise CheckpointError(f"{p}: an FSDP Trainer checkpoint saved with {fsdp.state_dict_type} ({', '.join(fsdp.model)}): "
                               f"{unread_why(fsdp)}. Nothing was written")
     tag = latest_tag(p) if (p / LATEST_NAME).exists() else None
-    if tag is not None and (p / tag / METADATA_NAME).is_file():
+    if tag is not None and (p / tag / METADATA_NAME).exists():
         return Source("dcp", p / tag, p, notes)
     full = [n for n in _FULL_WEIGHTS if (p / n).is_file()]
     if full and tag is None and not any(RANK_FILE.match(e.name) for e in p.iterdir()):

@@ -21,6 +21,7 @@ from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.ops.export.shard_plan import Shard
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.files import regular_fd
 from shardkit.storage.safetensors_file import TensorEntry, copy_bytes, header_layout, write_header
 from shardkit.storage.stream import join_pool, submit_all
 from shardkit.storage.torch_load import ITEMSIZE
@@ -72,7 +73,7 @@ class SourceFiles:
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                fd = self._fds[path] = regular_fd(path)
             return fd
 
     def close(self) -> None:
