@@ -229,3 +229,30 @@ def test_ctrl_c_while_the_heartbeat_thread_starts_stops_the_heartbeat(tmp_path, 
     for t in left:
         t.join(5)
     assert fired and left == []
+
+
+def test_a_universal_write_in_progress_is_refused_by_name_not_removed_by_another_writer(tmp_path, monkeypatch):
+    # write_universal staged without an owner file: a claim-based writer of the same output (convert --to
+    # universal) would take its folder, files and all, for a killed run's leftover and remove it
+    import shardkit.checkpoint.writers.universal as universal
+    from shardkit.core.errors import CheckpointError
+    from shardkit.storage.shared_save import Launch, claim
+
+    refused: list[str] = []
+
+    def write_while_another_run_claims(ckpt, staged, *args):
+        (staged / "zero" / "w").mkdir(parents=True)
+        (staged / "zero" / "w" / "fp32.pt").write_bytes(b"written")
+        with pytest.raises(CheckpointError, match=r"another shardkit run \(job 'pid-.*\) is writing this output right "
+                                                  r"now") as e:
+            claim(tmp_path / "universal", "global_step2", Launch(0, 1, "job-b", "single process", "host"))
+        refused.append(str(e.value))
+        assert (staged / "zero" / "w" / "fp32.pt").read_bytes() == b"written"
+
+    class Model:
+        trainable: list[str] = []
+
+    monkeypatch.setattr(universal, "universal_state_keys", lambda ckpt: [])
+    monkeypatch.setattr(universal, "_write", write_while_another_run_claims)
+    final = universal.write_universal(Model(), tmp_path / "universal", "global_step2")
+    assert refused and sorted(os.listdir(final)) == ["zero"]

@@ -37,7 +37,8 @@ from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import open_regular
-from shardkit.storage.atomic import atomic_save, publish_dir, signals_deferred, staging_dir, write_latest
+from shardkit.storage.atomic import atomic_save, publish_dir, signals_deferred, write_latest
+from shardkit.storage.shared_save import OWNER_NAME, claim, launch_from_env, remove_own_claim
 
 if TYPE_CHECKING:
     import torch
@@ -55,17 +56,17 @@ def write_universal(ckpt: TrainingCheckpoint, root: Path, tag: str) -> Path:
     Refuses, before writing, what ``universal_state_keys`` refuses.
     """
     keys = universal_state_keys(ckpt)
-    root.mkdir(parents=True, exist_ok=True)
-    staged = staging_dir(root, tag)
-    if staged.exists():
-        raise CheckpointError(f"{staged}: a staging folder is there (another writer, or a killed one): remove it "
-                              "after checking no write is running. Nothing was written")
+    launch = launch_from_env(single=True)
+    # claimed as every other writer's staging folder is (its owner file in it from its first moment):
+    # a live writer of the same output is refused by name, a killed one's leftover removed; without an
+    # owner file a claim-based run (convert --to universal) took this folder, files and all, for a leftover
+    staged = claim(root, tag, launch, sweep=False)
     try:
         _write(ckpt, staged, ckpt.trainable, keys)
-        publish_dir(staged, root / tag)
+        publish_dir(staged, root / tag, drop=(OWNER_NAME,))
     except BaseException:
         with signals_deferred():  # a second SIGTERM (a repeated cancel) must not cut the removal short
-            shutil.rmtree(staged, ignore_errors=True)
+            remove_own_claim(staged, launch)
         raise
     write_latest(root, tag, LATEST_UNIVERSAL)
     return root / tag
