@@ -234,7 +234,7 @@ def test_write_manifest_records_digests_that_later_verifies_compare(saves, run_c
     code, after = _verify(run_cli, root)
     assert code == 1 and [f["rule"] for f in _errors(after)] == ["ckpt.file.checksum"]
     code, _, err = run_cli("verify", root, "--write-manifest")
-    assert code == 2 and "has a shardkit manifest already" in err
+    assert code == 2 and f"--write-manifest: {tag}/{MANIFEST} exists already" in err
 
 
 def test_a_changed_tensor_byte_is_not_seen_without_a_manifest(saves, run_cli, tmp_path):
