@@ -155,7 +155,7 @@ def fsdp_refusal(head: str, layout: FsdpLayout, folder: Path) -> str:
                 "consolidate and convert --to fsdp2 read its SHARDED_STATE_DICT and FULL_STATE_DICT layouts (DCP "
                 "folders or per-rank files)" if read else
                 "shardkit's export, consolidate and convert read accelerate's SHARDED_STATE_DICT (DCP, or "
-                f"per-rank files) and FULL_STATE_DICT layouts, not accelerate's FSDP files of this kind: {unread_why(layout)}")
+                f"per-rank files) and FULL_STATE_DICT layouts, not accelerate's FSDP files of this kind: {unread_why(layout, folder)}")
     if not layout.optimizer:
         return (f"{head}; {what}. It holds no optimizer state (TrainingArguments.save_only_model=True, or the save "
                 f"was interrupted), so it can start a new run but not resume one. {not_ours}")
@@ -175,9 +175,35 @@ def fsdp_refusal(head: str, layout: FsdpLayout, folder: Path) -> str:
             f"{not_ours}")
 
 
-def unread_why(layout: FsdpLayout) -> str:
+def refused_global(layout: FsdpLayout, folder: Path) -> str | None:
+    """The weights-only unpickler's refusal of the first per-rank file of ``folder`` whose pickle names a global
+    outside what ``torch.save`` writes (``os.system``...: nothing is run), or None. Asked only of per-rank files
+    that hold neither ShardedTensors nor DTensors, so the refusal, naming the file and the global, is what the
+    user reads instead of a layout that only looks unfamiliar."""
+    from shardkit.core.errors import CheckpointError
+    from shardkit.storage.torch_load import read_structure
+
+    for name in [*layout.model, *layout.optimizer]:
+        if name.endswith("/"):
+            continue  # a DCP folder: read through .metadata, not a pickle
+        try:
+            read_structure(folder / name, what="the per-rank files accelerate's FSDP save writes")
+        except CheckpointError as exc:
+            if "refused to load" in str(exc):
+                return str(exc)
+    return None
+
+
+def unread_why(layout: FsdpLayout, folder: Path | None = None) -> str:
     """Why shardkit reads no tensor of a per-rank layout it refuses, and the fix (export, consolidate,
-    convert and inspect say the same)."""
+    convert and inspect say the same). ``folder``: where the files are, so that a file the weights-only
+    unpickler refuses is named with the global it refused."""
+    refusal = (refused_global(layout, folder) if folder is not None and layout.state_dict_type == SHARDED_PER_RANK
+               else None)
+    if refusal is not None:
+        return (f"{refusal.rstrip('.')}; a per-rank file that calls a global torch.save never writes is not one FSDP "
+                "saved (tampered with, or written by something else), so no file of this save is read. Re-copy the "
+                "checkpoint from the run that saved it, or resume from another checkpoint")
     if layout.state_dict_type == "LOCAL_STATE_DICT":
         # FSDP1's _local_post_state_dict_hook (torch 2.13 fsdp/_state_dict_utils.py) saves each FSDP unit's
         # flat parameter shard as a 1-D ShardedTensor; the FlatParamShardMetadata (names, shapes, padding)

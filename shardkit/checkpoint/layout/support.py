@@ -152,8 +152,11 @@ TABLE: dict[str, dict[str, Cell]] = {
         **_TO_ZERO, "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _WEIGHTS,
         "export": _EXPORT, "plain_verify": _STRUCTURE,
     },
-    "fsdp-unread": {  # LOCAL_STATE_DICT, per-rank files of a kind no reader reads: unread_why says what they lack
-        **{c: _own("{unread}") for c in COMMANDS if c != "verify"}, "plain_verify": _own("{unread}"),
+    # LOCAL_STATE_DICT, per-rank files of a kind no reader reads: unread_why says what they lack (or names the file
+    # and the global the weights-only unpickler refused). Guarded: outside a Trainer checkpoint-N (whose own check
+    # says the same) reshard's own check would only say it is not DeepSpeed
+    "fsdp-unread": {
+        **{c: _guard("{unread}") for c in COMMANDS if c != "verify"}, "plain_verify": _own("{unread}"),
     },
     "hf-model": {
         "reshard": _guard(_HF.replace("{what}", "reshard")),
@@ -196,7 +199,7 @@ def _facts(desc: CheckpointDescription) -> dict[str, str]:
     layout = fsdp_layout(Path(desc.folder)) if desc.format == "accelerate-fsdp" else None
     return {"path": desc.path, "folder": desc.folder, "stage": str(desc.stage),
             "world": str(desc.world_size) if desc.world_size else "the same number of",
-            "unread": unread_why(layout) if layout is not None else "no accelerate FSDP files found",
+            "unread": unread_why(layout, Path(desc.folder)) if layout is not None else "no accelerate FSDP files found",
             "reader": desc.reader_kind or _READER.get(_key(desc), "")}
 
 
@@ -255,7 +258,9 @@ def verdicts(desc: CheckpointDescription) -> list[Verdict]:
         why = cell.why
         for name, value in facts.items():
             why = why.replace("{" + name + "}", value)
-        out.append(Verdict(command, cell.applies, why, cell.guarded))
+        # refuse_unsupported leaves accelerate's files inside a Trainer checkpoint-N to the Trainer's own check
+        guarded = cell.guarded and not (desc.format == "accelerate-fsdp" and desc.trainer_folder is not None)
+        out.append(Verdict(command, cell.applies, why, guarded))
     return out
 
 

@@ -88,7 +88,7 @@ def resolve_source(path: str | Path) -> Source:
         if read_by_shardkit(fsdp, p):  # per-rank SHARDED_STATE_DICT files (use_dcp=False): readers.fsdp1_bins
             return Source(per_rank_kind(p / fsdp.model[0]), p, p, notes)
         raise CheckpointError(f"{p}: an FSDP Trainer checkpoint saved with {fsdp.state_dict_type} ({', '.join(fsdp.model)}): "
-                              f"{unread_why(fsdp)}. Nothing was written")
+                              f"{unread_why(fsdp, p)}. Nothing was written")
     tag = latest_tag(p) if (p / LATEST_NAME).exists() else None
     if tag is not None and (p / tag / METADATA_NAME).exists():
         return Source("dcp", p / tag, p, notes)
