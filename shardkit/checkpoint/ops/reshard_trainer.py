@@ -28,7 +28,7 @@ from shardkit.checkpoint.ops.carried_files import tag_files_not_carried
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core.errors import CheckpointError, UsageError
-from shardkit.core.files import not_regular
+from shardkit.core.files import copy_regular, not_regular
 from shardkit.storage.atomic import os_errors_named, publish_dir, signals_deferred
 from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.manifest import MANIFEST_NAME
@@ -112,13 +112,13 @@ def _copy_trainer_files(src: Path, staged: Path, tags: set[str], rng: RngPlan) -
         elif e.is_symlink() or not (e.is_file() or e.is_dir()):
             skipped.append(f"{name} (a link or special file)")
         elif e.is_dir():
-            shutil.copytree(e, staged / name, symlinks=True)
+            shutil.copytree(e, staged / name, symlinks=True, copy_function=copy_regular)
             copied.append(f"{name}/")
         else:
-            shutil.copy2(e, staged / name)
+            copy_regular(e, staged / name)
             copied.append(name)
     for a, b in rng.copies:
-        shutil.copy2(src / a, staged / b)
+        copy_regular(src / a, staged / b)
     return copied, skipped
 
 
