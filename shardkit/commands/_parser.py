@@ -25,11 +25,31 @@ import json
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence, TextIO
+from typing import Any, Callable, Iterator, NoReturn, Sequence, TextIO
+
+from shardkit.core.errors import UsageError
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keep the hand-wrapped examples in every epilog as written."""
+
+
+class CommandLineError(UsageError):
+    """argparse's refusal of a command line (a missing or unknown argument, a value of the wrong type),
+    raised instead of argparse's own exit so shardkit.cli.main ends it as every other failure: the
+    usage and the message on stderr, exit 2, and under ``--json`` the one JSON object on stdout."""
+
+    def __init__(self, message: str, usage: str, prog: str):
+        super().__init__(message)
+        self.usage, self.prog = usage, prog
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of ``shardkit`` and of every command (``add_subparsers`` gives each subparser its
+    parent's class): its errors are raised as :class:`CommandLineError`, not printed and exited on."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandLineError(message, self.format_usage(), self.prog)
 
 
 def add_command(
@@ -189,7 +209,8 @@ _REAL_STDOUT: list[TextIO] = []
 def json_results(args: argparse.Namespace) -> Iterator[None]:
     """Around a command: with ``--json`` every line the command prints goes to stderr, so stdout holds
     the JSON alone (``emit_json`` writes it there). A ShardkitError under ``--json``/``--json-file``
-    still gives a JSON result (``ok: false`` and the message) before the CLI prints it."""
+    still gives a JSON result (``ok: false`` and the message); inside shardkit.cli.main the run's one
+    object says it instead (shardkit/commands/_result.py)."""
     from contextlib import redirect_stdout
 
     from shardkit.core.errors import ShardkitError
@@ -198,6 +219,8 @@ def json_results(args: argparse.Namespace) -> Iterator[None]:
     if not wants:
         yield
         return
+    from shardkit.commands._result import ACTIVE
+
     _REAL_STDOUT.append(sys.stdout)
     try:
         if getattr(args, "json", False):
@@ -206,7 +229,8 @@ def json_results(args: argparse.Namespace) -> Iterator[None]:
         else:
             yield
     except (ShardkitError, OSError, KeyboardInterrupt) as exc:
-        if not getattr(args, "json_emitted", False):
+        # inside shardkit.cli.main the run's one object says it (written as main ends)
+        if not ACTIVE and not getattr(args, "json_emitted", False):
             emit_json(args, {"command": args.command, "ok": False, "exit_code": _exit_code(exc), "error": _one_line(exc)})
         raise
     finally:
@@ -232,8 +256,13 @@ def _one_line(exc: BaseException) -> str:
 
 def emit_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
     """Write ``data`` as the command's JSON result: to stdout with ``--json``, to PATH with ``--json-file``."""
-    text = json.dumps(data, indent=2, default=_plain) + "\n"
+    from shardkit.commands._result import ACTIVE
+
     args.json_emitted = True
+    if ACTIVE:  # inside shardkit.cli.main: held, and written once as the run ends (commands/_result.py)
+        ACTIVE[-1].result = data
+        return
+    text = json.dumps(data, indent=2, default=_plain) + "\n"
     if getattr(args, "json", False):
         out = _REAL_STDOUT[-1] if _REAL_STDOUT else sys.stdout
         out.write(text)

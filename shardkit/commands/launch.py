@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from shardkit.commands._parser import add_command, add_json
+from shardkit.commands._parser import CommandParser, add_command, add_json
 
 USAGE = (
     "shardkit launch [--launcher deepspeed|torchrun|accelerate] [--no-preflight] [--dry-run] [--json] "
@@ -16,7 +16,7 @@ USAGE = (
 )
 
 
-class _PassThroughParser(argparse.ArgumentParser):
+class _PassThroughParser(CommandParser):
     """Parses shardkit's own options at the front and hands everything after them to the real
     launcher untouched: argparse would otherwise reject the launcher's options (--nproc_per_node)."""
 
@@ -81,8 +81,7 @@ def launch_command(args: argparse.Namespace) -> int:
     plan = build_launch(args.argv, args.launcher, preflight=not args.no_preflight)
     why = missing_script(plan)
     if why:
-        print(f"shardkit launch: not started: {why}", file=sys.stderr)
-        return 1
+        return _not_started(args, plan.argv, None, why)
     report = check_launch_config(plan)
     # accelerate without a config file: its command-line settings were checked all the same
     checked_something = plan.config_path is not None or plan.accelerate is not None
@@ -94,8 +93,7 @@ def launch_command(args: argparse.Namespace) -> int:
         "accelerate's command-line settings (no config file)" if plan.accelerate is not None else "the launching environment"
     )
     if not report.ok:
-        print(f"shardkit launch: not started: {len(report.errors)} error(s) in {subject}", file=sys.stderr)
-        return 1
+        return _not_started(args, plan.argv, report, f"{len(report.errors)} error(s) in {subject}")
     # a stale op-build lock or a socket interface this host lacks: every rank would wait in silence
     rdzv = plan.rendezvous
     require_no_hang_traps(plan.env, cross_node=(rdzv.host, rdzv.min_nodes) if rdzv is not None else None)
@@ -127,6 +125,18 @@ def _emit_launch(args: argparse.Namespace, argv: list[str], report: Any, code: i
 
         emit_json(args, {"command": "launch", "dry_run": code is None, "ok": code in (None, 0), "argv": argv,
                          "preflight": not args.no_preflight, "exit_code": code, "check": report.to_dict()})
+
+
+def _not_started(args: argparse.Namespace, argv: list[str], report: Any, why: str) -> int:
+    """The checks refused the launch (a dry run's too): exit 1, and under --json the object saying why."""
+    print(f"shardkit launch: not started: {why}", file=sys.stderr)
+    if args.json or args.json_file:
+        from shardkit.commands._parser import emit_json
+
+        emit_json(args, {"command": "launch", "dry_run": bool(args.dry_run), "ok": False, "exit_code": 1,
+                         "error": f"not started: {why}", "argv": argv, "preflight": not args.no_preflight,
+                         "check": report.to_dict() if report is not None else None})
+    return 1
 
 
 def _children_print_to_stderr() -> Any:

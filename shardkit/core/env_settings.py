@@ -27,8 +27,8 @@ class Setting:
 
     name: str
     kind: str
-    """'seconds' (a number >= 0; 0 where ``zero_means`` says), 'choice', 'flag' (1 or 0), 'path' or 'text'
-    (any text is a value: only the consumer can judge it)."""
+    """'seconds' (a number >= 0; 0 where ``zero_means`` says), 'choice', 'flag' (1 or 0), 'address'
+    (``host`` or ``host:port``), 'path' or 'text' (any text is a value: only the consumer can judge it)."""
     default: str
     """The value used when the variable is unset or empty, as shown in the docs."""
     accepted: str
@@ -64,7 +64,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "how long a rank's automatic preflight waits for the other ranks to reach it"),
     Setting("SHARDKIT_AUTOPREFLIGHT_JSON", "path", "(none)", "a file path",
             "rank 0 of `shardkit launch` also writes the preflight report there as JSON"),
-    Setting("SHARDKIT_LAUNCH_ADDR", "text", "(the launch host's address)", "a host name or IP address, optionally :port",
+    Setting("SHARDKIT_LAUNCH_ADDR", "address", "(the launch host's address)",
+            "a host name or IP address, optionally :port (0-65535; an IPv6 address with a port in brackets: [::1]:29600)",
             "where the ranks of `shardkit launch` report to the launch (a node that cannot reach its default address)"),
     Setting("SHARDKIT_AUTOPREFLIGHT", "flag", "(set by shardkit launch)", "1", "the ranks run the automatic preflight",
             internal=True),
@@ -88,8 +89,9 @@ def _raw(name: str, environ: Mapping[str, str] | None) -> str:
 
 def _bad(name: str, raw: str, why: str, default: str, during_run: bool) -> None:
     setting = SETTINGS[name]
+    shown = setting.default if setting.default.startswith("(") else f"({setting.default})"
     text = (f"{name}={raw!r} {why}: expected {setting.accepted} ({setting.what}); "
-            f"set it so, or unset it for the default ({setting.default})")
+            f"set it so, or unset it for the default {shown}")
     if not during_run:
         raise UsageError(text)
     # a run is under way (a rank, a launch's ranks): stopping now would lose its work, so say it once
@@ -161,6 +163,34 @@ def _missing_package(name: str, choice: str) -> str | None:
     return None
 
 
+def read_address(name: str, environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """The variable's (host, port), port 0 when none is given (any free port); None when unset. A
+    port that is not a number in 0-65535, an empty host or one with characters no host name or IP
+    address holds: refused (``UsageError``), not met as an OverflowError when a socket binds it."""
+    raw = _raw(name, environ)
+    if not raw:
+        return None
+    host, port = raw, ""
+    if raw.startswith("["):  # [IPv6] or [IPv6]:port
+        inside, closed, rest = raw[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            _bad(name, raw, "has an unclosed or misplaced ']'", "", False)
+        host, port = inside, rest[1:]
+        if rest and not port:
+            _bad(name, raw, "ends in ':' with no port", "", False)
+    elif raw.count(":") == 1:  # host:port (a bare IPv6 address has several colons and no port)
+        host, port = raw.split(":")
+        if not port:
+            _bad(name, raw, "ends in ':' with no port", "", False)
+    if not host:
+        _bad(name, raw, "names no host", "", False)
+    if not all(c.isalnum() or c in ".-_:%" for c in host):
+        _bad(name, raw, f"has a host {host!r} with characters no host name or IP address holds", "", False)
+    if port and not (port.isdigit() and int(port) <= 65535):
+        _bad(name, raw, f"has the port {port!r}, not a number in 0-65535", "", False)
+    return host, int(port or 0)
+
+
 def read_text(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """The variable's value, None when unset or empty (paths and flags: any text is a value)."""
     return _raw(name, environ) or None
@@ -184,6 +214,8 @@ def check_all(environ: Mapping[str, str] | None = None) -> None:
             read_seconds(name, 0.0 if setting.zero_means else 1.0, environ)
         elif setting.kind == "choice":
             read_choice(name, setting.default, environ)
+        elif setting.kind == "address":
+            read_address(name, environ)
 
 
 def warn_unknown(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from shardkit.autopreflight import site_dir
 from shardkit.autopreflight.launch_link import PACKED_ENV
-from shardkit.core.env_settings import read_text
+from shardkit.core.env_settings import read_address
 from shardkit.core.errors import UsageError
 from shardkit.run.launch_ranks import ExpectedRanks
 
@@ -138,12 +138,9 @@ class RankReports:
 def listen_address(expected: ExpectedRanks, environ: dict[str, str]) -> tuple[str, int]:
     """Where the listener binds: SHARDKIT_LAUNCH_ADDR (``host`` or ``host:port``); loopback when every
     rank runs on this machine; else the local address that routes toward the job's first host."""
-    given = read_text(ENV_ADDR, environ)
-    if given:
-        host, sep, port = given.rpartition(":")
-        if sep and port.isdigit() and not host.endswith(":"):
-            return host.strip("[]"), int(port)
-        return given.strip("[]"), 0
+    given = read_address(ENV_ADDR, environ)  # a port out of 0-65535 or a malformed host: refused naming it
+    if given is not None:
+        return given
     if not expected.remote:
         return "127.0.0.1", 0
     return _routed_address(expected.route_host), 0
