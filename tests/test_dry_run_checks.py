@@ -53,11 +53,21 @@ CASES = {
     # staged write (nothing published), not before it, so the output folder's refusal stands in here
     "reshard into a folder holding a checkpoint shardkit did not write": lambda src, tmp: [
         "reshard", src, "--world-size", "3", "-o", _copy(src, tmp / "theirs")],
+    # the Trainer's resume globs global_step*: another tag is refused before anything is written
+    "reshard of a Trainer checkpoint-N to a tag the Trainer does not resume": lambda src, tmp: [
+        "reshard", _trainer_folder(src, tmp), "--world-size", "3", "-o", tmp / "checkpoint-2-ws3", "--tag", "mine"],
     "convert --to fsdp2 of a damaged rank file": lambda src, tmp: [
         "convert", _damaged(src, tmp), "--to", "fsdp2", "-o", tmp / "dcp"],
     "convert --to universal of a damaged rank file": lambda src, tmp: [
         "convert", _damaged(src, tmp), "--to", "universal", "-o", tmp / "universal"],
 }
+
+
+def _trainer_folder(source: Path, tmp_path: Path) -> Path:
+    """The ZeRO-3 save as the Trainer lays it out: checkpoint-2/ with trainer_state.json beside global_step2/."""
+    folder = _copy(source, tmp_path / "out" / "checkpoint-2")
+    (folder / "trainer_state.json").write_text('{"global_step": 2}')
+    return folder
 
 
 def _copy(source: Path, to: Path) -> Path:

@@ -240,3 +240,15 @@ def test_launch_addr_values_accepted(value, address):
     from shardkit.core.env_settings import read_address
 
     assert read_address("SHARDKIT_LAUNCH_ADDR", {"SHARDKIT_LAUNCH_ADDR": value}) == address
+
+
+def test_launch_dry_run_refused_by_config_errors_is_one_object_with_the_findings(tmp_path):
+    (tmp_path / "bad.json").write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 7}}')
+    (tmp_path / "train.py").write_text("raise SystemExit('never run: --dry-run')\n")
+    r = _shardkit(["launch", "--dry-run", "--json", "--launcher", "torchrun", "--nproc_per_node", "1", "train.py",
+                   "--deepspeed_config", "bad.json"], tmp_path)
+    assert r.returncode == 1 and "not started: 1 error(s) in bad.json" in r.stderr, r.stderr
+    data = _one_object(r.stdout)
+    assert data["ok"] is False and data["exit_code"] == 1 and data["error"] == "not started: 1 error(s) in bad.json"
+    assert data["dry_run"] is True and data["check"]["errors"] == 1
+    assert [f for f in data["check"]["findings"] if f["severity"] == "error" and "stage" in f["key"]]
