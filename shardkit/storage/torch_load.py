@@ -139,9 +139,8 @@ def safe_torch_load(
     with _open_checked(p) as fh:
         try:
             with torch.serialization.safe_globals(_allow_list(real_deepspeed_objects, extra)):
-                # mmap: torch maps by name, so it is handed the name of this very open file
-                return torch.load(fd_path(fh, p) if mmap else fh, map_location=map_location, weights_only=True,
-                                  mmap=mmap)
+                # by name, as before (torch maps a file by name), the name of this very open file
+                return torch.load(fd_path(fh, p), map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
             raise _unsafe_error(p, exc) from None
         except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, IndexError) as exc:
