@@ -36,17 +36,18 @@ class _OtherThread:
     runs there, the Python handler at the main thread's next bytecode. (A thread started inside a block
     that masks SIGINT would inherit the mask, so it is started first.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        self.signum = signum
         self.asked, self.done = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._run, name="stand-in-progress", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         self.asked.wait()
-        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(self.signum)
         self.done.set()
 
-    def sigint(self) -> None:
+    def send(self) -> None:
         self.asked.set()
         self.done.wait(10)
 
@@ -66,7 +67,7 @@ def test_ctrl_c_as_the_staging_folder_appears_leaves_nothing_and_the_rerun_runs(
     def then_sigint(name: str) -> None:
         if name == STAGED and not fired:
             fired.append(name)
-            other.sigint()
+            other.send()
 
     def mkdir(path, *args, **kwargs):
         real_mkdir(path, *args, **kwargs)
@@ -256,3 +257,40 @@ def test_a_universal_write_in_progress_is_refused_by_name_not_removed_by_another
     monkeypatch.setattr(universal, "_write", write_while_another_run_claims)
     final = universal.write_universal(Model(), tmp_path / "universal", "global_step2")
     assert refused and sorted(os.listdir(final)) == ["zero"]
+
+
+def test_a_signal_another_thread_takes_while_the_handlers_are_swapped_waits_for_the_clean_up(monkeypatch):
+    # signals_deferred swaps SIGINT's handler, then SIGTERM's, with both masked on the main thread; a
+    # SIGTERM the kernel hands to another thread meanwhile ran the CLI's handler at the second swap: its
+    # exception skipped the clean-up the block holds and left SIGINT's handler recording for the rest of the run
+    from shardkit.cli import Terminated
+    from shardkit.storage.atomic import signals_deferred
+
+    def terminated(signum, frame):
+        raise Terminated()
+
+    previous_term = signal.signal(signal.SIGTERM, terminated)
+    int_before = signal.getsignal(signal.SIGINT)
+    other = _OtherThread(signal.SIGTERM)
+    real_signal, swaps, steps = signal.signal, [], []
+
+    def swap_then_sigterm_elsewhere(sig, handler):
+        previous = real_signal(sig, handler)
+        swaps.append(sig)
+        if len(swaps) == 1:
+            other.send()
+        return previous
+
+    monkeypatch.setattr(signal, "signal", swap_then_sigterm_elsewhere)
+    try:
+        with pytest.raises(Terminated):
+            with signals_deferred():
+                monkeypatch.setattr(signal, "signal", real_signal)
+                steps.append("clean-up finished")
+    finally:
+        monkeypatch.undo()
+        int_after, term_after = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGINT, int_before)
+    assert steps == ["clean-up finished"]
+    assert int_after is int_before and term_after is terminated

@@ -46,18 +46,41 @@ def signals_deferred() -> Iterator[None]:
         return
     came: list[int] = []
     held = (signal.SIGINT, signal.SIGTERM)
-    # the handlers are swapped with both signals blocked: one landing between the two swaps ran the
-    # other's handler mid-swap, whose exception left SIGINT (or SIGTERM) ignored for the rest of the run
+    # the handlers are swapped with both signals blocked on this thread: one landing between the two
+    # swaps ran the other's handler mid-swap, whose exception left SIGINT (or SIGTERM) ignored for the
+    # rest of the run. The mask is not enough where another thread exists (the progress line's): the
+    # kernel hands it the signal, and signal.signal runs the handler of a signal taken so before it
+    # swaps; that handler's exception is kept, the swap finished, and it is raised after the block
     with _blocked(held):
-        previous = {sig: signal.signal(sig, lambda signum, _frame: came.append(signum)) for sig in held}
+        previous, raised = _swap({sig: lambda signum, _frame: came.append(signum) for sig in held})
     try:
         yield
     finally:
         with _blocked(held):
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            _, late = _swap(previous)
+        raised = raised or late
+        if raised is not None:
+            raise raised
         if came:
             signal.raise_signal(came[0])  # the handler the block held off now runs as it would have
+
+
+def _swap(handlers: dict[int, Any]) -> tuple[dict[int, Any], BaseException | None]:
+    """Install ``handlers``; (the ones they replaced, the first exception a signal's handler raised
+    during the swap). Every handler is installed whatever a pending signal's handler raises: the
+    exception lands as a call returns (signal.signal's, before its result is stored), so the handler
+    replaced is read first (getsignal) and the whole swap is run again until it completes."""
+    previous: dict[int, Any] = {}
+    raised: BaseException | None = None
+    while True:
+        try:
+            for sig, handler in handlers.items():
+                if sig not in previous:
+                    previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, handler)
+            return previous, raised
+        except (KeyboardInterrupt, SystemExit) as exc:
+            raised = raised or exc
 
 @contextlib.contextmanager
 def _blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
