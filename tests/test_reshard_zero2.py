@@ -501,7 +501,7 @@ def test_a_write_that_fails_for_want_of_space_is_named_without_hashing_the_rest_
     monkeypatch.setattr(os, "preadv", counted_preadv)
 
     def failing(error: OSError) -> Any:
-        def write(self: torch_zip.HashingWriter, data: bytes | memoryview) -> None:
+        def write(self: torch_zip.HashingWriter, data: bytes | memoryview, *, planned: bool = False) -> None:
             raise error
         return write
 
