@@ -182,3 +182,20 @@ def test_a_fifo_in_place_of_a_checkpoint_file_is_named_by_every_command(sources,
     assert done.returncode == 1 and "Traceback" not in done.stderr, (took, done.stdout, done.stderr)
     assert f"{fifo}: is a FIFO (named pipe), not a regular file, so it is not read" in said, (done.stdout, done.stderr)
     assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))
+
+
+def test_a_dcp_load_names_a_fifo_in_place_of_a_distcp_file(tmp_path):
+    """load_dcp_state (load_fsdp_checkpoint's reader) opens the .distcp files through torch's FileSystemReader,
+    whose own ``path.open`` waited for ever on a FIFO: its files are opened through core.files too."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardkit.checkpoint.dcp.safe_load import load_dcp_state
+
+    d = tmp_path / "dcp"
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(d), no_dist=True)
+    (distcp,) = d.glob("*.distcp")
+    distcp.unlink()
+    os.mkfifo(distcp)
+    with pytest.raises(CheckpointError, match=rf"{distcp}: is a FIFO \(named pipe\), not a regular file"):
+        _never_blocks(lambda: load_dcp_state({"w": torch.zeros(6)}, d))

@@ -22,11 +22,12 @@ found by recording every ``find_class`` call: the dataclasses of
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from shardkit.checkpoint.dcp.plain_metadata import (
     METADATA_CLASSES,
@@ -94,13 +95,32 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
 
 def _reader_class() -> type:
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    class RegularFiles(FileSystem):
+        """torch's FileSystem whose reads open through core.files.open_regular: a FIFO or device in place of
+        a .distcp file is named, never waited on (torch's own ``path.open`` would block on a FIFO for ever)."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if "r" in mode and "+" not in mode:
+                with open_regular(path) as stream:
+                    yield stream
+            else:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+
     class SafeFileSystemReader(FileSystemReader):
-        """FileSystemReader whose ``read_metadata`` uses the restricted unpickler; ``reading`` is the
-        storage item (file, offset, length) it read last, so a failure names the file it came from."""
+        """FileSystemReader whose ``read_metadata`` uses the restricted unpickler and whose files are opened by
+        ``RegularFiles``; ``reading`` is the storage item (file, offset, length) it read last, so a failure
+        names the file it came from."""
 
         reading: Any = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.fs = RegularFiles()
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
             # torch's read_data names no file when an item's bytes fail to load (a zeroed range gives
