@@ -46,10 +46,15 @@ class CommandLineError(UsageError):
 
 class CommandParser(argparse.ArgumentParser):
     """The parser of ``shardkit`` and of every command (``add_subparsers`` gives each subparser its
-    parent's class): its errors are raised as :class:`CommandLineError`, not printed and exited on."""
+    parent's class): inside shardkit.cli.main its errors are raised as :class:`CommandLineError`, not
+    printed and exited on; elsewhere (a tool walking ``build_parser()``) argparse's own exit stands."""
 
     def error(self, message: str) -> NoReturn:
-        raise CommandLineError(message, self.format_usage(), self.prog)
+        from shardkit.commands._result import ACTIVE
+
+        if ACTIVE:
+            raise CommandLineError(message, self.format_usage(), self.prog)
+        super().error(message)
 
 
 def add_command(
