@@ -11,12 +11,14 @@ the original's rank 0 loss at that step, bit for bit; without ``random_states_0.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shardkit.checkpoint.hf_trainer.rng_files import ACCELERATE_RNG, plan_rng_files
 from tests._ranks_accelerate_zero2 import STEPS, resume_run, save_run
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -81,6 +83,7 @@ def test_file_nothing_models_is_copied_and_named(accelerate_save, tmp_path, run_
     (src / "extras" / "a.txt").write_text("x")
     (src / "pytorch_model" / "README").write_text("saved by hand")
     (src / "elsewhere").symlink_to(tmp_path)
+    os.mkfifo(src / "sampler.bin")  # read, it would block the reshard forever
     out = tmp_path / "out"
     code, stdout, err = run_cli("reshard", src, "--world-size", 3, "-o", out)
     assert code == 0, err
@@ -89,7 +92,8 @@ def test_file_nothing_models_is_copied_and_named(accelerate_save, tmp_path, run_
     assert "not carried: extras/ (a folder nothing a resume loads is known to read" in stdout
     assert "not carried: pytorch_model/README (in the tag folder but not a DeepSpeed rank file" in stdout
     assert "not carried: elsewhere (a link or special file: never followed)" in stdout
-    assert not (out / "extras").exists() and not (out / "elsewhere").exists()
+    assert "not carried: sampler.bin (a link or special file: never followed)" in stdout
+    assert not (out / "extras").exists() and not (out / "elsewhere").exists() and not (out / "sampler.bin").exists()
     # ranks 0 and 1 keep their own RNG file; rank 2 gets none (another rank's would repeat its draws), said so
     assert (out / "random_states_1.pkl").read_bytes() == (src / "random_states_1.pkl").read_bytes()
     assert not (out / "random_states_2.pkl").exists()
@@ -123,3 +127,13 @@ def test_root_with_several_tags_names_the_others(accelerate_save, tmp_path, run_
     assert "pytorch_model_old/ (another DeepSpeed tag; 'latest' names pytorch_model, the one converted)" in result["not_carried"]
     assert any(n.startswith("random_states_0.pkl (no slot for it") for n in result["not_carried"])
     assert any("also there: pytorch_model_old" in n for n in result["notes"])
+
+
+@pytest.mark.parametrize(("world", "copies", "dropped", "absent"), [
+    (1, [("random_states_0.pkl", "random_states_0.pkl")], ["random_states_1.pkl"], []),  # no one-process name
+    (2, [("random_states_0.pkl", "random_states_0.pkl"), ("random_states_1.pkl", "random_states_1.pkl")], [], []),
+    (3, [("random_states_0.pkl", "random_states_0.pkl"), ("random_states_1.pkl", "random_states_1.pkl")], [], [2]),
+])
+def test_accelerate_rng_files_follow_their_processes(world, copies, dropped, absent):
+    plan = plan_rng_files(["random_states_0.pkl", "random_states_1.pkl", "rng_state_0.pth"], world, ACCELERATE_RNG)
+    assert (list(plan.copies), list(plan.dropped), list(plan.absent), plan.stray) == (copies, dropped, absent, ())
