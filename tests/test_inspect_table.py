@@ -23,6 +23,7 @@ import pytest
 
 from tests import _ranks_inspect as I
 from tests import _ranks_layouts as L
+from tests._accelerate_state import save_state_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -30,7 +31,7 @@ DEEPSPEED = ("zero1", "zero2_bf16", "zero2_offload", "zero3", "universal", "trai
              "autoep", "tensor_parallel", "pipeline", "moe", "nvme", "mixed_stages")
 SWEEP = ("fsdp2", "zero3_sealed", "fsdp2_converted")
 WEIGHTS_ONLY = ("fsdp1_bins_weights_only", "fsdp2_full_plain_weights_only", "dcp_model_folder")
-KINDS = (*DEEPSPEED, *I.ACCELERATE_SAVES, *WEIGHTS_ONLY, *SWEEP, "hf", "trainer_weights")
+KINDS = (*DEEPSPEED, *I.ACCELERATE_SAVES, *WEIGHTS_ONLY, *SWEEP, "hf", "trainer_weights", "accelerate_state")
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +46,7 @@ def sources(tmp_path_factory, sweep_sources) -> dict[str, Path]:
     out.update({kind: sweep_sources.root(kind) for kind in SWEEP})
     tiny_llama("tiny", seed=0).save_pretrained(base / "hf_model")
     out["hf"] = base / "hf_model"
+    out["accelerate_state"] = save_state_folder(base / "accelerate_state")  # Accelerator.save_state, one process
     # a Trainer checkpoint-N saved without DeepSpeed or sharded FSDP: the weights and the Trainer's state
     out["trainer_weights"] = base / "trainer_weights" / "checkpoint-3"
     shutil.copytree(out["hf"], out["trainer_weights"])

@@ -33,7 +33,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardkit.core.errors import CheckpointError
 from shardkit.core.files import open_regular
+from shardkit.storage.torch_load import read_structure
 
 #: ``accelerate.utils.constants.FSDP_MODEL_NAME`` and ``OPTIMIZER_NAME``.
 FSDP_MODEL_NAME = "pytorch_model_fsdp"
@@ -180,9 +182,6 @@ def refused_global(layout: FsdpLayout, folder: Path) -> str | None:
     outside what ``torch.save`` writes (``os.system``...: nothing is run), or None. Asked only of per-rank files
     that hold neither ShardedTensors nor DTensors, so the refusal, naming the file and the global, is what the
     user reads instead of a layout that only looks unfamiliar."""
-    from shardkit.core.errors import CheckpointError
-    from shardkit.storage.torch_load import read_structure
-
     for name in [*layout.model, *layout.optimizer]:
         if name.endswith("/"):
             continue  # a DCP folder: read through .metadata, not a pickle

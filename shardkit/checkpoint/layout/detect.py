@@ -20,8 +20,10 @@ from shardkit.checkpoint.layout.torch_files import (
     HF_WEIGHTS,
     METADATA_NAME,
     describe_accelerate_fsdp,
+    describe_accelerate_state,
     describe_dcp,
     describe_hf_model,
+    is_accelerate_state,
 )
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import not_regular, read_regular_text
@@ -93,6 +95,8 @@ def _describe_folder(p: Path, given: str) -> CheckpointDescription:
     fsdp = fsdp_layout(p)
     if fsdp is not None:
         return describe_accelerate_fsdp(p, fsdp, given)
+    if is_accelerate_state(p):
+        return describe_accelerate_state(p, given)
     if any((p / n).is_file() for n in HF_WEIGHTS):
         return describe_hf_model(p, given)
     tags = sorted(d.name for d in p.iterdir() if d.is_dir() and d.name.startswith(DEEPSPEED_TAG_PREFIX))

@@ -29,7 +29,7 @@ from shardkit.checkpoint.hf_trainer.fsdp_files import SHARDED_PER_RANK, fsdp_lay
 from shardkit.checkpoint.layout.deepspeed_files import describe_deepspeed, is_deepspeed_folder
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.checkpoint.layout.detect import locate_checkpoint, read_folder
-from shardkit.checkpoint.layout.torch_files import HF_WEIGHTS, METADATA_NAME, describe_dcp
+from shardkit.checkpoint.layout.torch_files import HF_WEIGHTS, METADATA_NAME, describe_dcp, is_accelerate_state
 from shardkit.core.errors import CheckpointError
 
 #: The checkpoint commands, as ``inspect`` lists them.
@@ -166,6 +166,20 @@ TABLE: dict[str, dict[str, Cell]] = {
         "plain_verify": _own("no completed checkpoint under {path}. A from_pretrained folder holds no training state "
                              "to verify"),
     },
+    # Accelerator.save_state in one process without FSDP or DeepSpeed (readers.accelerate_state: the weights)
+    "accelerate-state": {
+        "reshard": _guard("an Accelerate save_state folder needs no reshard: one process saved the full weights and "
+                          "the whole optimizer state, which Accelerator.load_state resumes at any number of processes "
+                          "as it is"),
+        **{c: _guard("shardkit's accelerate-state reader describes this checkpoint's weights only, not its optimizer "
+                     "state: optimizer.bin is torch's optimizer.state_dict(), keyed by parameter position, an order "
+                     "the folder does not record. For the weights alone: shardkit export or consolidate")
+           for c in COMMANDS if c.startswith("convert")},
+        "consolidate": _WEIGHTS,
+        "export": _yes("a from_pretrained folder; the save_state folder holds no config.json, so from_pretrained "
+                       "cannot load it as it is: pass --model-config DIR (the model's config.json)"),
+        "plain_verify": _STRUCTURE,
+    },
     # a Trainer checkpoint-N saved without DeepSpeed or sharded FSDP (DDP, one process, save_only_model): the
     # Trainer's own checks say what it holds
     "trainer-weights": {
@@ -186,6 +200,8 @@ def _key(desc: CheckpointDescription) -> str:
         return "universal"
     if desc.format == "dcp":
         return "dcp"
+    if desc.format == "accelerate-state":
+        return "accelerate-state"
     if desc.format == "accelerate-fsdp":
         layout = fsdp_layout(Path(desc.folder))
         if layout is None or not read_by_shardkit(layout, Path(desc.folder)):
@@ -282,6 +298,8 @@ def _cheap_description(folder: Path, given: str, command: str) -> CheckpointDesc
     if fsdp is not None and not _trainer(folder):  # reshard's Trainer check names the Trainer's own FSDP folders
         return CheckpointDescription(path=given, folder=str(folder), format="accelerate-fsdp", layout="FSDP",
                                      state_dict_type=fsdp.state_dict_type, optimizer="saved" if fsdp.optimizer else None)
+    if fsdp is None and is_accelerate_state(folder) and not _trainer(folder):
+        return CheckpointDescription(path=given, folder=str(folder), format="accelerate-state", layout="Accelerate")
     if fsdp is None and any((folder / n).is_file() for n in HF_WEIGHTS) and not _trainer(folder):
         return CheckpointDescription(path=given, folder=str(folder), format="hf-model", layout="Hugging Face")
     return None  # a Trainer checkpoint-N's own refusals say what the Trainer saved and why it does not resume

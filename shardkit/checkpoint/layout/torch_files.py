@@ -153,6 +153,48 @@ def describe_accelerate_fsdp(folder: Path, layout: FsdpLayout, given: str) -> Ch
     return desc
 
 
+#: What ``Accelerator.save_state`` writes beside ``model.safetensors`` in one process without FSDP or DeepSpeed
+#: (accelerate's OPTIMIZER_NAME and RNG_STATE_NAME, index 0): either marks the folder as its save.
+ACCELERATE_STATE_FILES = ("optimizer.bin", "random_states_0.pkl")
+_CONFIG = "config.json"
+
+
+def is_accelerate_state(folder: Path) -> bool:
+    """True for a plain ``Accelerator.save_state`` folder: ``model.safetensors`` beside ``optimizer.bin`` or
+    ``random_states_0.pkl`` (a Trainer checkpoint-N saves ``optimizer.pt`` and ``rng_state.pth`` instead)."""
+    return (folder / "model.safetensors").is_file() and any((folder / n).is_file() for n in ACCELERATE_STATE_FILES)
+
+
+def describe_accelerate_state(folder: Path, given: str) -> CheckpointDescription:
+    """A plain ``Accelerator.save_state`` folder: the weights from ``model.safetensors``'s header (through its
+    reader, ``reader_kind``), the optimizer's state keys from ``optimizer.bin``'s pickled structure."""
+    extra = sorted(f.name for f in folder.iterdir() if f.is_file() and f.name != "model.safetensors")
+    desc = CheckpointDescription(path=given, folder=str(folder), format="accelerate-state",
+                                 layout=f"Accelerate save_state folder (model.safetensors, {', '.join(extra[:5])}"
+                                        f"{' ...' if len(extra) > 5 else ''})", reader_kind="accelerate-state")
+    optim = folder / "optimizer.bin"
+    if optim.is_file():
+        desc.optimizer = "saved"
+        try:
+            state = read_structure(optim, what="torch optimizer state dicts").get("state")
+        except (CheckpointError, AttributeError):
+            state = None
+        first = next(iter(state.values()), None) if isinstance(state, dict) and state else None
+        if isinstance(first, dict):
+            desc.optimizer_state_keys = sorted(str(k) for k in first)
+            moment = next((v for v in first.values() if isinstance(v, TensorRef) and v.numel > 1), None)
+            if moment is not None:
+                desc.dtypes["optimizer state"] = moment.dtype
+        desc.notes.append("optimizer.bin is torch's optimizer.state_dict(), keyed by parameter position (an order "
+                          "the folder does not record): Accelerator.load_state resumes it; no convert target reads it")
+    if (folder / _CONFIG).is_file():
+        desc.notes.append("from_pretrained loads model.safetensors with the config.json beside it")
+    else:
+        desc.notes.append("no config.json: from_pretrained cannot load this folder as it is; shardkit export writes a "
+                          "from_pretrained folder from it with --model-config DIR (the model's config.json)")
+    return desc
+
+
 def _safetensors_header(file: Path) -> dict[str, object]:
     with open_regular(file) as f:
         raw = f.read(8)

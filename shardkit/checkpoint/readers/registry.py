@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.readers.accelerate_state import read_accelerate_state
 from shardkit.checkpoint.readers.dcp import read_dcp
 from shardkit.checkpoint.readers.fsdp1 import read_fsdp1_full, read_fsdp1_sharded
 from shardkit.checkpoint.readers.fsdp1_bins import read_fsdp1_bins, read_fsdp2_bins
@@ -26,6 +27,7 @@ READERS: dict[str, Reader] = {
     "fsdp1-full": read_fsdp1_full,
     "fsdp1-sharded-bins": read_fsdp1_bins,
     "fsdp2-sharded-bins": read_fsdp2_bins,
+    "accelerate-state": read_accelerate_state,
 }
 
 
