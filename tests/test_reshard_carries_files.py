@@ -109,8 +109,8 @@ def test_root_with_several_tags_names_the_others(accelerate_save, tmp_path, run_
     code, stdout, err = run_cli("reshard", src, "--world-size", 1, "-o", out, "--json")
     assert code == 0, err
     result = json.loads(stdout)
-    assert "pytorch_model_old/ (another DeepSpeed tag; 'latest' names pytorch_model)" in result["not_carried"]
-    hint = [n for n in result["notes"] if "several DeepSpeed tags" in n]
+    assert "pytorch_model_old/ (another tag; 'latest' names pytorch_model)" in result["not_carried"]
+    hint = [n for n in result["notes"] if "several tags" in n]
     assert hint and "also there: pytorch_model_old" in hint[0] and str(src / "pytorch_model_old") in hint[0]
     # the way the note gives: the other tag, by its folder
     code, stdout, err = run_cli("reshard", src / "pytorch_model_old", "--world-size", 1, "-o", tmp_path / "old")
@@ -124,7 +124,7 @@ def test_root_with_several_tags_names_the_others(accelerate_save, tmp_path, run_
     code, stdout, err = run_cli("convert", src, "--to", "fsdp2", "-o", tmp_path / "dcp", "--json")
     assert code == 0, err
     result = json.loads(stdout)
-    assert "pytorch_model_old/ (another DeepSpeed tag; 'latest' names pytorch_model, the one converted)" in result["not_carried"]
+    assert "pytorch_model_old/ (another tag; 'latest' names pytorch_model, the one converted)" in result["not_carried"]
     assert any(n.startswith("random_states_0.pkl (no slot for it") for n in result["not_carried"])
     assert any("also there: pytorch_model_old" in n for n in result["notes"])
 
@@ -137,3 +137,19 @@ def test_root_with_several_tags_names_the_others(accelerate_save, tmp_path, run_
 def test_accelerate_rng_files_follow_their_processes(world, copies, dropped, absent):
     plan = plan_rng_files(["random_states_0.pkl", "random_states_1.pkl", "rng_state_0.pth"], world, ACCELERATE_RNG)
     assert (list(plan.copies), list(plan.dropped), list(plan.absent), plan.stray) == (copies, dropped, absent, ())
+
+
+def test_convert_of_an_fsdp2_root_names_its_other_tag_and_files(sweep_sources, tmp_path, run_cli):
+    src = tmp_path / "src"
+    shutil.copytree(sweep_sources.root("fsdp2"), src)
+    tag = (src / "latest").read_text().strip()
+    shutil.copytree(src / tag, src / "older")
+    (src / "notes.txt").write_text("run 7")
+    code, stdout, err = run_cli("convert", src, "--to", "zero3", "--world-size", 2, "-o", tmp_path / "out", "--json",
+                                "--ds-config", sweep_sources.root("ds_config"))
+    assert code == 0, err
+    result = json.loads(stdout)
+    assert f"older/ (another tag; 'latest' names {tag}, the one converted)" in result["not_carried"]
+    assert (f"notes.txt (no slot for it in the converted checkpoint, which holds model and optimizer state; it stays "
+            f"in {src})") in result["not_carried"]
+    assert any("also there: older (not read). To take another, pass its tag folder" in n for n in result["notes"])

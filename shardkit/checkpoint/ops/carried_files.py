@@ -67,19 +67,20 @@ def other_tags_note(root: Path, tag: str, others: list[str]) -> str | None:
     """The line naming the tags of ``root`` that were not read, and how to take one."""
     if not others:
         return None
-    return (f"{root} holds several DeepSpeed tags: read {tag}, the one '{LATEST_NAME}' names; also there: "
+    return (f"{root} holds several tags: read {tag}, the one '{LATEST_NAME}' names; also there: "
             f"{', '.join(others)} (not read). To take another, pass its tag folder as the checkpoint, e.g. "
             f"{root / others[-1]} (the new checkpoint keeps its tag name; --tag names it otherwise)")
 
 
 def _is_tag_folder(folder: Path) -> bool:
-    """A DeepSpeed tag folder: ZeRO rank files, module states, or a universal checkpoint's ``zero/``."""
+    """A checkpoint tag folder: ZeRO rank files, module states, a universal checkpoint's ``zero/``, or a DCP
+    ``.metadata`` (a shardkit FSDP2 root)."""
     try:
         listing = list_folder(folder)
     except OSError:
         return False
     return (any(RANK_FILE.match(n) or (n.startswith("mp_rank_") and n.endswith("_model_states.pt"))
-                for n in listing.files) or "zero" in listing.folders)
+                for n in listing.files) or "zero" in listing.folders or ".metadata" in listing.files)
 
 
 def _leftover(name: str) -> bool:
@@ -109,7 +110,7 @@ def plan_root_files(root: Path, tag: str, world_size: int) -> RootFiles:
         elif name in listing.folders:
             if _is_tag_folder(path):
                 out.other_tags.append(name)
-                out.not_carried.append(f"{name}/ (another DeepSpeed tag; '{LATEST_NAME}' names {tag})")
+                out.not_carried.append(f"{name}/ (another tag; '{LATEST_NAME}' names {tag})")
             else:
                 out.not_carried.append(f"{name}/ (a folder nothing a resume loads is known to read; copy it "
                                        "yourself if your run reads it)")
@@ -187,7 +188,7 @@ def root_files_not_converted(source: Path) -> tuple[list[str], str | None]:
         folder = name in listing.folders
         if folder and _is_tag_folder(source / name):
             others.append(name)
-            lines.append(f"{name}/ (another DeepSpeed tag; '{LATEST_NAME}' names {tag}, the one converted)")
+            lines.append(f"{name}/ (another tag; '{LATEST_NAME}' names {tag}, the one converted)")
             continue
         lines.append(f"{name}{'/' if folder else ''} (no slot for it in the converted checkpoint, which holds model "
                      f"and optimizer state; it stays in {source})")
