@@ -133,13 +133,13 @@ class Ending:
     def write(self, stdout: TextIO) -> None:
         """Write the object once: on ``stdout`` with --json, to PATH with --json-file (atomically). A
         --json-file the command's ranks wrote themselves (preflight) is left as they wrote it unless
-        the run failed after them."""
+        even when the run then failed (their failure record names each rank's error)."""
         if self.written or not self.request.wanted:
             return
         self.written = True
         written_by_ranks = self.result is None and bool(getattr(self.args, "json_emitted", False))
         path = self.request.file if self.request.file != "-" else None
-        if path and not (written_by_ranks and self.error is None):
+        if path and not written_by_ranks:
             from shardkit.storage.atomic import atomic_write_text
 
             try:
