@@ -15,7 +15,8 @@ The vocabulary (docs/cli.md, "Commands"):
   the old spelling of ``llama:SIZE``); estimate and ``config --fit`` read a model's config instead
   (a config.json, a folder holding one, or a hub id).
 - ``--timeout S``: a hard limit on a run; a wait for a late rank is ``--rank-wait S``.
-- ``--dry-run``: print the plan, write nothing; ``--quiet``: no progress display.
+- ``--dry-run``: the run's own checks (the run stopped before its first write, ``storage.dry_run``), then
+  the plan; nothing written. ``--quiet``: no progress display.
 """
 
 from __future__ import annotations

@@ -132,8 +132,8 @@ class Ending:
 
     def write(self, stdout: TextIO) -> None:
         """Write the object once: on ``stdout`` with --json, to PATH with --json-file (atomically). A
-        --json-file the command's ranks wrote themselves (preflight) is left as they wrote it unless
-        even when the run then failed (their failure record names each rank's error)."""
+        --json-file the command's ranks wrote themselves (preflight) is left as they wrote it, even
+        when the run then failed (their failure record names each rank's error)."""
         if self.written or not self.request.wanted:
             return
         self.written = True
