@@ -153,3 +153,22 @@ def test_convert_of_an_fsdp2_root_names_its_other_tag_and_files(sweep_sources, t
     assert (f"notes.txt (no slot for it in the converted checkpoint, which holds model and optimizer state; it stays "
             f"in {src})") in result["not_carried"]
     assert any("also there: older (not read). To take another, pass its tag folder" in n for n in result["notes"])
+
+
+def test_trainer_reshard_json_names_what_it_does_not_carry(accelerate_save, tmp_path, run_cli):
+    """The Trainer's checkpoint-N path reports its dropped RNG files and other tags in not_carried as well."""
+    src = tmp_path / "checkpoint-2"
+    shutil.copytree(accelerate_save[0], src)
+    (src / "pytorch_model").rename(src / "global_step2")
+    shutil.copytree(src / "global_step2", src / "global_step1")
+    (src / "latest").write_text("global_step2")
+    (src / "trainer_state.json").write_text('{"global_step": 2}')
+    for r in (0, 1):
+        (src / f"random_states_{r}.pkl").rename(src / f"rng_state_{r}.pth")
+    code, stdout, err = run_cli("reshard", src, "--world-size", 1, "-o", tmp_path / "ws1", "--json")
+    assert code == 0, err
+    result = json.loads(stdout)
+    assert result["not_carried"] == [
+        "global_step1/ (a DeepSpeed tag 'latest' does not name; never loaded)",
+        "rng_state_1.pth (its rank does not exist at world size 1; no rank would read it)"]
+    assert (tmp_path / "ws1" / "rng_state.pth").read_bytes() == (src / "rng_state_0.pth").read_bytes()
