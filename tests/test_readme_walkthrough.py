@@ -37,29 +37,56 @@ def walkthrough_commands() -> list[str]:
 
 
 def test_walkthrough_uses_every_command():
-    used = {shlex.split(c)[1] for c in walkthrough_commands()}
+    used = {shlex.split(c)[1] for c in walkthrough_commands() if c.startswith("shardkit ")}
     assert {"config", "check", "versions", "preflight", "smoke", "verify", "reshard", "consolidate", "launch"} <= used
 
 
+def test_walkthrough_starts_in_a_scratch_folder():
+    # run from the checkout, it wrote ckpt/, model.safetensors and run*.json there (not ignored), and
+    # a second run stopped at `smoke --keep-checkpoint ckpt` (the folder existed)
+    first = walkthrough_commands()[0]
+    assert re.fullmatch(r'repo=\$PWD && cd "\$\(mktemp -d\)"', first), first
+    for line in walkthrough_commands()[1:]:
+        for word in shlex.split(line):
+            assert not re.match(r"(launch|tests|ds_configs|scripts)/", word), f"{word!r} in {line!r}: write $repo/{word}"
+
+
+def _run_walkthrough(root: Path, env: dict[str, str]) -> tuple[Path, str]:
+    """The block as one bash script from ``root``; (the scratch folder it made, its stdout)."""
+    scratch = Path(env["TMPDIR"])
+    before = set(scratch.iterdir())
+    script = "trap 'echo \"README walkthrough line failed: $BASH_COMMAND\" >&2' ERR\n" + "\n".join(walkthrough_commands())
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=1800)
+    assert r.returncode == 0, f"README walkthrough failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    made = {p for p in set(scratch.iterdir()) - before if p.name.startswith("tmp.")}  # mktemp's; torch adds its own
+    assert len(made) == 1, f"the walkthrough should make one scratch folder, made {sorted(made)}"
+    return made.pop(), r.stdout
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_readme_walkthrough_runs_top_to_bottom(tmp_path):
-    # The walkthrough is run "from the repository root": give it the paths it names, and nothing
-    # of the checkout it could write into.
+@pytest.mark.timeout(3600)
+def test_readme_walkthrough_runs_top_to_bottom_twice(tmp_path):
+    # The walkthrough starts "from the repository root": give it the paths it names, and nothing of
+    # the checkout it could write into. It is run twice: the second run must not trip on the first's files.
+    root = tmp_path / "root"
+    root.mkdir()
     for name in ("launch", "tests"):
-        (tmp_path / name).symlink_to(REPO / name)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    for line in walkthrough_commands():
-        argv = shlex.split(line)
-        assert argv[0] == "shardkit"
-        r = subprocess.run([sys.executable, "-m", "shardkit", *argv[1:]], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, f"README walkthrough line failed (exit {r.returncode}): {line}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-        if argv[1] == "check":
-            assert "no findings" in r.stdout, r.stdout
-    assert (tmp_path / "ckpt" / "latest").is_file() and (tmp_path / "ckpt_ws3" / "latest").is_file()
-    assert (tmp_path / "model.safetensors").stat().st_size > 0
-    assert {"after_init", "after_step"} <= set(__import__("json").loads((tmp_path / "run.json").read_text()))
+        (root / name).symlink_to(REPO / name)
+    bin_dir, scratch = tmp_path / "bin", tmp_path / "tmp"
+    bin_dir.mkdir()
+    scratch.mkdir()
+    (bin_dir / "shardkit").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m shardkit "$@"\n')
+    (bin_dir / "shardkit").chmod(0o755)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO), "TMPDIR": str(scratch),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for _ in range(2):
+        folder, out = _run_walkthrough(root, env)
+        assert "no findings" in out, out[-3000:]
+        assert (folder / "ckpt" / "latest").is_file() and (folder / "ckpt_ws3" / "latest").is_file()
+        assert (folder / "model.safetensors").stat().st_size > 0
+        assert {"after_init", "after_step"} <= set(json.loads((folder / "run.json").read_text()))
+    assert sorted(p.name for p in root.iterdir()) == ["launch", "tests"], "the walkthrough wrote into the checkout"
 
 
 # --- the docs pages: every command a page shows parses, and the blocks that say so run ----------------
