@@ -29,6 +29,7 @@ FAMILY_WORDS: dict[str, tuple[str, ...]] = {
     "fsdp-sharded": ("Trainer", "Accelerate"),
     "fsdp-full": ("Trainer", "Accelerate"),
     "fsdp-per-rank": ("Trainer", "Accelerate"),
+    "accelerate-state": ("save_state",),  # one process's Accelerator.save_state folder
 }
 READING = ("reshard", "convert", "consolidate", "export")
 

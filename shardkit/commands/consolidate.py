@@ -12,12 +12,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "consolidate",
-        help="write the full weights of a ZeRO-1/2/3, universal, FSDP2/DCP or Trainer/Accelerate FSDP checkpoint "
-             "to one .safetensors file (streaming zero_to_fp32)",
+        help="write the full weights of a ZeRO-1/2/3, universal, FSDP2/DCP, Trainer/Accelerate FSDP or Accelerate "
+             "save_state checkpoint to one .safetensors file (streaming zero_to_fp32)",
         example="shardkit consolidate checkpoints/ -o model.safetensors",
         description=(
-            "Of a DeepSpeed ZeRO-1/2/3 or universal checkpoint, an FSDP2/DCP one or the FSDP files the Trainer and "
-            "Accelerate save, write the full weights to one safetensors file. "
+            "Of a DeepSpeed ZeRO-1/2/3 or universal checkpoint, an FSDP2/DCP one, the FSDP files the Trainer and "
+            "Accelerate save or a one-process Accelerate save_state folder, write the full weights to one safetensors "
+            "file. "
             "ZeRO-3: gather every parameter's fp32 master from the per-rank partitions (any world size, "
             "bf16/fp16/fp32 training, with or without offload) and write one safetensors file. Memory "
             "stays near one rank's partition: rank files are memory-mapped one at a time and each piece "

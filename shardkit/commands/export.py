@@ -12,15 +12,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "export",
-        help="write a ZeRO-1/2/3, universal, FSDP2/DCP or Trainer/Accelerate FSDP checkpoint as a folder "
-             "transformers from_pretrained loads",
+        help="write a ZeRO-1/2/3, universal, FSDP2/DCP, Trainer/Accelerate FSDP or Accelerate save_state checkpoint "
+             "as a folder transformers from_pretrained loads",
         example="shardkit export checkpoints/ -o hf_model/ --model-config base_model/ --dtype bf16",
         description=(
             "Write sharded safetensors (model-0000k-of-0000n.safetensors + model.safetensors.index.json, or one "
             "model.safetensors), config.json, generation_config.json and tokenizer files: a folder "
             "AutoModelForCausalLM.from_pretrained(DIR) loads. SRC is a DeepSpeed ZeRO-1/2/3 or universal checkpoint "
             "(any world size, offload or not), an FSDP2/DCP checkpoint, the FSDP files the Trainer and Accelerate "
-            "save, or a Hugging Face Trainer checkpoint-N / output_dir holding one. Streaming: every piece is copied (or cast, chunk by chunk) from the rank files to its place in "
+            "save, a one-process Accelerate save_state folder (with --model-config), or a Hugging Face Trainer "
+            "checkpoint-N / output_dir holding one. Streaming: every piece is copied (or cast, chunk by chunk) from the rank files to its place in "
             "the output, so memory stays flat whatever the model size. Names, tied weights and shard split follow "
             "save_pretrained; a checkpoint that does not match the config (missing or extra tensors, other shapes) is "
             "refused. A PEFT/LoRA checkpoint becomes an adapter folder (adapter_model.safetensors + "
