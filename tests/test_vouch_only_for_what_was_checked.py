@@ -256,6 +256,8 @@ def test_a_link_loop_is_no_file_to_any_command_and_verify_names_it(zero2, tmp_pa
     (warning,) = [f for f in report["findings"] if f["rule"] == "ckpt.link.nowhere"]
     assert warning["key"] == "loop" and "leads nowhere (a loop of links)" in warning["message"]
     assert str(src / TAG / "loop") in warning["message"]
+    code, out, _ = run_cli("verify", src)  # and advises no --write-manifest, which it would refuse
+    assert code == 0 and "whole as far as its structure tells" in out and "--write-manifest` hashes" not in out
 
     for argv in (["reshard", src, "--world-size", "1", "-o", tmp_path / "r1"],
                  ["reshard", src, "--world-size", "2", "-o", tmp_path / "r2"],

@@ -115,6 +115,7 @@ def _run_plain(args: argparse.Namespace, engine: str | None, clock: Stopwatch, m
         print("note: --no-verify changes nothing here: a checkpoint without a manifest has no digests to skip, and "
               "the structural check reads no tensor bytes", file=sys.stderr)
     written = write_plain_manifest(report) if args.write_manifest and report.ok else None
+    links_nowhere = any(f.rule == "ckpt.link.nowhere" for f in report.findings)  # --write-manifest refuses them
     manifest_note = (f"wrote {report.tensor_folder}/shardkit_manifest.json ({len(written.files)} files hashed): later "
                      "verifies compare digests" if written is not None else None)
     if args.json or args.json_file:
@@ -128,7 +129,7 @@ def _run_plain(args: argparse.Namespace, engine: str | None, clock: Stopwatch, m
             print(f"whole as far as its structure tells: {report.path} ({report.layout or report.kind}, world size "
                   f"{world}, step {step}, {report.files} files, {report.tensors} tensors covered)")
         hint = (f"; `shardkit verify {args.checkpoint} --write-manifest` hashes the files once so later verifies "
-                "compare digests" if report.ok and not manifest_note else "")
+                "compare digests" if report.ok and not manifest_note and not links_nowhere else "")
         print(f"{NO_DIGESTS}{hint}.")
         if manifest_note:
             print(manifest_note)
