@@ -87,6 +87,7 @@ def places() -> list[tuple[str, str, str]]:
     out += [(c, "docs/cli.md", _cli_paragraph(c)) for c in READING]
     out += [("convert", "docs/README.md", _index_line("convert.md")), ("export", "docs/README.md", _index_line("export.md"))]
     out += [("export", "docs/tasks/hugging-face-model.md", _task_opening("hugging-face-model.md")),
+            ("reshard", "docs/tasks/resume-on-more-or-fewer-gpus.md", _task_opening("resume-on-more-or-fewer-gpus.md")),
             ("convert", "docs/tasks/move-between-deepspeed-and-fsdp2.md",
              _task_opening("move-between-deepspeed-and-fsdp2.md"))]
     return out
