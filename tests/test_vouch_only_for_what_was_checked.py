@@ -271,6 +271,13 @@ def test_a_link_loop_is_no_file_to_any_command_and_verify_names_it(zero2, tmp_pa
         "to 'loop', which leads nowhere" in err, err
     assert not (src / TAG / MANIFEST).exists()
 
+    # in a sealed tag folder: named as the link it is (not as a file added after the save), read by nothing
+    (tmp_path / "r2" / TAG / "loop").symlink_to("loop")
+    code, out, _ = run_cli("verify", tmp_path / "r2", "--json")
+    report = json.loads(out)
+    assert code == 0 and [f["rule"] for f in report["findings"] if f["key"] == "loop"] == ["ckpt.link.nowhere"]
+    assert run_cli("reshard", tmp_path / "r2", "--world-size", "1", "-o", tmp_path / "r2_1")[0] == 0
+
 
 def test_write_manifest_of_a_folder_that_is_no_checkpoint_says_so(tmp_path, run_cli, zero2):
     (tmp_path / "notes").mkdir()

@@ -18,7 +18,7 @@ from shardkit.core.errors import CheckpointError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.platform.dist import all_gather_object, rank_world
 from shardkit.storage.atomic import os_errors_named
-from shardkit.storage.links import LINK_OUTSIDE_FIX, link_outside_message, links_leaving
+from shardkit.storage.links import LINK_OUTSIDE_FIX, link_outside_message, links_leaving, links_nowhere
 from shardkit.storage.links import refuse_links_leaving as refuse_links_leaving
 from shardkit.storage.listing import lists_source_once
 from shardkit.storage.manifest import (
@@ -269,10 +269,15 @@ def verify_checkpoint(
                             f"{kind}_states file although the checkpoint records world_size={m.world_size} (it "
                             f"lists {len(m.files)} files)", "the save is incomplete, or its manifest was edited; "
                             "resume from another tag", "ckpt.rank_file.missing"))
+    nowhere = dict(links_nowhere(tag_dir))
     for rel in checkpoint_files(tag_dir):
         if rel in listed:
             continue
-        if _ENGINE_MARKERS.search(rel.rsplit("/", 1)[-1]):
+        if rel in nowhere:  # a link to nothing (a loop, a missing target): no file, and no command reads it
+            report.add(Finding(Severity.WARNING, rel, nowhere[rel], f"{tag_dir / rel}: a symbolic link to "
+                               f"{nowhere[rel]!r}, which leads nowhere: no file of this checkpoint, and no command "
+                               "reads it", "remove the link", "ckpt.link.nowhere"))
+        elif _ENGINE_MARKERS.search(rel.rsplit("/", 1)[-1]):
             # a data file the loaders read (a DCP shard, its .metadata, a DeepSpeed rank file) that the
             # manifest does not vouch for would be read unverified: found by the hostile sweep, where a
             # dropped .distcp entry verified and the converts read the file unchecked
