@@ -28,6 +28,12 @@ REPLACED_MARK = ".shardkit-replaced-"
 MAX_LATEST_BYTES = 4096
 
 
+def also_there(others: list[str] | tuple[str, ...]) -> str:
+    """``"; also there: a, b"`` naming the checkpoints (tags, ``checkpoint-N`` folders) a folder holds beside the
+    one a command took, or ``""`` when there are none: every "took the newest/``latest``" line says it alike."""
+    return f"; also there: {', '.join(others)}" if others else ""
+
+
 def tag_problem(tag: object) -> str | None:
     """Why ``tag`` cannot name a checkpoint folder inside a root, or None when it can.
 

@@ -30,7 +30,7 @@ from shardkit.core.errors import CheckpointError
 from shardkit.core.files import not_regular
 from shardkit.core.findings import Finding, Severity
 from shardkit.storage.atomic import os_errors_named
-from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, read_latest
+from shardkit.storage.tags import LATEST_NAME, STAGING_PREFIX, also_there, read_latest
 from shardkit.storage.verify import CheckpointReport, verify_checkpoint
 
 #: ``transformers.trainer_utils._re_checkpoint``: the folders ``get_last_checkpoint`` considers.
@@ -57,10 +57,9 @@ class TrainerCheckpoint:
         """What the user should be told about the choice (None when the folder was given directly)."""
         if self.picked_from is None:
             return None
-        older = f"; also there: {', '.join(self.others)}" if self.others else ""
         return (f"{self.picked_from} is a Trainer output_dir: using {self.folder.name}, the newest checkpoint (the "
-                f"one Trainer.train(resume_from_checkpoint=True) picks){older}. Pass a checkpoint-N folder to "
-                "choose another")
+                f"one Trainer.train(resume_from_checkpoint=True) picks){also_there(self.others)}. Pass a checkpoint-N "
+                "folder to choose another")
 
 
 def checkpoint_dirs(p: Path) -> list[tuple[int, Path]]:

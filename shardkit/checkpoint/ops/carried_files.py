@@ -30,7 +30,7 @@ from shardkit.storage.atomic import fsync_dir, fsync_file
 from shardkit.storage.listing import list_folder
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.stream import copy_file_hashed
-from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX
+from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, also_there
 
 #: The pointer ``ds_to_universal`` writes beside ``latest``; it names a universal folder, never carried.
 LATEST_UNIVERSAL = "latest_universal"
@@ -67,9 +67,9 @@ def other_tags_note(root: Path, tag: str, others: list[str]) -> str | None:
     """The line naming the tags of ``root`` that were not read, and how to take one."""
     if not others:
         return None
-    return (f"{root} holds several tags: read {tag}, the one '{LATEST_NAME}' names; also there: "
-            f"{', '.join(others)} (not read). To take another, pass its tag folder as the checkpoint, e.g. "
-            f"{root / others[-1]} (the new checkpoint keeps its tag name; --tag names it otherwise)")
+    return (f"{root} holds several tags: read {tag}, the one '{LATEST_NAME}' names{also_there(others)} (not read). "
+            f"To take another, pass its tag folder as the checkpoint, e.g. {root / others[-1]} (the new checkpoint "
+            "keeps its tag name; --tag names it otherwise)")
 
 
 def _is_tag_folder(folder: Path) -> bool:
