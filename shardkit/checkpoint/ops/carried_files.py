@@ -30,7 +30,7 @@ from shardkit.storage.atomic import fsync_dir, fsync_file
 from shardkit.storage.listing import list_folder
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.stream import copy_file_hashed
-from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, also_there
+from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, also_there, read_latest
 
 #: The pointer ``ds_to_universal`` writes beside ``latest``; it names a universal folder, never carried.
 LATEST_UNIVERSAL = "latest_universal"
@@ -172,8 +172,6 @@ def root_files_not_converted(source: Path) -> tuple[list[str], str | None]:
     """What a conversion of the DeepSpeed root ``source`` leaves behind: every entry beside ``latest`` and the tag
     it names, ``name (why)``, and the line naming the other tags (None: one tag, or ``source`` is no root). A
     conversion writes the model and optimizer state only; none of these has a slot in its output."""
-    from shardkit.storage.tags import read_latest
-
     if not source.is_dir() or not (source / LATEST_NAME).is_file():
         return [], None
     tag = read_latest(source)
@@ -198,8 +196,6 @@ def root_files_not_converted(source: Path) -> tuple[list[str], str | None]:
 def root_left_note(tag_dir: Path) -> str | None:
     """When the checkpoint given is a tag folder inside a DeepSpeed root with files beside its tags (Accelerate's
     ``random_states_0.pkl`` ...): what is left there and how to carry it. None when there is nothing such."""
-    from shardkit.storage.tags import read_latest
-
     root = tag_dir.parent
     if not (root / LATEST_NAME).is_file():
         return None
