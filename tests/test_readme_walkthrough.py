@@ -110,6 +110,7 @@ OTHER_TOOLS = {
     "sbatch": "needs a Slurm cluster (tests/test_slurm.py submits the template to a real one)",
     "cat": "shell: shows a job's output (or writes a heredoc file, which run blocks do)",
     "eval": "shell: evaluates the output of a repository script (its path is checked)",
+    "cd": "shell: the README walkthrough moves into a scratch folder (the walkthrough test runs it)",
 }
 REPO_PATH = re.compile(r"(?<![\w./-])((?:launch|scripts|ds_configs|tests|benchmarks|docs|shardkit|\.ci)/[\w./*-]*)")
 DOTTED = re.compile(r"(?<![\w./-])(shardkit(?:\.[A-Za-z_]\w*)+)")
