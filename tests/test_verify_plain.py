@@ -327,7 +327,7 @@ def test_each_rank_file_is_opened_and_parsed_once(saves, tmp_path, monkeypatch, 
     real_init = zipfile.ZipFile.__init__
 
     def counting_init(self: zipfile.ZipFile, file: Any, *args: Any, **kwargs: Any) -> None:
-        opened.update([Path(str(file)).name])
+        opened.update([Path(str(getattr(file, "name", file))).name])  # a path, or the file open_regular opened
         real_init(self, file, *args, **kwargs)
 
     monkeypatch.setattr(zipfile.ZipFile, "__init__", counting_init)
