@@ -15,9 +15,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "shardkit"
 HELPER_MODULE = "core/files.py"
-#: Calls that return a file, descriptor or path the helper opened and checked (torch_load's
-#: ``_open_checked`` is ``open_regular`` with the rank-file messages: missing, empty, no permission).
-HELPERS = {"regular_fd", "open_regular", "fd_path", "_open_checked"}
+#: Calls that return a file, descriptor or path the helper opened and checked (storage.checkpoint_file's
+#: ``open_checked`` is ``open_regular`` with the rank-file messages: missing, empty, no permission).
+HELPERS = {"regular_fd", "open_regular", "fd_path", "open_checked"}
 
 #: (module, enclosing function, what is opened): why each is not a read of a user's file.
 ALLOWED: dict[tuple[str, str, str], str] = {

@@ -25,15 +25,14 @@ real classes, for code that hands the objects back to a DeepSpeed engine or re-s
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, Iterable
 
 from shardkit.core.errors import CheckpointError
-from shardkit.core.files import NotRegularFileError, fd_path, open_regular
+from shardkit.core.files import fd_path
+from shardkit.storage.checkpoint_file import open_checked
 from shardkit.storage.structure_observers import parsed, recall
 
 #: Non-torch globals that DeepSpeed ZeRO checkpoints contain (see module docstring for provenance).
@@ -136,7 +135,7 @@ def safe_torch_load(
 
     p = Path(path)
     extra = list(extra_globals)
-    with _open_checked(p) as fh:
+    with open_checked(p) as fh:
         try:
             with torch.serialization.safe_globals(_allow_list(real_deepspeed_objects, extra)):
                 # by name, as before (torch maps a file by name), the name of this very open file
@@ -149,43 +148,6 @@ def safe_torch_load(
                 "The file is truncated or corrupted (an interrupted save or copy?). Re-copy it, or resume "
                 "from the previous checkpoint; `shardkit verify` checks every file against the manifest."
             ) from None
-
-
-#: The fix a rank file that is not a regular file is refused with (core.files.open_regular).
-NOT_REGULAR_FIX = "A checkpoint file is always a regular file: restore the rank file from a copy of the checkpoint"
-
-
-def _permission_denied(p: Path, st: os.stat_result) -> CheckpointError:
-    # said before any read, which would otherwise be taken for damage
-    return CheckpointError(f"{p}: permission denied: this user (uid {os.getuid()}) cannot read it (mode "
-                           f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}). The file is not damaged: fix its "
-                           "permissions (chmod a+r), or run as a user who can read the checkpoint")
-
-
-def _open_checked(p: Path) -> BinaryIO:
-    """``p`` opened through core.files.open_regular (a FIFO, device, socket or folder refused by name, nothing
-    read from it), or a CheckpointError saying why it cannot be read: missing, empty, no permission."""
-    try:
-        fh = open_regular(p, fix=NOT_REGULAR_FIX)
-    except NotRegularFileError as exc:
-        if exc.reason == "folder":
-            raise CheckpointError(f"{p}: is a directory, expected a checkpoint file (*.pt)") from None
-        raise
-    except FileNotFoundError:
-        raise CheckpointError(f"{p}: checkpoint file does not exist. Was a rank's save lost, or is the path wrong?") from None
-    except PermissionError:
-        raise _permission_denied(p, os.stat(p)) from None
-    st = os.fstat(fh.fileno())
-    if not os.access(p, os.R_OK):  # opened (root reads anything) where os.access says this user may not
-        fh.close()
-        raise _permission_denied(p, st)
-    if st.st_size == 0:
-        fh.close()
-        raise CheckpointError(
-            f"{p}: checkpoint file is empty (0 bytes): the save that wrote it did not finish. "
-            "Resume from the previous checkpoint."
-        )
-    return fh
 
 
 def _unsafe_error(p: Path, exc: Exception) -> CheckpointError:
@@ -392,7 +354,7 @@ def read_structure(path: str | Path, *, allowed: dict[tuple[str, str], Any] | No
             return storages.setdefault(key, _Storage(key, STORAGE_DTYPES[storage_type]))
 
     try:
-        with _open_checked(p) as fh, zipfile.ZipFile(fh) as z:
+        with open_checked(p) as fh, zipfile.ZipFile(fh) as z:
             names, records = z.namelist(), z.infolist()
             pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if pkl is None:

@@ -33,8 +33,9 @@ from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.config.view import deepspeed_view
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import not_regular
+from shardkit.storage.checkpoint_file import NOT_REGULAR_FIX
 from shardkit.storage.listing import FolderListing, list_folder
-from shardkit.storage.torch_load import NOT_REGULAR_FIX, TensorRef, read_structure, safe_torch_load
+from shardkit.storage.torch_load import TensorRef, read_structure, safe_torch_load
 
 
 def _numel(t: Any) -> int:
