@@ -70,7 +70,9 @@ def mixed_stages(tag_dir: Path, names: Iterable[str]) -> Refusal | None:
     same words either way."""
     names = list(names)
     zero3 = sorted(n for n in names if _ZERO3_MODEL_FILE.match(n))
-    if ZERO12_MODEL_FILE not in names or not zero3:
+    # ds_to_universal of a ZeRO-3 save keeps both kinds of model file beside its zero/ atoms folder and no
+    # optimizer file: one conversion's output, not two saves
+    if ZERO12_MODEL_FILE not in names or not zero3 or UNIVERSAL_FOLDER in names:
         return None
     shown = ", ".join(zero3[:3]) + (" ..." if len(zero3) > 3 else "")
     return Refusal(
