@@ -12,9 +12,12 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import open_regular
 from shardkit.storage.torch_load import ITEMSIZE
 
 #: torch dtype name (without ``torch.``) -> safetensors dtype code.
@@ -22,6 +25,32 @@ ST_DTYPE = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
 }
+#: safetensors dtype code -> torch dtype name.
+TORCH_DTYPE = {code: name for name, code in ST_DTYPE.items()}
+#: A safetensors header is read only up to this size (the format's own limit is 100 MB).
+MAX_HEADER = 100_000_000
+
+
+def read_header(file: Path) -> tuple[dict[str, Any], int, int]:
+    """The JSON header of the safetensors file ``file`` (8-byte length + JSON; no tensor byte read), the
+    offset its data section starts at and the file's size; CheckpointError naming the file when the
+    header is short, oversized, not JSON or not an object."""
+    with open_regular(file) as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{file}: shorter than a safetensors header (8 bytes): the file is truncated")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER:
+            raise CheckpointError(f"{file}: safetensors header of {n} bytes, over the format's 100 MB limit: not a "
+                                  "safetensors file")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError as exc:
+            raise CheckpointError(f"{file}: its safetensors header is not JSON ({exc}): the file is damaged") from None
+        size = fh.seek(0, 2)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: its safetensors header is not a JSON object: the file is damaged")
+    return header, 8 + n, size
 
 
 @dataclass

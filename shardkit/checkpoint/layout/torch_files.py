@@ -6,9 +6,7 @@ model folder from its safetensors headers (8-byte length + JSON)."""
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from pathlib import Path
 
 from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, read_plain_metadata
@@ -21,15 +19,11 @@ from shardkit.checkpoint.hf_trainer.fsdp_files import (
 )
 from shardkit.checkpoint.layout.description import CheckpointDescription
 from shardkit.core.errors import CheckpointError
-from shardkit.core.files import open_regular
+from shardkit.storage.safetensors_file import TORCH_DTYPE, read_header
 from shardkit.storage.torch_load import TensorRef, read_structure
 
 #: Weight files of a folder from_pretrained loads as it is.
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-#: A safetensors header is read only up to this size (the format's own limit is 100 MB).
-_MAX_HEADER = 100_000_000
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 def _model_and_state(md: DcpMetadata) -> tuple[dict[str, tuple[str, int]], set[str], set[str]]:
@@ -195,21 +189,6 @@ def describe_accelerate_state(folder: Path, given: str) -> CheckpointDescription
     return desc
 
 
-def _safetensors_header(file: Path) -> dict[str, object]:
-    with open_regular(file) as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointError(f"{file}: shorter than a safetensors header (8 bytes); the file is truncated")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise CheckpointError(f"{file}: safetensors header of {n} bytes, over the format's 100 MB limit: not a "
-                                  "safetensors file")
-        header = json.loads(f.read(n))
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: its safetensors header is not a JSON object")
-    return header
-
-
 def describe_hf_model(folder: Path, given: str) -> CheckpointDescription:
     """A folder ``from_pretrained`` loads: its safetensors headers give names, dtypes and shapes."""
     desc = CheckpointDescription(path=given, folder=str(folder), format="hf-model",
@@ -218,12 +197,12 @@ def describe_hf_model(folder: Path, given: str) -> CheckpointDescription:
     dtypes: set[str] = set()
     params = elements = 0
     for f in files:
-        for name, entry in _safetensors_header(f).items():
+        for name, entry in read_header(f)[0].items():
             if name == "__metadata__" or not isinstance(entry, dict):
                 continue
             params += 1
             elements += math.prod(int(d) for d in entry.get("shape", []))
-            dtypes.add(_ST_DTYPES.get(str(entry.get("dtype")), str(entry.get("dtype"))))
+            dtypes.add(TORCH_DTYPE.get(str(entry.get("dtype")), str(entry.get("dtype"))))
     if files:
         desc.parameters, desc.elements = params, elements
         desc.dtypes["weights"] = ", ".join(sorted(dtypes))
