@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from shardkit.commands._parser import add_command, add_json
@@ -102,12 +103,16 @@ def inspect_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.layout.detect import describe_checkpoint
     from shardkit.checkpoint.layout.support import verdicts
     from shardkit.commands._parser import Stopwatch, emit_json
+    from shardkit.storage.links import links_leaving_refusal
 
     clock = Stopwatch()
     desc = describe_checkpoint(args.checkpoint)
     if desc.reader_kind is not None:
         _fill(desc, desc.reader_kind)
     found = verdicts(desc)
+    leaving = links_leaving_refusal(desc.folder, "read")
+    if leaving is not None:  # every command's reader refuses the folder with these words (storage.links)
+        found = [replace(v, applies=False, why=leaving, guarded=False) for v in found]
     if args.json or args.json_file:
         emit_json(args, {"command": "inspect", "ok": True, **desc.to_dict(),
                          "commands": [{"command": v.command, "applies": v.applies, "why": v.why, "guarded": v.guarded}

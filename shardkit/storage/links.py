@@ -82,10 +82,19 @@ def refuse_links_leaving(tag_dir: str | os.PathLike[str], doing: str, listing: F
     """Raise one CheckpointError naming the first symlink in ``tag_dir`` that leads outside it (and
     how many more there are). For readers of a folder without a manifest, which ``verify_checkpoint``
     never sees: ``doing`` says what was about to happen ('convert', 'read'); ``listing``: ``links_leaving``'s."""
+    why = links_leaving_refusal(tag_dir, doing, listing)
+    if why is not None:
+        raise CheckpointError(why)
+
+
+def links_leaving_refusal(tag_dir: str | os.PathLike[str], doing: str,
+                          listing: FolderListing | None = None) -> str | None:
+    """The words ``refuse_links_leaving`` raises for ``tag_dir``, or None when no link leads out of it
+    (``shardkit inspect`` gives them as every command's verdict: each command refuses the folder with them)."""
     tag_dir = Path(tag_dir)
     found = links_leaving(tag_dir, listing)
-    if found:
-        rel, real = found[0]
-        more = f" ({len(found) - 1} more such link(s))" if len(found) > 1 else ""
-        raise CheckpointError(f"refusing to {doing} {tag_dir}: {link_outside_message(tag_dir, rel, real)}{more}. "
-                              f"Fix: {LINK_OUTSIDE_FIX}")
+    if not found:
+        return None
+    rel, real = found[0]
+    more = f" ({len(found) - 1} more such link(s))" if len(found) > 1 else ""
+    return f"refusing to {doing} {tag_dir}: {link_outside_message(tag_dir, rel, real)}{more}. Fix: {LINK_OUTSIDE_FIX}"
