@@ -19,7 +19,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FILES = ["tests/test_hostile_sweep_bytes.py", "tests/test_hostile_sweep_fields.py", "tests/test_hostile_sweep_readers.py"]
+FILES = ["tests/test_hostile_sweep_bytes.py", "tests/test_hostile_sweep_fields.py", "tests/test_hostile_sweep_readers.py",
+         "tests/test_hostile_sweep_round.py"]
 
 
 def run(examples: int | None) -> list[dict[str, object]]:

@@ -200,3 +200,18 @@ def test_inspect_says_no_command_takes_a_tag_folder_with_a_link_leading_out(swee
     assert f"commands: none takes it today: refusing to read {tag}: {rank_file}: a symlink to" in text, text
     refused = H.run_cli(["reshard", src, "--world-size", "3", "-o", tmp_path / "out"])
     assert refused.code == 1 and f"{rank_file}: a symlink to" in refused.err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rank_file", ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_verify_names_a_loop_link_in_place_of_rank_0s_file(sweep_sources, tmp_path, rank_file):
+    """verify of a plain save whose rank 0 file is ``loop -> loop`` ended with the bare 'Too many levels of
+    symbolic links' (a stat before the checked open, in the parse cache): it now reports the file as verify does."""
+    src = sweep_sources.copy(KIND, tmp_path)
+    f = src / (src / "latest").read_text().strip() / rank_file
+    f.unlink()
+    f.symlink_to(f.name)
+    done = H.run_cli(["verify", src, "--json"])
+    obj = json.loads(done.out)
+    assert done.code == 1 and obj.get("check") == "structure", done.out
+    rules = {x["rule"] for x in obj["findings"] if rank_file in x["message"]}
+    assert rules == {"ckpt.link.nowhere", "ckpt.structure.rank_file"}, obj["findings"]  # leads nowhere; so missing

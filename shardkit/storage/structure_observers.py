@@ -61,7 +61,11 @@ def recall(path: Path) -> Any | None:
     if reused is None:
         return None
     kept, _ = reused
-    hit = kept.get(_key(path))
+    try:
+        key = _key(path)
+    except OSError:  # missing, a loop of links, unreadable: nothing kept; the checked open names why
+        return None
+    hit = kept.get(key)
     if hit is None:
         return None
     parsed(path, *hit)
