@@ -269,3 +269,23 @@ def test_a_pickle_that_would_run_code_runs_nothing(sweep_sources, kind, payload)
                 # loads with weights_only (judge's check): the payload was not carried into it
                 assert not sentinel.exists(), f"{command} on {rel} with a {payload} pickle ran it"
             H.record(f"a pickle calling {payload} ({kind})", command, label)
+
+
+@pytest.mark.parametrize("kind, rel, path, value, command", [
+    # a model-states file whose buffer_names holds lists: a TypeError out of the ZeRO-3 reader before
+    ("zero3", "global_step2/zero_pp_rank_0_mp_rank_00_model_states.pt", ("buffer_names",), [[], [], {"x": 0.0}],
+     "reshard"),
+    # a .metadata chunk whose first size is deleted, one left for a 2-D weight: an IndexError out of the coverage check before
+    ("fsdp2_converted", "global_step2/.metadata",
+     ("state_dict_metadata", "model.model.layers.1.post_attention_layernorm.weight", "chunks", 0, "sizes", 0),
+     DELETE, "convert --to zero3"),
+])
+def test_edits_the_field_sweep_found_are_named(sweep_sources, kind, rel, path, value, command):
+    """The two edits the sweep above drew that ended in a traceback, pinned: each is now a refusal naming the file
+    (H.judge fails on a traceback, a hang or an output that does not verify)."""
+    original = _load(sweep_sources.root(kind) / rel)
+    with H.case_folder(sweep_sources.base / "sweep_cases") as case_dir:
+        src = sweep_sources.copy(kind, case_dir)
+        _save(replaced(original, path, value), src / rel)
+        reseal(src, rel)
+        H.judge(sweep_sources, kind, command, case_dir, src, may_differ=True)

@@ -285,14 +285,14 @@ def test_a_file_this_user_cannot_read_is_named_as_a_permission_problem_not_as_da
     """A rank file another user saved with mode 600 must not be reported as "truncated or corrupted, re-copy
     it". chmod 000 stops every user but root; as root (this sandbox: the interpreter itself lives under
     /root, so a child cannot drop to another user) the permission check is told the file is unreadable."""
-    from shardkit.storage import torch_load
+    from shardkit.storage import checkpoint_file
 
     f = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"w": torch.ones(4)}, f)
     f.chmod(0)
     if os.geteuid() == 0:
         real = os.access
-        monkeypatch.setattr(torch_load.os, "access", lambda p, mode: False if Path(p) == f else real(p, mode))
+        monkeypatch.setattr(checkpoint_file.os, "access", lambda p, mode: False if Path(p) == f else real(p, mode))
     for read in (read_structure, safe_torch_load):
         with pytest.raises(CheckpointError) as err:
             read(f)

@@ -102,3 +102,14 @@ def test_pieces_name_their_first_gap_overlap_or_excess(tmp_path):
     assert fault(Piece(f, 0, 0, 8)) == "elements 8..15 of 16 are in no stored piece"
     assert fault(Piece(f, 0, 0, 10), Piece(g, 0, 8, 8)) == "elements 8..9 are stored twice, in rank0.pt and in rank1.pt"
     assert fault(Piece(f, 0, 0, 16), Piece(g, 0, 16, 2)) == "its pieces hold 18 elements where the tensor has 16"
+
+
+def test_a_chunk_with_fewer_sizes_than_dims_is_named_not_an_index_error():
+    """A damaged .metadata can give a chunk one size for a 2-D tensor (the hostile field sweep drew one): the
+    coverage check names the chunk and the shape instead of raising IndexError out of the command."""
+    from shardkit.checkpoint.model.tensors import box_fault
+
+    assert box_fault((4, 4), [((0, 0), (4,))]) == "a chunk at offsets [0, 0] with sizes [4] lies outside the shape [4, 4]"
+    assert box_fault((4, 4), [((0, 0), (4, -1))]) == \
+        "a chunk at offsets [0, 0] with sizes [4, -1] lies outside the shape [4, 4]"
+    assert box_fault((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4))]) is None

@@ -162,7 +162,9 @@ def box_fault(shape: tuple[int, ...], boxes: Sequence[tuple[tuple[int, ...], tup
     once; else the first region no box holds, or two hold, as index ranges (``[32:64, 0:128] is in no
     stored chunk``). Swept one dim at a time: slabs of dim 0 cost one pass over their starts."""
     for offsets, sizes in boxes:
-        if len(offsets) != len(shape) or any(o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+        # a damaged .metadata can give a chunk fewer sizes than dims (the sweep found one): said, not an IndexError
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
             return f"a chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside the shape {list(shape)}"
     found = _box_gap(shape, [b for b in boxes if all(b[1])])
     if found is None:

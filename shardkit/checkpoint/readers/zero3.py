@@ -82,8 +82,15 @@ def describe_zero3(ckpt: Zero3Checkpoint, *, lazy: bool = False,
             files.optim(rank)
             files.frozen(rank)
     module = ckpt.model_state.get("module") or {}
+    names = ckpt.model_state.get("buffer_names") or []
+    # a damaged or hostile model-states file (the field sweep drew lists here): named, never a TypeError
+    if not isinstance(module, dict) or not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(
+            f"{ckpt.model_files[0]}: 'buffer_names' is {_short(names)} and 'module' a {type(module).__name__}, where "
+            "DeepSpeed saves a list of buffer names and a dict of the module's tensors: the file is damaged or was not "
+            "written by DeepSpeed. Re-copy it from the run that saved it")
     buffers = set()
-    for name in ckpt.model_state.get("buffer_names") or []:
+    for name in names:
         buf = module.get(name)
         if isinstance(buf, TensorRef):
             tensors[name] = SourceTensor(name, buf.dtype, buf.shape, [Piece(ckpt.model_files[0], _offset(buf), 0, buf.numel)])
@@ -277,3 +284,9 @@ def _optim_flats(ckpt: Zero3Checkpoint, rank: int, osd: dict[str, Any]) -> list[
                 f"[{getattr(ref, 'numel', '?')}], expected float32[{ckpt.sub_group_numel[j]}] from rank 0's layout; "
                 "the rank files come from different saves or the file is damaged")
     return flats
+
+
+def _short(value: Any) -> str:
+    """``value`` as a message shows a field read from a damaged file: its repr, cut at 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
