@@ -128,3 +128,25 @@ def test_an_fsdp2_dcp_save_consolidates_to_the_weights_it_held(sweep_sources, tm
     code, _, err = run_cli("consolidate", broken, "-o", tmp_path / "x.safetensors")
     assert code == 1 and victim.name in err, err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_window_cancelled_behind_a_failed_one_leaves_the_failure_raised(monkeypatch):
+    """Under load a window can still be queued when another fails (disk full); join_pool cancels it, and
+    asking a cancelled future for its exception raises CancelledError: the run ended in that traceback instead
+    of the failure's own line (seen once in a full run on the filling-filesystem test). Deterministic here:
+    the pool hands back one failed and one cancelled future."""
+    import errno
+    from concurrent.futures import Future
+
+    import shardkit.checkpoint.ops.consolidate as consolidate
+
+    def submit_all(pool, fn, calls):
+        failed, queued = Future(), Future()
+        failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+        queued.cancel()
+        return [failed, queued]
+
+    monkeypatch.setattr(consolidate, "submit_all", submit_all)
+    with pytest.raises(OSError) as err:
+        consolidate._copy_windows(-1, 0, {}, {}, [(0, 8), (8, 16)])
+    assert err.value.errno == errno.ENOSPC

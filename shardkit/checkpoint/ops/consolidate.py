@@ -207,7 +207,9 @@ def _copy_windows(fd: int, data_start: int, entries: dict[str, TensorEntry], ten
             if not futures or not all(f.done() and f.exception() is None for f in futures):
                 stop.set()  # a failure or an interrupt: the others stop at their next tensor or chunk
             join_pool(pool)
-        failed = [e for e in (f.exception() for f in futures) if e is not None]
+        # a window still queued when another failed was cancelled by join_pool: its exception() is a
+        # CancelledError raised, not returned (a traceback instead of the disk-full line, under load)
+        failed = [e for e in (f.exception() for f in futures if not f.cancelled()) if e is not None]
         real = [e for e in failed if not isinstance(e, Stopped)]
         if failed:
             raise (real or failed)[0]  # the failure, not the threads it stopped
