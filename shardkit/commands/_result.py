@@ -51,7 +51,7 @@ def json_request(argv: Sequence[str]) -> JsonRequest:
     command = command_of(argv)
     words = list(argv)
     if command == "launch":
-        words = _launch_own_options(words[words.index("launch") + 1:])
+        words = launch_own_options(words[words.index("launch") + 1:])
     request = JsonRequest()
     for i, word in enumerate(words):
         if word == "--":
@@ -69,7 +69,10 @@ def json_request(argv: Sequence[str]) -> JsonRequest:
     return request
 
 
-def _launch_own_options(words: list[str]) -> list[str]:
+def launch_own_options(words: list[str]) -> list[str]:
+    """The words at the front of ``shardkit launch``'s arguments that are shardkit's own options (each with
+    its value); the launcher's options and the script start after them. launch's parser and the JSON request
+    read the same split."""
     own: list[str] = []
     i = 0
     while i < len(words):

@@ -8,6 +8,7 @@ import sys
 from typing import Any, Sequence
 
 from shardkit.commands._parser import CommandParser, add_command, add_json
+from shardkit.commands._result import launch_own_options
 
 USAGE = (
     "shardkit launch [--launcher deepspeed|torchrun|accelerate] [--no-preflight] [--dry-run] [--json] "
@@ -22,20 +23,8 @@ class _PassThroughParser(CommandParser):
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         args = list(sys.argv[1:] if args is None else args)
-        own: list[str] = []
-        i = 0
-        while i < len(args):
-            arg = args[i]
-            if arg in ("-h", "--help", "--no-preflight", "--dry-run", "--json"):
-                own.append(arg)
-            elif arg in ("--launcher", "--json-file"):
-                own += args[i : i + 2]
-                i += 1
-            elif arg.startswith(("--launcher=", "--json-file=")):
-                own.append(arg)
-            else:
-                break
-            i += 1
+        own = launch_own_options(args)
+        i = len(own)
         ns, extras = super().parse_known_args(own, namespace)
         ns.argv = args[i:]
         return ns, extras
