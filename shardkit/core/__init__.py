@@ -1,4 +1,5 @@
 """The bottom layer every other package may import: ``errors`` (the one exception hierarchy),
 ``findings`` (Finding/Report plain data), ``render`` (reports as tables and JSON) and ``files``
-(reading a regular file with a size cap, without following it anywhere it should not go).
+(reading a regular file with a size cap, without following it anywhere it should not go);
+``deprecated`` (old public names kept one release as aliases that warn).
 Nothing here imports torch, deepspeed or any other shardkit package."""
