@@ -168,15 +168,14 @@ PUBLIC_API = [
     "CheckpointError", "ConfigError", "DistributedError", "FSDPConfig", "Move", "PlacementReport",
     "PreflightError", "RunShape", "ShardkitError", "SmokeOptions", "StateSlot", "UsageError", "__version__",
     "apply_fsdp", "build_launch", "check_config", "check_file", "check_resumable",
-    "check_resumable_distributed", "collect_records", "config_digest", "consolidate_zero3",
-    "estimate_memory", "export_safetensors", "fsdp_config_from_dict", "guard_plain_loads", "installed_versions",
-    "judge_snapshot",
-    "known_bad_findings", "load_config", "load_dcp_state", "load_fsdp_checkpoint",
-    "load_zero3_checkpoint", "model_shape", "open_zero3_checkpoint", "plan_optimizer_moves", "preflight",
-    "record_snapshot", "register_extra_state", "replace_optimizer_state", "reshard_zero3",
-    "restore_cpu_adam_kernel_state", "resume_training", "run_smoke", "safe_torch_load",
-    "save_deepspeed_checkpoint", "save_fsdp_checkpoint", "save_training", "settings_from_config",
-    "verify_checkpoint",
+    "check_resumable_distributed", "collect_records", "config_digest", "consolidate_checkpoint",
+    "estimate_memory", "export_safetensors", "fsdp_config_from_dict", "guard_plain_loads",
+    "installed_versions", "judge_snapshot", "known_bad_findings", "load_checkpoint_resharded",
+    "load_config", "load_dcp_state", "load_fsdp_checkpoint", "model_shape", "open_zero3_checkpoint",
+    "plan_optimizer_moves", "preflight", "record_snapshot", "register_extra_state",
+    "replace_optimizer_state", "reshard_checkpoint", "restore_cpu_adam_kernel_state", "resume_training",
+    "run_smoke", "safe_torch_load", "save_deepspeed_checkpoint", "save_fsdp_checkpoint", "save_training",
+    "settings_from_config", "verify_checkpoint",
 ]
 
 

@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def consolidate_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import resolve_source
-    from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+    from shardkit.checkpoint.ops.consolidate import consolidate_checkpoint
     from shardkit.commands._parser import Stopwatch, emit_json
     from shardkit.commands._plan import byte_progress, result_base
     from shardkit.core.errors import UsageError
@@ -68,7 +68,7 @@ def consolidate_command(args: argparse.Namespace) -> int:
     # a Trainer output_dir -> its newest checkpoint-N (a checkpoint-N folder is a DeepSpeed root already)
     source = resolve_source(args.checkpoint, lambda m: print(f"note: {m}"), fsdp_read=True)
     with byte_progress(args, "consolidate"):
-        result = consolidate_zero3(
+        result = consolidate_checkpoint(
             source, args.output, dtype=args.dtype, include_frozen=not args.exclude_frozen, force=args.force,
             verify=not args.no_verify, warn=lambda m: print(f"shardkit consolidate: warning: {m}", file=sys.stderr),
             workers=args.workers,

@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def reshard_command(args: argparse.Namespace) -> int:
     from shardkit.checkpoint.hf_trainer.folder import locate_trainer_checkpoint, trainer_folder_of_tag
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.commands._parser import Stopwatch
     from shardkit.commands._plan import byte_progress
     from shardkit.core.errors import UsageError
@@ -81,10 +81,10 @@ def reshard_command(args: argparse.Namespace) -> int:
               f"{parent}: {args.output} gets the DeepSpeed files only (no trainer_state.json, no RNG files). Pass "
               f"{parent} to write a checkpoint-N that Trainer.train(resume_from_checkpoint=...) resumes", file=sys.stderr)
     with byte_progress(args, "reshard"):
-        r = reshard_zero3(args.checkpoint, args.output, args.world_size, tag=args.tag,
-                          sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
-                          verify=not args.no_verify, workers=args.workers,
-                          warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
+        r = reshard_checkpoint(args.checkpoint, args.output, args.world_size, tag=args.tag,
+                               sub_group_size=args.sub_group_size, manifest=not args.no_manifest, force=args.force,
+                               verify=not args.no_verify, workers=args.workers,
+                               warn=lambda m: print(f"shardkit reshard: warning: {m}", file=sys.stderr))
     _emit_result(args, r, clock.seconds, r.output / r.tag)
     if r.rank != 0:
         print(f"rank {r.rank} of {r.processes} ({r.launcher}): wrote its share, {r.share_files} files, "

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.checkpoint.ops.fsdp_checkpoint import load_fsdp_checkpoint, save_fsdp_checkpoint
-from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+from shardkit.checkpoint.ops.resume_zero3 import load_checkpoint_resharded
 from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
 from shardkit.config.fsdp import fsdp_config_from_dict
 from shardkit.engines.deepspeed import initialize as deepspeed_initialize
@@ -110,7 +110,7 @@ def _zero3_load(engine: Any, root: str) -> str:
     """shardkit's ZeRO-3 reader (restricted unpickling), not engine.load_checkpoint (plain torch.load)."""
     # verify=False: _zero3_verify checked the manifest before the engine was built;
     # preflight=False: the smoke runs it itself, with the config, and reports it.
-    load_zero3_checkpoint(engine, root, verify=False, preflight=False)
+    load_checkpoint_resharded(engine, root, verify=False, preflight=False)
     return "verified zero3"
 
 

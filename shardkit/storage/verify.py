@@ -181,7 +181,7 @@ def precision_naming_problem(tag_dir: Path, bf16: bool) -> tuple[str, str] | Non
                f"{run} (bf16.enabled: {str(bf16).lower()}), so DeepSpeed's load_checkpoint looks for {expected} "
                "and stops with FileNotFoundError (DeepSpeed 0.19.8 never falls back to the other naming)")
     fix = (f"resume with the precision the checkpoint was written in (set bf16.enabled to {str(not bf16).lower()} "
-           "in the DeepSpeed config), or load with shardkit.load_zero3_checkpoint(engine, path), which reads either "
+           "in the DeepSpeed config), or load with shardkit.load_checkpoint_resharded(engine, path), which reads either "
            "naming (the fp32 masters are the same); for a `shardkit convert --to zero3` output, convert again with "
            "--ds-config set to this run's config")
     return message, fix

@@ -46,6 +46,7 @@ from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.readers.zero3 import read_zero3
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core import progress
+from shardkit.core.deprecated import deprecated_alias
 from shardkit.core.errors import ShardkitError, UsageError
 from shardkit.storage.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.storage.dry_run import writing_starts
@@ -59,7 +60,7 @@ from shardkit.storage.stream import join_pool, submit_all
 
 @os_errors_named("consolidating the checkpoint")
 @lists_source_once("checkpoint", "output")  # each step asking what the source holds: one listing of its folders
-def consolidate_zero3(
+def consolidate_checkpoint(
     checkpoint: str | Path,
     output: str | Path,
     *,
@@ -71,8 +72,8 @@ def consolidate_zero3(
     workers: int | None = None,
     launch: Launch | None = None,
 ) -> ConsolidateResult:
-    """Write the full weights of the checkpoint at ``checkpoint`` (any kind ``readers.registry`` reads;
-    the name is the command's first kind) to ``output`` (.safetensors; a folder gets ``model.safetensors``).
+    """Write the full weights of the checkpoint at ``checkpoint`` (any kind ``readers.registry`` reads:
+    ZeRO-3, ZeRO-1/2, DCP, FSDP1, universal ...) to ``output`` (.safetensors; a folder gets ``model.safetensors``).
 
     Floating-point tensors are written as ``dtype`` (the fp32 masters by default, like zero_to_fp32);
     integer buffers keep their dtype. The file appears atomically (temp name, fsync, rename). The
@@ -152,6 +153,10 @@ def consolidate_zero3(
         write_header_only(fh.fileno())
         copy_share(fh.fileno())
     return result
+
+
+# the name before it took every layout; warns on call, goes in the next release
+consolidate_zero3 = deprecated_alias("consolidate_zero3", "consolidate_checkpoint", consolidate_checkpoint)
 
 
 def _source(checkpoint: str | Path) -> Source:

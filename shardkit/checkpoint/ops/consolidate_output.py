@@ -18,7 +18,7 @@ from shardkit.storage.tags import LATEST_NAME
 
 @dataclass
 class ConsolidateResult:
-    """What a consolidation wrote (``consolidate_zero3``)."""
+    """What a consolidation wrote (``consolidate_checkpoint``)."""
 
     output: Path
     tensors: int

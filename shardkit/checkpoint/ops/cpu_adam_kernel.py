@@ -65,7 +65,7 @@ def restore_cpu_adam_kernel_state(target: "DeepSpeedEngine | torch.optim.Optimiz
     each param group in order, as ``DeepSpeedCPUAdam.step`` calls the kernel; ``FusedAdam`` calls
     it once per group, which this matches when a group's tensors share one step count and dtype,
     as DeepSpeed's flat partitions do). Call it on every
-    rank after the optimizer state is loaded: ``load_zero3_checkpoint`` does, and so does every
+    rank after the optimizer state is loaded: ``load_checkpoint_resharded`` does, and so does every
     ``engine.load_checkpoint`` of an engine guarded by ``resume_zero3.guard_plain_loads``; after
     an unguarded ``engine.load_checkpoint`` or ``optimizer.load_state_dict`` call it yourself. Returns one entry
     per kernel replayed; empty when the optimizer keeps no such state (torch optimizers, CUDA

@@ -4,7 +4,7 @@ DeepSpeed's ``engine.load_checkpoint`` refuses a checkpoint saved at another wor
 ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is not
 currently supported", ``engine._load_zero_checkpoint``); its answer is an offline
 ``ds_to_universal`` conversion into one folder per parameter plus ``load_universal: true``.
-``reshard_zero3`` instead writes the per-rank files a run at the new world size would itself have
+``reshard_checkpoint`` instead writes the per-rank files a run at the new world size would itself have
 saved, so the plain ``load_checkpoint`` takes them unchanged:
 
 - parameters are regrouped into sub-groups exactly as ZeRO-3 builds them at the new size
@@ -61,6 +61,7 @@ from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.checkpoint.zero12.files import is_zero12_folder
 from shardkit.config.loading import config_digest
 from shardkit.core import progress
+from shardkit.core.deprecated import deprecated_alias
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.platform.versions import library_versions
 from shardkit.storage.atomic import os_errors_named, signals_deferred
@@ -86,7 +87,7 @@ RESHARD = Activity("the reshard", "re-run the reshard", "publish the reshard of"
 
 @dataclass
 class ReshardResult:
-    """What ``reshard_zero3`` wrote."""
+    """What ``reshard_checkpoint`` wrote."""
 
     output: Path
     """The new checkpoint root (holds ``latest``)."""
@@ -126,7 +127,7 @@ class ReshardResult:
 
 @os_errors_named("resharding the checkpoint")
 @lists_source_once("checkpoint", "output")  # each step asking what the source holds: one listing of its folders
-def reshard_zero3(
+def reshard_checkpoint(
     checkpoint: str | Path,
     output: str | Path,
     world_size: int,
@@ -286,6 +287,10 @@ def reshard_zero3(
         carried=root_files.carried if root_files is not None else [],
         not_carried=root_files.not_carried if root_files is not None else tag_not_carried,
     )
+
+
+# the name before it took every layout; warns on call, goes in the next release
+reshard_zero3 = deprecated_alias("reshard_zero3", "reshard_checkpoint", reshard_checkpoint)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""What a reshard planner (``reshard_zero12``, ``reshard_zero3``) hands ``reshard.reshard_zero3``: the opened
+"""What a reshard planner (``reshard_zero12``, ``reshard_zero3``) hands ``reshard.reshard_checkpoint``: the opened
 source in the words the reshard seals and reports with, and the files to write (each planner's own job type)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Reshard a whole Hugging Face Trainer ``checkpoint-N`` for another world size: the DeepSpeed part
-through ``reshard.reshard_zero3``, the Trainer's files copied beside it, the RNG files following
+through ``reshard.reshard_checkpoint``, the Trainer's files copied beside it, the RNG files following
 ``hf_trainer.rng_files.plan_rng_files``, all staged beside the output and renamed into place last.
 
 A ``checkpoint-N`` *is* the DeepSpeed root ``Trainer.train(resume_from_checkpoint=F)`` hands to
@@ -25,7 +25,7 @@ from shardkit.checkpoint.hf_trainer.folder import (
 from shardkit.checkpoint.hf_trainer.rng_files import RngPlan, plan_rng_files
 from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.carried_files import tag_files_not_carried
-from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_zero3
+from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.files import copy_regular, not_regular
@@ -45,7 +45,7 @@ class TrainerReshardResult:
     folder: Path
     """The new ``checkpoint-N`` folder: pass it to ``Trainer.train(resume_from_checkpoint=...)``."""
     reshard: ReshardResult
-    """The DeepSpeed part (``folder/<tag>/`` and ``folder/latest``), as ``reshard_zero3`` reports it."""
+    """The DeepSpeed part (``folder/<tag>/`` and ``folder/latest``), as ``reshard_checkpoint`` reports it."""
     copied: list[str]
     """Trainer files copied unchanged (trainer_state.json, training_args.bin, scheduler.pt, configs ...)."""
     rng: RngPlan
@@ -151,7 +151,7 @@ def reshard_trainer_checkpoint(
 ) -> TrainerReshardResult:
     """Write ``source`` resharded for ``world_size`` ranks as the new ``checkpoint-N`` folder ``output``.
 
-    The DeepSpeed part goes through ``reshard_zero3`` (source verified first, manifest in the tag
+    The DeepSpeed part goes through ``reshard_checkpoint`` (source verified first, manifest in the tag
     folder); then the Trainer's files are copied unchanged (``trainer_state.json``,
     ``training_args.bin``, ``scheduler.pt``, config and tokenizer files, ``zero_to_fp32.py``) and
     the RNG files follow ``plan_rng_files``. Everything is written into a staging folder beside
@@ -174,9 +174,9 @@ def reshard_trainer_checkpoint(
     leftovers = remove_stale_staging(final)
     staged = staging_folder(final)
     try:
-        r = reshard_zero3(src, staged, world_size, tag=new_tag, sub_group_size=sub_group_size, manifest=manifest,
-                          verify=verify, warn=warn, workers=workers, launch=launch_from_env(single=True),
-                          carry_root=False)  # the Trainer's files are carried below, into the same staging folder
+        r = reshard_checkpoint(src, staged, world_size, tag=new_tag, sub_group_size=sub_group_size, manifest=manifest,
+                               verify=verify, warn=warn, workers=workers, launch=launch_from_env(single=True),
+                               carry_root=False)  # the Trainer's files are carried below, into the same staging folder
         # the resharded tag is written anew; a stale folder named like the new tag would collide with it
         copied, skipped = _copy_trainer_files(src, staged, {src_tag, new_tag}, rng)
         publish_dir(staged, final)  # fsyncs the tree; an existing (forced) folder is swapped, never half-replaced

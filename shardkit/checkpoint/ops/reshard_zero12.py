@@ -3,7 +3,7 @@ parsed without torch, each parameter's master and optimizer states as byte range
 ``TrainingCheckpoint`` -> the ZeRO-1/2 writer (``writers.zero12``) with a target planned from the source itself
 (``plan_same_run``: its own dicts, key for key, at the new world size).
 
-``reshard.reshard_zero3`` runs the rest as for ZeRO-3: each launched process writes its share of the jobs
+``reshard.reshard_checkpoint`` runs the rest as for ZeRO-3: each launched process writes its share of the jobs
 returned here, the source's digests are checked while writing, an unchanged world size is a byte copy. The
 files are written without torch where the source's bytes express every new partition; else through torch,
 and ``notes`` says why (a rank tensor some tool saved strided, a state whose dtype differs between ranks).

@@ -3,7 +3,7 @@ state as pieces of the rank files, computed from the layout; rank 0's own dicts 
 -> the ZeRO-3 writer for the same run (``writers.zero3_same_run``) at the sub-groups DeepSpeed builds at the new
 world size (``zero3.repartition.layout_of``).
 
-``reshard.reshard_zero3`` runs the rest as for ZeRO-1/2 (``reshard_zero12``): each launched process writes its
+``reshard.reshard_checkpoint`` runs the rest as for ZeRO-1/2 (``reshard_zero12``): each launched process writes its
 share of the jobs returned here, the source's digests are checked while writing, and a layout that does not
 change (same world size, same sub-groups) is a byte copy of the rank files.
 """

@@ -17,7 +17,7 @@ from shardkit.placement.replace import Move
 
 @dataclass
 class Zero3LoadResult:
-    """What ``load_zero3_checkpoint`` did on this rank."""
+    """What ``load_checkpoint_resharded`` did on this rank."""
 
     path: Path
     """The tag folder that was read."""

@@ -1,6 +1,6 @@
 """Resume a DeepSpeed ZeRO-1 or ZeRO-2 engine from a ZeRO-1/2 checkpoint saved at any world size.
 
-``load_zero3_checkpoint(engine, path)`` hands a stage 1 or 2 engine to ``load_zero12_checkpoint``
+``load_checkpoint_resharded(engine, path)`` hands a stage 1 or 2 engine to ``load_zero12_checkpoint``
 here: ``engine.load_checkpoint(path)`` without the refusal DeepSpeed 0.16-0.19 gives at another
 data-parallel size ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world
 size is not currently supported", ``engine._load_zero_checkpoint``) and without an offline reshard.
@@ -20,7 +20,7 @@ optimizer file (which places every parameter in the source's partitions: ``reade
 and the 1-3 files its partition overlaps, each checked against rank 0's; a rank that fails to read its
 share stops every rank, with its message, before the engine is touched.
 
-Run state follows ``load_zero3_checkpoint``: counters, LR scheduler, client state from the
+Run state follows ``load_checkpoint_resharded``: counters, LR scheduler, client state from the
 model-states file; the param groups, ``step``, loss scaler and ``clip_grad`` from this rank's file
 at the saved world size, from rank 0's at another (DeepSpeed keeps them equal on every rank); the
 beta powers DeepSpeed's CPU Adam kernels keep outside the checkpoint are replayed
@@ -106,7 +106,7 @@ def load_zero12_checkpoint(
 ) -> Zero3LoadResult:
     """Load the ZeRO-1/2 checkpoint at ``path`` into the ZeRO-1/2 ``engine`` at the engine's world size.
 
-    Collective: call on every rank. Same arguments and result as ``load_zero3_checkpoint`` (which calls
+    Collective: call on every rank. Same arguments and result as ``load_checkpoint_resharded`` (which calls
     this for stage 1/2 engines). Refused before the engine is touched: a ZeRO-3 checkpoint, DeepSpeed's
     BF16_Optimizer (ZeRO-1 + bf16 without offload), NVMe offload, and a model whose trainable parameters,
     param groups or shapes differ from the checkpoint's (the parameter named).
@@ -167,7 +167,7 @@ def load_zero12_checkpoint(
         kernel_replays=kernels,
     )
     result.notes.extend(_notes(ckpt, model_sd, engine, world, precision))
-    # a client optimizer's param_group tensors stay where torch.load put them (load_zero3_checkpoint's reason)
+    # a client optimizer's param_group tensors stay where torch.load put them (load_checkpoint_resharded's reason)
     result.moves = replace_optimizer_state(engine.optimizer)
     if result.moves:
         result.notes.append(summarize_moves(result.moves))
@@ -234,7 +234,7 @@ def _zero12_optimizer(engine: Any) -> Any:
     opt = getattr(engine, "optimizer", None)
     if stage not in (1, 2):
         raise CheckpointError(f"load_zero12_checkpoint needs a ZeRO stage 1 or 2 engine; this engine runs stage {stage}. "
-                              "Call shardkit.load_zero3_checkpoint, which picks the loader by the engine's stage")
+                              "Call shardkit.load_checkpoint_resharded, which picks the loader by the engine's stage")
     if not hasattr(opt, "single_partition_of_fp32_groups"):
         raise CheckpointError(
             f"the engine's optimizer is {type(opt).__name__}, not DeepSpeed's ZeRO-1/2 optimizer "

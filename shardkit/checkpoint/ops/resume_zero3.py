@@ -51,6 +51,7 @@ from shardkit.checkpoint.zero3.repartition import (
     model_state_for_rank,
     optim_state_for_rank,
 )
+from shardkit.core.deprecated import deprecated_alias
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.preflight import preflight as placement_preflight
 from shardkit.placement.replace import replace_optimizer_state, summarize_moves
@@ -67,7 +68,7 @@ from shardkit.storage.verify import (
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-def load_zero3_checkpoint(
+def load_checkpoint_resharded(
     engine: "DeepSpeedEngine",
     path: str | Path,
     *,
@@ -170,6 +171,10 @@ def load_zero3_checkpoint(
     if preflight:
         result.placement_checked = _run_preflight(engine)
     return result
+
+
+# the name before it took ZeRO-1/2 engines too; warns on call, goes in the next release
+load_zero3_checkpoint = deprecated_alias("load_zero3_checkpoint", "load_checkpoint_resharded", load_checkpoint_resharded)
 
 
 def _zero3_optimizer(engine: Any) -> Any:
