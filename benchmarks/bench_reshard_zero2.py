@@ -183,11 +183,11 @@ def _reshard(src: Path, world: int, out: Path, torch_route: bool, *extra: str) -
 
 def child_torch_route(src: str, world: str, out: str) -> None:
     """The reshard with the writer's byte-range check refusing: every optimizer file built with torch."""
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.checkpoint.writers.zero12 import Zero12Files
 
     Zero12Files._first_not_byte_ranges = lambda self: "the benchmark's torch-route row"  # type: ignore[method-assign]
-    result = reshard_zero3(src, out, int(world))
+    result = reshard_checkpoint(src, out, int(world))
     assert result.notes and "torch" in result.notes[0], result.notes
 
 

@@ -4,7 +4,7 @@ Builds a ZeRO-3 bf16 AdamW checkpoint of the ~160M-parameter Llama (hidden 768, 
 32000) at 2 ranks, then measures wall time and peak RSS of:
 
 - resume at 3 ranks: DeepSpeed's ``ds_to_universal`` + ``load_universal``, vs ``shardkit reshard``
-  + DeepSpeed's plain ``load_checkpoint``, vs shardkit's in-process ``load_zero3_checkpoint``
+  + DeepSpeed's plain ``load_checkpoint``, vs shardkit's in-process ``load_checkpoint_resharded``
   (no conversion at all);
 - full fp32 weights: DeepSpeed's ``zero_to_fp32.py --safe_serialization`` vs ``shardkit consolidate``;
 - ``cp -r`` of the checkpoint folder: the floor any tool that reads and writes it all must pay (and
@@ -104,9 +104,9 @@ def rank_resume(method: str, ckpt: str) -> dict[str, Any]:
         dist.barrier()
         t1 = time.perf_counter()
         if method == "shardkit_inprocess":
-            from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+            from shardkit.checkpoint.ops.resume_zero3 import load_checkpoint_resharded
 
-            load_zero3_checkpoint(engine, ckpt)
+            load_checkpoint_resharded(engine, ckpt)
         else:
             path, _ = engine.load_checkpoint(ckpt)
             if path is None:
@@ -484,7 +484,7 @@ def run(workdir: Path) -> dict[str, Any]:
                                                                                      str(SAVE_WORLD), "-o", str(same)), env, inputs=ckpt,
                                              before=lambda: fresh(same))
     shutil.rmtree(same, ignore_errors=True)
-    results["resume_inprocess"] = resume("shardkit load_zero3_checkpoint", "shardkit_inprocess", ckpt)
+    results["resume_inprocess"] = resume("shardkit load_checkpoint_resharded", "shardkit_inprocess", ckpt)
     results.update(scaling_rows(workdir, ckpt, env))
     if _have_convert():
         results.update(convert_rows(workdir, ckpt, env, resume))
@@ -636,7 +636,7 @@ def table(r: dict[str, Any]) -> str:
         f"| 3-rank `load_checkpoint` with `load_universal` | {r['resume_universal'].extra['load_s']:.1f} | {mib(r['resume_universal'].peak_rss)} | {r['resume_universal'].processes} | 1x |",
         f"| 3-rank plain `load_checkpoint` of the resharded files | {r['resume_resharded'].extra['load_s']:.1f} | {mib(r['resume_resharded'].peak_rss)} | {r['resume_resharded'].processes} | "
         f"{r['resume_universal'].extra['load_s'] / r['resume_resharded'].extra['load_s']:.1f}x faster |",
-        f"| 3-rank `shardkit.load_zero3_checkpoint` (no conversion) | {ip_total:.1f} | {mib(r['resume_inprocess'].peak_rss)} | {r['resume_inprocess'].processes} | "
+        f"| 3-rank `shardkit.load_checkpoint_resharded` (no conversion) | {ip_total:.1f} | {mib(r['resume_inprocess'].peak_rss)} | {r['resume_inprocess'].processes} | "
         f"{r['resume_universal'].extra['load_s'] / ip_total:.1f}x faster |",
         f"| **end to end, DeepSpeed**: ds_to_universal + load_universal | {uc_total:.1f} | | | 1x |",
         f"| **end to end, shardkit reshard** + plain load | {rs_total:.1f} | | | **{uc_total / rs_total:.1f}x faster** |",

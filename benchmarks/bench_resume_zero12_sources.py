@@ -1,6 +1,6 @@
 """What one rank of the in-process ZeRO-1/2 resume pays for the *number of source rank files*.
 
-``load_zero3_checkpoint`` on a ZeRO-1/2 engine (``checkpoint/ops/resume_zero12``) describes the source
+``load_checkpoint_resharded`` on a ZeRO-1/2 engine (``checkpoint/ops/resume_zero12``) describes the source
 through its reader (``readers.zero12.read_zero12``) on every rank. Until 2026-11-27 the small pickle of
 *every* source rank file was parsed there (``read_structure``: no tensor bytes), so each rank's planning grew
 with the source's world size N while the bytes it reads (its own partition) did not; now a rank parses the
@@ -22,7 +22,7 @@ Per N, in this process, warm page cache, median of ``--repeat`` runs:
   middle rank of a new world of N/2 and of N ranks: ``read_zero12(tag, ranks=())`` (model-states file and
   rank 0's), its partition placed by ``Zero12Layout.ranks_holding``, ``read_zero12(tag, ranks=needed)``;
   with the rank files it parsed;
-- ``in-process load``: ``load_zero3_checkpoint`` on a real 1-rank ZeRO-2 engine (spawned once; engine
+- ``in-process load``: ``load_checkpoint_resharded`` on a real 1-rank ZeRO-2 engine (spawned once; engine
   construction excluded), with the manifest's digests verified and with ``verify=False``. One rank holds the
   whole flat buffer, so it needs every file: this row does not shrink.
 
@@ -116,11 +116,11 @@ def reader_rows(sources: dict[int, Path], repeat: int) -> list[dict[str, Any]]:
 
 
 def rank_loads(tags: list[str], repeat: int) -> list[dict[str, float]]:
-    """Rank target (1 rank): ``load_zero3_checkpoint`` of each source, verified and not, median seconds."""
+    """Rank target (1 rank): ``load_checkpoint_resharded`` of each source, verified and not, median seconds."""
     import torch.distributed as dist
 
     from benchmarks.bench_reshard_zero2 import _config
-    from shardkit import load_zero3_checkpoint
+    from shardkit import load_checkpoint_resharded
     from shardkit.engines.deepspeed import initialize
     from shardkit.engines.model_factory import tiny_llama
 
@@ -130,7 +130,7 @@ def rank_loads(tags: list[str], repeat: int) -> list[dict[str, float]]:
         row = {}
         for verify in (True, False):
             row["verified_s" if verify else "unverified_s"] = _median(
-                lambda: load_zero3_checkpoint(engine, tag, verify=verify, preflight=False), repeat)
+                lambda: load_checkpoint_resharded(engine, tag, verify=verify, preflight=False), repeat)
         out.append(row)
     return out
 

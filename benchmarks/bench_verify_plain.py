@@ -3,7 +3,7 @@ peak memory at 8 to 1,024 ranks.
 
 The many-rank folders are generated from one real 2-rank ZeRO-3 save (DeepSpeed's own, the tiny
 Llama of tests/_ranks_zero3.py, built here when --source is not given) by shardkit's torch-free
-reshard (``reshard_zero3`` without a manifest): every rank's files as DeepSpeed at that world size
+reshard (``reshard_checkpoint`` without a manifest): every rank's files as DeepSpeed at that world size
 would have written them. Each verify runs in a fresh process (``python -m shardkit verify DIR
 --json``), which reports its own peak RSS; the claim it backs: the byte checks stream one file at
 a time, so the peak grows with what the reader's checkpoint model holds (a piece per rank per
@@ -43,10 +43,10 @@ def build_source(base: Path) -> Path:
 
 def generate(source: Path, out: Path, world: int) -> float:
     """``source`` resharded to ``world`` ranks into ``out`` (no manifest); seconds taken."""
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 
     start = time.perf_counter()
-    reshard_zero3(source, out, world, manifest=False, warn=lambda _: None)
+    reshard_checkpoint(source, out, world, manifest=False, warn=lambda _: None)
     return time.perf_counter() - start
 
 

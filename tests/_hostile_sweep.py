@@ -152,9 +152,9 @@ class Sources:
             return Path(R.build_sources(self.base / "zero3")["fp32"])
         out = self.base / f"sweep_{kind}"
         if kind == "zero3_sealed":
-            from shardkit.checkpoint.ops.reshard import reshard_zero3
+            from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 
-            reshard_zero3(self.root("zero3"), out, 3)
+            reshard_checkpoint(self.root("zero3"), out, 3)
         elif kind == "fsdp2_converted":
             from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
 

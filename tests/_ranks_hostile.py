@@ -99,7 +99,7 @@ def zero3_model_cases(base: str) -> dict[str, Any]:
     import deepspeed
 
     import shardkit
-    from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+    from shardkit.checkpoint.ops.resume_zero3 import load_checkpoint_resharded
     from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
     from shardkit.engines.deepspeed import initialize
 
@@ -118,7 +118,7 @@ def zero3_model_cases(base: str) -> dict[str, Any]:
     engine = None  # free it before the next engine (not del: the lambdas above name it)
     torch.manual_seed(1)  # other initial weights: the load must bring the saved ones
     resumed = initialize(Shared(), ZERO3)
-    loaded = load_zero3_checkpoint(resumed, base)
+    loaded = load_checkpoint_resharded(resumed, base)
     out["shared_resume"] = {"notes": loaded.notes, "preflight": loaded.placement_checked,
                             "equal": all(torch.equal(a, b) for a, b in
                                          zip(masters, resumed.optimizer.fp32_partitioned_groups_flat))}

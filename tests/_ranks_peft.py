@@ -92,7 +92,7 @@ def zero3_lora(root: str) -> dict[str, Any]:
     healthy, then a frozen base weight's and a LoRA weight's partition misplaced; then resume with
     shardkit's loader and with DeepSpeed's own ``load_checkpoint`` and continue the same steps."""
     import shardkit
-    from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+    from shardkit.checkpoint.ops.resume_zero3 import load_checkpoint_resharded
     from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
     from tests._ranks_zero3 import _global_step
 
@@ -110,7 +110,7 @@ def zero3_lora(root: str) -> dict[str, Any]:
         out["lora_misplaced"] = _outcome(lambda: shardkit.preflight(engine, timeout=60))
 
     resumed = _zero3_engine()
-    result = load_zero3_checkpoint(resumed, root)
+    result = load_checkpoint_resharded(resumed, root)
     out["shardkit"] = {"placement_checked": result.placement_checked, "notes": result.notes,
                        "replace": _replace_plans(resumed)}
     out["shardkit"]["losses"] = [_global_step(resumed, s) for s in range(SAVE_AT, SAVE_AT + CONTINUE)]

@@ -100,9 +100,9 @@ def _outcome(fn: Any) -> dict[str, Any]:
 def zero3_client_optimizer(name: str, root: str) -> dict[str, Any]:
     """Refused without the flag; with it: train, save with shardkit, continue (the reference), the
     preflight healthy and with one optimizer tensor misplaced, then resumed by DeepSpeed's own
-    ``load_checkpoint`` and by shardkit's ``load_zero3_checkpoint``, each continued."""
+    ``load_checkpoint`` and by shardkit's ``load_checkpoint_resharded``, each continued."""
     import shardkit
-    from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+    from shardkit.checkpoint.ops.resume_zero3 import load_checkpoint_resharded
     from shardkit.checkpoint.ops.save_zero3 import save_deepspeed_checkpoint
     from tests._ranks_zero3 import _global_step
 
@@ -136,7 +136,7 @@ def zero3_client_optimizer(name: str, root: str) -> dict[str, Any]:
     del plain
     resumed = _engine(name)
     with _call_order() as order:
-        result = load_zero3_checkpoint(resumed, root)
+        result = load_checkpoint_resharded(resumed, root)
     out["shardkit"] = {"loaded": _per_rank(resumed), "order": order, "moves": [m.name for m in result.moves],
                        "placement_checked": result.placement_checked, "notes": result.notes,
                        "losses": [_global_step(resumed, s) for s in range(SAVE_AT, SAVE_AT + CONTINUE)]}
@@ -146,7 +146,7 @@ def zero3_client_optimizer(name: str, root: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _call_order() -> Iterator[list[str]]:
-    """Record the order in which ``load_zero3_checkpoint`` re-places optimizer tensors and runs the
+    """Record the order in which ``load_checkpoint_resharded`` re-places optimizer tensors and runs the
     placement preflight (each still does its real work)."""
     from shardkit.checkpoint.ops import resume_zero3
 

@@ -97,7 +97,7 @@ def resume(ckpt: str, mode: str, dtype: str, offload: bool, start: int, steps: i
     """Resume from ``ckpt`` at this world size and train steps ``start .. start+steps-1``.
 
     mode "plain": DeepSpeed's own ``engine.load_checkpoint`` (the checkpoint must match this world
-    size, e.g. one written by ``shardkit reshard``); mode "shardkit": ``load_zero3_checkpoint``.
+    size, e.g. one written by ``shardkit reshard``); mode "shardkit": ``load_checkpoint_resharded``.
     Returns the fp32 state right after loading and the loss curve after it.
     """
     engine = _build(dtype, offload)
@@ -106,9 +106,9 @@ def resume(ckpt: str, mode: str, dtype: str, offload: bool, start: int, steps: i
         if path is None:
             raise RuntimeError(f"engine.load_checkpoint({ckpt!r}) loaded nothing")
     else:
-        from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+        from shardkit.checkpoint.ops.resume_zero3 import load_checkpoint_resharded
 
-        result = load_zero3_checkpoint(engine, ckpt)
+        result = load_checkpoint_resharded(engine, ckpt)
     state = _local_fp32_state(engine)
     if mode != "plain":
         state["placement_checked"] = result.placement_checked
@@ -308,12 +308,12 @@ class Resumed:
         return self._built[key]
 
     def _build_fp32(self, world: int) -> dict[str, Any]:
-        from shardkit.checkpoint.ops.reshard import reshard_zero3
+        from shardkit.checkpoint.ops.reshard import reshard_checkpoint
         from shardkit.run.spawn.process import run_ranks
 
         src = self.sources
         resharded = self.base / f"fp32_ws{world}"
-        reshard_zero3(src["fp32"], resharded, world)
+        reshard_checkpoint(src["fp32"], resharded, world)
         plans = [
             {"label": "reference", "mode": "reference", "dtype": "fp32", "offload": False},
             {"label": "refuse", "mode": "refuse", "dtype": "fp32", "offload": False, "ckpt": str(src["fp32"])},
@@ -347,24 +347,24 @@ def build_resumed(base: Path) -> Resumed:
 
 
 def load_refused(ckpt: str, dtype: str) -> str:
-    """``load_zero3_checkpoint`` of a checkpoint that should be refused: this rank's error message."""
-    from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+    """``load_checkpoint_resharded`` of a checkpoint that should be refused: this rank's error message."""
+    from shardkit.checkpoint.ops.resume_zero3 import load_checkpoint_resharded
     from shardkit.core.errors import CheckpointError
 
     engine = _build(dtype, False)
     try:
-        load_zero3_checkpoint(engine, ckpt)
+        load_checkpoint_resharded(engine, ckpt)
     except CheckpointError as exc:
         return f"CheckpointError: {exc}"
     return "loaded"
 
 
 def load_listing(ckpt: str, tag_dir: str) -> dict[str, Any]:
-    """``load_zero3_checkpoint`` of ``ckpt`` (fp32, no manifest check) with the listings of ``tag_dir`` counted."""
-    from shardkit.checkpoint.ops.resume_zero3 import load_zero3_checkpoint
+    """``load_checkpoint_resharded`` of ``ckpt`` (fp32, no manifest check) with the listings of ``tag_dir`` counted."""
+    from shardkit.checkpoint.ops.resume_zero3 import load_checkpoint_resharded
     from tests._listings import listings_of
 
     engine = _build("fp32", False)
     with listings_of(tag_dir) as listed:
-        load_zero3_checkpoint(engine, ckpt, verify=False, preflight=False)
+        load_checkpoint_resharded(engine, ckpt, verify=False, preflight=False)
     return {"listed": listed, "global_steps": engine.global_steps}

@@ -245,12 +245,12 @@ def test_an_interrupt_of_the_zero2_reshard_leaves_the_output_as_it_was(saves, tm
         raise KeyboardInterrupt
 
     out = tmp_path / "out"
-    reshard.reshard_zero3(saves / "zero2/step2", out, world_size=3)
+    reshard.reshard_checkpoint(saves / "zero2/step2", out, world_size=3)
     before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     monkeypatch.setattr(*((shared_save, "publish_tag", interrupted) if when == "publish"
                           else (reshard, "_write_share", interrupted)))
     with pytest.raises(KeyboardInterrupt):
-        reshard.reshard_zero3(saves / "zero2/step3", out, world_size=3, tag="global_step3")
+        reshard.reshard_checkpoint(saves / "zero2/step3", out, world_size=3, tag="global_step3")
     assert {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
     assert sorted(p.name for p in out.iterdir()) == sorted({p.parts[0] for p in before}), "a staging folder left"
 

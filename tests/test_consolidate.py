@@ -67,10 +67,10 @@ def test_bf16_output_and_folder_output(sources, tmp_path, run_cli):
 def test_output_loads_into_the_model(sources, tmp_path):
     from safetensors.torch import load_file
 
-    from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+    from shardkit.checkpoint.ops.consolidate import consolidate_checkpoint
     from shardkit.engines.model_factory import tiny_llama
 
-    result = consolidate_zero3(sources["fp32"], tmp_path / "m.safetensors")
+    result = consolidate_checkpoint(sources["fp32"], tmp_path / "m.safetensors")
     model = tiny_llama(R.MODEL_SIZE)
     model.load_state_dict(load_file(result.output), strict=True)
     assert result.parameters == sum(p.numel() for p in model.parameters())

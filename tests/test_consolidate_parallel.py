@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks._scale_zero3 import scale_checkpoint
 from shardkit._version import __version__ as shardkit_version_string
-from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+from shardkit.checkpoint.ops.consolidate import consolidate_checkpoint
 from shardkit.storage.shared_save import launch_from_env
 from shardkit.storage.tags import STAGING_PREFIX
 from tests import test_reshard_parallel as reshard_tests
@@ -71,7 +71,7 @@ def test_launched_processes_write_the_bytes_one_process_writes(sources, tmp_path
     if label == "fp32":  # sealed with a manifest: every process also hashes its share of the source
         src = scale_checkpoint(src, tmp_path / "src", 1).parent
     one = tmp_path / "one" / NAME
-    consolidate_zero3(src, one, dtype=args[1] if args else "fp32", launch=launch_from_env({}), warn=lambda m: None)
+    consolidate_checkpoint(src, one, dtype=args[1] if args else "fp32", launch=launch_from_env({}), warn=lambda m: None)
     out, port = tmp_path / "out", job_port()
     results = _finish([_start(r, world, src, out, port, *args) for r in range(world)])
     for rank, (code, stdout, err) in enumerate(results):

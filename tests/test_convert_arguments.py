@@ -12,7 +12,7 @@ import pytest
 from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
 from shardkit.checkpoint.ops.convert.to_zero3 import convert_to_zero3
 from shardkit.checkpoint.ops.convert.to_zero12 import convert_to_zero12
-from shardkit.checkpoint.ops.reshard import reshard_zero3
+from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 from shardkit.core.errors import UsageError
 
 
@@ -21,7 +21,7 @@ def _zero12(src: Path, out: Path, **kw: Any) -> Any:
 
 
 def _reshard(src: Path, out: Path, world_size: Any, **kw: Any) -> Any:
-    return reshard_zero3(src, out, world_size, **kw)
+    return reshard_checkpoint(src, out, world_size, **kw)
 
 
 #: reshard (ZeRO-1/2/3 alike) says the same as the convert targets

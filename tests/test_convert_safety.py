@@ -168,11 +168,11 @@ def test_a_source_without_manifest_is_read_with_a_warning_and_recorded_as_unveri
 
 
 def test_library_callers_get_a_python_warning(plain, tmp_path):
-    from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+    from shardkit.checkpoint.ops.consolidate import consolidate_checkpoint
     from shardkit.storage.pipeline import UnverifiedCheckpointWarning
 
     with pytest.warns(UnverifiedCheckpointWarning, match="cannot be verified"):
-        result = consolidate_zero3(plain, tmp_path / "m.safetensors")
+        result = consolidate_checkpoint(plain, tmp_path / "m.safetensors")
     assert result.verified == "none"
 
 
@@ -204,21 +204,21 @@ def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
 
 
 def test_reshard_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp_path, monkeypatch):
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.storage.manifest import read_manifest
 
     checked = _save_lands_after_verification(monkeypatch, sealed)
-    result = reshard_zero3(sealed, tmp_path / "ws3", 3)
+    result = reshard_checkpoint(sealed, tmp_path / "ws3", 3)
     assert checked == [sealed / TAG] and (sealed / "latest").read_text() == "unverified"
     source = read_manifest(tmp_path / "ws3" / TAG).extra["resharded_from"]
     assert source["path"] == str(sealed / TAG) and source["verified"] == "hash" and result.tag == TAG
 
 
 def test_consolidate_reads_the_tag_folder_it_verified_not_a_newer_latest(sealed, tmp_path, monkeypatch):
-    from shardkit.checkpoint.ops.consolidate import consolidate_zero3
+    from shardkit.checkpoint.ops.consolidate import consolidate_checkpoint
 
     checked = _save_lands_after_verification(monkeypatch, sealed)
-    result = consolidate_zero3(sealed, tmp_path / "m.safetensors")
+    result = consolidate_checkpoint(sealed, tmp_path / "m.safetensors")
     assert checked == [sealed / TAG] and result.tag == TAG and result.verified == "hash"
 
 

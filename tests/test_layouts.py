@@ -68,14 +68,14 @@ def test_unsupported_layout_is_refused_by_name_and_nothing_is_written(layouts, t
 
 
 def test_the_python_api_refuses_too(layouts, tmp_path):
-    from shardkit.checkpoint.ops.consolidate import consolidate_zero3
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.consolidate import consolidate_checkpoint
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"ds_autoep_layers.*incomplete expert tensors"):
-        reshard_zero3(layouts["autoep"], tmp_path / "r", 1)
+        reshard_checkpoint(layouts["autoep"], tmp_path / "r", 1)
     with pytest.raises(CheckpointError, match=r"native DeepSpeed MoE expert files"):
-        consolidate_zero3(layouts["moe"], tmp_path / "m.safetensors")
+        consolidate_checkpoint(layouts["moe"], tmp_path / "m.safetensors")
     assert not list(tmp_path.iterdir())
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint.ops.reshard import reshard_zero3
+from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 from shardkit.checkpoint.zero3.gather import gather_param
 from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.checkpoint.zero3.repartition import layout_from_names, plan_layout
@@ -60,7 +60,7 @@ def test_round_trip_2_to_3_to_2_is_bit_exact(sources, tmp_path, run_cli, label):
 @pytest.mark.parametrize("world", [1, 3, 5])
 def test_every_parameter_and_moment_survives(sources, tmp_path, world):
     src = open_zero3_checkpoint(sources["fp32"])
-    result = reshard_zero3(sources["fp32"], tmp_path / "out", world)
+    result = reshard_checkpoint(sources["fp32"], tmp_path / "out", world)
     new = open_zero3_checkpoint(result.output)
     assert new.world_size == world and len(result.files) == 2 * world
     for key in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -88,12 +88,12 @@ def test_sub_groups_follow_deepspeed_rule(sources, tmp_path):
     )
     one = plan_layout(src, 3, sub_group_size=10**9)
     assert len(one.sub_groups) == 1
-    result = reshard_zero3(sources["bf16_offload"], tmp_path / "o", 3, sub_group_size=10**9)
+    result = reshard_checkpoint(sources["bf16_offload"], tmp_path / "o", 3, sub_group_size=10**9)
     assert len(open_zero3_checkpoint(result.output).sub_group_numel) == 1
 
 
 def test_output_is_safe_loadable_with_manifest_and_latest(sources, tmp_path, run_cli):
-    result = reshard_zero3(sources["fp32"], tmp_path / "out", 3, tag="resharded")
+    result = reshard_checkpoint(sources["fp32"], tmp_path / "out", 3, tag="resharded")
     assert (tmp_path / "out" / "latest").read_text() == "resharded"
     for f in result.files:
         safe_torch_load(f, real_deepspeed_objects=True)
@@ -164,11 +164,11 @@ def test_each_rank_keeps_its_own_client_state_at_the_same_world_size(sources, tm
         sd = torch.load(f, weights_only=False)
         sd["data_position"] = 100 + r  # per-rank client_state (a data-loader offset)
         torch.save(sd, f)
-    same = reshard_zero3(src, tmp_path / "ws2", 2)
+    same = reshard_checkpoint(src, tmp_path / "ws2", 2)
     got = [safe_torch_load(same.output / same.tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")["data_position"]
            for r in range(2)]
     assert got == [100, 101] and same.notes == []
-    other = reshard_zero3(src, tmp_path / "ws3", 3)
+    other = reshard_checkpoint(src, tmp_path / "ws3", 3)
     assert len(other.notes) == 1 and re.search(r"client_state \['data_position'\] comes from rank 0's file", other.notes[0])
 
 
@@ -178,7 +178,7 @@ def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(source
     from shardkit.storage.manifest import file_digest, read_manifest
 
     src = open_zero3_checkpoint(sources["fp32"])
-    same = reshard_zero3(sources["fp32"], tmp_path / "ws2", 2, workers=3)
+    same = reshard_checkpoint(sources["fp32"], tmp_path / "ws2", 2, workers=3)
     assert same.copied_unchanged and read_manifest(same.output / same.tag).extra["resharded_from"]["copied_unchanged"]
     entries = {e.path: e for e in read_manifest(same.output / same.tag).files}
     for f in [*src.optim_files, *src.model_files]:
@@ -186,7 +186,7 @@ def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(source
         assert copy.read_bytes() == f.read_bytes() and copy.stat().st_ino != f.stat().st_ino and f.stat().st_nlink == 1
         assert entries[f.name].digest == file_digest(f, "blake3") and entries[f.name].size == f.stat().st_size
     # another sub_group_size at the same world size is a real repartition
-    other = reshard_zero3(sources["bf16_offload"], tmp_path / "sg", 2, sub_group_size=10**9, workers=1)
+    other = reshard_checkpoint(sources["bf16_offload"], tmp_path / "sg", 2, sub_group_size=10**9, workers=1)
     assert not other.copied_unchanged and len(open_zero3_checkpoint(other.output).sub_group_numel) == 1
 
 
@@ -196,7 +196,7 @@ def test_default_workers_follow_the_cores_and_the_files():
     assert default_workers(1) == 1 and default_workers(3) == 3  # one per rank file, even on 2 cores
     assert default_workers(100) == max(8, len(os.sched_getaffinity(0)))
     with pytest.raises(UsageError, match=r"workers=0: must be at least 1"):
-        reshard_zero3("/nonexistent", "/tmp/x", 2, workers=0)
+        reshard_checkpoint("/nonexistent", "/tmp/x", 2, workers=0)
 
 
 def test_reshard_imports_no_torch_and_writes_what_the_in_process_resume_builds(sources, tmp_path):
@@ -210,8 +210,8 @@ def test_reshard_imports_no_torch_and_writes_what_the_in_process_resume_builds(s
     from shardkit.storage.stream import materialize
 
     out = tmp_path / "ws3"
-    code = (f"import sys; from shardkit.checkpoint.ops.reshard import reshard_zero3; "
-            f"reshard_zero3({str(sources['bf16_offload'])!r}, {str(out)!r}, 3, warn=lambda m: None); "
+    code = (f"import sys; from shardkit.checkpoint.ops.reshard import reshard_checkpoint; "
+            f"reshard_checkpoint({str(sources['bf16_offload'])!r}, {str(out)!r}, 3, warn=lambda m: None); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'numpy')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -260,10 +260,10 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))}: its sha256 is ([0-9a-f]{{64}}), its "
                        rf"manifest says {verified}: the file is corrupted, or was rewritten after the save.*Nothing "
                        r"was written.*re-run the reshard") as caught:
-        reshard_zero3(root, out, 2, workers=2)
+        reshard_checkpoint(root, out, 2, workers=2)
     assert f"sha256 is {file_digest(victim, 'sha256')}," in str(caught.value)
     assert not out.exists() or os.listdir(out) == []
     # --no-verify never hashed the source, so there is nothing to compare with: copied as it is now
     monkeypatch.setattr(reshard, "verify_before_reading", real_verify)
-    done = reshard_zero3(root, tmp_path / "unverified", 2, verify=False)
+    done = reshard_checkpoint(root, tmp_path / "unverified", 2, verify=False)
     assert done.copied_unchanged and (done.output / done.tag / victim.name).read_bytes() == victim.read_bytes()

@@ -200,13 +200,13 @@ def test_a_corrupted_source_is_never_published(sources, tmp_path):
     scale_checkpoint(sources["fp32"], src, 2)
     victim = next((src / "global_step2").glob("*rank_1*optim_states.pt"))
     flip_a_byte(victim)
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 
     with pytest.raises(CheckpointError, match=rf"refusing to publish the reshard of .*: {re.escape(str(victim))} fails "
                        r"verification: its blake3 is [0-9a-f]{64}, its manifest says [0-9a-f]{64}.*Nothing was written"):
-        reshard_zero3(src, tmp_path / "out", 3)
+        reshard_checkpoint(src, tmp_path / "out", 3)
     _nothing_published(tmp_path / "out")
-    done = reshard_zero3(src, tmp_path / "unverified", 3, verify=False, warn=lambda m: None)
+    done = reshard_checkpoint(src, tmp_path / "unverified", 3, verify=False, warn=lambda m: None)
     assert done.verified == "sizes"
 
 
@@ -226,7 +226,7 @@ def test_a_source_rewritten_while_it_is_read_is_refused(sources, tmp_path, monke
     monkeypatch.setattr(reshard, "write_torch_zip", write_then_a_save_rewrites_the_source)
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))}: was modified while the reshard read it "
                        r"\(size/mtime/inode changed\): the output would mix two saves\. Nothing was published"):
-        reshard.reshard_zero3(src, tmp_path / "out", 3, warn=lambda m: None)
+        reshard.reshard_checkpoint(src, tmp_path / "out", 3, warn=lambda m: None)
     _nothing_published(tmp_path / "out")
 
 
@@ -297,7 +297,7 @@ def test_an_interrupt_between_sealing_and_the_rename_leaves_no_staging_folder(so
     a Ctrl-C in that window (caught by CI under load) must still remove the staging folder."""
     import shardkit.storage.shared_save as shared_save
     from shardkit.checkpoint.ops.convert.to_dcp import convert_to_dcp
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 
     def interrupted(*_args: object, **_kwargs: object) -> None:
         raise KeyboardInterrupt
@@ -306,7 +306,7 @@ def test_an_interrupt_between_sealing_and_the_rename_leaves_no_staging_folder(so
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         if command == "reshard":
-            reshard_zero3(sources["fp32"], out, world_size=3)
+            reshard_checkpoint(sources["fp32"], out, world_size=3)
         else:
             convert_to_dcp(sources["fp32"], out)
     _nothing_published(out)

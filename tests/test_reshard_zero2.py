@@ -152,7 +152,7 @@ def sources(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
 @pytest.fixture(scope="session")
 def resumed(sources, tmp_path_factory) -> dict[int, dict[str, Any]]:
     """world -> what the loads there saw; each source resharded by the Python API first."""
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.run.spawn.process import run_ranks
 
     base, _ = sources
@@ -164,7 +164,7 @@ def resumed(sources, tmp_path_factory) -> dict[int, dict[str, Any]]:
             plans.append({"source": "zero2_fp32", "refuse": True, "ckpt": str(base / "zero2_fp32")})
         for label in labels:
             # DeepSpeed's own saves carry no manifest: the reshard says so, which is expected here
-            result = reshard_zero3(base / label, out / f"{label}_ws{world}", world, warn=lambda note: None)
+            result = reshard_checkpoint(base / label, out / f"{label}_ws{world}", world, warn=lambda note: None)
             assert result.notes == [], result.notes  # the byte-range route (a torch-route fallback says why in a note)
             plans.append({"source": label, "ckpt": str(out / f"{label}_ws{world}")})
         results[world] = run_ranks(load_all, world, args=(plans,), timeout=300, device="cpu")[0].value
@@ -357,9 +357,9 @@ def test_reshard_there_and_back_restores_every_value_without_importing_torch(sou
     src = sources[0] / "zero2_bf16"
     script = (
         "import sys\n"
-        "from shardkit.checkpoint.ops.reshard import reshard_zero3\n"
+        "from shardkit.checkpoint.ops.reshard import reshard_checkpoint\n"
         f"for s, d, w in [({str(src)!r}, {str(tmp_path / 'ws3')!r}, 3), ({str(tmp_path / 'ws3')!r}, {str(tmp_path / 'ws2')!r}, 2)]:\n"
-        "    r = reshard_zero3(s, d, w, warn=lambda note: None)\n"
+        "    r = reshard_checkpoint(s, d, w, warn=lambda note: None)\n"
         "    assert r.notes == [], r.notes\n"
         "assert 'torch' not in sys.modules, 'the byte route imported torch'\n"
     )
@@ -402,7 +402,7 @@ def test_source_the_byte_route_cannot_express_takes_the_torch_route_and_says_why
     tensor, and the values are those the byte route writes for the original."""
     import shutil
 
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 
     tag = f"global_step{SAVE_STEPS}"
     odd = tmp_path / "odd"
@@ -414,11 +414,11 @@ def test_source_the_byte_route_cannot_express_takes_the_torch_route_and_says_why
     wide[::2] = flat
     sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0] = wide[::2]
     torch.save(sd, rank1)
-    result = reshard_zero3(odd, tmp_path / "via_torch", 3, warn=lambda note: None)
+    result = reshard_checkpoint(odd, tmp_path / "via_torch", 3, warn=lambda note: None)
     assert len(result.notes) == 1 and "built in memory with torch" in result.notes[0]
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: single_partition_of_fp32_groups[0] is not a contiguous" \
         in result.notes[0]
-    plain = reshard_zero3(sources[0] / "zero2_fp32", tmp_path / "via_bytes", 3, warn=lambda note: None)
+    plain = reshard_checkpoint(sources[0] / "zero2_fp32", tmp_path / "via_bytes", 3, warn=lambda note: None)
     assert plain.notes == []
     for f in plain.files:
         _values_equal(safe_torch_load(f), safe_torch_load(tmp_path / "via_torch" / tag / f.name), f.name)
@@ -434,7 +434,7 @@ def test_a_sealed_source_is_verified_from_the_bytes_the_copy_reads(sources, tmp_
     import re
     import shutil
 
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.core.errors import CheckpointError
     from shardkit.storage import stream
     from shardkit.storage.manifest import seal
@@ -452,8 +452,8 @@ def test_a_sealed_source_is_verified_from_the_bytes_the_copy_reads(sources, tmp_
         return real_finish(self, only)
 
     monkeypatch.setattr(stream.SourceDigests, "finish", finish)
-    verified = reshard_zero3(src, tmp_path / "verified", world)
-    plain = reshard_zero3(src, tmp_path / "plain", world, verify=False, warn=lambda note: None)
+    verified = reshard_checkpoint(src, tmp_path / "verified", world)
+    plain = reshard_checkpoint(src, tmp_path / "plain", world, verify=False, warn=lambda note: None)
     assert (verified.verified, plain.verified, verified.notes) == ("hash", "sizes", [])
     for name in (p.name for p in verified.files):
         assert (verified.output / verified.tag / name).read_bytes() == (plain.output / plain.tag / name).read_bytes(), name
@@ -464,7 +464,7 @@ def test_a_sealed_source_is_verified_from_the_bytes_the_copy_reads(sources, tmp_
     flip_a_byte(victim)
     with pytest.raises(CheckpointError, match=rf"refusing to publish the reshard of .*: {re.escape(str(victim))} fails "
                        r"verification: its blake3 is [0-9a-f]{64}, its manifest says [0-9a-f]{64}.*Nothing was written"):
-        reshard_zero3(src, tmp_path / "refused", world)
+        reshard_checkpoint(src, tmp_path / "refused", world)
     assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
 
 
@@ -479,7 +479,7 @@ def test_a_write_that_fails_for_want_of_space_is_named_without_hashing_the_rest_
     import re
     import shutil
 
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.core.errors import CheckpointError
     from shardkit.storage import torch_zip
     from shardkit.storage.manifest import seal
@@ -507,7 +507,7 @@ def test_a_write_that_fails_for_want_of_space_is_named_without_hashing_the_rest_
 
     monkeypatch.setattr(torch_zip.HashingWriter, "write", failing(OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(CheckpointError, match=r"disk full at .*No space left on device"):
-        reshard_zero3(src, tmp_path / "full", 3)
+        reshard_checkpoint(src, tmp_path / "full", 3)
     assert read[0] < source_bytes, (read[0], source_bytes)  # the old code read all of it (and hashed it) first
     assert not (tmp_path / "full").exists() or not any((tmp_path / "full").iterdir())
 
@@ -516,4 +516,4 @@ def test_a_write_that_fails_for_want_of_space_is_named_without_hashing_the_rest_
     flip_a_byte(victim)
     monkeypatch.setattr(torch_zip.HashingWriter, "write", failing(OSError(errno.EIO, "Input/output error")))
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))} fails verification"):
-        reshard_zero3(src, tmp_path / "eio", 3)
+        reshard_checkpoint(src, tmp_path / "eio", 3)

@@ -1,4 +1,4 @@
-"""The in-process resume of ZeRO-1/2 checkpoints at another world size (``load_zero3_checkpoint`` on a ZeRO-1
+"""The in-process resume of ZeRO-1/2 checkpoints at another world size (``load_checkpoint_resharded`` on a ZeRO-1
 or ZeRO-2 engine, ``checkpoint/ops/resume_zero12``), on real DeepSpeed engines (CPU, gloo, spawned ranks).
 
 Sources are saved at 2 ranks after SAVE_STEPS steps (with a WarmupLR scheduler and client state), then each
@@ -105,7 +105,7 @@ def _refusal(call: Any) -> str | None:
 def load_all(plans: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank target: per plan, the in-process load (or the reference: plain load of the resharded copy), the
     states and the next losses; refusals as messages."""
-    from shardkit import load_zero3_checkpoint
+    from shardkit import load_checkpoint_resharded
     from shardkit.checkpoint.ops.cpu_adam_kernel import restore_cpu_adam_kernel_state
 
     out: dict[str, Any] = {}
@@ -113,16 +113,16 @@ def load_all(plans: list[dict[str, Any]]) -> dict[str, Any]:
         spec = SOURCES[plan["source"]]
         if plan["kind"] == "refuse_other_model":
             engine = _engine(*spec, layers=3)
-            out["other_model"] = _refusal(lambda: load_zero3_checkpoint(engine, plan["ckpt"]))
+            out["other_model"] = _refusal(lambda: load_checkpoint_resharded(engine, plan["ckpt"]))
             out["other_model_steps"] = engine.global_steps  # untouched
             continue
         if plan["kind"] == "refuse_zero3_engine":
             engine = _engine(3, "fp32")
-            out["zero3_engine"] = _refusal(lambda: load_zero3_checkpoint(engine, plan["ckpt"]))
+            out["zero3_engine"] = _refusal(lambda: load_checkpoint_resharded(engine, plan["ckpt"]))
             continue
         engine = _engine(*spec)
         if plan["kind"] == "shardkit":
-            result = load_zero3_checkpoint(engine, plan["ckpt"])
+            result = load_checkpoint_resharded(engine, plan["ckpt"])
             got = {"saved_world_size": result.saved_world_size, "client_state": result.client_state,
                    "notes": result.notes, "kernels": [k.kernel for k in result.kernel_replays]}
         else:  # the reference: a resharded copy, DeepSpeed's plain load, the CPU Adam kernel replayed by hand
@@ -146,7 +146,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
 @pytest.fixture(scope="module")
 def resumed(sources: tuple[Path, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """world -> what the loads there saw (each source also resharded for the reference)."""
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.run.spawn.process import run_ranks
 
     base, _ = sources
@@ -156,7 +156,7 @@ def resumed(sources: tuple[Path, dict[str, Any]], tmp_path_factory: pytest.TempP
         plans: list[dict[str, Any]] = []
         for label in labels:
             resharded = out / f"{label}_ws{world}"
-            reshard_zero3(base / label, resharded, world, warn=lambda note: None)
+            reshard_checkpoint(base / label, resharded, world, warn=lambda note: None)
             plans.append({"source": label, "kind": "shardkit", "ckpt": str(base / label)})
             plans.append({"source": label, "kind": "reference", "ckpt": str(resharded)})
         if world == 1:

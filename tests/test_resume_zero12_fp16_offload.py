@@ -89,18 +89,18 @@ def load_all(plans: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank target: per plan, the in-process load (or the reference: DeepSpeed's plain load of the resharded
     copy, the CPU Adam kernel replayed), what the engine holds after it and the next losses; refusals as
     messages, with the engine's step count after them."""
-    from shardkit import load_zero3_checkpoint
+    from shardkit import load_checkpoint_resharded
     from shardkit.checkpoint.ops.cpu_adam_kernel import restore_cpu_adam_kernel_state
 
     out: dict[str, Any] = {}
     for plan in plans:
         engine = _engine(*plan["engine"])
         if plan["kind"] == "refuse":
-            out[f"refuse:{plan['source']}"] = {"message": _refusal(lambda: load_zero3_checkpoint(engine, plan["ckpt"])),
+            out[f"refuse:{plan['source']}"] = {"message": _refusal(lambda: load_checkpoint_resharded(engine, plan["ckpt"])),
                                                "global_steps": engine.global_steps}
             continue
         if plan["kind"] == "shardkit":
-            result = load_zero3_checkpoint(engine, plan["ckpt"])
+            result = load_checkpoint_resharded(engine, plan["ckpt"])
             got = {"saved_world_size": result.saved_world_size, "client_state": result.client_state,
                    "kernels": [k.kernel for k in result.kernel_replays], "fp32_devices": result.fp32_devices,
                    "state_devices": result.state_devices}
@@ -125,7 +125,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
 @pytest.fixture(scope="module")
 def resumed(sources: tuple[Path, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """world -> what the loads there saw."""
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.run.spawn.process import run_ranks
 
     base, _ = sources
@@ -135,7 +135,7 @@ def resumed(sources: tuple[Path, dict[str, Any]], tmp_path_factory: pytest.TempP
         plans: list[dict[str, Any]] = []
         for label in (x for x in labels if x in SOURCES):
             resharded = out / f"{label}_ws{world}"
-            reshard_zero3(base / label, resharded, world, warn=lambda note: None)
+            reshard_checkpoint(base / label, resharded, world, warn=lambda note: None)
             plans.append({"source": label, "kind": "shardkit", "ckpt": str(base / label), "engine": SOURCES[label]})
             plans.append({"source": label, "kind": "reference", "ckpt": str(resharded), "engine": SOURCES[label]})
         if world == 1:

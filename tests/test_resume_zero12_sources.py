@@ -30,12 +30,12 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def resume_counting(tag: str, verify: bool) -> dict[str, Any]:
-    """Rank target: ``load_zero3_checkpoint`` on a fresh ZeRO-2 engine, with the files the reader parsed."""
+    """Rank target: ``load_checkpoint_resharded`` on a fresh ZeRO-2 engine, with the files the reader parsed."""
     import torch.distributed as dist
 
     import shardkit.checkpoint.readers.zero12 as zero12_reader
     from benchmarks.bench_reshard_zero2 import _config
-    from shardkit import load_zero3_checkpoint
+    from shardkit import load_checkpoint_resharded
     from shardkit.engines.deepspeed import initialize
     from shardkit.engines.model_factory import tiny_llama
 
@@ -50,7 +50,7 @@ def resume_counting(tag: str, verify: bool) -> dict[str, Any]:
     engine = initialize(tiny_llama("tiny", seed=0), _config(dist.get_world_size()))
     out: dict[str, Any] = {"parsed": parsed, "error": None}
     try:
-        load_zero3_checkpoint(engine, tag, verify=verify, preflight=False)
+        load_checkpoint_resharded(engine, tag, verify=verify, preflight=False)
     except Exception as exc:  # noqa: BLE001 - the message is what is asserted
         out["error"] = f"{type(exc).__name__}: {exc}"
     opt = engine.optimizer
@@ -135,19 +135,19 @@ def test_a_missing_rank_file_is_named_on_every_rank(source, tmp_path):
 
 
 def resume_listing(tag: str) -> dict[str, Any]:
-    """Rank target: ``load_zero3_checkpoint`` (no manifest check: the reader's own listings) with every listing of
+    """Rank target: ``load_checkpoint_resharded`` (no manifest check: the reader's own listings) with every listing of
     the tag folder counted (``tests._listings``)."""
     import torch.distributed as dist
 
     from benchmarks.bench_reshard_zero2 import _config
-    from shardkit import load_zero3_checkpoint
+    from shardkit import load_checkpoint_resharded
     from shardkit.engines.deepspeed import initialize
     from shardkit.engines.model_factory import tiny_llama
     from tests._listings import listings_of
 
     engine = initialize(tiny_llama("tiny", seed=0), _config(dist.get_world_size()))
     with listings_of(tag) as listed:
-        load_zero3_checkpoint(engine, tag, verify=False, preflight=False)
+        load_checkpoint_resharded(engine, tag, verify=False, preflight=False)
     return {"listed": listed, "global_steps": engine.global_steps}
 
 

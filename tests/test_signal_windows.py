@@ -243,7 +243,7 @@ def test_repeated_sigterms_while_a_trainer_reshard_is_removed_leave_no_staging_f
         signal.raise_signal(signal.SIGTERM)
 
     out = tmp_path / "new" / "checkpoint-2"
-    monkeypatch.setattr(reshard_trainer, "reshard_zero3", reshard_stopped)
+    monkeypatch.setattr(reshard_trainer, "reshard_checkpoint", reshard_stopped)
     _sigterm_on_removal(monkeypatch, ".shardkit-tmp-checkpoint-2-")
     with pytest.raises(sigterm_raises):
         reshard_trainer.reshard_trainer_checkpoint(TrainerCheckpoint(src), out, 2)

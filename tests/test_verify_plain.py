@@ -267,10 +267,10 @@ def test_plain_tags_without_latest_are_named_as_ambiguous(saves, run_cli, tmp_pa
 def test_at_eight_ranks_a_lost_rank_and_a_rank_of_another_save_are_named(saves, run_cli, tmp_path):
     """The 2-rank ZeRO-3 save resharded to 8 and to 4 ranks (shardkit's torch-free reshard, no manifest): rank 5's
     optimizer file lost, rank 3's model file swapped for the 4-rank save's."""
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 
-    reshard_zero3(saves["zero3"], tmp_path / "eight", 8, manifest=False, warn=lambda _: None)
-    reshard_zero3(saves["zero3"], tmp_path / "four", 4, manifest=False, warn=lambda _: None)
+    reshard_checkpoint(saves["zero3"], tmp_path / "eight", 8, manifest=False, warn=lambda _: None)
+    reshard_checkpoint(saves["zero3"], tmp_path / "four", 4, manifest=False, warn=lambda _: None)
     eight, four = _tag(tmp_path / "eight"), _tag(tmp_path / "four")
     code, report = _verify(run_cli, tmp_path / "eight")
     assert code == 0 and report["world_size"] == 8 and report["files"] == 16, _errors(report)
@@ -318,11 +318,11 @@ def test_each_rank_file_is_opened_and_parsed_once(saves, tmp_path, monkeypatch, 
     file 4 times and parsed 3 times."""
     from collections import Counter
 
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.checkpoint.ops.verify_structure import verify_structure
     from shardkit.storage.structure_observers import observe_structures
 
-    reshard_zero3(saves[label], tmp_path / "eight", 8, manifest=False, warn=lambda _: None)
+    reshard_checkpoint(saves[label], tmp_path / "eight", 8, manifest=False, warn=lambda _: None)
     opened: Counter[str] = Counter()
     real_init = zipfile.ZipFile.__init__
 

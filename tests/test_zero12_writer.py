@@ -267,7 +267,7 @@ def test_universal_checkpoint_converts_to_the_files_reshard_writes(runs, tmp_pat
     import sys
 
     from shardkit.checkpoint.ops.convert.to_zero12 import convert_to_zero12
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 
     src = runs["base"] / "src" / "zero2"
     universal = tmp_path / "universal" / f"{S.TAG}_universal"
@@ -277,7 +277,7 @@ def test_universal_checkpoint_converts_to_the_files_reshard_writes(runs, tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     r = convert_to_zero12(universal, tmp_path / "converted", stage=2, world_size=NEW_WORLD, warn=lambda note: None)
     assert r.route == "bytes"
-    reshard_zero3(src, tmp_path / "resharded", NEW_WORLD, warn=lambda note: None)
+    reshard_checkpoint(src, tmp_path / "resharded", NEW_WORLD, warn=lambda note: None)
     names = [*(f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt" for i in range(NEW_WORLD)), "mp_rank_00_model_states.pt"]
     for name in names:
         _values_equal(safe_torch_load(tmp_path / "resharded" / S.TAG / name),

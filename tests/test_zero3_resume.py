@@ -3,7 +3,7 @@
 One fp32 run saves at 2 ranks after SAVE_STEPS steps. Then, per new world size, one spawn runs:
 the uninterrupted reference, DeepSpeed's own load of the 2-rank checkpoint (refused), DeepSpeed's
 plain ``engine.load_checkpoint`` of the ``shardkit reshard`` output, and shardkit's in-process
-``load_zero3_checkpoint`` straight from the 2-rank checkpoint, with offload_optimizer switched on
+``load_checkpoint_resharded`` straight from the 2-rank checkpoint, with offload_optimizer switched on
 or off relative to the save. Every global batch is the same at any world size, so the resumed loss
 curve must follow the uninterrupted one; fp32 masters and Adam moments must be bit-exact.
 """
@@ -130,12 +130,12 @@ def test_checkpoint_saved_at_three_ranks_reads_and_reshards(runs, tmp_path, run_
 def test_corrupted_optim_file_of_the_right_size_is_refused_on_every_rank(tmp_path, tmp_path_factory):
     """One flipped byte (same size) in a rank's optim file: each rank hashes its share of the
     files, and both ranks raise the same error naming the file (no rank waits alone)."""
-    from shardkit.checkpoint.ops.reshard import reshard_zero3
+    from shardkit.checkpoint.ops.reshard import reshard_checkpoint
     from shardkit.run.spawn.process import run_ranks
 
     sources = R.build_sources(tmp_path_factory.getbasetemp() / "zero3")
     out = tmp_path / "ws2"
-    reshard_zero3(sources["fp32"], out, 2)  # a 2-rank checkpoint with a shardkit manifest
+    reshard_checkpoint(sources["fp32"], out, 2)  # a 2-rank checkpoint with a shardkit manifest
     bad = next((out / "global_step2").glob("*zero_pp_rank_1_*optim_states.pt"))
     flip_a_byte(bad)
     msgs = [r.value for r in run_ranks(R.load_refused, 2, args=(str(out), "fp32"), timeout=300, device="cpu")]
@@ -188,7 +188,11 @@ def kernel_resume_one_step(base: str) -> dict:
     import torch.distributed as dist
 
     from shardkit.checkpoint.ops.cpu_adam_kernel import restore_cpu_adam_kernel_state
-    from shardkit.checkpoint.ops.resume_zero3 import guard_plain_loads, load_zero3_checkpoint, restore_after_plain_load
+    from shardkit.checkpoint.ops.resume_zero3 import (
+        guard_plain_loads,
+        load_checkpoint_resharded,
+        restore_after_plain_load,
+    )
     from shardkit.core.errors import CheckpointError
     from shardkit.engines.deepspeed import initialize
     from shardkit.engines.model_factory import tiny_llama
@@ -198,7 +202,7 @@ def kernel_resume_one_step(base: str) -> dict:
         for mode in ("plain", "shardkit", "plain+restore", "plain+guard"):
             engine = R._build(dtype, offload)
             if mode == "shardkit":
-                replays = load_zero3_checkpoint(engine, f"{base}/{label}", preflight=False).kernel_replays
+                replays = load_checkpoint_resharded(engine, f"{base}/{label}", preflight=False).kernel_replays
             elif mode == "plain+guard":
                 # the user's own plain load_checkpoint call, nothing by hand afterwards
                 path, _ = guard_plain_loads(engine).load_checkpoint(f"{base}/{label}")
@@ -230,7 +234,7 @@ def kernel_resume_one_step(base: str) -> dict:
     except Exception as exc:
         out["fp32_engine_deepspeed"] = f"{type(exc).__name__}: {exc}"
     gc.collect()
-    out["fp32_engine_shardkit_notes"] = load_zero3_checkpoint(R._build("fp32", False), bf16_ckpt, preflight=False).notes
+    out["fp32_engine_shardkit_notes"] = load_checkpoint_resharded(R._build("fp32", False), bf16_ckpt, preflight=False).notes
     gc.collect()
     # a copy whose rank-1 optim file is a link to the same bytes outside the tag folder
     linked = f"{base}/linked"
@@ -250,7 +254,7 @@ def kernel_resume_one_step(base: str) -> dict:
             if how == "guarded":
                 guard_plain_loads(engine).load_checkpoint(linked)
             else:
-                load_zero3_checkpoint(engine, linked, preflight=False, verify=False)
+                load_checkpoint_resharded(engine, linked, preflight=False, verify=False)
             out[f"linked_{how}"] = "loaded"
         except CheckpointError as exc:
             out[f"linked_{how}"] = str(exc)
@@ -318,7 +322,7 @@ def test_a_guarded_plain_load_of_files_named_for_another_precision_is_refused_be
                          r"\(bf16\.enabled: false\), so DeepSpeed's load_checkpoint looks for "
                          r"zero_pp_rank_0_mp_rank_00_optim_states\.pt and stops with FileNotFoundError", msg), (rank, msg)
         assert "Fix: resume with the precision the checkpoint was written in (set bf16.enabled to true" in msg
-        assert "shardkit.load_zero3_checkpoint(engine, path), which reads either naming" in msg
+        assert "shardkit.load_checkpoint_resharded(engine, path), which reads either naming" in msg
         (note,) = [n for n in got["fp32_engine_shardkit_notes"] if "was written by a bf16 run" in n]
         assert "this engine runs fp32: the fp32 masters and Adam moments were loaded as they are" in note
 
