@@ -48,6 +48,7 @@ class PlacementReport:
 
     @property
     def mismatch_count(self) -> int:
+        """Tensors on the wrong device on every judged rank, including those a summary only counted."""
         held = {rep.rank for rep in self.ranks}
         return (sum(1 for rep in self.ranks for r in rep.records if not r.ok)
                 + sum(s.misplaced_count for s in self.summaries if s.rank not in held))
@@ -64,14 +65,17 @@ class PlacementReport:
 
     @property
     def errors(self) -> list[Finding]:
+        """The cross-rank findings of severity ERROR (each fails the preflight)."""
         return [f for f in self.findings if f.severity is Severity.ERROR]
 
     @property
     def ok(self) -> bool:
+        """True when every rank arrived, no tensor is on the wrong device and no cross-rank check failed."""
         return not self.missing_ranks and not self.mismatch_count and not self.errors
 
     @property
     def exit_code(self) -> int:
+        """0 when ``ok``, else 1: the exit status this verdict stands for."""
         return 0 if self.ok else 1
 
     def bytes_by_device(self) -> dict[int, dict[str, int]]:
@@ -95,6 +99,8 @@ class PlacementReport:
         return engines.pop() if len(engines) == 1 else ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON data: the verdict, mismatches with their fixes, findings, bytes per device, and
+        every rank's report and summary (what ``--json`` prints and ``--json-file`` writes)."""
         return {
             "ok": self.ok,
             "world_size": self.rank_count + len(self.missing_ranks),
