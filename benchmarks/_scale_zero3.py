@@ -19,8 +19,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
 from shardkit.checkpoint.zero3.layout import partition_numel
-from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.storage.manifest import seal
 from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, read_structure
 from shardkit.storage.torch_pickle import NewTensor, pickle_structure
@@ -41,7 +41,7 @@ def _repeat(ref: TensorRef, numel: int) -> NewTensor:
 
 def scale_checkpoint(src: str | Path, dst: str | Path, factor: int, *, manifest: bool = True) -> Path:
     """Write ``src`` (a ZeRO-3 root or tag folder) scaled ``factor``x as ``dst/<tag>`` + ``dst/latest``."""
-    ckpt = open_zero3_checkpoint(src, torch_free=True)
+    ckpt = open_zero3_layout(src)
     if ckpt.frozen_param_shapes:
         raise ValueError(f"{src}: has frozen parameters; scaling them is not implemented")
     world = ckpt.world_size

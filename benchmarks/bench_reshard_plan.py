@@ -71,7 +71,7 @@ def synthetic_checkpoint(world: int) -> tuple[Zero3Checkpoint, Any]:
         optim_files=[tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)],
         slots=slots, sub_group_numel=sub_numel, sub_group_param_group=[0] * len(sub_numel),
         param_groups=[{"lr": 1e-4}], state_keys=["exp_avg", "exp_avg_sq"], precision="bf16", ds_version="0.19.8",
-        ds_config={"zero_optimization": {"stage": 3}}, model_state=model_state, torch_free=True)
+        ds_config={"zero_optimization": {"stage": 3}}, model_state=model_state)
 
     def optim(rank: int) -> dict[str, Any]:
         path, at = str(ckpt.optim_files[rank]), 4096

@@ -30,7 +30,7 @@ _LAZY: dict[str, str] = {
     "load_checkpoint_resharded": "shardkit.checkpoint.ops.resume_zero3",
     "guard_plain_loads": "shardkit.checkpoint.ops.resume_zero3",
     "restore_cpu_adam_kernel_state": "shardkit.checkpoint.ops.cpu_adam_kernel",
-    "open_zero3_checkpoint": "shardkit.checkpoint.zero3.reader",
+    "open_zero3_layout": "shardkit.checkpoint.readers.zero3_open",
     "consolidate_checkpoint": "shardkit.checkpoint.ops.consolidate",
     "reshard_checkpoint": "shardkit.checkpoint.ops.reshard",
     "safe_torch_load": "shardkit.storage.torch_load",
@@ -70,6 +70,7 @@ _DEPRECATED: dict[str, str] = {
     "load_zero3_checkpoint": "shardkit.checkpoint.ops.resume_zero3",  # -> load_checkpoint_resharded
     "consolidate_zero3": "shardkit.checkpoint.ops.consolidate",  # -> consolidate_checkpoint
     "reshard_zero3": "shardkit.checkpoint.ops.reshard",  # -> reshard_checkpoint
+    "open_zero3_checkpoint": "shardkit.checkpoint.readers.zero3_open",  # -> open_zero3_layout
 }
 
 __all__ = ["__version__", *_LAZY]

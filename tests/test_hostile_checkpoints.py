@@ -110,11 +110,11 @@ def test_an_absurd_world_size_is_refused_before_any_file_is_written(src, tmp_pat
     assert not (tmp_path / "out").exists()
     # below that cap, more ranks than elements would write files of padding only
     import shardkit.checkpoint.zero3.repartition as repartition
-    from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+    from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
     from shardkit.core.errors import UsageError
 
     monkeypatch.setattr(repartition, "MAX_WORLD_SIZE", 10**9)
-    ckpt = open_zero3_checkpoint(src, torch_free=True)
+    ckpt = open_zero3_layout(src)
     with pytest.raises(UsageError, match=rf"world_size {ckpt.num_params + 1:,}: more ranks than the checkpoint's "
                        rf"{ckpt.num_params:,} trainable elements \(every extra rank would hold only padding\)"):
         repartition.plan_layout(ckpt, ckpt.num_params + 1)

@@ -1,5 +1,5 @@
-"""The hostile sweep, the library readers and the configs (issue 26): the torch-free and torch
-readers (io.torch_load read_structure/safe_torch_load, zero3.reader, dcp.plain_metadata,
+"""The hostile sweep, the library readers and the configs: the torch-free and torch
+readers (io.torch_load read_structure/safe_torch_load, readers.zero3_open, readers.zero3, dcp.plain_metadata,
 dcp.slices, io.manifest, io.verify) called directly on damaged files return or raise a
 ShardkitError, never anything else and never a hang; DeepSpeed configs given to ``convert --to
 zero3 --ds-config`` and ``check``, and a model config.json given to ``export``, with fields of
@@ -37,7 +37,8 @@ def _readers(src: Path, rel: str) -> dict[str, Any]:
     """The readers that take the file ``rel`` of the checkpoint ``src``, by name."""
     from shardkit.checkpoint.dcp.plain_metadata import read_plain_metadata
     from shardkit.checkpoint.dcp.slices import DcpSlices
-    from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+    from shardkit.checkpoint.readers.zero3 import read_zero3
+    from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
     from shardkit.storage.manifest import read_manifest
     from shardkit.storage.torch_load import read_structure, safe_torch_load
     from shardkit.storage.verify import verify_checkpoint
@@ -60,8 +61,8 @@ def _readers(src: Path, rel: str) -> dict[str, Any]:
     if f.suffix == ".pt":
         readers.update({"io.torch_load.read_structure": lambda: read_structure(f),
                         "io.torch_load.safe_torch_load": lambda: safe_torch_load(f),
-                        "zero3.reader (torch-free)": lambda: open_zero3_checkpoint(tag, torch_free=True),
-                        "zero3.reader": lambda: open_zero3_checkpoint(tag)})
+                        "readers.zero3_open": lambda: open_zero3_layout(tag),
+                        "readers.zero3": lambda: read_zero3(tag)})
     if (tag / ".metadata").exists():
         readers.update({"dcp.plain_metadata": lambda: read_plain_metadata(tag / ".metadata"), "dcp.slices": slices})
     return readers
@@ -173,16 +174,17 @@ def _edited_rank0(sweep_sources: H.Sources, tmp_path: Path, file: str, edit: Any
 
 @pytest.mark.parametrize("value", [2**63, "2", 2.0, True, None, -3])
 def test_a_dp_world_size_that_is_no_count_is_named_at_once(sweep_sources, tmp_path, value):
-    from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+    from shardkit.checkpoint.readers.zero3 import read_zero3
+    from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
 
     src = _edited_rank0(sweep_sources, tmp_path, "zero_pp_rank_0_mp_rank_00_model_states.pt",
                         lambda d: d.__setitem__("dp_world_size", value))
-    for torch_free in (True, False):
-        with H.time_limit(10, "open_zero3_checkpoint"):
+    for read in (open_zero3_layout, lambda src: read_zero3(src / "global_step2")):
+        with H.time_limit(10, "open_zero3_layout"):
             with pytest.raises(CheckpointError, match=r"model_states\.pt: dp_world_size is .*expected a positive int"
                                                       r"|rank_2_mp_rank_00_model_states\.pt: missing, but dp_world_size "
                                                       r"is 9223372036854775808 so"):
-                open_zero3_checkpoint(src, torch_free=torch_free)
+                read(src)
 
 
 @pytest.mark.parametrize("value", [{}, "x", [1, 2]])

@@ -171,7 +171,7 @@ PUBLIC_API = [
     "check_resumable_distributed", "collect_records", "config_digest", "consolidate_checkpoint",
     "estimate_memory", "export_safetensors", "fsdp_config_from_dict", "guard_plain_loads",
     "installed_versions", "judge_snapshot", "known_bad_findings", "load_checkpoint_resharded",
-    "load_config", "load_dcp_state", "load_fsdp_checkpoint", "model_shape", "open_zero3_checkpoint",
+    "load_config", "load_dcp_state", "load_fsdp_checkpoint", "model_shape", "open_zero3_layout",
     "plan_optimizer_moves", "preflight", "record_snapshot", "register_extra_state",
     "replace_optimizer_state", "reshard_checkpoint", "restore_cpu_adam_kernel_state", "resume_training",
     "run_smoke", "safe_torch_load", "save_deepspeed_checkpoint", "save_fsdp_checkpoint", "save_training",

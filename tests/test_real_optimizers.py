@@ -287,13 +287,14 @@ def test_zero3_shardkit_loader_replaces_optimizer_tensors_before_its_preflight(z
 def test_zero3_at_another_world_size_names_the_per_rank_values_it_cannot_keep(zero3, name):
     """Rank values a 2-rank save cannot hand to 1 rank: numbers are taken from rank 0 with a warning
     naming each key and both ranks' values; partition-sized state (prodigy-plus's sliced p0/s) is refused."""
-    from shardkit.checkpoint.zero3.rank_values import PerRankValuesWarning, check_rank_values
-    from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
-    from shardkit.checkpoint.zero3.repartition import optim_state_for_rank, plan_layout
+    from shardkit.checkpoint.ops.resume_zero3_state import optim_state_for_rank
+    from shardkit.checkpoint.readers.zero3 import read_zero3
+    from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
+    from shardkit.checkpoint.readers.zero3_rank_values import PerRankValuesWarning, check_rank_values
+    from shardkit.checkpoint.zero3.repartition import plan_layout
     from shardkit.core.errors import CheckpointError
-    from shardkit.storage.torch_load import safe_torch_load
 
-    ckpt = open_zero3_checkpoint(zero3[0][name]["root"])
+    ckpt = open_zero3_layout(zero3[0][name]["root"])
     assert check_rank_values(ckpt, 2) is None  # the saved world size: each rank reads its own file
     saved = [rank[name]["saved"]["d_numerator"] for rank in zero3]
     with pytest.warns(PerRankValuesWarning) as caught:
@@ -302,14 +303,14 @@ def test_zero3_at_another_world_size_names_the_per_rank_values_it_cannot_keep(ze
     assert f"param_groups[0].d_numerator (rank 0: {saved[0]!r}, rank 1: {saved[1]!r})" in note
     assert "every rank resumes with rank 0's value" in note and "resume at world size 2" in note
     assert "param_groups[0].lr" not in note and ".step" not in note  # the same on both ranks: kept silently
-    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True)
+    model = read_zero3(ckpt.tag_dir)
     if name == "prodigy":  # its per-parameter state is all partition-shaped: rebuilt for the new partition
-        osd = optim_state_for_rank(ckpt, plan_layout(ckpt, 1), 0, optim0)["optimizer_state_dict"]
+        osd = optim_state_for_rank(ckpt, model, plan_layout(ckpt, 1), 0)["optimizer_state_dict"]
         assert osd["optimizer_state_dict"]["param_groups"][0]["d_numerator"] == saved[0]
     else:
         with pytest.raises(CheckpointError, match=r"optimizer state 'p0' of sub-group 0 is a tensor of shape \(\d+,\), "
                            r"neither a scalar nor the partition's \d+ elements.*Resume at world size 2"):
-            optim_state_for_rank(ckpt, plan_layout(ckpt, 1), 0, optim0)
+            optim_state_for_rank(ckpt, model, plan_layout(ckpt, 1), 0)
 
 
 # ---- on FSDP2 shards (2 gloo ranks, DCP through save/load_fsdp_checkpoint) ------------------------
@@ -395,7 +396,7 @@ def test_zero3_ranks_differing_in_a_non_number_are_refused_at_another_world_size
     another world size is refused, naming the entry, each rank's value and the world size to use."""
     from types import SimpleNamespace
 
-    from shardkit.checkpoint.zero3 import rank_values
+    from shardkit.checkpoint.readers import zero3_rank_values as rank_values
 
     ckpt = SimpleNamespace(world_size=2, tag_dir="ckpt/global_step6")
     monkeypatch.setattr(rank_values, "rank_local_values", lambda _: [

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from shardkit.checkpoint.ops.reshard import reshard_checkpoint
-from shardkit.checkpoint.zero3.gather import gather_param
-from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
+from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
 from shardkit.checkpoint.zero3.repartition import layout_from_names, plan_layout
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.torch_load import safe_torch_load
 from tests import _ranks_zero3 as R
+from tests._zero3_gather import gathered, read_model
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def _flats(tag_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("label", ["fp32", "bf16_offload"])
 def test_round_trip_2_to_3_to_2_is_bit_exact(sources, tmp_path, run_cli, label):
-    src = open_zero3_checkpoint(sources[label])
+    src = open_zero3_layout(sources[label])
     code, out, err = run_cli("reshard", sources[label], "--world-size", "3", "-o", tmp_path / "ws3")
     assert code == 0, err
     assert "world size 2 -> 3" in out and "engine.load_checkpoint(" in out
@@ -59,13 +59,15 @@ def test_round_trip_2_to_3_to_2_is_bit_exact(sources, tmp_path, run_cli, label):
 
 @pytest.mark.parametrize("world", [1, 3, 5])
 def test_every_parameter_and_moment_survives(sources, tmp_path, world):
-    src = open_zero3_checkpoint(sources["fp32"])
+    src = open_zero3_layout(sources["fp32"])
     result = reshard_checkpoint(sources["fp32"], tmp_path / "out", world)
-    new = open_zero3_checkpoint(result.output)
+    new = open_zero3_layout(result.output)
     assert new.world_size == world and len(result.files) == 2 * world
+    src_model, new_model = read_model(sources["fp32"]), read_model(result.output)
     for key in ("fp32", "exp_avg", "exp_avg_sq"):
         for a, b in zip(src.slots, new.slots):
-            assert torch.equal(gather_param(src, a, key), gather_param(new, b, key)), (key, a.name)
+            assert a.name == b.name
+            assert torch.equal(gathered(src_model, a.name, key), gathered(new_model, b.name, key)), (key, a.name)
     # the last rank's tail of every odd-sized parameter is zero padding, like DeepSpeed's own
     last = _flats(new.tag_dir)[-1]
     padded = 0
@@ -79,7 +81,7 @@ def test_every_parameter_and_moment_survives(sources, tmp_path, world):
 
 
 def test_sub_groups_follow_deepspeed_rule(sources, tmp_path):
-    src = open_zero3_checkpoint(sources["bf16_offload"])  # sub_group_size 30000 in its config
+    src = open_zero3_layout(sources["bf16_offload"])  # sub_group_size 30000 in its config
     layout = plan_layout(src, 3)
     sizes = [layout.sub_group_numel(j) for j in range(len(layout.sub_groups))]
     # DeepSpeed closes a sub-group once its partition numel reaches sub_group_size
@@ -89,7 +91,7 @@ def test_sub_groups_follow_deepspeed_rule(sources, tmp_path):
     one = plan_layout(src, 3, sub_group_size=10**9)
     assert len(one.sub_groups) == 1
     result = reshard_checkpoint(sources["bf16_offload"], tmp_path / "o", 3, sub_group_size=10**9)
-    assert len(open_zero3_checkpoint(result.output).sub_group_numel) == 1
+    assert len(open_zero3_layout(result.output).sub_group_numel) == 1
 
 
 def test_output_is_safe_loadable_with_manifest_and_latest(sources, tmp_path, run_cli):
@@ -124,7 +126,7 @@ def test_cli_flags_are_stable(run_cli):
 
 def test_a_different_model_is_named_before_any_tensor_is_touched(sources):
     """The in-process loader builds its layout from the live engine's parameter names."""
-    src = open_zero3_checkpoint(sources["fp32"])
+    src = open_zero3_layout(sources["fp32"])
     names = [s.name for s in src.slots]
     ok = layout_from_names(src, 3, [names], [0])
     assert ok.sub_group_numel(0) == sum(-(-s.numel // 3) for s in src.slots)
@@ -140,7 +142,7 @@ def test_refuses_to_write_into_the_source_root_under_another_tag(sources, run_cl
 
 
 def test_saved_sub_group_size_auto_means_deepspeed_default(sources):
-    ckpt = open_zero3_checkpoint(sources["fp32"])
+    ckpt = open_zero3_layout(sources["fp32"])
     default = plan_layout(ckpt, 3)
     ckpt.ds_config.setdefault("zero_optimization", {})["sub_group_size"] = "auto"
     with pytest.warns(UserWarning, match=r"sub_group_size is 'auto', which DeepSpeed treats as its default 1e\+09"):
@@ -177,7 +179,7 @@ def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(source
     source tag rewrites its files in place), hashed while copied."""
     from shardkit.storage.manifest import file_digest, read_manifest
 
-    src = open_zero3_checkpoint(sources["fp32"])
+    src = open_zero3_layout(sources["fp32"])
     same = reshard_checkpoint(sources["fp32"], tmp_path / "ws2", 2, workers=3)
     assert same.copied_unchanged and read_manifest(same.output / same.tag).extra["resharded_from"]["copied_unchanged"]
     entries = {e.path: e for e in read_manifest(same.output / same.tag).files}
@@ -187,7 +189,7 @@ def test_same_world_size_and_sub_groups_copy_the_rank_files_byte_for_byte(source
         assert entries[f.name].digest == file_digest(f, "blake3") and entries[f.name].size == f.stat().st_size
     # another sub_group_size at the same world size is a real repartition
     other = reshard_checkpoint(sources["bf16_offload"], tmp_path / "sg", 2, sub_group_size=10**9, workers=1)
-    assert not other.copied_unchanged and len(open_zero3_checkpoint(other.output).sub_group_numel) == 1
+    assert not other.copied_unchanged and len(open_zero3_layout(other.output).sub_group_numel) == 1
 
 
 def test_default_workers_follow_the_cores_and_the_files():
@@ -202,12 +204,11 @@ def test_default_workers_follow_the_cores_and_the_files():
 def test_reshard_imports_no_torch_and_writes_what_the_in_process_resume_builds(sources, tmp_path):
     """The offline reshard parses the source with the torch-free reader and copies byte ranges: no
     torch (seconds to import) in its process. Its files hold exactly the tensors the in-process
-    resume builds with torch (repartition.optim_state_for_rank), element for element."""
+    resume builds with torch (resume_zero3_state.optim_state_for_rank), element for element."""
     import subprocess
     import sys
 
-    from shardkit.checkpoint.zero3.repartition import optim_state_for_rank
-    from shardkit.storage.stream import materialize
+    from shardkit.checkpoint.ops.resume_zero3_state import optim_state_for_rank
 
     out = tmp_path / "ws3"
     code = (f"import sys; from shardkit.checkpoint.ops.reshard import reshard_checkpoint; "
@@ -216,11 +217,10 @@ def test_reshard_imports_no_torch_and_writes_what_the_in_process_resume_builds(s
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
-    ckpt = open_zero3_checkpoint(sources["bf16_offload"])
-    layout = plan_layout(ckpt, 3)
-    optim0 = safe_torch_load(ckpt.optim_files[0], mmap=True)
+    ckpt = open_zero3_layout(sources["bf16_offload"])
+    layout, model = plan_layout(ckpt, 3), read_model(sources["bf16_offload"])
     for r in range(3):
-        want = materialize(optim_state_for_rank(ckpt, layout, r, optim0))["optimizer_state_dict"]
+        want = optim_state_for_rank(ckpt, model, layout, r)["optimizer_state_dict"]
         got = safe_torch_load(next((out / ckpt.tag).glob(f"*zero_pp_rank_{r}_mp_rank_00_optim_states.pt")))["optimizer_state_dict"]
         assert all(torch.equal(a, b) for a, b in zip(want["fp32_flat_groups"], got["fp32_flat_groups"]))
         for j, entry in want["optimizer_state_dict"]["state"].items():
@@ -240,7 +240,7 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
 
     root = tmp_path / "src"
     shutil.copytree(sources["fp32"], root)
-    tag_dir = open_zero3_checkpoint(root).tag_dir
+    tag_dir = open_zero3_layout(root).tag_dir
     # sealed with sha256 (a manifest of a shardkit before blake3): the copy hashes with the source's algorithm
     monkeypatch.setenv("SHARDKIT_HASH", "sha256")
     seal(tag_dir, engine="deepspeed", world_size=2, zero_stage=3)

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardkit.checkpoint.readers.zero3 import read_zero3
+from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
 from shardkit.checkpoint.zero3.checkpoint import FP32
-from shardkit.checkpoint.zero3.gather import gather_param, iter_params
-from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.core.errors import CheckpointError
 from tests import _ranks_zero3 as R
+from tests._zero3_gather import gathered
 
 pytestmark = pytest.mark.slow
 LABELS = ["fp32", "bf16_offload", "fp16"]
@@ -50,37 +51,41 @@ def _independent_gather(tag_dir: Path, key: str) -> dict[str, torch.Tensor]:
 def test_fp32_masters_equal_zero_to_fp32(sources, label):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    ckpt = open_zero3_checkpoint(sources[label])
+    ckpt = open_zero3_layout(sources[label])
+    model = read_zero3(ckpt.tag_dir)
     expected = get_fp32_state_dict_from_zero_checkpoint(str(sources[label]))
     assert [s.name for s in ckpt.slots] == list(expected)
     for slot in ckpt.slots:
-        assert torch.equal(gather_param(ckpt, slot), expected[slot.name]), slot.name
+        assert torch.equal(gathered(model, slot.name), expected[slot.name]), slot.name
 
 
 @pytest.mark.parametrize("label", LABELS)
 def test_adam_moments_equal_an_independent_gather(sources, label):
-    ckpt = open_zero3_checkpoint(sources[label])
+    ckpt = open_zero3_layout(sources[label])
+    model = read_zero3(ckpt.tag_dir)
     assert ckpt.state_keys == ["exp_avg", "exp_avg_sq"]
     for key in ckpt.state_keys:
         expected = _independent_gather(ckpt.tag_dir, key)
         for slot in ckpt.slots:
-            got = gather_param(ckpt, slot, key)
+            got = gathered(model, slot.name, key)
             assert got.dtype == torch.float32 and torch.equal(got, expected[slot.name]), (key, slot.name)
 
 
-def test_iter_params_streams_every_parameter_in_order(sources):
-    ckpt = open_zero3_checkpoint(sources["bf16_offload"])
-    seen = []
-    for slot, tensors in iter_params(ckpt, ("fp32", "exp_avg")):
-        seen.append(slot.name)
-        assert tensors["fp32"].shape == slot.shape and torch.equal(tensors["exp_avg"], gather_param(ckpt, slot, "exp_avg"))
-    assert seen == [s.name for s in ckpt.slots]
+def test_the_reader_describes_every_parameter_in_checkpoint_order(sources):
+    ckpt = open_zero3_layout(sources["bf16_offload"])
+    model = read_zero3(ckpt.tag_dir)
+    moments = _independent_gather(ckpt.tag_dir, "exp_avg")
+    trainable = [name for name in model.weights if name not in model.frozen and name not in model.buffers]
+    assert trainable == [s.name for s in ckpt.slots]
+    for slot in ckpt.slots:
+        assert gathered(model, slot.name).shape == slot.shape
+        assert torch.equal(gathered(model, slot.name, "exp_avg"), moments[slot.name]), slot.name
 
 
 def test_layout_facts(sources):
-    fp32 = open_zero3_checkpoint(sources["fp32"])
+    fp32 = open_zero3_layout(sources["fp32"])
     assert (fp32.world_size, fp32.precision, fp32.tag, len(fp32.sub_group_numel)) == (2, "fp32", "global_step2", 1)
-    bf16 = open_zero3_checkpoint(sources["bf16_offload"])
+    bf16 = open_zero3_layout(sources["bf16_offload"])
     assert bf16.precision == "bf16" and bf16.optim_files[0].name.startswith("bf16_")
     assert len(bf16.sub_group_numel) >= 2  # sub_group_size 30000 splits the tiny model into several flats
     # every parameter takes ceil(numel / world) per rank, back to back in param_shapes order
@@ -89,14 +94,14 @@ def test_layout_facts(sources):
 
 
 def test_fp16_layout(sources):
-    assert open_zero3_checkpoint(sources["fp16"]).precision == "fp16"
+    assert open_zero3_layout(sources["fp16"]).precision == "fp16"
 
 
 def test_root_tag_folder_and_rank_file_are_the_same_checkpoint(sources):
     root = Path(sources["fp32"])
-    a = open_zero3_checkpoint(root)
-    b = open_zero3_checkpoint(root / "global_step2")
-    c = open_zero3_checkpoint(root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    a = open_zero3_layout(root)
+    b = open_zero3_layout(root / "global_step2")
+    c = open_zero3_layout(root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     assert a.tag_dir == b.tag_dir == c.tag_dir and a.slots == b.slots == c.slots
 
 
@@ -115,16 +120,17 @@ def test_missing_rank_file_is_named(copy_of):
     victim = root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     victim.unlink()
     with pytest.raises(CheckpointError, match=rf"{victim}: missing, but dp_world_size is 2"):
-        open_zero3_checkpoint(root)
+        open_zero3_layout(root)
 
 
 def test_truncated_rank_file_is_named_when_read(copy_of):
     root = copy_of("bf16_offload")
     victim = root / "global_step1" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     victim.write_bytes(victim.read_bytes()[:1000])
-    ckpt = open_zero3_checkpoint(root)  # rank 0's files are fine
+    ckpt = open_zero3_layout(root)  # rank 0's files are fine
+    model = read_zero3(ckpt.tag_dir, lazy=True)
     with pytest.raises(CheckpointError, match=rf"{victim}: cannot be read as a torch checkpoint"):
-        gather_param(ckpt, ckpt.slots[0])
+        gathered(model, ckpt.slots[0].name)
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -132,9 +138,8 @@ def test_the_readers_windows_hold_the_bytes_of_the_ranks_overlapping_them(source
     """readers.zero3 stores no piece list: a window of elements gets the pieces of the ranks holding it,
     clipped to it, and their bytes are those elements of the master (and of each Adam moment)."""
     from shardkit.checkpoint.model.tensors import Pieces
-    from shardkit.checkpoint.readers.zero3 import read_zero3
 
-    tag_dir = open_zero3_checkpoint(sources[label]).tag_dir
+    tag_dir = open_zero3_layout(sources[label]).tag_dir
     model = read_zero3(tag_dir, lazy=True)
     masters, moments = _independent_gather(tag_dir, FP32), _independent_gather(tag_dir, "exp_avg")
     for name, expected in [*((n, masters[n]) for n in masters), *((f"{n}.exp_avg", moments[n]) for n in moments)]:
@@ -153,8 +158,6 @@ def test_the_readers_windows_hold_the_bytes_of_the_ranks_overlapping_them(source
 
 
 def test_a_lazy_read_names_a_damaged_rank_file_when_its_pieces_are_asked_for(copy_of):
-    from shardkit.checkpoint.readers.zero3 import read_zero3
-
     root = copy_of("fp32")
     victim = root / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     victim.write_bytes(victim.read_bytes()[:1000])
@@ -171,18 +174,18 @@ def test_latest_pointing_nowhere_and_ambiguous_root(copy_of):
     root = copy_of("fp32")
     (root / "latest").write_text("global_step9")
     with pytest.raises(CheckpointError, match=r"latest: points to tag 'global_step9' but .* does not exist"):
-        open_zero3_checkpoint(root)
+        open_zero3_layout(root)
     (root / "latest").unlink()
     with pytest.raises(CheckpointError, match=r"has no 'latest' file.*found tags \['global_step2'\]"):
-        open_zero3_checkpoint(root)
+        open_zero3_layout(root)
 
 
 def test_not_a_zero3_checkpoint(tmp_path):
     (tmp_path / "mp_rank_00_model_states.pt").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="ZeRO-0/1/2 checkpoint"):
-        open_zero3_checkpoint(tmp_path)
+        open_zero3_layout(tmp_path)
     with pytest.raises(CheckpointError, match="does not exist"):
-        open_zero3_checkpoint(tmp_path / "nothing")
+        open_zero3_layout(tmp_path / "nothing")
 
 
 def test_extra_rank_files_from_another_save_are_refused(copy_of):
@@ -190,4 +193,4 @@ def test_extra_rank_files_from_another_save_are_refused(copy_of):
     tag = root / "global_step2"
     shutil.copy(tag / "zero_pp_rank_1_mp_rank_00_model_states.pt", tag / "zero_pp_rank_2_mp_rank_00_model_states.pt")
     with pytest.raises(CheckpointError, match=r"rank files beyond dp_world_size=2"):
-        open_zero3_checkpoint(root)
+        open_zero3_layout(root)

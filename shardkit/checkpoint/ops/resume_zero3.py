@@ -1,10 +1,11 @@
 """Resume a DeepSpeed ZeRO-3 engine from a checkpoint saved at any world size and offload setting.
 
 ``load_zero3_checkpoint(engine, path)`` is ``engine.load_checkpoint(path)`` without its same-world-
-size restriction and without an offline conversion: every rank reads, from the memory-mapped rank
-files of the checkpoint, exactly the slices of the fp32 masters and Adam moments its *current*
-partition needs (``ceil(numel / world)`` per parameter, the engine's own sub-groups), and hands
-them to DeepSpeed's own ``_rigid_load_state_dict``. The fp32 partitions it writes into are the
+size restriction and without an offline conversion: every rank reads, through the checkpoint model's
+ZeRO-3 reader (``readers.zero3``: each tensor's byte ranges in the rank files), exactly the slices of
+the fp32 masters and Adam moments its *current* partition needs (``ceil(numel / world)`` per
+parameter, the engine's own sub-groups; ``resume_zero3_state``), and hands them to DeepSpeed's own
+``_rigid_load_state_dict``. The fp32 partitions it writes into are the
 ones the engine allocated for its current config, and the optimizer state is cast by torch's
 ``Optimizer.load_state_dict`` to each partition's device, so a checkpoint saved without
 ``offload_optimizer`` lands on the CPU when offload is now on, and the other way round.
@@ -17,7 +18,7 @@ preflight (``shardkit.preflight``) checks every tensor is where the config says.
 
 Param groups and non-partition optimizer state come from each rank's own file at the saved world
 size; at another, from rank 0's, with a ``PerRankValuesWarning`` naming what the saved ranks did
-not share (``rank_values.check_rank_values``).
+not share (``readers.zero3_rank_values.check_rank_values``).
 
 For runs that keep DeepSpeed's own ``engine.load_checkpoint``, ``guard_plain_loads(engine)`` wraps
 that one engine's method: a checkpoint whose optimizer files are named for another precision is
@@ -40,25 +41,19 @@ from shardkit.checkpoint.ops.cpu_adam_kernel import KernelReplay, restore_cpu_ad
 from shardkit.checkpoint.ops.resume_state import Zero3LoadResult
 from shardkit.checkpoint.ops.resume_state import engine_precision as _engine_precision
 from shardkit.checkpoint.ops.resume_state import fit_to_current_optimizer as _fit_to_current_optimizer
+from shardkit.checkpoint.ops.resume_zero3_state import model_state_for_rank, optim_state_for_rank
+from shardkit.checkpoint.readers.zero3 import describe_zero3
+from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
+from shardkit.checkpoint.readers.zero3_rank_values import check_rank_values
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_numel
-from shardkit.checkpoint.zero3.rank_values import check_rank_values
-from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
-from shardkit.checkpoint.zero3.repartition import (
-    TargetLayout,
-    client_state_note,
-    layout_from_names,
-    model_state_for_rank,
-    optim_state_for_rank,
-)
+from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, layout_from_names
 from shardkit.core.deprecated import deprecated_alias
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.preflight import preflight as placement_preflight
 from shardkit.placement.replace import replace_optimizer_state, summarize_moves
 from shardkit.storage.manifest import MANIFEST_NAME
-from shardkit.storage.stream import materialize
 from shardkit.storage.tags import LATEST_NAME, read_latest
-from shardkit.storage.torch_load import safe_torch_load
 from shardkit.storage.verify import (
     check_resumable_distributed,
     precision_naming_problem,
@@ -99,7 +94,7 @@ def load_checkpoint_resharded(
     opt = _zero3_optimizer(engine)
     # the tag folder listed once, for every step below (at 1,024 ranks each listing is a metadata storm)
     listing = resume_zero12.refuse_zero12_source(path, 3)
-    ckpt = open_zero3_checkpoint(listing.folder, listing=listing)
+    ckpt = open_zero3_layout(listing.folder, listing=listing)
     # a link out of the tag folder is never read through, manifest or not (verify names it too)
     refuse_links_leaving(ckpt.tag_dir, "load", listing)
     if verify:
@@ -108,10 +103,13 @@ def load_checkpoint_resharded(
     layout = engine_layout(engine, ckpt)
     rank = dist.get_rank(group=opt.dp_process_group)
 
+    # each tensor's byte ranges in the rank files; lazy: a rank file is parsed when a slice this rank needs lies in it
+    model = describe_zero3(ckpt, lazy=True)
+
     if engine._optimizer_has_ckpt_event_prologue():
         opt.checkpoint_event_prologue()
 
-    model_sd = model_state_for_rank(ckpt, layout, rank)
+    model_sd = model_state_for_rank(ckpt, model, layout, rank)
     engine.load_module_state_dict(checkpoint=model_sd, strict=load_module_strict)
     engine.loaded_checkpoint_dp_world_size = ckpt.world_size
     engine.loaded_checkpoint_mp_world_size = model_sd.get("mp_world_size", 1)
@@ -126,9 +124,7 @@ def load_checkpoint_resharded(
     # At another there is no mapping of ranks: rank 0's, with a warning where the ranks disagreed.
     same_ranks = layout.world_size == ckpt.world_size
     rank_values_note = None if same_ranks else check_rank_values(ckpt, layout.world_size)
-    optim_src = safe_torch_load(ckpt.optim_files[rank if same_ranks else 0], mmap=True, real_deepspeed_objects=True)
-    rank_sd = materialize(optim_state_for_rank(ckpt, layout, rank, optim_src))
-    del optim_src
+    rank_sd = optim_state_for_rank(ckpt, model, layout, rank)
     _fit_to_current_optimizer(rank_sd["optimizer_state_dict"], opt)
     state_list: list[Any] = [None] * layout.world_size
     state_list[rank] = rank_sd["optimizer_state_dict"]

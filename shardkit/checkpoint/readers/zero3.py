@@ -3,7 +3,7 @@ frozen parameter and buffer lies in the rank files.
 
 The files are parsed with ``read_structure`` (no ``torch.load``, no tensor data read): trainable
 parameters are the fp32 masters in each rank's ``fp32_flat_groups[sub_group]`` (the layout
-``zero3.reader`` describes), frozen parameters each rank's ``frozen_param_fragments`` entry in its
+``readers.zero3_open`` describes), frozen parameters each rank's ``frozen_param_fragments`` entry in its
 model-states file (partitioned as trainable ones: ``ceil(numel / world)`` per rank, the tail
 padded), buffers rank 0's ``module`` entries. Tied parameters are stored once and named in
 ``shared_params`` (``{alias: holder}``).
@@ -31,9 +31,9 @@ from typing import Any, Callable, TypeVar
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, Pieces, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
+from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
-from shardkit.checkpoint.zero3.reader import open_zero3_checkpoint
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.listing import list_folder
 from shardkit.storage.torch_load import ITEMSIZE, TensorRef, read_structure
@@ -59,7 +59,7 @@ def read_zero3(tag_dir: Path, *, lazy: bool = False) -> TrainingCheckpoint:
             f"{tag_dir}: holds DeepSpeed MoE expert files ({', '.join(moe[:3])}): expert-parallel weights live outside "
             "the data-parallel rank files this export reads, so the exported model would lack its experts. Export "
             "it with DeepSpeed's own tools (ds_to_universal) instead")
-    return describe_zero3(open_zero3_checkpoint(tag_dir, torch_free=True, listing=listing), lazy=lazy)
+    return describe_zero3(open_zero3_layout(tag_dir, listing=listing), lazy=lazy)
 
 
 def describe_zero3(ckpt: Zero3Checkpoint, *, lazy: bool = False,

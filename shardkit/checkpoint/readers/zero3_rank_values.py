@@ -9,7 +9,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint, zero3_optimizer_sd
+from shardkit.checkpoint.readers.zero3_open import zero3_optimizer_sd
+from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
 from shardkit.core.errors import CheckpointError
 from shardkit.platform.dist import all_gather_object, rank_world
 from shardkit.storage.torch_load import safe_torch_load
@@ -82,7 +83,7 @@ def _same(a: Any, b: Any) -> bool:
 def rank_local_values(ckpt: Zero3Checkpoint) -> list[dict[str, Any]]:
     """For each source rank, ``{where: value}`` of what the optimizer may keep per rank outside the
     partitions: every param_groups entry but ``params``, and every non-partition state entry of at
-    most one element. (Larger non-partition tensors are refused by ``optim_state_for_rank`` when
+    most one element. (Larger non-partition tensors are refused by ``resume_zero3_state`` when
     they would move to another partition.) Reads only the pickled structure of each file.
 
     Collective under a process group: each rank reads every world-th source file and the small

@@ -1,6 +1,6 @@
-"""Describe a DeepSpeed ZeRO-3 checkpoint without reading its tensors: ``open_zero3_checkpoint``
-finds its files (``files.resolve_tag_dir``), checks that they come from one save, and returns its
-layout as a ``Zero3Checkpoint`` (``checkpoint``), whose partitions ``gather`` copies out.
+"""Describe a DeepSpeed ZeRO-3 checkpoint without reading its tensors: ``open_zero3_layout`` finds its
+files (``zero3.files.resolve_tag_dir``), checks that they come from one save, and returns its layout as
+a ``zero3.checkpoint.Zero3Checkpoint``, whose tensors ``readers.zero3`` describes as byte ranges.
 
 Layout (DeepSpeed 0.19.8; checked against ``deepspeed/utils/zero_to_fp32.py``
 ``_zero3_merge_trainable_params`` and ``deepspeed/checkpoint/ds_to_universal.py``
@@ -17,25 +17,26 @@ Layout (DeepSpeed 0.19.8; checked against ``deepspeed/utils/zero_to_fp32.py``
   every rank, in ``param_shapes`` order; rank ``r`` holds elements ``[r*p, (r+1)*p)`` of the
   flattened parameter and the last rank's tail is zero padding.
 
-``open_zero3_checkpoint(..., torch_free=True)`` parses the files with ``read_structure`` instead of
-``torch.load`` and never imports torch.
+The files are parsed with ``read_structure`` (tensors become ``TensorRef``s holding file offsets), so
+this never imports torch.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from shardkit.checkpoint.zero3.checkpoint import ParamSlot, Zero3Checkpoint, zero3_optimizer_sd
+from shardkit.checkpoint.zero3.checkpoint import ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE, resolve_tag_dir
 from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.config.view import deepspeed_view
+from shardkit.core.deprecated import deprecated_alias
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import not_regular
 from shardkit.storage.checkpoint_file import NOT_REGULAR_FIX
 from shardkit.storage.listing import FolderListing, list_folder
-from shardkit.storage.torch_load import TensorRef, read_structure, safe_torch_load
+from shardkit.storage.torch_load import TensorRef, read_structure
 
 
 def _numel(t: Any) -> int:
@@ -44,25 +45,18 @@ def _numel(t: Any) -> int:
     return t.numel if isinstance(t, TensorRef) else int(t.numel())
 
 
-def open_zero3_checkpoint(path: str | Path, *, torch_free: bool = False,
-                          listing: FolderListing | None = None) -> Zero3Checkpoint:
+def open_zero3_layout(path: str | Path, *, listing: FolderListing | None = None,
+                      read: Callable[[Path], Any] = read_structure) -> Zero3Checkpoint:
     """Describe the ZeRO-3 checkpoint at ``path`` (root, tag folder or a rank file) without reading tensors.
 
-    ``torch_free=True`` parses the files with ``read_structure`` (tensors become ``TensorRef``s
-    holding file offsets) and never imports torch; ``open_rank`` is then unavailable. ``listing``: of the
-    tag folder ``path``, taken by the caller (``storage.listing``): the folder is not listed, nor its rank files
-    stat'ed, again.
+    ``listing``: of the tag folder ``path``, taken by the caller (``storage.listing``): the folder is not
+    listed, nor its rank files stat'ed, again. ``read`` parses a rank file (``read_structure``).
     """
-    if torch_free:
-        load = read_structure
-    else:
-        def load(f: Path) -> Any:
-            return safe_torch_load(f, mmap=True)
     tag_dir, tag = resolve_tag_dir(path, listing)
     if listing is None or not listing.describes(tag_dir):
         listing = list_folder(tag_dir)  # one listing instead of a stat per rank file (2 x world)
     try:
-        return _describe(tag_dir, tag, load, torch_free, listing if listing is not None and listing.describes(tag_dir)
+        return _describe(tag_dir, tag, read, listing if listing is not None and listing.describes(tag_dir)
                          else None)
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
         # Files that unpickle but hold values DeepSpeed never writes (an edited or bit-flipped
@@ -83,7 +77,7 @@ def _positive_int(value: Any, field: str, where: Path) -> int:
     return value
 
 
-def _describe(tag_dir: Path, tag: str, load: Any, torch_free: bool, listing: FolderListing | None) -> Zero3Checkpoint:
+def _describe(tag_dir: Path, tag: str, load: Callable[[Path], Any], listing: FolderListing | None) -> Zero3Checkpoint:
     def exists(f: Path) -> bool:  # any entry (a folder, a FIFO) named as a rank file "exists": the parse names it
         return listing.has(f.name) if listing is not None else f.exists()
 
@@ -191,7 +185,6 @@ def _describe(tag_dir: Path, tag: str, load: Any, torch_free: bool, listing: Fol
         ds_version=model_state.get("ds_version"),
         ds_config=cfg if isinstance(cfg, dict) else {},
         model_state=model_state,
-        torch_free=torch_free,
     )
 
 
@@ -214,3 +207,26 @@ def _sub_group_param_groups(param_groups: list[dict[str, Any]], n_sub: int, path
             "unknown ZeRO-3 layout"
         )
     return owner
+
+
+def zero3_optimizer_sd(sd: Any, path: Path) -> dict[str, Any]:
+    """The ``optimizer_state_dict`` of a loaded ZeRO-3 optim file; CheckpointError for any other file."""
+    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+    if not isinstance(osd, dict) or "fp32_flat_groups" not in osd:
+        raise CheckpointError(
+            f"{path}: not a ZeRO-3 optimizer file (no optimizer_state_dict.fp32_flat_groups). "
+            "ZeRO-1/2 checkpoints keep single_partition_of_fp32_groups instead; use DeepSpeed's zero_to_fp32.py for those."
+        )
+    return osd
+
+
+def _open_zero3_checkpoint(path: str | Path, *, torch_free: bool = True,
+                           listing: FolderListing | None = None) -> Zero3Checkpoint:
+    """``open_zero3_layout`` under the old keywords: ``torch_free`` is accepted and changes nothing (the
+    layout is always parsed without torch now; the tensors are read through ``readers.zero3``)."""
+    del torch_free
+    return open_zero3_layout(path, listing=listing)
+
+
+#: The public name before the one ZeRO-3 reader: warns on call, goes in the next release.
+open_zero3_checkpoint = deprecated_alias("open_zero3_checkpoint", "open_zero3_layout", _open_zero3_checkpoint)

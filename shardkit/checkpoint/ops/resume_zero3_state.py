@@ -1,0 +1,133 @@
+"""A resuming ZeRO-3 rank's two dicts at the engine's layout, as DeepSpeed's loaders take them: its
+flat partitions (fp32 masters, per-element optimizer state, frozen fragments) read through the checkpoint
+model (``readers.zero3``: each parameter's byte ranges, ``read_slice``), around the run state of the
+saved rank whose values it takes (``readers.zero3_run_state``: its own at the saved world size, rank 0's
+at another).
+
+Each new partition is the elements ``[r * p, (r + 1) * p)`` of every parameter it holds (``p = ceil(numel
+/ world)``), wherever the saved ranks kept them, and zeros in the padding; only the byte ranges it
+needs are read, so memory stays near this rank's own partitions.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.readers.zero3_run_state import model_states, optim_states, saved_state
+from shardkit.checkpoint.writers.zero3 import read_slice
+from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint
+from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
+from shardkit.checkpoint.zero3.repartition import TargetLayout, optim_dict
+from shardkit.core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def model_state_for_rank(ckpt: Zero3Checkpoint, model: TrainingCheckpoint, layout: TargetLayout,
+                         rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s model_states dict at the new world size: the saved rank's (its own at the saved
+    world size, so its client_state entries survive; rank 0's at another) with sizes and fragments updated."""
+    import torch
+
+    sd = model_states(ckpt, rank if layout.world_size == ckpt.world_size else 0)
+    sd["dp_world_size"] = layout.world_size
+    sd["param_shapes"] = [
+        OrderedDict((tp.source.name, torch.Size(tp.source.shape)) for tp in params) for params in layout.sub_groups
+    ]
+    if ckpt.frozen_param_shapes:
+        sd["frozen_param_fragments"] = OrderedDict(
+            (name, _frozen_fragment(model.weights[name], layout.world_size, rank)) for name in ckpt.frozen_param_shapes
+        )
+    return sd
+
+
+def optim_state_for_rank(ckpt: Zero3Checkpoint, model: TrainingCheckpoint, layout: TargetLayout,
+                         rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s optim_states dict at the new layout, its partitions read.
+
+    The param groups and non-partition state (``step``, a custom optimizer's statistics) come from the
+    saved rank's own file at the saved world size, rank 0's at another (``check_rank_values`` says what
+    that loses). A non-partition tensor of several elements is refused unless the new sub-group is the
+    saved one (it belongs to that partition).
+    """
+    import torch
+
+    optim0 = optim_states(ckpt, rank if layout.world_size == ckpt.world_size else 0)
+    src_state = saved_state(optim0)
+    state: dict[int, dict[str, Any]] = {}
+    for j, params in enumerate(layout.sub_groups):
+        first = params[0].source.sub_group if params else 0
+        entry = src_state.get(first)
+        if entry is None:
+            continue  # the optimizer never stepped: no state to carry
+        new_entry: dict[str, Any] = {}
+        for k, v in entry.items():
+            if k in ckpt.state_keys:
+                new_entry[k] = new_partition(model, layout, rank, j, k)
+            else:
+                if torch.is_tensor(v) and v.numel() > 1 and not _same_partition(ckpt, layout, j):
+                    raise CheckpointError(_unmappable_state_message(ckpt, layout, first, j, k, v))
+                new_entry[k] = copy.deepcopy(v)
+        state[j] = new_entry
+    fp32 = [new_partition(model, layout, rank, j, FP32) for j in range(len(layout.sub_groups))]
+    return optim_dict(optim0, layout, state, fp32)
+
+
+def new_partition(model: TrainingCheckpoint, layout: TargetLayout, rank: int, sub_group: int,
+                  key: str) -> "torch.Tensor":
+    """New rank ``rank``'s flat ``key`` tensor of ``sub_group`` (``FP32`` for the masters, or a per-element
+    optimizer state), in the saved dtype, the padding zeroed."""
+    import torch
+
+    params = layout.sub_groups[sub_group]
+    sources = [model.weights[tp.source.name] if key == FP32 else model.optimizer[tp.source.name][key]
+               for tp in params]
+    dtype = getattr(torch, sources[0].dtype) if sources else torch.float32
+    out = torch.zeros(layout.sub_group_numel(sub_group), dtype=dtype)
+    for tp, source in zip(params, sources):
+        lo, hi = tp.rank_range(rank)
+        if hi > lo:
+            out[tp.offset:tp.offset + hi - lo] = read_slice(source, lo, hi)
+    return out
+
+
+def _frozen_fragment(full: SourceTensor, world_size: int, rank: int) -> "torch.Tensor":
+    """Rank ``rank``'s ZeRO-3 fragment of a frozen parameter at ``world_size`` ranks, the tail zeroed."""
+    import torch
+
+    pn = partition_numel(full.numel, world_size)
+    out = torch.zeros(pn, dtype=getattr(torch, full.dtype))
+    start, stop = rank_range(rank, pn, full.numel)
+    if stop > start:
+        out[:stop - start] = read_slice(full, start, stop)
+    return out
+
+
+def _same_partition(ckpt: Zero3Checkpoint, layout: TargetLayout, j: int) -> bool:
+    """Whether new sub-group ``j`` holds exactly the elements one saved sub-group held on the same
+    rank (same world size, same parameters at the same offsets)."""
+    params = layout.sub_groups[j]
+    if layout.world_size != ckpt.world_size or not params:
+        return False
+    first = params[0].source.sub_group
+    saved = [s for s in ckpt.slots if s.sub_group == first]
+    return [tp.source for tp in params] == saved and all(tp.offset == tp.source.offset for tp in params)
+
+
+def _unmappable_state_message(ckpt: Zero3Checkpoint, layout: TargetLayout, first: int, j: int, key: str,
+                              value: "torch.Tensor") -> str:
+    # A tensor that is neither a scalar nor partition-shaped (prodigy-plus-schedule-free keeps
+    # ``p0``/``s`` as every 11th element of the partition) is sized for, and computed from, the
+    # saved rank's partition: handed to another partition it is the wrong size for the optimizer's
+    # next step, or silently the statistics of other elements. There is no rule to rebuild it.
+    return (f"{ckpt.optim_files[0]}: optimizer state {key!r} of sub-group {first} is a tensor of shape "
+            f"{tuple(value.shape)}, neither a scalar nor the partition's {ckpt.sub_group_numel[first]} elements, so it "
+            f"belongs to the saved rank's partition (saved at world size {ckpt.world_size}) and cannot be carried to "
+            f"sub-group {j} of the new layout (world size {layout.world_size}, {layout.sub_group_numel(j)} elements). "
+            f"Resume at world size {ckpt.world_size} with the saved "
+            "zero_optimization.sub_group_size, where every rank reads its own file")
