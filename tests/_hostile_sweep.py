@@ -147,10 +147,17 @@ class Sources:
 
     def _build(self, kind: str) -> Path:
         from tests import _ranks_zero3 as R
+        from tests._fixtures_shared import built_once
 
         if kind == "zero3":
             return Path(R.build_sources(self.base / "zero3")["fp32"])
         out = self.base / f"sweep_{kind}"
+        built_once(out, lambda folder: self._save(kind, folder))  # once per run, for both xdist workers
+        return out / "ds.json" if kind == "ds_config" else out
+
+    def _save(self, kind: str, out: Path) -> None:
+        from tests import _ranks_zero3 as R
+
         if kind == "zero3_sealed":
             from shardkit.checkpoint.ops.reshard import reshard_checkpoint
 
@@ -172,8 +179,6 @@ class Sources:
         elif kind == "ds_config":
             out.mkdir(parents=True)
             (out / "ds.json").write_text(json.dumps(R.ds_config("fp32", False, 2)))
-            return out / "ds.json"
-        return out
 
     def files(self, kind: str) -> list[str]:
         """Every regular file of the source, relative to its root (``latest`` included)."""
@@ -220,7 +225,11 @@ _SOURCES: dict[Path, Sources] = {}
 
 
 def sources_for(base: Path) -> Sources:
-    """One Sources per base folder for the whole session (every sweep module's fixture shares it)."""
+    """One Sources per base folder for the whole session (every sweep module's fixture shares it); the
+    folder both xdist workers share, so each source is built once per run."""
+    from tests._fixtures_shared import across_workers
+
+    base = across_workers(base)
     if base not in _SOURCES:
         _SOURCES[base] = Sources(base)
     return _SOURCES[base]

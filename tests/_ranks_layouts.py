@@ -68,7 +68,6 @@ def save_all(base: str) -> None:
 
 # --- the layouts built from those real saves (in the test process) -------------------------------
 
-_BUILT: dict[str, dict[str, Path]] = {}
 
 
 def _resave(file: Path, change: Callable[[dict[str, Any]], None]) -> None:
@@ -103,9 +102,14 @@ def build_layouts(base: Path) -> dict[str, Path]:
     ``mixed_stages``: the ZeRO-3 save's files copied into a copy of the ZeRO-2 one's tag folder.
     ``trainer_zero2``: the ZeRO-2 root as a Trainer ``checkpoint-4``.
     """
-    key = str(base)
-    if key in _BUILT:
-        return _BUILT[key]
+    from tests._fixtures_shared import across_workers, built_once
+
+    # built once per run, read by both xdist workers (asked each time: built_once checks no test changed it)
+    built = built_once(across_workers(base), _build)
+    return {label: Path(path) for label, path in built.items()}
+
+
+def _build(base: Path) -> dict[str, str]:
     from shardkit.run.spawn.process import run_ranks
 
     real = base / "real"
@@ -143,5 +147,4 @@ def build_layouts(base: Path) -> dict[str, Path]:
     trainer = _copy(out["zero2_bf16"], base / "trainer" / "checkpoint-4")
     (trainer / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
     out["trainer_zero2"] = trainer
-    _BUILT[key] = out
-    return out
+    return {label: str(path) for label, path in out.items()}

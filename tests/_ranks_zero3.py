@@ -214,7 +214,6 @@ class Sources:
     def __init__(self, base: Path, reason: Any = None) -> None:
         self.base = base
         self._reason = reason or unsupported_reason
-        self._built: dict[str, Any] = {}
         self._failed: dict[str, BaseException] = {}
 
     def available(self, label: str) -> bool:
@@ -235,31 +234,39 @@ class Sources:
             pytest.skip(reason)
         if label in self._failed:
             raise RuntimeError(f"building the {label} checkpoint failed earlier in this session") from self._failed[label]
-        if label not in self._built:
-            try:
-                self._built[label] = self._build(label)
-            except BaseException as exc:
-                self._failed[label] = exc
-                raise
-        root, losses = self._built[label]
+        try:
+            # asked every time: built_once checks, at each handout, that no test changed the files
+            root, losses = self._build(label)
+        except BaseException as exc:
+            self._failed[label] = exc
+            raise
         return losses if key == "fp32_losses" else root
 
     def _build(self, label: str) -> tuple[Path, list[float] | None]:
-        from shardkit.run.spawn.process import run_ranks
+        """The checkpoint of ``label`` and its loss curve, saved once per test run (both xdist workers
+        read the same folder: tests/_fixtures_shared.py)."""
+        from tests._fixtures_shared import built_once
 
-        self.base.mkdir(parents=True, exist_ok=True)
+        def save(root: Path) -> list[float] | None:
+            from shardkit.run.spawn.process import run_ranks
+
+            if label == "fp32":
+                args: tuple[Any, ...] = (str(root), "fp32", False, SAVE_STEPS)
+            else:
+                dtype, offload, sub_group_size = VARIANTS[label]
+                args = (str(root), dtype, offload, 1, sub_group_size)
+            return run_ranks(train_and_save, 2, args=args, timeout=300, device="cpu")[0].value
+
         root = self.base / label
-        if label == "fp32":
-            args: tuple[Any, ...] = (str(root), "fp32", False, SAVE_STEPS)
-        else:
-            dtype, offload, sub_group_size = VARIANTS[label]
-            args = (str(root), dtype, offload, 1, sub_group_size)
-        losses = run_ranks(train_and_save, 2, args=args, timeout=300, device="cpu")[0].value
-        return root, losses
+        return root, built_once(root, save)
 
 
 def build_sources(base: Path) -> Sources:
-    """The session's shared checkpoints under ``base`` (built lazily, per label)."""
+    """The session's shared checkpoints under ``base`` (built lazily, per label), which moves out of an
+    xdist worker's own folder into the one both workers share: each label is saved once per run."""
+    from tests._fixtures_shared import across_workers
+
+    base = across_workers(base)
     key = f"sources:{base}"
     if key not in _BUILT:
         _BUILT[key] = Sources(base)

@@ -42,7 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     # Under -n, the tests marked xdist_group("slurm") share one worker (xdist's loadgroup instead
     # of its default load): two Slurm clusters at once would fight over this machine's cores, and
-    # a second two-node cluster over its node names and addresses (docs/slurm.md).
+    # a second two-node cluster over its node names and addresses (docs/slurm.md). The scheduler
+    # below also keeps each module on one worker, so its module fixtures run once (tests/_schedule.py).
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "load":
         config.option.dist = "loadgroup"
     import subprocess
@@ -61,7 +62,22 @@ def pytest_configure_node(node: Any) -> None:
     node.workerinput["shardkit_loadgroup"] = node.config.option.dist == "loadgroup"
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under -n (dist turned to loadgroup above): a module, or an xdist group, is one unit of work,
+    the costliest units first (tests/_schedule.py). An explicit other --dist keeps xdist's own."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests import _schedule
+
+    return _schedule.make_scheduler(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: units in the order the scheduler deals them
+        from tests import _schedule
+
+        _schedule.costliest_first(items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")

@@ -1,0 +1,60 @@
+"""How ``pytest -n`` hands tests to the xdist workers: a whole module at a time, costliest first.
+
+xdist's default (``--dist load``) deals tests out one by one, so the tests of one module land on
+both workers and each worker builds the module's fixtures: a module-scoped 2-rank DeepSpeed save
+or resume (30-60 s on 2 cores) was paid for twice, in 11 of the 20 slowest setups of a full run.
+Here a module is one unit of work (tests marked ``xdist_group(name)`` form one unit across
+modules, as xdist's ``loadgroup`` does), so each module fixture runs once per run.
+
+Whole modules balance worse at the end of a run than single tests, so the units go out longest
+first (the classic longest-processing-time order): the last ones to start are the short ones, and
+neither worker idles long while the other finishes a 5-minute module. ``MODULE_SECONDS`` holds
+what each costly unit took in a measured full run (``pytest -n 2 --durations=0``, setup + call +
+teardown summed per unit, 2 loaded cores). A stale or missing entry only changes the order, never
+what runs; units not listed (well under 10 s) go last, in collection order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pytest
+
+#: unit (module path, or xdist_group name) -> seconds it took in the last measured full run.
+MODULE_SECONDS: dict[str, float] = {}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test id belongs to: its xdist group (the ``@name`` suffix the workers add
+    under ``--dist loadgroup``) or else its module."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):  # as xdist's own loadgroup: a '@' inside [params] is no group
+        return nodeid.rsplit("@", 1)[-1]
+    return nodeid.split("::", 1)[0]
+
+
+def _unit_of_item(item: pytest.Item) -> str:
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
+    return "_".join(groups) if groups else item.nodeid.split("::", 1)[0]
+
+
+def costliest_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` in place: units by MODULE_SECONDS, longest first; a unit's tests stay
+    together and in their own order. Every worker collects, and must order, identically."""
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(_unit_of_item(item), i)
+    items.sort(key=lambda item: (-MODULE_SECONDS.get(_unit_of_item(item), 0.0), first[_unit_of_item(item)]))
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scheduler, with a module (or an xdist group) as the unit of work."""
+    from xdist.scheduler.loadscope import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # keep the workers' order (costliest_first), not by test count
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return ModuleScheduling(config, log)
