@@ -12,6 +12,11 @@ module in train mode) and run :func:`shardkit.preflight` once on that root modul
 DeepSpeed engine) with the optimizer built for it; if no forward is seen, the first optimizer
 step runs it. A failing preflight prints the table (rank 0) and ends every rank with
 :data:`EXIT_CODE`, so the launcher stops the job before a step is taken.
+
+Its modules: ``rank_env`` (what the launch and its ranks agree on: variables, the exit status,
+where the ``sitecustomize`` lives), ``launch_link`` (the launch's settings on every node, each
+rank's report sent back), ``hooks`` (the import watchers and the torch and DeepSpeed hooks) and
+``run`` (the one preflight of a rank, and stopping the rank when it fails).
 """
 
 from __future__ import annotations
