@@ -3,7 +3,7 @@
 Shared by benchmarks/bench_preflight_scale.py and tests/test_preflight_exchange.py: 723 parameters
 (80 layers x 9 + embeddings, final norm, lm_head) with the real shapes, five records each (module
 placeholder, ZeRO-3 shard, gradient partition, exp_avg, exp_avg_sq): 3,615 records per rank, the
-count issue 18 measured. ``misplaced`` plants one optimizer state on the accelerator instead of the
+count measured at 70B. ``misplaced`` plants one optimizer state on the accelerator instead of the
 CPU; ``drop`` leaves one parameter out of the rank's model.
 """
 

@@ -8,7 +8,7 @@ rank 0 in its own process, so its memory is its own; every other rank a thread w
 client. Every rank ships a 70B-Llama-shaped ZeRO-3 report (3,615 tensors, benchmarks/_llama_reports.py)
 through the project's real exchange (``shardkit.placement.preflight.exchange``), with one misplaced
 optimizer state planted on rank world-3 and one parameter missing on rank world/2. Side by side, in
-the same run, the exchange shardkit shipped before issue 18 (every rank's full report to rank 0,
+the same run, the exchange shardkit shipped before ranks sent summaries (every rank's full report to rank 0,
 decoded and judged there), kept below as ``full_report_exchange``.
 
 Per world it prints: rank-0 verdict seconds (from the last report written to the verdict written),
@@ -69,7 +69,7 @@ class _Timed:
 
 
 def full_report_exchange(store: Any, local: RankReport, world: int, timeout: float, base: str) -> _Verdict:
-    """The exchange before issue 18: every rank's full report (every record, the whole parameter
+    """The exchange before ranks sent summaries: every rank's full report (every record, the whole parameter
     map) to rank 0, which decodes and judges all of them and publishes the verdict."""
     keys = [f"{base}/rank{r}" for r in range(world)]
     verdict_key = f"{base}/verdict"

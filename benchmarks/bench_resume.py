@@ -580,7 +580,7 @@ def convert_rows(workdir: Path, ckpt: Path, env: dict[str, str], resume: Any) ->
     out["convert_to_dcp"] = measure("shardkit convert --to fsdp2", _py("-m", "shardkit", "convert", str(ckpt), "--to", "fsdp2",
                                                                        "-o", str(dcp)), env, inputs=ckpt)
     dcp_tag = dcp / (dcp / "latest").read_text().strip()
-    # the copy alone (issue 18: no torch in the process), against `cp -r` + sync of the same checkpoint
+    # the copy alone (no torch in the process), against `cp -r` + sync of the same checkpoint
     quick = workdir / "dcp_no_verify"
     out["convert_to_dcp_no_verify"] = measure_median(
         "shardkit convert --to fsdp2 --no-verify", _py("-m", "shardkit", "convert", str(ckpt), "--to", "fsdp2", "-o",

@@ -1,4 +1,4 @@
-"""Hostile and misleading config files (issue 7 items 10-12): every refusal is one line and exit 1,
+"""Hostile and misleading config files: every refusal is one line and exit 1,
 never a traceback, a hang or a memory blow-up; what parsers hide (duplicate keys, NaN, coerced
 stages) becomes a finding. Commands that could hang or eat memory on a regression run in a
 subprocess with a timeout and an address-space limit."""
@@ -56,7 +56,7 @@ def assert_one_line_refusal(proc: subprocess.CompletedProcess[str], *needles: st
         assert needle in err, err
 
 
-# --- item 10: devices, pipes, bytes read, YAML alias expansion ---------------------------------
+# --- devices, pipes, bytes read, YAML alias expansion ------------------------------------------
 
 
 def test_billion_laughs_yaml_is_refused_at_once(tmp_path):
@@ -69,7 +69,7 @@ def test_billion_laughs_yaml_is_refused_at_once(tmp_path):
 
 
 def test_billion_laughs_stops_launch_dry_run_too(tmp_path):
-    # launch reads configs through the same loader (item 10 hung `launch --dry-run` as well)
+    # launch reads configs through the same loader (a device file hung `launch --dry-run` as well)
     p = tmp_path / "laughs.yaml"
     p.write_text(BILLION_LAUGHS)
     script = tmp_path / "train.py"
@@ -121,7 +121,7 @@ def test_large_yaml_is_refused_before_the_slow_parser(tmp_path):
         read_config(p)
 
 
-# --- item 11: nesting --------------------------------------------------------------------------
+# --- nesting -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name, text", [
@@ -155,7 +155,7 @@ def test_deep_json_stops_launch_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr
 
 
-# --- item 12: what parsing hides ----------------------------------------------------------------
+# --- what parsing hides -------------------------------------------------------------------------
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
 
@@ -209,7 +209,7 @@ def test_nan_and_infinity_are_errors(tmp_path, text, key):
     assert f.key == key and f.severity.value == "error" and "not valid JSON" in f.message
 
 
-# --- item 12: Accelerate DEEPSPEED YAML ------------------------------------------------------------
+# --- Accelerate DEEPSPEED YAML ---------------------------------------------------------------------
 
 ACCELERATE = "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\n"
 
@@ -261,7 +261,7 @@ def test_accelerate_referenced_file_is_checked_like_deepspeed_json(tmp_path, mon
     assert clash.key == "deepspeed_config.zero_stage" and "raises ValueError" in clash.message
 
 
-# --- item 4: config, check and preflight agree ----------------------------------------------------
+# --- config, check and preflight agree ------------------------------------------------------------
 
 
 def test_config_pin_memory_follows_the_runs_accelerator(run_cli, tmp_path):

@@ -136,7 +136,7 @@ def test_a_corrupted_source_share_is_never_published(sources, tmp_path):
 
 @pytest.mark.parametrize("command", ["reshard", "consolidate"])
 def test_processes_running_different_shardkit_releases_are_refused_naming_both(sources, tmp_path, command):
-    """Issue 18's mixed versions across nodes: rank 1 runs another shardkit release (a sitecustomize
+    """Mixed versions across nodes: rank 1 runs another shardkit release (a sitecustomize
     sets its version, as tests/test_slurm_two_node.py does for a node); it refuses before writing,
     rank 0 names it, and nothing is published."""
     skew = tmp_path / "skew"

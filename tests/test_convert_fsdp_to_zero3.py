@@ -1,4 +1,4 @@
-"""`shardkit convert --to zero3` (issue 9): an FSDP2 (DCP) checkpoint written at 2 ranks becomes the
+"""`shardkit convert --to zero3`: an FSDP2 (DCP) checkpoint written at 2 ranks becomes the
 per-rank files of a DeepSpeed ZeRO-3 run at 1 rank (FusedAdam) and at 3 ranks (CPU offload:
 DeepSpeedCPUAdam, zero-padded partitions), loaded by DeepSpeed's plain ``engine.load_checkpoint``.
 
@@ -277,7 +277,7 @@ def test_refuses_bad_sources_and_arguments(runs, tmp_path):
     with pytest.raises(CheckpointError, match=r"refusing to read .*__1_0\.distcp.*blake3 mismatch"):
         convert_to_zero3(bad, tmp_path / "e", world_size=2)
     # an FSDP2 save keeps float32 parameters also under bf16 mixed precision: without the resuming
-    # run's config the files' precision (bf16_ names or not) is not guessed (issue 20)
+    # run's config the files' precision (bf16_ names or not) is not guessed
     with pytest.raises(UsageError, match=r"no --ds-config given and the source does not tell the precision of the "
                        r"resuming run: its manifest's dtype 'float32'"):
         convert_to_zero3(src, tmp_path / "f", world_size=2, sub_group_size=5000)

@@ -1,4 +1,4 @@
-"""`shardkit convert --to zero3` against what the resuming DeepSpeed run really is (issue 20): its
+"""`shardkit convert --to zero3` against what the resuming DeepSpeed run really is: its
 precision (the optim files' ``bf16_`` names) inferred from the source or refused naming
 ``--ds-config``; a resuming model wrapped in ``module.`` (names mapped with and without the prefix,
 ambiguity refused); frozen parameters never loaded whole (peak RSS of a LoRA-style conversion
@@ -331,7 +331,7 @@ def test_convert_refuses_a_source_with_a_link_leading_outside_even_without_a_man
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
-# --- D: the torch-free route (issue 18) ---------------------------------------------------------------
+# --- D: the torch-free route --------------------------------------------------------------------------
 
 
 def _torch_route(monkeypatch, everything: bool) -> None:

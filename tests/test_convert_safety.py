@@ -1,5 +1,5 @@
-"""`reshard` and `consolidate` never lose data or launder a corrupted checkpoint (issue 7, items
-6-8 and the disk-full part of 11), on a real 2-rank DeepSpeed ZeRO-3 checkpoint.
+"""`reshard` and `consolidate` never lose data or launder a corrupted checkpoint (an
+output replaced, a corrupted source, user files in -o, a full disk), on a real 2-rank DeepSpeed ZeRO-3 checkpoint.
 
 One checkpoint is trained and saved per module (DeepSpeed on gloo, ~30 s); each test works on its
 own copy. ``sealed`` is that copy with a shardkit manifest (what ``save_deepspeed_checkpoint``
@@ -64,7 +64,7 @@ def _digest(root: Path) -> dict[str, str]:
     return out
 
 
-# --- item 6: consolidate -o replaces whatever is there ------------------------------------------
+# --- consolidate -o replaces whatever is there --------------------------------------------------
 
 
 def test_consolidate_refuses_an_existing_output_unless_forced(sealed, tmp_path, run_cli):
@@ -125,7 +125,7 @@ def test_consolidate_keeps_a_symlink_to_a_regular_file_and_replaces_its_target(s
     assert f"wrote {target}" in stdout
 
 
-# --- item 7: a corrupted source is refused, not converted ---------------------------------------
+# --- a corrupted source is refused, not converted -----------------------------------------------
 
 
 def test_a_corrupted_source_is_refused_by_reshard_and_consolidate(sealed, tmp_path, run_cli):
@@ -243,7 +243,7 @@ def test_reshard_names_where_an_unusable_source_tag_came_from(sealed, tmp_path, 
     assert code == 0 and (tmp_path / "ws3" / "fresh").is_dir(), err
 
 
-# --- item 8: reshard -o into a folder of user files; tags that collide with internal names ------
+# --- reshard -o into a folder of user files; tags that collide with internal names --------------
 
 
 def test_reshard_refuses_a_non_empty_folder_that_is_not_a_checkpoint(sealed, tmp_path, run_cli):
@@ -299,7 +299,7 @@ def test_reshard_refuses_an_output_inside_the_source(sealed, run_cli):
     assert _digest(sealed) == before
 
 
-# --- item 11: disk full during reshard ----------------------------------------------------------
+# --- disk full during reshard -------------------------------------------------------------------
 
 
 def test_disk_full_during_reshard_names_the_file_and_leaves_nothing_half_written(sealed, tmp_path, run_cli, monkeypatch):

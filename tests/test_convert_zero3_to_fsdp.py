@@ -1,4 +1,4 @@
-"""`shardkit convert --to fsdp2` (issue 9): a 2-rank DeepSpeed ZeRO-3 run (tied embeddings, a
+"""`shardkit convert --to fsdp2`: a 2-rank DeepSpeed ZeRO-3 run (tied embeddings, a
 frozen parameter, two param groups with their own lr/weight_decay) converted to DCP and resumed
 under FSDP2 at 1 rank and at 3 ranks with CPU offload, on real gloo ranks.
 
@@ -352,7 +352,7 @@ def test_round_trip_with_frozen_tied_and_two_groups_is_tensor_equal(source, conv
             assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name
 
 
-# --- the torch-free route and the split across processes (issue 18) ------------------------------
+# --- the torch-free route and the split across processes -----------------------------------------
 
 def _everything(tag_dir: Path) -> dict:
     """Every item of a DCP checkpoint, read by torch's own reader, by flattened key."""

@@ -1,5 +1,5 @@
 """A damaged DCP save without a manifest (nothing to compare digests with) ends every reading command in
-exit 1 naming the damaged file, never a traceback (issue 27): a ``.metadata`` whose pickle FRAME length is
+exit 1 naming the damaged file, never a traceback: a ``.metadata`` whose pickle FRAME length is
 damaged (the unpickler allocates it: MemoryError, or OverflowError past the maximum size) and a ``.distcp``
 item whose bytes are zeroed (torch.load's UnpicklingError inside DCP's CheckpointException, a
 BaseException). Both were found by byte-flip sweeps of the real FSDP2 save these copies come from.

@@ -1,5 +1,5 @@
 """The DCP writer (``checkpoint.writers.dcp``) and ``convert --to fsdp2`` from any reader that describes
-the optimizer (issue 27).
+the optimizer.
 
 Fast: a checkpoint model built by hand (each tensor split over two "rank" files as byte ranges, one
 tensor only a loader can read) is written and read back by torch's own DCP reader bit for bit; a

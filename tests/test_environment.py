@@ -119,7 +119,7 @@ def test_arch_list_row_follows_the_release_and_the_torch_build():
 
 
 def test_arch_list_is_no_error_for_a_cpu_run_on_a_cuda_build():
-    """The Hopper image of issue 11 (CUDA torch, TORCH_CUDA_ARCH_LIST=9.0a): CPU ranks use DeepSpeed's
+    """A Hopper image (CUDA torch, TORCH_CUDA_ARCH_LIST=9.0a): CPU ranks use DeepSpeed's
     CPU op builders, which never read the variable, so `smoke --device cpu` / `check --no-accelerator`
     run there; a GPU run is refused; an unstated run on a machine without a GPU is warned."""
     hopper = facts({"TORCH_CUDA_ARCH_LIST": "9.0a"})
@@ -331,7 +331,7 @@ def test_check_no_accelerator_agrees_with_this_machines_probe(run_cli, clean_env
 
 
 def test_preflight_on_cpu_ranks_stops_on_fp16_before_spawning(run_cli, clean_env, tmp_path):
-    """Issue 7: ranks used to die with "2 of 2 rank(s) failed"; the static checks now say why first."""
+    """Ranks used to die with "2 of 2 rank(s) failed"; the static checks now say why first."""
     clean_env.setattr(env_fp16, "probe_cpu_fp16", lambda: False)
     cfg = tmp_path / "fp16.json"
     cfg.write_text(json.dumps(FP16))

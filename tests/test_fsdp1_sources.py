@@ -1,4 +1,4 @@
-"""FSDP1 checkpoints the Trainer and Accelerate write, read as sources (issue 27): real FSDP1 saves by
+"""FSDP1 checkpoints the Trainer and Accelerate write, read as sources: real FSDP1 saves by
 accelerate's own ``save_fsdp_model``/``save_fsdp_optimizer`` on 2 gloo ranks, exported and compared
 with the model's and the optimizer's state at save time."""
 

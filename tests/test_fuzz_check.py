@@ -121,7 +121,7 @@ def test_deeply_nested_config_does_not_blow_the_stack():
     _assert_sane(check_config(cfg))
 
 
-# --- hostile files: alias bombs, deep nesting, duplicate keys, NaN literals (issue 7 items 10-12) ---
+# --- hostile files: alias bombs, deep nesting, duplicate keys, NaN literals -------------------------
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""The hostile sweep, byte damage (issue 26): any file of a real ZeRO-3 save (DeepSpeed's, no
+"""The hostile sweep, byte damage: any file of a real ZeRO-3 save (DeepSpeed's, no
 manifest), of its shardkit reshard (manifest), of a real FSDP2 save and of a ``convert --to fsdp2``
 output truncated, bit-flipped or zeroed over a range, then given to every command that reads it
 (verify, reshard, consolidate, both converts, export). The rule each case obeys is in

@@ -1,4 +1,4 @@
-"""The hostile sweep, edited fields (issue 26): a field of a manifest (digests, sizes, paths,
+"""The hostile sweep, edited fields: a field of a manifest (digests, sizes, paths,
 format_version, algorithm, duplicate or missing entries), of a DeepSpeed rank file's pickled dict
 (dp_world_size, param_shapes, partition_count, ds_version, zero_stage, tensors...: re-saved with
 torch.save), of a DCP ``.metadata`` (sizes, chunks, storage offsets, lengths, paths) or of

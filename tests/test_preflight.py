@@ -118,7 +118,7 @@ def test_a_rank_that_arrives_after_the_others_gave_up_fails_the_same_way():
 
 def test_rank0_alone_reads_the_summaries_and_every_round_leaves_no_keys():
     r0, r1 = [r.value for r in run_ranks(targets.store_is_clean_after_rounds, 2, timeout=120, backend="gloo")]
-    # every rank holds only its own records; rank 0 alone reads the others' summaries (issue 18)
+    # every rank holds only its own records; rank 0 alone reads the others' summaries
     assert r0["ranks_held"] == [0] and r1["ranks_held"] == [1]
     assert r0["summaries_held"] == [0, 1] and r1["summaries_held"] == []
     assert r0["failed"]["ok"] is False and r0["failed"]["text"] == r1["failed"]["text"]

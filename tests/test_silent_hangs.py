@@ -1,4 +1,4 @@
-"""Traps that make a job hang in silence (issue 20, item 5): a DeepSpeed op build lock left by a
+"""Traps that make a job hang in silence: a DeepSpeed op build lock left by a
 killed build, a socket interface this host lacks, and ranks that wait with nothing printed.
 
 Every lock here is made by torch's own FileBaton (the one DeepSpeed's JIT load takes) in a

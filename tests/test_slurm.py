@@ -105,7 +105,7 @@ def test_the_preflight_ran_on_both_ranks_before_the_first_step(zero3_job: Job):
     assert passed in out and "(DeepSpeed engine)" in out, out[-4000:]
     assert out.index(passed) < out.index("step 0 loss")
     # rank 0's report holds its own records and every rank's summary (ranks ship summaries, not
-    # records: issue 18), both ranks judged with their tensors counted
+    # records), both ranks judged with their tensors counted
     report = zero3_job.preflight
     assert report is not None, "rank 0 wrote no SHARDKIT_AUTOPREFLIGHT_JSON report"
     assert report["ok"] and report["world_size"] == 2 and not report["missing_ranks"]

@@ -1,6 +1,6 @@
 """`shardkit smoke` on every ds_configs/ preset that trains on CPU: each must resume bit-exact.
 
-Issue 7 item 2: the bf16 presets failed at the first resumed step's update, because DeepSpeed's
+The bf16 presets once failed at the first resumed step's update, because DeepSpeed's
 CPU Adam kernels keep beta**step outside the checkpoint (shardkit/checkpoint/ops/cpu_adam_kernel.py).
 The smoke's default configs (the zero3 and fsdp2_full_shard presets) run in test_smoke.py; this
 file runs the others and checks that no preset is left out without a reason.
@@ -44,14 +44,14 @@ def test_every_preset_is_smoked_or_excluded_with_a_reason():
     from shardkit.run.smoke.options import PRESET_CANDIDATES
 
     assert set(SMOKED_AS_DEFAULT) | set(NOT_SMOKED) <= set(PRESETS)
-    assert set(SMOKED_HERE) >= {"zero3_bf16", "zero3_offload_cpu"}  # the two issue 7 named
+    assert set(SMOKED_HERE) >= {"zero3_bf16", "zero3_offload_cpu"}  # the two that once failed
     # the presets left to test_smoke.py really are what `shardkit smoke` runs without --config
     for preset, engine in SMOKED_AS_DEFAULT.items():
         assert PRESET_CANDIDATES[engine][0] == f"{preset}.json"
 
 
 def test_default_zero3_config_output_is_a_smoked_preset(run_cli, tmp_path):
-    """`shardkit config zero3` with no options (bf16) is the config issue 7 saw fail."""
+    """`shardkit config zero3` with no options (bf16) is the config that once failed."""
     code, _, err = run_cli("config", "zero3", "-o", tmp_path / "ds.json")
     assert code == 0, err
     generated = json.loads((tmp_path / "ds.json").read_text())

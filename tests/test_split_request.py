@@ -157,7 +157,7 @@ def _all_fail_naming(results: list[tuple[int, str]], field: str, mine: str, rank
 
 @pytest.mark.slow
 def test_torchrun_processes_given_different_world_sizes_all_fail_and_publish_nothing(sources, tmp_path):
-    """Issue 26's corrupt publish: under torchrun, a wrapper gives rank 0 --world-size 2 and rank 1
+    """The corrupt publish: under torchrun, a wrapper gives rank 0 --world-size 2 and rank 1
     --world-size 3. Both used to exit 0 with a sealed checkpoint that fails verify."""
     out = tmp_path / "out"
     script = (f'exec "$0" -m shardkit reshard {sources["fp32"]} --world-size $((RANK + 2)) -o {out} --workers 1')
@@ -225,7 +225,7 @@ _JOIN_S = 20
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_shell_holding_a_pods_variables_says_at_once_why_it_waits_and_stops_with_the_fix(sources, tmp_path, rank):
-    """Issue 26's silent wait: a pod (a Kubernetes PyTorchJob) exported RANK, WORLD_SIZE, MASTER_ADDR
+    """The silent wait: a pod (a Kubernetes PyTorchJob) exported RANK, WORLD_SIZE, MASTER_ADDR
     and MASTER_PORT; a one-off reshard in that shell becomes rank r of 4 and waits for processes that
     never come. Within seconds it names the variables and what it waits for, repeats while it waits,
     and stops with the fix once SHARDKIT_JOIN_TIMEOUT_S is over, having written nothing."""

@@ -215,7 +215,7 @@ def test_output_dir_resolves_to_the_newest_checkpoint(runs, tmp_path):
     code, out, err = _cli("convert", src, "--to", "fsdp2", "-o", tmp_path / "dcp")
     assert code == 0, err
     assert "using checkpoint-4" in out and "wrote" in out and "exp_avg_sq" in out
-    # the Trainer's own files are named as not carried, with where they stay (issue 9: never silently)
+    # the Trainer's own files are named as not carried, with where they stay (never silently)
     ckpt4 = src / "checkpoint-4"
     for name in ("trainer_state.json", "training_args.bin", "rng_state_0.pth", "rng_state_1.pth"):
         assert f"not carried: {name} (" in out, out
@@ -415,7 +415,7 @@ def test_convert_names_every_trainer_file_it_leaves_behind(tmp_path):
     assert "global_step2/ (a DeepSpeed tag 'latest' does not name, never loaded;" in lines[1]
 
 
-# --- FSDP Trainer checkpoints: the files accelerate 1.15 really writes (issue 20) ------------------
+# --- FSDP Trainer checkpoints: the files accelerate 1.15 really writes -----------------------------
 
 FSDP_LAYOUTS = {  # label: (FSDP version, fsdp_state_dict_type, use_dcp)
     "fsdp1_sharded": (1, "SHARDED_STATE_DICT", True),

@@ -272,7 +272,7 @@ def test_latest_naming_a_folder_outside_the_root_is_an_error_not_checked(tmp_pat
 
 
 def test_a_link_leading_outside_the_tag_is_refused_and_named_even_when_not_listed(tmp_path):
-    """Issue 20: a rank file swapped for a link to another run's file (same bytes: the sha256
+    """A rank file swapped for a link to another run's file (same bytes: the sha256
     would match), and an extra link nobody listed, are both refused by name; the file behind them
     is never opened (a FIFO there would hang any reader)."""
     import os

@@ -1,4 +1,4 @@
-"""``shardkit verify`` of plain saves without a shardkit manifest (issue 27, item 3): real 2-rank saves of
+"""``shardkit verify`` of plain saves without a shardkit manifest: real 2-rank saves of
 DeepSpeed ZeRO-3 and ZeRO-2 (gloo), FSDP2 (DCP), a Trainer checkpoint-N wrapping ZeRO-2 and Accelerate's
 FSDP1 SHARDED_STATE_DICT and FULL_STATE_DICT folders each verify whole (exit 0, said to be a structural
 check with no digests); then a rank file deleted, one truncated, a ``.distcp`` deleted, a ``data.pkl``

@@ -144,7 +144,7 @@ def test_corrupted_optim_file_of_the_right_size_is_refused_on_every_rank(tmp_pat
                     r"content differs from the manifest \(blake3 mismatch\)", msgs[0]), msgs[0]
 
 
-# --- DeepSpeed's CPU Adam kernels keep beta**step outside the checkpoint (issue 7 item 2) -------
+# --- DeepSpeed's CPU Adam kernels keep beta**step outside the checkpoint ------------------------
 #
 # Saved after 2 steps, the first resumed step is optimizer step 3, where float32 0.999**3 built by
 # multiplication (one process) and by pow (a new process) differ in the last bit. Every tensor
@@ -309,7 +309,7 @@ def test_kernel_replay_refuses_engines_other_than_zero3(kernel_runs):
 
 
 def test_a_guarded_plain_load_of_files_named_for_another_precision_is_refused_before_deepspeed_reads(kernel_runs):
-    """Issue 20: DeepSpeed 0.19.8 looks only for its own naming (bf16_zero_pp_rank_* under bf16)
+    """DeepSpeed 0.19.8 looks only for its own naming (bf16_zero_pp_rank_* under bf16)
     and fails deep in the load; the guard names the key, both values and the fix first, and
     shardkit's own loader reads the other naming with a note."""
     _, resumed = kernel_runs
@@ -338,7 +338,7 @@ def test_a_guarded_load_says_where_the_kernel_state_cannot_be_restored(kernel_ru
 
 
 def test_a_load_never_reads_through_a_link_leading_out_of_the_tag_folder(kernel_runs):
-    """Issue 20: neither the guarded plain load nor shardkit's loader (verify off: no manifest
+    """Neither the guarded plain load nor shardkit's loader (verify off: no manifest
     check stands between) reads a rank file through a link to a file outside the tag."""
     _, resumed = kernel_runs
     for got in resumed:

@@ -8,7 +8,7 @@ parameter set and ZeRO-3 partitions); rank 0 alone waits for them with a deadlin
 ranks on timeout, compares digests, asks only the ranks whose digests differ (one per group) for
 their parameter maps, judges, and publishes one verdict key (ok, the text every rank raises, the
 missing ranks) that the other ranks read. Rank 0's work grows with the world size, never with world
-x tensors (issue 18: 24.6 s and 2.4 GB at 1,024 ranks when every rank shipped every record). The
+x tensors (24.6 s and 2.4 GB at 1,024 ranks when every rank shipped every record). The
 verdict is written with ``compare_set``, so whoever decides first wins: a rank arriving after rank 0
 gave up on it reads that verdict and fails the same way instead of going on alone, and when rank 0
 itself never arrives the other ranks decide "rank 0 missing" by the same compare_set (a late rank 0

@@ -2,7 +2,7 @@
 
 A rank's full report holds one record per tensor (3,615 for a 70B Llama under ZeRO-3) plus its
 whole parameter map; shipping that from every rank made rank 0's work grow as ranks x tensors
-(24.6 s and 2.4 GB at 1,024 ranks, issue 18; PyTorch DCP's rank-0 planning hit the same wall,
+(24.6 s and 2.4 GB at 1,024 ranks; PyTorch DCP's rank-0 planning hit the same wall,
 pytorch#163548). Each rank instead judges its own tensors (a record names its actual and expected
 device, so that needs no peer) and ships a :class:`RankSummary`: the misplaced tensors by name
 (capped, with a count of the rest), counts and bytes per (kind, device), digests of its parameter

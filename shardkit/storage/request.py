@@ -5,7 +5,7 @@ same thing before any of them writes a byte.
 Under a launcher each process parses its own command line: a wrapper that adds ``--world-size
 $((RANK+2))``, a per-node script with another ``-o``, or a typo in one ``srun`` line gives processes
 different requests, and each would write its share of a different checkpoint into one folder that
-rank 0 then seals (issue 26: "world size 2 -> 2" published holding a rank file no 2-rank run writes,
+rank 0 then seals (once, "world size 2 -> 2" was published holding a rank file no 2-rank run writes,
 which ``shardkit verify`` refuses). So every split command builds a :class:`RunRequest` (command,
 source, output, tag, every option that changes the bytes written, the shardkit release) and the
 processes compare it once, at first contact (``io.shared_meet``): each compares the digest of its

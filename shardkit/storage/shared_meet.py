@@ -19,7 +19,7 @@ root, and a pointer rank 0 leaves in this node's temporary folder; found there, 
 compared field by field and every process fails naming both values. (A process on another node,
 given another ``-o``, can only time out: the message says what it was given.)
 
-No silent waits (issue 26: a shell where a pod exported ``RANK``/``WORLD_SIZE``/``MASTER_*``
+No silent waits (once, a shell where a pod exported ``RANK``/``WORLD_SIZE``/``MASTER_*``
 waited in silence for processes that never come): a process still waiting after
 ``ANNOUNCE_AFTER_S`` says which variables made it rank r of N, what it waits for, how long it will
 wait and the fix, and says it again every ``SHARDKIT_SILENCE_S`` (default 120 s, env_settings.SETTINGS) until it
