@@ -1,6 +1,6 @@
-"""Issue 27, bad input through the paths this session added: ZeRO-1/2 reshard as reader + writer, convert
---to zero1/2/3/fsdp2/universal, export and consolidate of FSDP2 per-rank files (use_dcp=False), and verify of
-plain saves without a manifest.
+"""Damaged and mixed-up ZeRO-1/2 and FSDP2 per-rank saves, refused by every command that reads them: ZeRO-1/2
+reshard (reader + writer), convert --to zero1/2/3/fsdp2/universal, export and consolidate of FSDP2 per-rank
+files (use_dcp=False), and verify of plain saves without a manifest.
 
 Every case is built from real 2-rank saves (one spawn: two ZeRO-2 saves of one run at steps 2 and 3, a ZeRO-1
 save, and FSDP2 per-rank files at steps 2 and 3) and changed the way a user's folder goes wrong: rank files of
@@ -103,7 +103,7 @@ def save_sources(base: str) -> None:
 def saves(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from shardkit.run.spawn.process import run_ranks
 
-    base = tmp_path_factory.mktemp("bad_input_27")
+    base = tmp_path_factory.mktemp("damaged_saves")
     run_ranks(save_sources, 2, args=(str(base),), timeout=500, device="cpu")
     return base
 
