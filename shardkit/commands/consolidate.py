@@ -1,4 +1,4 @@
-"""`shardkit consolidate CKPT -o model.safetensors`: full weights out of a ZeRO-3 checkpoint."""
+"""`shardkit consolidate CKPT -o model.safetensors`: full weights out of any checkpoint a reader takes."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("checkpoint", metavar="CKPT",
-                   help="DeepSpeed checkpoint folder (with 'latest') or tag folder; a Trainer checkpoint-N or output_dir")
+                   help="checkpoint folder (root with 'latest' or tag folder) of any layout above; a Trainer checkpoint-N "
+                        "or output_dir")
     p.add_argument("-o", "--output", required=True, metavar="FILE",
                    help="output .safetensors file (a folder gets model.safetensors inside)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],

@@ -1,4 +1,5 @@
-"""`shardkit export SRC -o DIR`: a ZeRO-3, FSDP2/DCP or Trainer checkpoint as a from_pretrained folder."""
+"""`shardkit export SRC -o DIR`: any checkpoint a reader takes (DeepSpeed, FSDP, Accelerate, Trainer) as a
+from_pretrained folder."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("checkpoint", metavar="SRC",
-                   help="ZeRO-3 or FSDP2/DCP checkpoint folder (root or tag), or a Trainer checkpoint-N / output_dir")
+                   help="checkpoint folder (root or tag) of any layout above, or a Trainer checkpoint-N / output_dir")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="the model folder to write (new or empty)")
     p.add_argument("--model-config", default=None, metavar="DIR",
                    help="folder holding the model's config.json (and tokenizer files) when SRC has none beside it")

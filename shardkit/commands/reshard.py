@@ -1,4 +1,4 @@
-"""`shardkit reshard CKPT --world-size M -o OUT`: a ZeRO-3 checkpoint for a new number of ranks."""
+"""`shardkit reshard CKPT --world-size M -o OUT`: a ZeRO-1/2/3 checkpoint for a new number of ranks."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint root (with 'latest') or a tag directory")
     add_world_size(p, "world size of the run that will resume")
-    add_engine(p, ["zero3", "fsdp2", "torch"], "engine of the run that will resume (zero3: a DeepSpeed checkpoint; "
+    add_engine(p, ["zero3", "fsdp2", "torch"], "engine of the run that will resume (zero3: a DeepSpeed checkpoint, any ZeRO stage; "
                "'deepspeed' is the old spelling)")
     add_no_verify(p, "check sizes only, skip the content digests (fast)", no_checksum_alias=True)
     p.add_argument("--write-manifest", action="store_true",
