@@ -8,7 +8,7 @@ different requests, and each would write its share of a different checkpoint int
 rank 0 then seals (once, "world size 2 -> 2" was published holding a rank file no 2-rank run writes,
 which ``shardkit verify`` refuses). So every split command builds a :class:`RunRequest` (command,
 source, output, tag, every option that changes the bytes written, the shardkit release) and the
-processes compare it once, at first contact (``io.shared_meet``): each compares the digest of its
+processes compare it once, at first contact (``storage.shared_meet``): each compares the digest of its
 own request with rank 0's; only when the digests differ are the two compared field by field, to
 name the difference (field, this process's value, rank 0's value, the fix). Nothing here grows with
 ranks or tensors: one request per process, one digest compared.

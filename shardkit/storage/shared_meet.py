@@ -1,8 +1,8 @@
 """First contact of a split run's processes, before any of them writes a byte: they meet in the
-output's staging folder, agree on what they were asked to do (``io.request``), and say aloud what
+output's staging folder, agree on what they were asked to do (``storage.request``), and say aloud what
 they wait for while they wait.
 
-``meet`` is what ``io.shared_tag`` and consolidate open around their writes:
+``meet`` is what ``storage.shared_tag`` and consolidate open around their writes:
 
 1. Process 0 claims ``root/.shardkit-tmp-<tag>/`` (``shared_save.claim``); its owner file carries
    its request and the request's digest. The others wait for that claim (``join``).

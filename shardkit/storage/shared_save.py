@@ -8,13 +8,13 @@ anyway), so ``shardkit reshard`` under ``srun``/``torchrun`` needs neither torch
 rendezvous port. The files, all inside ``root/.shardkit-tmp-<tag>/``:
 
 - ``.shardkit-owner.json``: the claim (job id, host, pid, and what the run was asked to do:
-  ``io.request``), made by process 0: the folder is built with it under a private name and renamed
+  ``storage.request``), made by process 0: the folder is built with it under a private name and renamed
   to the staging name, and it stays until the folder is renamed into place, so no run ever sees a
   live staging folder without it; another run finds it and refuses while the owner is alive, or
   removes it when the owner is gone (same host: its pid no longer exists; another host: no
   heartbeat for ``SHARDKIT_STALE_S``), and removes a folder with files but no owner file at once.
 - ``.shardkit-joined-<rank>.json``, ``.shardkit-verdict.json``: the first contact, where the
-  processes agree on the request before anything is written (``io.shared_meet``).
+  processes agree on the request before anything is written (``storage.shared_meet``).
 - ``.shardkit-alive-<rank>``: touched every ``HEARTBEAT_S`` by each process while it writes.
 - ``.shardkit-part-<rank>.json``: written last by each process: its files' sizes and digests, or
   the error that stopped it. Process 0 waits for every part; a process that never joins, stops
@@ -211,8 +211,8 @@ def claim(root: Path, tag: str, launch: Launch, *, sweep: bool = True, request: 
     the same output: refused, naming it, and nothing of its files is touched. ``sweep=False``:
     leave the rest of ``root`` alone (a user's folder, not a checkpoint root: consolidate's output
     folder, where another consolidate's live temporary file must not be taken for a leftover).
-    ``request``/``request_digest``: what this run was asked to do (``io.request``), for the other
-    processes to compare with theirs (``io.shared_meet``).
+    ``request``/``request_digest``: what this run was asked to do (``storage.request``), for the other
+    processes to compare with theirs (``storage.shared_meet``).
     """
     root.mkdir(parents=True, exist_ok=True)
     staged = staging_dir(root, tag)

@@ -1,8 +1,8 @@
 """One tag folder written by every launched process (reshard, convert both ways): the sequence
-around ``io.shared_save``'s pieces that each of them used to spell out.
+around ``storage.shared_save``'s pieces that each of them used to spell out.
 
 Process 0 claims ``root/.shardkit-tmp-<tag>/``, the others join it, and they agree on what they
-were asked to do before anything is written (``io.shared_meet``); every process writes its
+were asked to do before anything is written (``storage.shared_meet``); every process writes its
 share of the files while it hashes its share of the source files on threads beside the writers,
 checks that no source file changed while it was read, and reports in its part file; process 0
 gathers every part (a process that failed, stopped its heartbeat or never joined fails the run,

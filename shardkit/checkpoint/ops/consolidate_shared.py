@@ -1,5 +1,5 @@
 """Consolidate's split run: one output file written by every process ``srun``/``torchrun``
-launched (``io.shared_meet``, ``io.shared_save``). Process 0 claims ``.shardkit-tmp-<name>/``
+launched (``storage.shared_meet``, ``storage.shared_save``). Process 0 claims ``.shardkit-tmp-<name>/``
 beside the output, every process agrees on the request before anything is written, process 0
 creates the sized file (header written) in it, every process copies its share of the pieces to
 their offsets, hashes its share of the source files, fsyncs and reports, and process 0 renames
@@ -31,7 +31,7 @@ def write_shared(out: Path, launch: Launch, request: RunRequest, write_small: Ca
     """This process's share of one output file written by every launched process (``shared_save``).
 
     Process 0 claims ``.shardkit-tmp-<name>/`` beside ``out``, every process agrees on ``request``
-    (``io.shared_meet``: nothing is written before), and process 0 creates the sized file in it
+    (``storage.shared_meet``: nothing is written before), and process 0 creates the sized file in it
     (under another name first, so the others never open it before it has its header and size);
     every process copies its pieces into it, hashes ``to_hash``, fsyncs (on a shared filesystem a
     writer's pages reach the server only when it flushes them) and reports; process 0 gathers the

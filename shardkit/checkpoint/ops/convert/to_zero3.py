@@ -108,7 +108,7 @@ def convert_to_zero3(
     ``output`` must be new, empty or a shardkit checkpoint folder (an existing tag only with
     ``force``). No process group may be initialized (DCP reads would otherwise be collective):
     under ``srun``/``torchrun`` the processes share the work through the output folder
-    (``io.shared_tag``), each writing the files of the new ranks ``r`` with ``r % processes ==
+    (``storage.shared_tag``), each writing the files of the new ranks ``r`` with ``r % processes ==
     its rank``, hashing its share of the source beside them, and process 0 seals one manifest.
     """
     check_workers(workers, "rank files")

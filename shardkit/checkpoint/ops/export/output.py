@@ -5,7 +5,7 @@ is either absent, the previous export, or complete.
 ``-o`` is replaced only when it is empty or holds an earlier shardkit export (its manifest says
 so) and ``--force`` is given: a folder shardkit did not make (a ``save_pretrained`` folder, a
 checkpoint, anything else) is never replaced. Staging folders name their writer
-(``io.sibling_staging``), so ``remove_stale_staging`` clears what killed runs left.
+(``storage.sibling_staging``), so ``remove_stale_staging`` clears what killed runs left.
 """
 
 from __future__ import annotations
