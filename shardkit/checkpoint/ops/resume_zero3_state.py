@@ -6,23 +6,26 @@ at another).
 
 Each new partition is the elements ``[r * p, (r + 1) * p)`` of every parameter it holds (``p = ceil(numel
 / world)``), wherever the saved ranks kept them, and zeros in the padding; only the byte ranges it
-needs are read, so memory stays near this rank's own partitions.
+needs are read, straight into the partition (``_read_into``: no intermediate buffer, which made the
+first version of this path 5x slower than the memory-mapped reader it replaced), so memory stays
+near this rank's own partitions.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.readers.zero3_run_state import model_states, optim_states, saved_state
-from shardkit.checkpoint.writers.zero3 import read_slice
 from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.checkpoint.zero3.repartition import TargetLayout, optim_dict
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import regular_fd
 
 if TYPE_CHECKING:
     import torch
@@ -88,12 +91,39 @@ def new_partition(model: TrainingCheckpoint, layout: TargetLayout, rank: int, su
     sources = [model.weights[tp.source.name] if key == FP32 else model.optimizer[tp.source.name][key]
                for tp in params]
     dtype = getattr(torch, sources[0].dtype) if sources else torch.float32
-    out = torch.zeros(layout.sub_group_numel(sub_group), dtype=dtype)
+    # empty, not zeros: every element is read below or is padding zeroed here (zero-filling gigabytes
+    # first costs a page-faulting pass of its own)
+    out = torch.empty(layout.sub_group_numel(sub_group), dtype=dtype)
     for tp, source in zip(params, sources):
         lo, hi = tp.rank_range(rank)
-        if hi > lo:
-            out[tp.offset:tp.offset + hi - lo] = read_slice(source, lo, hi)
+        _read_into(source, lo, out.narrow(0, tp.offset, hi - lo))
+        out.narrow(0, tp.offset + hi - lo, tp.partition_numel - (hi - lo)).zero_()
     return out
+
+
+def _read_into(t: SourceTensor, lo: int, out: "torch.Tensor") -> None:
+    """Elements ``[lo, lo + out.numel())`` of ``t`` (flattened), read from its pieces straight into ``out``
+    (1-D, contiguous, ``t``'s dtype)."""
+    import torch
+
+    view = memoryview(out.view(torch.uint8).numpy().data)
+    size, done = out.element_size(), 0
+    for piece in t.pieces_in(lo, lo + out.numel()):
+        at, want, got = (piece.start - lo) * size, piece.numel * size, 0
+        fd = regular_fd(piece.file)
+        try:
+            while got < want and (n := os.preadv(fd, [view[at + got:at + want]], piece.offset + got)) > 0:
+                got += n
+        finally:
+            os.close(fd)
+        if got != want:
+            raise CheckpointError(f"{piece.file}: ends {want - got} byte(s) before the {want} bytes of {t.name} at "
+                                  f"offset {piece.offset} the layout places there: the file was cut short after it "
+                                  "was read (a copy still running?). Re-copy it, or resume from the previous checkpoint")
+        done += want
+    if done != out.numel() * size:
+        raise CheckpointError(f"{t.name}: elements [{lo}, {lo + out.numel()}) are not all in the rank files' pieces "
+                              "(an internal error of the ZeRO-3 layout; please report it with the folder's listing)")
 
 
 def _frozen_fragment(full: SourceTensor, world_size: int, rank: int) -> "torch.Tensor":
@@ -103,8 +133,7 @@ def _frozen_fragment(full: SourceTensor, world_size: int, rank: int) -> "torch.T
     pn = partition_numel(full.numel, world_size)
     out = torch.zeros(pn, dtype=getattr(torch, full.dtype))
     start, stop = rank_range(rank, pn, full.numel)
-    if stop > start:
-        out[:stop - start] = read_slice(full, start, stop)
+    _read_into(full, start, out.narrow(0, 0, stop - start))
     return out
 
 
