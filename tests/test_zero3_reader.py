@@ -194,3 +194,16 @@ def test_extra_rank_files_from_another_save_are_refused(copy_of):
     shutil.copy(tag / "zero_pp_rank_1_mp_rank_00_model_states.pt", tag / "zero_pp_rank_2_mp_rank_00_model_states.pt")
     with pytest.raises(CheckpointError, match=r"rank files beyond dp_world_size=2"):
         open_zero3_layout(root)
+
+
+def test_the_old_public_name_warns_and_opens_the_same_layout(sources):
+    """shardkit.open_zero3_checkpoint stays one release: it warns, naming open_zero3_layout, and returns what that
+    returns (its old torch_free keyword is still taken)."""
+    import shardkit
+    from shardkit.core.deprecated import ShardkitDeprecationWarning
+
+    with pytest.warns(ShardkitDeprecationWarning, match=r"shardkit\.open_zero3_checkpoint is deprecated: use "
+                      r"shardkit\.open_zero3_layout \(same behaviour\)"):
+        old = shardkit.open_zero3_checkpoint(sources["fp32"], torch_free=False)
+    new = shardkit.open_zero3_layout(sources["fp32"])
+    assert (old.tag_dir, old.slots, old.state_keys) == (new.tag_dir, new.slots, new.state_keys)
