@@ -1,6 +1,6 @@
 """Resume a DeepSpeed ZeRO-3 engine from a checkpoint saved at any world size and offload setting.
 
-``load_zero3_checkpoint(engine, path)`` is ``engine.load_checkpoint(path)`` without its same-world-
+``load_checkpoint_resharded(engine, path)`` is ``engine.load_checkpoint(path)`` without its same-world-
 size restriction and without an offline conversion: every rank reads, through the checkpoint model's
 ZeRO-3 reader (``readers.zero3``: each tensor's byte ranges in the rank files), exactly the slices of
 the fp32 masters and Adam moments its *current* partition needs (``ceil(numel / world)`` per
@@ -177,14 +177,15 @@ def _zero3_optimizer(engine: Any) -> Any:
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
     if stage != 3:
         raise CheckpointError(
-            f"load_zero3_checkpoint needs a ZeRO stage 3 engine; this engine runs stage {stage}. "
-            "Stages 1 and 2 are loaded by load_zero3_checkpoint too; use engine.load_checkpoint for stage 0."
+            f"load_checkpoint_resharded reshards ZeRO partitions, and this engine runs stage {stage}: "
+            "no ZeRO partitions to reshard (it takes ZeRO stages 1, 2 and 3). Use engine.load_checkpoint "
+            "for an engine without ZeRO."
         )
     opt = engine.optimizer
     if getattr(opt, "swap_optimizer", False):
         raise CheckpointError(
             "zero_optimization.offload_optimizer.device is 'nvme': NVMe-swapped optimizer state is not supported "
-            "by load_zero3_checkpoint. Resume with offload_optimizer 'cpu' or 'none', or reshard with "
+            "by load_checkpoint_resharded. Resume with offload_optimizer 'cpu' or 'none', or reshard with "
             "`shardkit reshard` and use engine.load_checkpoint."
         )
     return opt
@@ -251,7 +252,7 @@ def _run_preflight(engine: Any) -> bool:
 
 
 def _precision_note(ckpt: Zero3Checkpoint, engine: Any) -> str | None:
-    """What ``load_zero3_checkpoint`` says when the checkpoint was written in another precision: it
+    """What ``load_checkpoint_resharded`` says when the checkpoint was written in another precision: it
     reads the fp32 masters whichever way the files are named, so this is a note, not a refusal."""
     now = _engine_precision(engine)
     if ckpt.precision == now:
