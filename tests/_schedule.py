@@ -58,3 +58,24 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
             return unit_of(nodeid)
 
     return ModuleScheduling(config, log)
+
+
+def unit_seconds(durations_text: str) -> dict[str, float]:
+    """Seconds per unit from pytest's ``--durations=0`` lines (``12.34s call tests/x.py::test_y``)."""
+    import re
+
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^([\d.]+)s (?:setup|call|teardown)\s+(\S+)", durations_text, re.M):
+        unit = unit_of(m.group(2))
+        out[unit] = out.get(unit, 0.0) + float(m.group(1))
+    return out
+
+
+if __name__ == "__main__":  # python -m tests._schedule DURATIONS.txt: a new MODULE_SECONDS table
+    import sys
+    from pathlib import Path
+
+    seconds = unit_seconds(Path(sys.argv[1]).read_text())
+    for unit, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        if s >= 10:
+            print(f"    {unit!r}: {s:.0f},")

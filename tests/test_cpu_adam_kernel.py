@@ -45,6 +45,7 @@ def _steps(opt: torch.optim.Optimizer, param: torch.nn.Parameter, steps: range) 
         opt.step()
 
 
+@pytest.mark.slow
 def test_deepspeed_cpu_adam_in_a_new_kernel_object_is_bit_exact_only_after_the_replay():
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -16,6 +16,9 @@ import pytest
 
 from tests import _hostile_sweep as H
 
+# every case copies the session's 2-rank FSDP2 save (built in the first one)
+pytestmark = pytest.mark.slow
+
 MANIFEST = "shardkit_manifest.json"
 STEP_ITEM = "optim.state.lm_head.weight.step"  # a 0-d tensor item: read through torch.load, not byte ranges
 

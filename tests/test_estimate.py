@@ -292,6 +292,7 @@ def test_issue_4527_accounting():
     assert items7["act.layers"].bytes / 2**30 == pytest.approx(11.9, abs=0.1)  # 2048 tokens, no checkpointing
 
 
+@pytest.mark.slow
 def test_a_hub_id_that_cannot_be_fetched_says_how_to_go_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match=r"--model org/not-here: not a local path.*Download its config\.json"):

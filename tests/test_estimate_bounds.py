@@ -69,6 +69,7 @@ _INT_TEXT = st.one_of(st.integers(-3, 2**21).map(str), st.sampled_from(["0", "10
 @given(params=_COUNT_TEXT, largest=st.one_of(st.none(), _COUNT_TEXT), world=_INT_TEXT, gpus=st.one_of(st.none(), _INT_TEXT),
        micro=st.one_of(st.none(), _INT_TEXT), seq=st.one_of(st.none(), _INT_TEXT), gpu_mem=st.one_of(st.none(), _COUNT_TEXT),
        engine=st.sampled_from(["zero3", "zero2", "fsdp"]))
+@pytest.mark.slow
 def test_estimate_takes_any_number_on_the_command_line(capsys, params, largest, world, gpus, micro, seq, gpu_mem, engine):
     argv = ["estimate", "--engine", engine, "--params", params, "--world-size", world]
     for flag, value in (("--largest-layer", largest), ("--gpus-per-node", gpus), ("--micro-batch", micro),

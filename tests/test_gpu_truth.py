@@ -42,6 +42,7 @@ def test_every_healthy_recording_is_judged_healthy_and_fully_checked(name):
 
 
 @pytest.mark.parametrize("name", RECORDINGS)
+@pytest.mark.slow
 def test_any_single_tensor_moved_is_named(name):
     snap = _load(name)
     checked = 0

@@ -193,6 +193,7 @@ def _judge_once(fail_rank: int) -> str:
     return "went on"
 
 
+@pytest.mark.slow
 def test_ranks_agree_before_stopping_so_no_node_goes_on_alone():
     # environment rows are probed per node: rank 1's node fails, rank 0's passes; both must stop,
     # or rank 0 would go on into deepspeed.initialize and wait there for a rank that left

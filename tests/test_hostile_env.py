@@ -29,6 +29,7 @@ TIMEOUT_S = 180
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.slow
 def test_rank1_calls_preflight_twice_rank0_once_named_with_the_counts_within_the_timeout():
     r0, r1 = [r.value for r in run_ranks(targets.uneven_preflight_calls, 2, args=([1, 2], 4.0), timeout=120,
                                            backend="gloo")]
@@ -43,6 +44,7 @@ def test_rank1_calls_preflight_twice_rank0_once_named_with_the_counts_within_the
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.slow
 def test_a_rank_that_skips_the_preflight_is_named_with_zero_calls():
     r0, r1 = [r.value for r in run_ranks(targets.uneven_preflight_calls, 2, args=([1, 0], 4.0), timeout=120,
                                            backend="gloo")]
@@ -87,6 +89,7 @@ def test_local_rank_beyond_the_visible_devices_names_cuda_visible_devices():
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.slow
 def test_a_stale_world_size_export_fails_the_preflight_on_every_rank_with_one_message():
     r0, r1 = [r.value for r in run_ranks(targets.env_disagrees_with_group, 2, args=("WORLD_SIZE", "3"), timeout=120,
                                            backend="gloo")]
@@ -97,6 +100,7 @@ def test_a_stale_world_size_export_fails_the_preflight_on_every_rank_with_one_me
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.slow
 def test_a_rank_variable_that_disagrees_with_the_group_is_named_on_the_rank_it_is_wrong_on():
     # RANK=0 exported on both ranks: wrong on rank 1 only, and both ranks fail with the same table
     r0, r1 = [r.value for r in run_ranks(targets.env_disagrees_with_group, 2, args=("RANK", "0"), timeout=120,

@@ -135,6 +135,7 @@ def test_every_command_has_its_rows():
     assert not stale, f"CASES has rows for commands that no longer exist: {sorted(stale)}"
 
 
+@pytest.mark.slow
 def test_heavy_imports_per_command(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('never run: --dry-run')\n")

@@ -165,6 +165,7 @@ def config_json(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_sigterm_after_the_command_returned_says_terminated_in_its_one_object(tmp_path, config_json):
     r = _shardkit(["check", str(config_json), "--json"], tmp_path, point="after")
     assert r.returncode == 143, r.stderr
@@ -174,6 +175,7 @@ def test_sigterm_after_the_command_returned_says_terminated_in_its_one_object(tm
     assert "findings" in data and data["command"] == "check"
 
 
+@pytest.mark.slow
 def test_sigterm_in_the_interpreter_s_shutdown_is_no_exception_in_atexit(tmp_path, config_json):
     r = _shardkit(["check", str(config_json), "--json"], tmp_path, point="shutdown")
     # main put SIGTERM's handler back: the signal ends the process as it ends any program
@@ -242,6 +244,7 @@ def test_launch_addr_values_accepted(value, address):
     assert read_address("SHARDKIT_LAUNCH_ADDR", {"SHARDKIT_LAUNCH_ADDR": value}) == address
 
 
+@pytest.mark.slow
 def test_launch_dry_run_refused_by_config_errors_is_one_object_with_the_findings(tmp_path):
     (tmp_path / "bad.json").write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 7}}')
     (tmp_path / "train.py").write_text("raise SystemExit('never run: --dry-run')\n")

@@ -7,6 +7,8 @@ import io
 import threading
 import time
 
+import pytest
+
 from shardkit.core import progress
 
 
@@ -173,6 +175,7 @@ def _done_and_total(line: str) -> tuple[float, float]:
     return float(m.group(1)) * units[m.group(2)], float(m.group(3)) * units[m.group(4)]
 
 
+@pytest.mark.slow
 def test_every_route_ends_at_its_total_in_binary_units(run_cli, tmp_path):
     # reshard to the same world size copies the rank files and carries zero_to_fp32.py beside them; to
     # another it writes new ones; convert writes DCP files, its small file and .metadata. Each once

@@ -314,6 +314,7 @@ def check_command(cmd: DocCommand, launcher_lines: list[tuple[str, str, list[str
     return [f"{cmd.where}: {p}\n    {cmd.text}" for p in problems]
 
 
+@pytest.mark.slow
 def test_docs_pages_commands_name_real_commands_and_flags():
     problems: list[str] = []
     launcher_lines: list[tuple[str, str, list[str]]] = []
@@ -411,6 +412,7 @@ def test_docs_have_run_blocks():
 
 
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: p.name)
+@pytest.mark.slow
 def test_docs_run_blocks_run(page, tmp_path):
     # One process per page runs its blocks' commands in order through shardkit.cli.main (what
     # `shardkit` runs), so torch and deepspeed are imported once, not once a line.

@@ -41,6 +41,7 @@ def _resume(folder: Path) -> dict[str, Any]:
     return run_ranks(resume_run, 1, args=(str(folder),), timeout=300, device="cpu")[0].value
 
 
+@pytest.mark.slow  # a 2-process Accelerate save or a 2-rank FSDP2 save first
 def test_accelerate_resume_after_reshard_keeps_rank_rng(accelerate_save, tmp_path, run_cli):
     src, original = accelerate_save
     out = tmp_path / "out"
@@ -75,6 +76,7 @@ def test_accelerate_resume_after_reshard_keeps_rank_rng(accelerate_save, tmp_pat
     assert no_rng["losses"][0] != resumed["losses"][0]  # the RNG decides the losses: the check can fail
 
 
+@pytest.mark.slow  # a 2-process Accelerate save or a 2-rank FSDP2 save first
 def test_file_nothing_models_is_copied_and_named(accelerate_save, tmp_path, run_cli):
     src = tmp_path / "src"
     shutil.copytree(accelerate_save[0], src)
@@ -101,6 +103,7 @@ def test_file_nothing_models_is_copied_and_named(accelerate_save, tmp_path, run_
             "\"Could not load random states\"") in stdout
 
 
+@pytest.mark.slow  # a 2-process Accelerate save or a 2-rank FSDP2 save first
 def test_root_with_several_tags_names_the_others(accelerate_save, tmp_path, run_cli):
     src = tmp_path / "src"
     shutil.copytree(accelerate_save[0], src)
@@ -139,6 +142,7 @@ def test_accelerate_rng_files_follow_their_processes(world, copies, dropped, abs
     assert (list(plan.copies), list(plan.dropped), list(plan.absent), plan.stray) == (copies, dropped, absent, ())
 
 
+@pytest.mark.slow  # a 2-process Accelerate save or a 2-rank FSDP2 save first
 def test_convert_of_an_fsdp2_root_names_its_other_tag_and_files(sweep_sources, tmp_path, run_cli):
     src = tmp_path / "src"
     shutil.copytree(sweep_sources.root("fsdp2"), src)
@@ -155,6 +159,7 @@ def test_convert_of_an_fsdp2_root_names_its_other_tag_and_files(sweep_sources, t
     assert any("also there: older (not read). To take another, pass its tag folder" in n for n in result["notes"])
 
 
+@pytest.mark.slow  # a 2-process Accelerate save or a 2-rank FSDP2 save first
 def test_trainer_reshard_json_names_what_it_does_not_carry(accelerate_save, tmp_path, run_cli):
     """The Trainer's checkpoint-N path reports its dropped RNG files and other tags in not_carried as well."""
     src = tmp_path / "checkpoint-2"

@@ -314,6 +314,7 @@ def test_sigterm_as_the_heartbeat_starts_stops_the_heartbeat(tmp_path, monkeypat
     assert [t for t in set(threading.enumerate()) - before if t.name == "shardkit-heartbeat"] == []
 
 
+@pytest.mark.slow
 def test_a_signal_held_until_the_output_is_in_place_is_reported_as_after_publishing(
         sweep_sources, tmp_path, run_cli, monkeypatch):
     # a SIGTERM that lands while consolidate renames its file into place is held until the rename is

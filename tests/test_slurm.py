@@ -140,6 +140,7 @@ def test_a_module_replaced_after_init_fails_the_job_with_exit_3(cluster: dict[st
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_a_second_cluster_on_the_same_ports_exits_3_with_the_daemons_logs(cluster: dict[str, str]):
     state = Path(tempfile.mkdtemp(prefix="sk-slurm-", dir="/tmp" if os.path.isdir("/tmp") else None))
     env = {**cluster, "SHARDKIT_SLURM_DIR": str(state), "SLURM_CONF": str(state / "slurm.conf")}

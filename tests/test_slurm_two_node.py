@@ -132,6 +132,7 @@ def cluster() -> Iterator[dict[str, str]]:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_each_node_has_its_own_hostname_and_hosts_file(cluster: dict[str, str]):
     r = run_grouped(["sinfo", "-h", "-N", "-o", "%N %t"], cluster, 30)
     assert r.stdout.split() == ["sknode1", "idle", "sknode2", "idle"], r.stdout

@@ -113,6 +113,7 @@ def test_too_few_steps_is_a_usage_error(run_cli):
 # ---------------------------------------------------------------- DeepSpeed op builds
 
 
+@pytest.mark.slow
 def test_a_failed_op_build_is_one_line_naming_the_op_and_the_cause_and_progress_is_printed(tmp_path, monkeypatch, capsys):
     # A real build failure: an empty extension cache (everything is built again) and a compiler
     # that does not work. Output is not a terminal here, so every stage gets a line on stderr.

@@ -37,6 +37,7 @@ def test_a_reused_workdir_never_returns_an_earlier_runs_result(tmp_path):
     assert results[0].value is None and not results[0].ok
 
 
+@pytest.mark.slow
 def test_the_timeout_also_kills_what_a_rank_started(tmp_path):
     import os
 

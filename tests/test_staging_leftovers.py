@@ -57,6 +57,7 @@ def _reshard(sweep_sources, run_cli, out: Path) -> tuple[int, str]:
     return code, err
 
 
+@pytest.mark.slow
 def test_ctrl_c_as_the_staging_folder_appears_leaves_nothing_and_the_rerun_runs(sweep_sources, tmp_path, run_cli,
                                                                                 monkeypatch):
     out = tmp_path / "out"
@@ -95,6 +96,7 @@ def test_ctrl_c_as_the_staging_folder_appears_leaves_nothing_and_the_rerun_runs(
     assert [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)] == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_as_a_writer_thread_starts_leaves_no_thread_writing_after_the_clean_up(sweep_sources, tmp_path, run_cli,
                                                                                       monkeypatch):
     # the interrupt lands in Thread.start (it waits for the new thread to run) before the pool records the
