@@ -51,17 +51,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("checkpoint/ops/verify_files.py", "deepspeed_facts"):
         "`shardkit verify`: the run-wide values every rank file must agree on (world size, stage, partition count)",
     # run state handed to DeepSpeed's own loaders (LR scheduler, loss scaler, param groups), not partitions
-    ("checkpoint/ops/resume_zero12.py", "_read_share"):
-        "the ZeRO-1/2 resume torch-loads the model and optim files' run state (readers.zero3_run_state does "
-        "this for ZeRO-3; the same move for ZeRO-1/2 would retire this entry)",
-    ("checkpoint/ops/resume_zero12.py", "_rank_state"):
-        "the ZeRO-1/2 resume's param groups and step from the torch-loaded optim file (see _read_share)",
     ("checkpoint/ops/resume_state.py", "fit_to_current_optimizer"):
         "the rank dict a resume built, in DeepSpeed's shape, fitted to the live optimizer: no file",
     ("checkpoint/ops/resume_zero3.py", "load_checkpoint_resharded"):
         "the rank dict resume_zero3_state built, handed to DeepSpeed's load_state_dict: no file",
-    ("checkpoint/ops/reshard_zero12.py", "plan_same_run"):
-        "param_alignment_paddings of rank 0's optim file as readers.zero12 parsed it (scalars['native'])",
     # writers write rank files: a same-run writer writes the source's own dicts back around new partitions
     ("checkpoint/writers/zero12.py", "_same_run_optim_states"): "rank 0's parsed optim dict, written back",
     ("checkpoint/writers/zero12.py", "optim_states"): "the optim dict it is building, read back: no file",

@@ -25,10 +25,11 @@ from typing import Any, Callable, Sequence
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.ops.reshard_source import PlannedReshard
 from shardkit.checkpoint.readers.registry import read_checkpoint
+from shardkit.checkpoint.readers.zero12_run_state import alignment_paddings
 from shardkit.checkpoint.writers.zero3 import TargetOptimizer
 from shardkit.checkpoint.writers.zero12 import FileJob, SameRun, Zero12Files, Zero12Target, file_jobs
 from shardkit.checkpoint.zero3.files import OPTIM_FILE
-from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY
+from shardkit.checkpoint.zero12.files import MODEL_FILE
 from shardkit.core import progress
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.atomic import is_disk_full
@@ -72,8 +73,8 @@ def plan_same_run(ckpt: TrainingCheckpoint, world_size: int) -> Zero12Target:
     optim, model = native["optim_file"], native["model_states"]
     groups: list[dict[str, Any]] = list(ckpt.scalars.get("param_groups") or [])
     group_params = [list(g["params"]) for g in groups]
-    saved = optim[OPTIMIZER_KEY].get("param_alignment_paddings")
-    paddings = [list(p) for p in saved] if saved is not None else [[0] * len(n) for n in group_params]
+    saved = alignment_paddings(optim)
+    paddings = saved if saved is not None else [[0] * len(n) for n in group_params]
     flat_keys = [list(ckpt.optimizer[names[0]]) if names else [] for names in group_params]
     steps_by_name: dict[str, float] = dict(ckpt.scalars.get("step") or {})
     counters = dict(ckpt.scalars.get("counters") or {})

@@ -44,16 +44,15 @@ from shardkit.checkpoint.ops.resume_state import (
     run_preflight,
 )
 from shardkit.checkpoint.readers.zero12 import Zero12Layout, read_zero12, zero12_layout
+from shardkit.checkpoint.readers.zero12_run_state import base_optimizer_state, model_states, optim_states
 from shardkit.checkpoint.writers.zero3 import read_slice
-from shardkit.checkpoint.zero3.files import OPTIM_FILE as OPTIM_FILE_NAME
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_listed
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, client_state_keys
-from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY, is_zero12_folder
+from shardkit.checkpoint.zero12.files import MODEL_FILE, is_zero12_folder
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.replace import replace_optimizer_state, summarize_moves
 from shardkit.storage.listing import FolderListing
 from shardkit.storage.manifest import MANIFEST_NAME
-from shardkit.storage.torch_load import safe_torch_load
 from shardkit.storage.verify import check_resumable_distributed, refuse_links_leaving
 
 if TYPE_CHECKING:
@@ -190,9 +189,8 @@ def _read_share(engine: Any, opt: Any, listing: FolderListing, rank: int, world:
     needed = _source_ranks(zero12_layout(head), shares) | ({rank} if same_ranks else set())
     ckpt = read_zero12(tag_dir, ranks=needed, listing=listing) if needed - {0} else head
     module_values = _module_values(engine, ckpt, strict)
-    model_sd = safe_torch_load(tag_dir / MODEL_FILE, mmap=True, real_deepspeed_objects=True)
-    optim_src = safe_torch_load(_optim_file(ckpt, rank if same_ranks else 0), mmap=True,
-                                real_deepspeed_objects=True)[OPTIMIZER_KEY]
+    model_sd = model_states(ckpt)
+    optim_src = optim_states(ckpt, rank if same_ranks else 0)
     rank_sd = _rank_state(opt, ckpt, shares, optim_src, carry_scaler=ckpt.precision == engine_precision(engine))
     return ckpt, module_values, model_sd, rank_sd
 
@@ -278,11 +276,6 @@ def _tag_dir(path: str | Path, engine: Any) -> tuple[Path, FolderListing]:
         "a latest file) that engine.save_checkpoint wrote; `shardkit inspect SRC` says what the folder holds")
 
 
-def _optim_file(ckpt: TrainingCheckpoint, rank: int) -> Path:
-    """Rank ``rank``'s optimizer file, by DeepSpeed's name (the reader has listed the folder: no rank is missing)."""
-    return ckpt.folder / OPTIM_FILE_NAME.format(prefix=ckpt.scalars["native"]["prefix"], rank=rank)
-
-
 def _engine_shares(engine: Any, opt: Any, ckpt: TrainingCheckpoint, rank: int, world: int) -> list[_Share]:
     """This rank's partition of each param group, each parameter matched by name to the checkpoint's."""
     saved_groups: list[dict[str, Any]] = ckpt.scalars.get("param_groups") or []
@@ -355,7 +348,7 @@ def _rank_state(opt: Any, ckpt: TrainingCheckpoint, shares: list[_Share], src: d
     """This rank's optimizer dict as DeepSpeed saves it at the engine's world size (``state_dict()``)."""
     import torch
 
-    src_base = src["base_optimizer_state"]
+    src_base = base_optimizer_state(src)
     state: dict[int, dict[str, Any]] = {}
     fp32 = []
     for share in shares:
