@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
@@ -23,7 +22,7 @@ from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.readers.zero3_run_state import model_states, optim_states, saved_state
 from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
-from shardkit.checkpoint.zero3.repartition import TargetLayout, optim_dict
+from shardkit.checkpoint.zero3.repartition import TargetLayout, new_model_dict, new_optimizer_state, optim_dict
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import regular_fd
 
@@ -38,15 +37,8 @@ def model_state_for_rank(ckpt: Zero3Checkpoint, model: TrainingCheckpoint, layou
     import torch
 
     sd = model_states(ckpt, rank if layout.world_size == ckpt.world_size else 0)
-    sd["dp_world_size"] = layout.world_size
-    sd["param_shapes"] = [
-        OrderedDict((tp.source.name, torch.Size(tp.source.shape)) for tp in params) for params in layout.sub_groups
-    ]
-    if ckpt.frozen_param_shapes:
-        sd["frozen_param_fragments"] = OrderedDict(
-            (name, _frozen_fragment(model.weights[name], layout.world_size, rank)) for name in ckpt.frozen_param_shapes
-        )
-    return sd
+    return new_model_dict(sd, layout, torch.Size, list(ckpt.frozen_param_shapes),
+                          lambda name: _frozen_fragment(model.weights[name], layout.world_size, rank))
 
 
 def optim_state_for_rank(ckpt: Zero3Checkpoint, model: TrainingCheckpoint, layout: TargetLayout,
@@ -61,22 +53,15 @@ def optim_state_for_rank(ckpt: Zero3Checkpoint, model: TrainingCheckpoint, layou
     import torch
 
     optim0 = optim_states(ckpt, rank if layout.world_size == ckpt.world_size else 0)
-    src_state = saved_state(optim0)
-    state: dict[int, dict[str, Any]] = {}
-    for j, params in enumerate(layout.sub_groups):
-        first = params[0].source.sub_group if params else 0
-        entry = src_state.get(first)
-        if entry is None:
-            continue  # the optimizer never stepped: no state to carry
-        new_entry: dict[str, Any] = {}
-        for k, v in entry.items():
-            if k in ckpt.state_keys:
-                new_entry[k] = new_partition(model, layout, rank, j, k)
-            else:
-                if torch.is_tensor(v) and v.numel() > 1 and not _same_partition(ckpt, layout, j):
-                    raise CheckpointError(_unmappable_state_message(ckpt, layout, first, j, k, v))
-                new_entry[k] = copy.deepcopy(v)
-        state[j] = new_entry
+
+    def carry(j: int, first: int, k: str, v: Any) -> Any:
+        if k in ckpt.state_keys:
+            return new_partition(model, layout, rank, j, k)
+        if torch.is_tensor(v) and v.numel() > 1 and not _same_partition(ckpt, layout, j):
+            raise CheckpointError(_unmappable_state_message(ckpt, layout, first, j, k, v))
+        return copy.deepcopy(v)
+
+    state = new_optimizer_state(saved_state(optim0), layout, carry)
     fp32 = [new_partition(model, layout, rank, j, FP32) for j in range(len(layout.sub_groups))]
     return optim_dict(optim0, layout, state, fp32)
 

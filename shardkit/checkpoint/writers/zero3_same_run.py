@@ -20,7 +20,6 @@ source files those ranks draw from.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +29,7 @@ from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.writers.zero3 import flat_segments, fragment_segments
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel
-from shardkit.checkpoint.zero3.repartition import TargetLayout, optim_dict
+from shardkit.checkpoint.zero3.repartition import TargetLayout, new_model_dict, new_optimizer_state, optim_dict
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, read_structure
 from shardkit.storage.torch_pickle import NewTensor, pickle_structure
@@ -94,28 +93,21 @@ class Zero3SameRun:
     def _build_optim(self, rank: int) -> Built:
         layout, optim0 = self.layout, self.optim_file0
         src_state = optim0["optimizer_state_dict"]["optimizer_state_dict"].get("state") or {}
-        state: dict[int, dict[str, Any]] = {}
-        for j, params in enumerate(layout.sub_groups):
-            # a new sub-group's scalar state (step) is that of the source sub-group of its first parameter
-            entry = src_state.get(params[0].source.sub_group if params else 0)
-            if entry is None:
-                continue  # the optimizer never stepped: no state to carry
+
+        def carry(j: int, _first: int, k: str, v: Any) -> Any:
+            params = layout.sub_groups[j]
             per_element = self.ckpt.optimizer.get(params[0].source.name, {}) if params else {}
-            state[j] = {k: (self._partition(rank, j, k, v.dtype) if k in per_element and isinstance(v, TensorRef) else v)
-                        for k, v in entry.items()}
+            return self._partition(rank, j, k, v.dtype) if k in per_element and isinstance(v, TensorRef) else v
+
+        state = new_optimizer_state(src_state, layout, carry)
         fp32 = [self._partition(rank, j, None, "float32") for j in range(len(layout.sub_groups))]
         return pickle_structure(optim_dict(optim0, layout, state, fp32))
 
     def _build_model(self, rank: int) -> Built:
         layout = self.layout
         # the same partitioning: this rank's own file, so its own client_state entries survive
-        sd = dict(self._model(rank) if layout.world_size == self.saved_world else self.model_state)
-        sd["dp_world_size"] = layout.world_size
-        sd["param_shapes"] = [OrderedDict((tp.source.name, TorchSize(tp.source.shape)) for tp in params)
-                              for params in layout.sub_groups]
-        if self.frozen:
-            sd["frozen_param_fragments"] = OrderedDict((name, self._frozen(name, rank)) for name in self.frozen)
-        return pickle_structure(sd)
+        sd = self._model(rank) if layout.world_size == self.saved_world else self.model_state
+        return pickle_structure(new_model_dict(sd, layout, TorchSize, self.frozen, lambda n: self._frozen(n, rank)))
 
     def _frozen(self, name: str, rank: int) -> NewTensor:
         """New rank ``rank``'s fragment of frozen parameter ``name``: its source pieces cut at the new partition

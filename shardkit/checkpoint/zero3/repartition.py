@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import DEFAULT_SUB_GROUP_SIZE, client_state_keys, partition_numel, rank_range
@@ -154,6 +155,32 @@ def client_state_note(model_state: dict[str, Any], saved_world_size: int, world_
     return (f"client_state {keys} comes from rank 0's file for every one of the {world_size} rank(s) (saved at "
             f"{saved_world_size}: there is no one-to-one mapping of ranks); per-rank values (data-loader "
             "positions, RNG) must be rebuilt by the training script")
+
+
+def new_model_dict(saved: dict[str, Any], layout: TargetLayout, size: Callable[[tuple[int, ...]], Any],
+                   frozen: list[str], fragment: Callable[[str], Any]) -> dict[str, Any]:
+    """A new rank's model-states dict: the saved rank's at the new world size, shapes made by ``size`` (the resume's
+    torch.Size, the torch-free writer's stand-in), ``fragment(name)`` for each ``frozen`` parameter."""
+    sd = dict(saved)
+    sd["dp_world_size"] = layout.world_size
+    sd["param_shapes"] = [OrderedDict((tp.source.name, size(tp.source.shape)) for tp in params)
+                          for params in layout.sub_groups]
+    if frozen:
+        sd["frozen_param_fragments"] = OrderedDict((name, fragment(name)) for name in frozen)
+    return sd
+
+
+def new_optimizer_state(saved: dict[int, dict[str, Any]], layout: TargetLayout,
+                        carry: Callable[[int, int, str, Any], Any]) -> dict[int, dict[str, Any]]:
+    """The inner optimizer's ``state`` at the new layout: sub-group ``j`` takes saved sub-group ``first``'s entry (that
+    of its first parameter: ``step``), each value as ``carry(j, first, key, value)`` makes it (a new partition)."""
+    state: dict[int, dict[str, Any]] = {}
+    for j, params in enumerate(layout.sub_groups):
+        first = params[0].source.sub_group if params else 0
+        entry = saved.get(first)
+        if entry is not None:
+            state[j] = {k: carry(j, first, k, v) for k, v in entry.items()}
+    return state
 
 
 def optim_dict(optim0: dict[str, Any], layout: TargetLayout, state: dict[int, dict[str, Any]],
