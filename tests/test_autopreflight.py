@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from shardkit.autopreflight import EXIT_CODE, enabled, rank_env
 
 PROBE = textwrap.dedent(
@@ -68,6 +70,7 @@ SINGLE_RANK_RESUME = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_resumed_optimizer_state_on_the_wrong_device_stops_the_rank(tmp_path):
     r = _python(SINGLE_RANK_RESUME, _env(tmp_path, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"))
     assert r.returncode == EXIT_CODE, r.stdout + r.stderr
@@ -94,6 +97,7 @@ FROZEN_HELPER_FIRST = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_frozen_helper_forward_first_does_not_stand_in_for_the_trained_model(tmp_path):
     r = _python(FROZEN_HELPER_FIRST, _env(tmp_path, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"))
     assert r.returncode == EXIT_CODE, r.stdout + r.stderr

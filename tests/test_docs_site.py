@@ -74,6 +74,7 @@ def test_every_public_name_and_its_public_methods_have_a_docstring():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_docs_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocstrings", reason="the docs tools come with the test extra: pip install -e '.[test]'")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO)}

@@ -116,6 +116,7 @@ def _cli(args: list[str], tmp_path: Path, **env_extra: str) -> subprocess.Comple
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_every_command_refuses_a_bad_value_before_it_works(tmp_path):
     # smoke would spawn ranks and reshard would read a checkpoint: both stop first, exit 2, nothing written
     for args in (["smoke", "--engine", "zero3"], ["reshard", "src", "--world-size", "2", "-o", "out"]):
@@ -157,6 +158,7 @@ for step in (1, 2):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_bad_shardkit_hash_at_a_save_inside_a_training_run_is_warned_once_and_the_default_used(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDKIT_")}
     r = subprocess.run([sys.executable, "-c", _SAVE_TWICE, str(tmp_path / "ckpt")], capture_output=True, text=True,

@@ -4,6 +4,7 @@ names a key."""
 import copy
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -80,6 +81,7 @@ COMMON = dict(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, **COMMON)
 @given(cfg=configs, world=st.one_of(st.none(), st.integers(1, 64)), accel=st.sampled_from([None, True, False]),
        ds=st.sampled_from([None, "0.14.1", "0.18.0", "0.19.8"]), hf=st.booleans())
@@ -87,6 +89,7 @@ def test_random_configs_never_crash(cfg, world, accel, ds, hf):
     _assert_sane(check_config(cfg, world_size=world, accelerator=accel, deepspeed_version=ds, expect_hf_auto=hf))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, **COMMON)
 @given(cfg=mutated_presets(), world=st.one_of(st.none(), st.integers(1, 64)), accel=st.sampled_from([None, False]))
 def test_mutated_presets_never_crash(cfg, world, accel):
@@ -147,6 +150,7 @@ def hostile_texts(draw):
     return "cfg.json", f'{{"train_micro_batch_size_per_gpu": 1, "gradient_clipping": {literal}}}'
 
 
+@pytest.mark.slow
 @settings(max_examples=80, **COMMON)
 @given(case=hostile_texts())
 def test_hostile_files_give_one_line_or_a_sane_report(tmp_path_factory, case):
@@ -163,6 +167,7 @@ ACCELERATE_KEYS = ["zero_stage", "offload_optimizer_device", "offload_param_devi
                    "gradient_accumulation_steps", "deepspeed_config_file"]
 
 
+@pytest.mark.slow
 @settings(max_examples=80, **COMMON)
 @given(section=st.dictionaries(st.sampled_from(ACCELERATE_KEYS), values, max_size=6),
        precision=st.sampled_from([None, "bf16", "fp16", "no", 3]))

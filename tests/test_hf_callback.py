@@ -271,6 +271,7 @@ def _tiny_trainer(tmp_path: Path, callbacks: list[Any] | None = None) -> Any:
     return Trainer(model=tiny_llama(), args=args, train_dataset=SyntheticTokens(8), callbacks=callbacks)
 
 
+@pytest.mark.slow
 def test_one_callback_per_trainer_and_a_meta_tensor_raises_with_its_name(tmp_path, monkeypatch):
     from transformers import TrainerCallback
 

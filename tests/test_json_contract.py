@@ -95,6 +95,7 @@ KINDS = ("usage error", "env error", "missing input", "SIGTERM")
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("command", sorted(MISSING_INPUT))
+@pytest.mark.slow
 def test_every_command_ends_in_one_json_object(command, kind, tmp_path):
     argv = _with_json(MISSING_INPUT[command])
     env, point, expected = None, "none", {"usage error": 2, "env error": 2, "SIGTERM": 143}.get(kind, 1)

@@ -64,6 +64,7 @@ def test_first_cpu_subgroup_is_deepspeeds_expression_with_its_rounding(ratio, co
     assert zero3_first_cpu_subgroup(ratio, count) == first
 
 
+@pytest.mark.slow
 def test_every_ratio_and_subgroup_count_splits_as_deepspeeds_own_loop():
     """ExpectedDevices against stage3.py:1104-1108 as the generator restates it, for ratios 0.00-1.00
     in steps of 0.01 and 1-64 sub-groups (the world size enters only through the sub-group count)."""

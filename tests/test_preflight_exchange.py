@@ -90,6 +90,7 @@ def test_healthy_ranks_ship_a_summary_and_pass():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_rank_that_never_arrives_is_named_within_the_timeout():
     world = 4
     reports = {r: llama70b_report(r, world) for r in range(world) if r != 2}

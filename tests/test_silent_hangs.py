@@ -79,6 +79,7 @@ def _commands(tmp_path: Path) -> dict[str, list[object]]:
 
 
 @pytest.mark.parametrize("command", ["versions", "preflight", "smoke", "launch"])
+@pytest.mark.slow
 def test_stale_lock_stops_the_command_before_ranks_start(command: str, stale_lock: Path, tmp_path: Path) -> None:
     r = _shardkit(*_commands(tmp_path)[command], env=_env(stale_lock.parent.parent), cwd=tmp_path)
     out = r.stdout + r.stderr
@@ -91,6 +92,7 @@ def test_stale_lock_stops_the_command_before_ranks_start(command: str, stale_loc
     assert stale_lock.exists(), "shardkit names the lock; it never removes it by itself"
 
 
+@pytest.mark.slow
 def test_lock_held_by_a_live_builder_is_a_build_in_progress(tmp_path: Path) -> None:
     lock = tmp_path / "ext" / "cpu_adam" / "lock"
     builder = _hold_baton(lock)
@@ -142,6 +144,7 @@ def test_on_a_network_filesystem_a_lock_is_stale_only_after_a_quiet_spell(tmp_pa
     assert old.verdict == "stale" and "SHARDKIT_STALE_LOCK_S" in old.evidence
 
 
+@pytest.mark.slow
 def test_bogus_gloo_interface_is_named_before_ranks_start(tmp_path: Path) -> None:
     env = _env(tmp_path / "ext", GLOO_SOCKET_IFNAME=NO_SUCH_IF)
     r = _shardkit("preflight", ZERO3, "--nproc", "2", "--device", "cpu", env=env)
@@ -200,6 +203,7 @@ def test_silence_watchdog_names_the_silent_ranks_and_why(tmp_path: Path) -> None
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.slow
 def test_a_rank_waiting_on_a_stale_build_lock_says_so(stale_lock: Path) -> None:
     code = textwrap.dedent("""
         import sys
@@ -224,6 +228,7 @@ def test_a_rank_waiting_on_a_stale_build_lock_says_so(stale_lock: Path) -> None:
     assert f"build lock {stale_lock}" in line and "stale build lock" in line and f"rm {stale_lock}" in line
 
 
+@pytest.mark.slow
 def test_a_rank_alone_at_the_rendezvous_says_so(tmp_path: Path) -> None:
     """Rank 0 of 2 forms its group through a file:// rendezvous rank 1 never reaches."""
     code = textwrap.dedent("""
@@ -320,6 +325,7 @@ def test_preflight_names_a_rank_silent_in_its_model_factory(tmp_path: Path) -> N
     assert "rank 0 has printed nothing" in said[-1]
 
 
+@pytest.mark.slow
 def test_a_loopback_rendezvous_across_nodes_is_warned(tmp_path: Path) -> None:
     r = _shardkit("launch", "--launcher", "torchrun", "--dry-run", "--nnodes", "2", "--nproc_per_node", "1",
                   "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:29555", REPO / "launch" / "train_tiny.py",

@@ -133,6 +133,7 @@ def test_a_failed_op_build_is_one_line_naming_the_op_and_the_cause_and_progress_
     assert "ready" not in err and "built " not in err
 
 
+@pytest.mark.slow
 def test_hopper_arch_list_failure_names_the_op_the_deepspeed_function_and_the_fix(tmp_path, monkeypatch):
     """DeepSpeed 0.19.8's JIT builder on a Hopper image (TORCH_CUDA_ARCH_LIST=9.0a), replayed on CPU:
     the accelerator hands out DeepSpeed's real CUDA FusedAdamBuilder, whose compute_capability_args

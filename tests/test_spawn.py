@@ -5,11 +5,13 @@ from shardkit.run.spawn.process import run_ranks
 from tests import _ranks_spawn as targets
 
 
+@pytest.mark.slow
 def test_ranks_form_a_group_and_return_values():
     results = run_ranks(targets.all_reduce_rank, 3, timeout=120, backend="gloo")
     assert [r.value for r in results] == [(0, 0, 3.0), (1, 1, 3.0), (2, 2, 3.0)]
 
 
+@pytest.mark.slow
 def test_failing_rank_is_reported_with_its_traceback_and_peers_are_killed(monkeypatch):
     import shardkit.run.spawn.process as spawn
 
@@ -18,6 +20,7 @@ def test_failing_rank_is_reported_with_its_traceback_and_peers_are_killed(monkey
         run_ranks(targets.rank1_raises, 2, timeout=120, backend="gloo")
 
 
+@pytest.mark.slow
 def test_hanging_ranks_are_killed_at_the_timeout_and_named():
     results = run_ranks(targets.sleeps_forever, 2, timeout=3, backend="gloo", raise_on_error=False)
     assert [r.ok for r in results] == [False, False]
@@ -31,6 +34,7 @@ def test_a_rank_that_exits_without_a_result_is_a_failure_not_a_silent_none():
         run_ranks(targets.exits_silently, 1, timeout=60, backend="gloo")
 
 
+@pytest.mark.slow
 def test_a_reused_workdir_never_returns_an_earlier_runs_result(tmp_path):
     run_ranks(targets.all_reduce_rank, 1, timeout=60, backend="gloo", workdir=tmp_path)
     results = run_ranks(targets.exits_silently, 1, timeout=60, backend="gloo", workdir=tmp_path, raise_on_error=False)
@@ -162,6 +166,7 @@ def _alive(pid):
         return True
 
 
+@pytest.mark.slow
 def test_ranks_die_when_their_parent_is_killed_with_sigkill(tmp_path):
     import os
     import signal
@@ -174,6 +179,7 @@ def test_ranks_die_when_their_parent_is_killed_with_sigkill(tmp_path):
     assert _gone_within(ranks + children, 5) == [], "ranks or their children outlived a SIGKILLed parent"
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_parent_reaches_the_ranks_and_what_they_started(tmp_path):
     import os
     import signal

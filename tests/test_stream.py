@@ -226,6 +226,7 @@ def test_a_failed_write_without_a_file_name_is_named_by_its_file(tmp_path, worke
         convert()
 
 
+@pytest.mark.slow
 def test_the_fast_crc32_is_zlib_s_crc32():
     """torch_zip takes ISA-L's crc32 when installed: it must give zlib's values (the zip format's
     CRC-32), chained over chunks of any size, or every record's crc would be wrong."""
