@@ -21,8 +21,52 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pytest
 
-#: unit (module path, or xdist_group name) -> seconds it took in the last measured full run.
-MODULE_SECONDS: dict[str, float] = {}
+#: unit (module path, or xdist_group name) -> seconds in the full run of 2026-11-29 (-n 2, 28:41, units
+#: of 20 s or more; `python -m tests._schedule DURATIONS.txt` prints a new table from a --durations=0 run).
+MODULE_SECONDS: dict[str, float] = {
+    "tests/test_readme_walkthrough.py": 465,
+    "tests/test_zero3_resume.py": 261,
+    "tests/test_autopreflight_resume.py": 195,
+    "slurm": 186,
+    "tests/test_smoke_presets.py": 173,
+    "tests/test_smoke.py": 108,
+    "tests/test_zero3_writer.py": 99,
+    "tests/test_export.py": 90,
+    "tests/test_hostile_env.py": 69,
+    "tests/test_silent_hangs.py": 66,
+    "tests/test_preflight.py": 64,
+    "tests/test_launch_pdsh.py": 57,
+    "tests/test_zero12_writer.py": 53,
+    "tests/test_reshard_zero2.py": 53,
+    "tests/test_convert_names_precision.py": 50,
+    "tests/test_wheel.py": 49,
+    "tests/test_split_request.py": 49,
+    "tests/test_universal_source.py": 49,
+    "tests/test_resume_zero12_fp16_offload.py": 47,
+    "tests/test_reshard_parallel.py": 46,
+    "tests/test_estimate_engines.py": 44,
+    "tests/test_convert_fsdp_to_zero3.py": 44,
+    "tests/test_hf_callback.py": 43,
+    "tests/test_spawn.py": 40,
+    "tests/test_resume_zero12_sources.py": 37,
+    "tests/test_atomic_deepspeed.py": 37,
+    "tests/test_fsdp1_sources.py": 35,
+    "tests/test_fsdp_dcp.py": 31,
+    "tests/test_convert_universal.py": 30,
+    "tests/test_launch.py": 29,
+    "tests/test_convert_zero3_to_fsdp.py": 26,
+    "tests/test_gpu_truth.py": 26,
+    "tests/test_resume_zero12.py": 26,
+    "tests/test_trainer_checkpoint.py": 24,
+    "tests/test_fsdp1_bins.py": 24,
+    "tests/test_inspect.py": 23,
+    "tests/test_estimate.py": 23,
+    "tests/test_partial_offload.py": 22,
+    "tests/test_peft_lora.py": 22,
+    "tests/test_export_architectures.py": 22,
+    "tests/test_real_optimizers.py": 21,
+    "tests/test_reshard_carries_files.py": 20,
+}
 
 
 def unit_of(nodeid: str) -> str:
@@ -78,4 +122,4 @@ if __name__ == "__main__":  # python -m tests._schedule DURATIONS.txt: a new MOD
     seconds = unit_seconds(Path(sys.argv[1]).read_text())
     for unit, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
         if s >= 10:
-            print(f"    {unit!r}: {s:.0f},")
+            print(f'    "{unit}": {s:.0f},')
