@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.ops.convert.names import DEEPSPEED_PREFIX, TORCH_WRAPPER_SEGMENTS, strip_wrapper_segments
 from shardkit.checkpoint.ops.export.model_spec import ModelSpec
 from shardkit.core.errors import CheckpointError
 
-DEEPSPEED_PREFIX = "module."
-WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 #: Name parts only PEFT adapters have (``lora_A``/``lora_B`` of LoRA layers, their dropout/magnitude).
 ADAPTER_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 
@@ -34,9 +33,7 @@ class Matched:
 
 
 def _clean(name: str, strip_module: bool) -> str:
-    if strip_module:
-        name = name[len(DEEPSPEED_PREFIX):]
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+    return strip_wrapper_segments(name[len(DEEPSPEED_PREFIX):] if strip_module else name)
 
 
 def normalize(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> tuple[dict[str, SourceTensor], dict[str, str], list[str]]:
@@ -54,7 +51,7 @@ def normalize(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> tupl
     notes = [f"removed DeepSpeed's '{DEEPSPEED_PREFIX}' prefix from every name (the model was wrapped before "
              "deepspeed.initialize)"] if strip else []
     if any(n != _clean(n, False) for n in names):
-        notes.append(f"removed torch wrapper segments ({', '.join(WRAPPER_SEGMENTS)}) from names")
+        notes.append(f"removed torch wrapper segments ({', '.join(TORCH_WRAPPER_SEGMENTS)}) from names")
     return out, new_aliases, notes
 
 
