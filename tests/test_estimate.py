@@ -295,5 +295,9 @@ def test_issue_4527_accounting():
 @pytest.mark.slow
 def test_a_hub_id_that_cannot_be_fetched_says_how_to_go_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: another test of this worker imported it
+    # already, and the environment variable alone then left 23 s of retries (1+2+4+8+8 s) to a test of one message
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError, match=r"--model org/not-here: not a local path.*Download its config\.json"):
         model_shape("org/not-here")
