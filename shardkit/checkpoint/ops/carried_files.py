@@ -25,15 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardkit.checkpoint.hf_trainer.rng_files import ACCELERATE_RNG, TRAINER_RNG, RngPlan, plan_rng_files
+from shardkit.checkpoint.layout.detect import LATEST_UNIVERSAL
 from shardkit.checkpoint.zero3.files import RANK_FILE
 from shardkit.storage.atomic import fsync_dir, fsync_file
 from shardkit.storage.listing import list_folder
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.stream import copy_file_hashed
 from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, also_there, read_latest
-
-#: The pointer ``ds_to_universal`` writes beside ``latest``; it names a universal folder, never carried.
-LATEST_UNIVERSAL = "latest_universal"
 
 
 @dataclass
@@ -114,7 +112,7 @@ def plan_root_files(root: Path, tag: str, world_size: int) -> RootFiles:
             else:
                 out.not_carried.append(f"{name}/ (a folder nothing a resume loads is known to read; copy it "
                                        "yourself if your run reads it)")
-        elif name == LATEST_UNIVERSAL:
+        elif name == LATEST_UNIVERSAL:  # ds_to_universal's pointer names a universal folder, never carried
             out.not_carried.append(f"{name} (points to a universal checkpoint folder, which is not carried)")
         else:
             out.copies.append((name, name))

@@ -42,6 +42,7 @@ from shardkit.checkpoint.ops.verify_files import (
 )
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE, RANK_FILE
+from shardkit.checkpoint.zero12.files import MODEL_FILE as ZERO12_MODEL
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.core.findings import Finding, Report, Severity
 from shardkit.storage.links import LINK_OUTSIDE_FIX, link_outside_message, links_leaving, links_nowhere
@@ -49,8 +50,6 @@ from shardkit.storage.listing import list_folder, lists_source_once, walk
 from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.structure_observers import observe_structures, reusing_parses
 
-#: ZeRO-1/2's one model-states file (every rank's optimizer file beside it).
-ZERO12_MODEL = "mp_rank_00_model_states.pt"
 _TORCH_SUFFIXES = (".pt", ".bin", ".pth")
 _FSDP_PER_RANK = re.compile(r"^(pytorch_model_fsdp|optimizer)_(\d+)_rank(\d+)\.bin$")
 _FSDP_FULL = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?\.bin$")

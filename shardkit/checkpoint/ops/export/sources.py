@@ -21,7 +21,7 @@ from pathlib import Path
 from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME
 from shardkit.checkpoint.hf_trainer.folder import checkpoint_dirs
 from shardkit.checkpoint.hf_trainer.fsdp_files import fsdp_layout, per_rank_kind, read_by_shardkit, unread_why
-from shardkit.checkpoint.layout.torch_files import is_accelerate_state
+from shardkit.checkpoint.layout.torch_files import HF_WEIGHTS, is_accelerate_state
 from shardkit.checkpoint.ops.export.model_spec import CONFIG_NAME
 from shardkit.checkpoint.readers.fsdp1 import MODEL_FILE as FSDP_FULL_MODEL
 from shardkit.checkpoint.readers.universal import universal_tag_dir
@@ -36,9 +36,6 @@ COMPANION_FILES = (
     "added_tokens.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
     "merges.txt", "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
 )
-
-#: Weight files of a folder from_pretrained already loads.
-_FULL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 @dataclass
@@ -95,7 +92,7 @@ def resolve_source(path: str | Path) -> Source:
         return Source("dcp", p / tag, p, notes)
     if tag is None and is_accelerate_state(p):  # Accelerator.save_state in one process: readers.accelerate_state
         return Source("accelerate-state", p, p, notes)
-    full = [n for n in _FULL_WEIGHTS if (p / n).is_file()]
+    full = [n for n in HF_WEIGHTS if (p / n).is_file()]
     if full and tag is None and not any(RANK_FILE.match(e.name) for e in p.iterdir()):
         raise UsageError(f"{p}: holds full weights already ({', '.join(full)}: a save_pretrained folder, or a Trainer "
                          "checkpoint saved without DeepSpeed or sharded FSDP): from_pretrained loads it as it is; "
