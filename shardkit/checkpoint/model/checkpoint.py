@@ -23,6 +23,9 @@ from typing import Any
 
 from shardkit.checkpoint.model.tensors import SourceTensor, refuse_uncovered
 
+FP32 = "fp32"
+"""Pseudo state key of the fp32 masters (a trainable parameter's ``weights`` entry) beside its optimizer states."""
+
 
 @dataclass
 class TrainingCheckpoint:
@@ -56,6 +59,10 @@ class TrainingCheckpoint:
     def trainable(self) -> list[str]:
         """Names of the trainable parameters, in model order."""
         return [n for n in self.weights if n not in self.frozen and n not in self.buffers]
+
+    def tensor(self, name: str, key: str) -> SourceTensor:
+        """Parameter ``name``'s masters (``key`` ``FP32``) or its optimizer state ``key``."""
+        return self.weights[name] if key == FP32 else self.optimizer[name][key]
 
     def all_tensors(self) -> Iterator[tuple[str, SourceTensor]]:
         """Every tensor with what it is: the weights by name, each optimizer state as ``exp_avg of 'w'``."""

@@ -10,17 +10,22 @@ Most readers store the pieces as a list. A layout that splits every tensor over 
 gives a ``Pieces`` instead: each piece computed from the layout when asked for, so a process holds
 no ranks x tensors list, and ``SourceTensor.pieces_in`` of an element window costs only the pieces
 of the ranks overlapping it.
+
+What needs a tensor's values in memory (a resume's partitions, a writer's torch route) reads them here
+(``read_into``, ``read_slice``): only the bytes of the window asked for, straight into the tensor.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, overload
 
 from shardkit.core.errors import CheckpointError
+from shardkit.core.files import regular_fd
 from shardkit.storage.torch_load import ITEMSIZE
 
 if TYPE_CHECKING:
@@ -155,6 +160,53 @@ class SourceTensor:
         if pos > self.numel:
             return f"its pieces hold {pos:,} elements where the tensor has {self.numel:,}"
         return None
+
+
+#: What a piece's file that ends before the piece's bytes is told to do, unless the caller says otherwise.
+CUT_SHORT_FIX = ("the file was cut short after it was read (a copy still running?). Re-copy it, or resume from the "
+                 "previous checkpoint")
+
+
+def read_into(t: SourceTensor, lo: int, out: "torch.Tensor", fix: str = CUT_SHORT_FIX) -> None:
+    """Elements ``[lo, lo + out.numel())`` of ``t`` (flattened) into ``out`` (1-D, contiguous, CPU): its
+    pieces' bytes read straight into ``out`` (no intermediate buffer, which made the first ZeRO-3 resume
+    5x slower than the memory-mapped reader it replaced), read and cast where ``out`` has another dtype,
+    through ``t.load`` where a loader holds it. CheckpointError naming the file for one that ends early
+    (``fix``: what to do), and for elements no piece holds."""
+    import torch
+
+    if t.load is not None:
+        out.copy_(t.load().reshape(-1)[lo:lo + out.numel()])
+        return
+    if str(out.dtype).removeprefix("torch.") != t.dtype:
+        out.copy_(read_slice(t, lo, lo + out.numel(), fix))
+        return
+    view = memoryview(out.view(torch.uint8).numpy().data)
+    size, done = out.element_size(), 0
+    for piece in t.pieces_in(lo, lo + out.numel()):
+        at, want, got = (piece.start - lo) * size, piece.numel * size, 0
+        fd = regular_fd(piece.file)
+        try:
+            while got < want and (n := os.preadv(fd, [view[at + got:at + want]], piece.offset + got)) > 0:
+                got += n
+        finally:
+            os.close(fd)
+        if got != want:
+            raise CheckpointError(f"{piece.file}: ends {want - got} byte(s) before the {want} bytes of {t.name} at "
+                                  f"offset {piece.offset} the layout places there: {fix}")
+        done += want
+    if done != out.numel() * size:
+        raise CheckpointError(f"{t.name}: elements [{lo}, {lo + out.numel()}) are not all in the rank files' pieces "
+                              "(an internal error of the ZeRO-3 layout; please report it with the folder's listing)")
+
+
+def read_slice(t: SourceTensor, lo: int, hi: int, fix: str = CUT_SHORT_FIX) -> "torch.Tensor":
+    """Elements ``[lo, hi)`` of ``t`` (flattened) as a new tensor of its dtype (``read_into``)."""
+    import torch
+
+    out = torch.empty(hi - lo, dtype=getattr(torch, t.dtype))
+    read_into(t, lo, out, fix)
+    return out
 
 
 def box_fault(shape: tuple[int, ...], boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.model.checkpoint import FP32, TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import SourceTensor, read_slice
 from shardkit.checkpoint.ops.cpu_adam_kernel import restore_cpu_adam_kernel_state
 from shardkit.checkpoint.ops.resume_state import (
     Zero3LoadResult,
@@ -45,7 +45,6 @@ from shardkit.checkpoint.ops.resume_state import (
 )
 from shardkit.checkpoint.readers.zero12 import Zero12Layout, read_zero12, zero12_layout
 from shardkit.checkpoint.readers.zero12_run_state import base_optimizer_state, model_states, optim_states
-from shardkit.checkpoint.writers.zero3 import read_slice
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_listed
 from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, client_state_keys
 from shardkit.checkpoint.zero12.files import MODEL_FILE, is_zero12_folder
@@ -359,7 +358,7 @@ def _rank_state(opt: Any, ckpt: TrainingCheckpoint, shares: list[_Share], src: d
             # partition-sized tensors (exp_avg, exp_avg_sq ...) are rebuilt for this rank, the rest kept (step)
             entry[key] = _flat(ckpt, share, key, value.dtype) if described and torch.is_tensor(value) else value
         state[share.group] = entry
-        fp32.append(_flat(ckpt, share, "fp32", torch.float32)[:share.size - share.padding])
+        fp32.append(_flat(ckpt, share, FP32, torch.float32)[:share.size - share.padding])
     groups = [{**group, "params": [g]} for g, group in enumerate(src_base["param_groups"])]
     base = {"state": state, "param_groups": groups}
     fit_to_current_optimizer({"optimizer_state_dict": base}, opt)
@@ -379,7 +378,7 @@ def _rank_state(opt: Any, ckpt: TrainingCheckpoint, shares: list[_Share], src: d
 
 
 def _flat(ckpt: TrainingCheckpoint, share: _Share, key: str, dtype: "torch.dtype") -> "torch.Tensor":
-    """``key`` (``fp32`` for the masters) of this rank's partition: the byte ranges of the parameters in it,
+    """``key`` (``FP32`` for the masters) of this rank's partition: the byte ranges of the parameters in it,
     zeros in the padding."""
     import torch
 
@@ -389,7 +388,7 @@ def _flat(ckpt: TrainingCheckpoint, share: _Share, key: str, dtype: "torch.dtype
         lo, hi = max(share.start, offset), min(end, offset + numel)
         if lo >= hi:
             continue
-        source = ckpt.weights[name] if key == "fp32" else ckpt.optimizer[name][key]
+        source = ckpt.tensor(name, key)
         if source.load is None and _held(source, lo - offset, hi - offset) != hi - lo:
             # read_slice leaves zeros where no piece is: a file this rank did not parse (_source_ranks missed it)
             raise CheckpointError(f"{ckpt.folder}: elements [{lo - offset}, {hi - offset}) of {key} of {name} are not "

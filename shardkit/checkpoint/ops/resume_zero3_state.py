@@ -1,30 +1,32 @@
 """A resuming ZeRO-3 rank's two dicts at the engine's layout, as DeepSpeed's loaders take them: its
 flat partitions (fp32 masters, per-element optimizer state, frozen fragments) read through the checkpoint
-model (``readers.zero3``: each parameter's byte ranges, ``read_slice``), around the run state of the
+model (``readers.zero3``: each parameter's byte ranges, ``model.tensors.read_into``), around the run state of the
 saved rank whose values it takes (``readers.zero3_run_state``: its own at the saved world size, rank 0's
 at another).
 
 Each new partition is the elements ``[r * p, (r + 1) * p)`` of every parameter it holds (``p = ceil(numel
 / world)``), wherever the saved ranks kept them, and zeros in the padding; only the byte ranges it
-needs are read, straight into the partition (``_read_into``: no intermediate buffer, which made the
-first version of this path 5x slower than the memory-mapped reader it replaced), so memory stays
-near this rank's own partitions.
+needs are read, straight into the partition (``repartition.read_partition``), so memory stays near
+this rank's own partitions.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import SourceTensor
 from shardkit.checkpoint.readers.zero3_run_state import model_states, optim_states, saved_state
-from shardkit.checkpoint.zero3.checkpoint import FP32, Zero3Checkpoint
-from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
-from shardkit.checkpoint.zero3.repartition import TargetLayout, new_model_dict, new_optimizer_state, optim_dict
+from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
+from shardkit.checkpoint.zero3.repartition import (
+    TargetLayout,
+    new_model_dict,
+    new_optimizer_state,
+    optim_dict,
+    read_fragment,
+    read_partition,
+)
 from shardkit.core.errors import CheckpointError
-from shardkit.core.files import regular_fd
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +40,7 @@ def model_state_for_rank(ckpt: Zero3Checkpoint, model: TrainingCheckpoint, layou
 
     sd = model_states(ckpt, rank if layout.world_size == ckpt.world_size else 0)
     return new_model_dict(sd, layout, torch.Size, list(ckpt.frozen_param_shapes),
-                          lambda name: _frozen_fragment(model.weights[name], layout.world_size, rank))
+                          lambda name: read_fragment(model.weights[name], layout.world_size, rank))
 
 
 def optim_state_for_rank(ckpt: Zero3Checkpoint, model: TrainingCheckpoint, layout: TargetLayout,
@@ -56,70 +58,14 @@ def optim_state_for_rank(ckpt: Zero3Checkpoint, model: TrainingCheckpoint, layou
 
     def carry(j: int, first: int, k: str, v: Any) -> Any:
         if k in ckpt.state_keys:
-            return new_partition(model, layout, rank, j, k)
+            return read_partition(layout, rank, j, lambda name: model.tensor(name, k))
         if torch.is_tensor(v) and v.numel() > 1 and not _same_partition(ckpt, layout, j):
             raise CheckpointError(_unmappable_state_message(ckpt, layout, first, j, k, v))
         return copy.deepcopy(v)
 
     state = new_optimizer_state(saved_state(optim0), layout, carry)
-    fp32 = [new_partition(model, layout, rank, j, FP32) for j in range(len(layout.sub_groups))]
+    fp32 = [read_partition(layout, rank, j, lambda name: model.weights[name]) for j in range(len(layout.sub_groups))]
     return optim_dict(optim0, layout, state, fp32)
-
-
-def new_partition(model: TrainingCheckpoint, layout: TargetLayout, rank: int, sub_group: int,
-                  key: str) -> "torch.Tensor":
-    """New rank ``rank``'s flat ``key`` tensor of ``sub_group`` (``FP32`` for the masters, or a per-element
-    optimizer state), in the saved dtype, the padding zeroed."""
-    import torch
-
-    params = layout.sub_groups[sub_group]
-    sources = [model.weights[tp.source.name] if key == FP32 else model.optimizer[tp.source.name][key]
-               for tp in params]
-    dtype = getattr(torch, sources[0].dtype) if sources else torch.float32
-    # empty, not zeros: every element is read below or is padding zeroed here (zero-filling gigabytes
-    # first costs a page-faulting pass of its own)
-    out = torch.empty(layout.sub_group_numel(sub_group), dtype=dtype)
-    for tp, source in zip(params, sources):
-        lo, hi = tp.rank_range(rank)
-        _read_into(source, lo, out.narrow(0, tp.offset, hi - lo))
-        out.narrow(0, tp.offset + hi - lo, tp.partition_numel - (hi - lo)).zero_()
-    return out
-
-
-def _read_into(t: SourceTensor, lo: int, out: "torch.Tensor") -> None:
-    """Elements ``[lo, lo + out.numel())`` of ``t`` (flattened), read from its pieces straight into ``out``
-    (1-D, contiguous, ``t``'s dtype)."""
-    import torch
-
-    view = memoryview(out.view(torch.uint8).numpy().data)
-    size, done = out.element_size(), 0
-    for piece in t.pieces_in(lo, lo + out.numel()):
-        at, want, got = (piece.start - lo) * size, piece.numel * size, 0
-        fd = regular_fd(piece.file)
-        try:
-            while got < want and (n := os.preadv(fd, [view[at + got:at + want]], piece.offset + got)) > 0:
-                got += n
-        finally:
-            os.close(fd)
-        if got != want:
-            raise CheckpointError(f"{piece.file}: ends {want - got} byte(s) before the {want} bytes of {t.name} at "
-                                  f"offset {piece.offset} the layout places there: the file was cut short after it "
-                                  "was read (a copy still running?). Re-copy it, or resume from the previous checkpoint")
-        done += want
-    if done != out.numel() * size:
-        raise CheckpointError(f"{t.name}: elements [{lo}, {lo + out.numel()}) are not all in the rank files' pieces "
-                              "(an internal error of the ZeRO-3 layout; please report it with the folder's listing)")
-
-
-def _frozen_fragment(full: SourceTensor, world_size: int, rank: int) -> "torch.Tensor":
-    """Rank ``rank``'s ZeRO-3 fragment of a frozen parameter at ``world_size`` ranks, the tail zeroed."""
-    import torch
-
-    pn = partition_numel(full.numel, world_size)
-    out = torch.zeros(pn, dtype=getattr(torch, full.dtype))
-    start, stop = rank_range(rank, pn, full.numel)
-    _read_into(full, start, out.narrow(0, 0, stop - start))
-    return out
 
 
 def _same_partition(ckpt: Zero3Checkpoint, layout: TargetLayout, j: int) -> bool:

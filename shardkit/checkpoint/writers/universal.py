@@ -24,7 +24,6 @@ Tensors are read one at a time from their source pieces (memory: the largest ten
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from importlib import metadata
@@ -34,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 from shardkit.checkpoint.layout.deepspeed_files import UNIVERSAL_FOLDER
 from shardkit.checkpoint.layout.detect import LATEST_UNIVERSAL
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.model.tensors import SourceTensor, read_slice
 from shardkit.core.errors import CheckpointError
-from shardkit.core.files import open_regular
 from shardkit.storage.atomic import atomic_save, publish_dir, signals_deferred, write_latest
 from shardkit.storage.shared_save import OWNER_NAME, claim, launch_from_env, remove_own_claim
 
@@ -181,21 +179,5 @@ def _ds_version(ckpt: TrainingCheckpoint) -> str:
 
 def _load(t: SourceTensor, dtype: "torch.dtype | None") -> "torch.Tensor":
     """The whole tensor ``t`` from its pieces (or its loader), as ``dtype`` when given."""
-    import torch
-
-    if t.load is not None:
-        value = t.load()
-    else:
-        source_dtype = getattr(torch, t.dtype)
-        flat = torch.empty(t.numel, dtype=source_dtype)
-        size = flat.element_size()
-        for p in t.pieces:
-            with open_regular(p.file) as fh:
-                fh.seek(p.offset)
-                raw = bytearray(fh.read(p.numel * size))
-            if len(raw) != p.numel * size:
-                raise CheckpointError(f"{p.file}: ends before {t.name}'s piece at byte {p.offset} "
-                                      f"({p.numel} elements); the file is truncated. Nothing was written")
-            flat[p.start:p.start + p.numel] = torch.frombuffer(raw, dtype=source_dtype)
-        value = flat.view(t.shape) if math.prod(t.shape) == t.numel else flat
+    value = read_slice(t, 0, t.numel, "the file is truncated. Nothing was written").reshape(t.shape)
     return value.to(dtype) if dtype is not None else value

@@ -37,17 +37,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import SourceTensor
-from shardkit.checkpoint.writers.zero3 import (
-    ADAM_STATE_KEYS,
-    LOSS_SCALER,
-    ZERO_STAGE,
-    TargetOptimizer,
-    read_slice,
-    tensor_segments,
-)
+from shardkit.checkpoint.model.checkpoint import FP32, TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import SourceTensor, read_slice
+from shardkit.checkpoint.writers.zero3 import ADAM_STATE_KEYS, LOSS_SCALER, ZERO_STAGE, TargetOptimizer, tensor_segments
 from shardkit.checkpoint.zero3.files import OPTIM_FILE
+from shardkit.checkpoint.zero3.layout import append_segment
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY, tensor_from_ref
 from shardkit.core import progress
 from shardkit.core.errors import UsageError
@@ -66,8 +60,6 @@ _MODULE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: DeepSpeed's ``nccl_start_alignment_factor``: a group's flat buffer is padded to a multiple of this x world size.
 ALIGNMENT_FACTOR = 2
 FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
-FP32 = "fp32"
-"""The masters' key among a group's flat tensors (``single_partition_of_fp32_groups``)."""
 
 
 @dataclass(frozen=True)
@@ -179,21 +171,18 @@ class Zero12Files:
         """The optim files are written without torch (module doc)."""
         self.prefix = same.prefix if same is not None else ("bf16_" if target.precision == "bf16" else "")
 
-    def _tensor(self, name: str, key: str) -> SourceTensor:
-        return self.ckpt.weights[name] if key == FP32 else self.ckpt.optimizer[name][key]
-
     def _dtype(self, g: int, key: str) -> str:
         """The element type group ``g``'s flat ``key`` is written in: float32, or a same run's own."""
         names = self.target.group_params[g]
         if self.target.same_run is None or key == FP32 or not names:
             return "float32"
-        return self._tensor(names[0], key).dtype
+        return self.ckpt.tensor(names[0], key).dtype
 
     def _first_not_byte_ranges(self) -> str:
         for g, names in enumerate(self.target.group_params):
             for name in names:
                 for key in (FP32, *self.flat_keys[g]):
-                    t, dtype = self._tensor(name, key), self._dtype(g, key)
+                    t, dtype = self.ckpt.tensor(name, key), self._dtype(g, key)
                     if t.load is not None:
                         return f"{t.name} is read through a loader (its stored chunks are not byte ranges)"
                     if t.dtype != dtype:
@@ -239,7 +228,7 @@ class Zero12Files:
                 continue
             if lo > pos:
                 parts.append(lo - pos)
-            parts.append((self._tensor(name, key), lo - offset, hi - offset))
+            parts.append((self.ckpt.tensor(name, key), lo - offset, hi - offset))
             pos = hi
         if total > pos - start:
             parts.append(total - (pos - start))
@@ -251,11 +240,7 @@ class Zero12Files:
                 assert got is not None  # plain: every tensor is byte ranges (_first_not_byte_ranges)
                 for seg in got:
                     # neighbours in the buffer are neighbours in a source rank's file: one read, not one per parameter
-                    last = segs[-1] if segs else None
-                    if last is not None and last.path == seg.path and (seg.path is None or last.offset + last.nbytes == seg.offset):
-                        segs[-1] = Segment(last.path, last.offset, last.nbytes + seg.nbytes)
-                    else:
-                        segs.append(seg)
+                    append_segment(segs, seg.path, seg.offset, seg.nbytes)
             return NewTensor(dtype, total, segs)
         import torch  # lazy: the torch route only
 

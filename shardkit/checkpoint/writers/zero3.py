@@ -36,17 +36,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import SourceTensor, contiguous_strides
+from shardkit.checkpoint.model.checkpoint import FP32, TrainingCheckpoint
+from shardkit.checkpoint.model.tensors import SourceTensor, contiguous_strides, read_slice
 from shardkit.checkpoint.writers.dcp_format import is_plain
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import append_segment, partition_numel, rank_range
-from shardkit.checkpoint.zero3.repartition import TargetLayout
+from shardkit.checkpoint.zero3.repartition import TargetLayout, read_fragment, read_partition
 from shardkit.core import progress
 from shardkit.core.errors import UsageError
-from shardkit.core.files import open_regular
 from shardkit.platform.versions import package_version
 from shardkit.storage.manifest import FileEntry
 from shardkit.storage.pipeline import default_workers
@@ -55,11 +54,6 @@ from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, deepspee
 from shardkit.storage.torch_pickle import NewTensor, pickle_structure
 from shardkit.storage.torch_zip import write_torch_zip
 
-if TYPE_CHECKING:
-    import torch
-
-FP32 = "fp32"
-"""Pseudo state key: the fp32 masters (the checkpoint's weights of the trainable parameters)."""
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 ZERO_STAGE = "deepspeed.runtime.zero.config.ZeroStageEnum"
@@ -190,23 +184,6 @@ def _whole_ref(t: SourceTensor, key: str) -> TensorRef | None:
     return ref
 
 
-def read_slice(t: SourceTensor, lo: int, hi: int) -> "torch.Tensor":
-    """Elements ``[lo, hi)`` of ``t`` (flattened) as a tensor of its dtype (the torch route)."""
-    import torch  # lazy: the torch route only
-
-    if t.load is not None:
-        return t.load().reshape(-1)[lo:hi]
-    size = ITEMSIZE[t.dtype]
-    buf = bytearray((hi - lo) * size)
-    for p in t.pieces:
-        a, b = max(lo, p.start), min(hi, p.start + p.numel)
-        if b > a:
-            with open_regular(p.file) as fh:
-                fh.seek(p.offset + (a - p.start) * size)
-                buf[(a - lo) * size:(b - lo) * size] = fh.read((b - a) * size)
-    return torch.frombuffer(buf, dtype=getattr(torch, t.dtype)) if buf else torch.empty(0, dtype=getattr(torch, t.dtype))
-
-
 class RankStates:
     """Each output rank's two dicts, in the key order DeepSpeed 0.19.8 writes them (see module doc
     for the two routes; ``plain`` says which, decided here from the checkpoint's pieces)."""
@@ -242,9 +219,6 @@ class RankStates:
         self.param_shapes = [OrderedDict((self.name(tp.source.name), TorchSize(tp.source.shape)) for tp in sub)
                              for sub in self.layout.sub_groups]
 
-    def _tensor(self, name: str, key: str) -> SourceTensor:
-        return self.ckpt.weights[name] if key == FP32 else self.ckpt.optimizer[name][key]
-
     @property
     def torch_route_reason(self) -> str | None:
         """Why the torch route was taken (for the result's notes), None on the bytes route."""
@@ -255,7 +229,7 @@ class RankStates:
         return "buffers, Adam steps or param-group values are not stored as plain records"
 
     def _first_not_byte_ranges(self) -> str:
-        wanted = [(self._tensor(tp.source.name, key), "float32")
+        wanted = [(self.ckpt.tensor(tp.source.name, key), "float32")
                   for sub in self.layout.sub_groups for tp in sub for key in (FP32, *ADAM_STATE_KEYS)]
         wanted += [(self.ckpt.weights[n], self.module_dtype) for n in self.frozen]
         for t, dtype in wanted:
@@ -274,8 +248,7 @@ class RankStates:
     def _buffers(self) -> dict[str, Any]:
         if self.plain:
             return dict(self.buffer_refs)
-        return {n: self.ckpt.weights[n].load() if self.ckpt.weights[n].load is not None  # type: ignore[misc]
-                else read_slice(self.ckpt.weights[n], 0, self.ckpt.weights[n].numel).reshape(self.ckpt.weights[n].shape).clone()
+        return {n: read_slice(self.ckpt.weights[n], 0, self.ckpt.weights[n].numel).reshape(self.ckpt.weights[n].shape)
                 for n in self.buffers}
 
     def _empty(self) -> Any:
@@ -347,45 +320,27 @@ class RankStates:
         elements in the module's dtype, the last rank's tail zero), produced only when written: byte
         ranges where the source's dtype is the module's (a LoRA model whose weights are mostly frozen
         converts at the peak memory of a fully trained one), else its slice read and cast."""
-        t = self.ckpt.weights[name]
-        pn = partition_numel(t.numel, self.layout.world_size)
-        lo, hi = rank_range(rank, pn, t.numel)
-        segments = fragment_segments(t, rank, self.layout.world_size) if t.dtype == self.module_dtype else None
+        t, world = self.ckpt.weights[name], self.layout.world_size
+        pn = partition_numel(t.numel, world)
+        segments = fragment_segments(t, rank, world) if t.dtype == self.module_dtype else None
         if self.plain and segments is not None:
             return NewTensor(self.module_dtype, pn, segments)
         import torch  # lazy: the torch route only
 
         dtype = getattr(torch, self.module_dtype)
-
-        def produce() -> "torch.Tensor":
-            out = torch.zeros(pn, dtype=dtype)
-            if hi > lo:
-                out.narrow(0, 0, hi - lo).copy_(read_slice(t, lo, hi))
-            return out
-
-        return LazyTensor(pn, dtype, produce, segments=(lambda: segments) if segments is not None else None)
+        return LazyTensor(pn, dtype, partial(read_fragment, t, world, rank, dtype),
+                          segments=(lambda: segments) if segments is not None else None)
 
     def _flat(self, j: int, rank: int, key: str) -> Any:
         """Rank ``rank``'s flat ``key`` tensor of sub-group ``j``, written later: byte ranges of the
         source and zero runs when every slice is float32 there (copied through one 1 MiB buffer,
-        never built), else produced slice by slice (``_partition``)."""
-        segments = flat_segments(self.layout, j, rank, lambda name: self._tensor(name, key), "float32")
+        never built), else read and cast when it is written (``repartition.read_partition``)."""
+        tensor = partial(self.ckpt.tensor, key=key)
+        segments = flat_segments(self.layout, j, rank, tensor, "float32")
         numel = self.layout.sub_group_numel(j)
         if self.plain and segments is not None:
             return NewTensor("float32", numel, segments)
         import torch  # lazy: the torch route only
 
-        return LazyTensor(numel, torch.float32, partial(self._partition, j, rank, key),
+        return LazyTensor(numel, torch.float32, partial(read_partition, self.layout, rank, j, tensor, torch.float32),
                           segments=(lambda: segments) if segments is not None else None)
-
-    def _partition(self, j: int, rank: int, key: str) -> "torch.Tensor":
-        """Rank ``rank``'s flat ``key`` tensor (fp32) of sub-group ``j``: each parameter's
-        ``ceil(numel / N)`` slice in layout order, the last rank's tail zero-padded."""
-        import torch  # lazy: the torch route only
-
-        out = torch.zeros(self.layout.sub_group_numel(j), dtype=torch.float32)
-        for tp in self.layout.sub_groups[j]:
-            lo, hi = tp.rank_range(rank)
-            if hi > lo:
-                out.narrow(0, tp.offset, hi - lo).copy_(read_slice(self._tensor(tp.source.name, key), lo, hi))
-        return out

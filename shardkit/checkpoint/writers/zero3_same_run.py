@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.model.checkpoint import FP32, TrainingCheckpoint
 from shardkit.checkpoint.writers.zero3 import flat_segments, fragment_segments
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import partition_numel
@@ -80,13 +79,10 @@ class Zero3SameRun:
         model = [OutputFile(MODEL_FILE.format(rank=r), 0, functools.partial(self._build_model, r)) for r in ranks]
         return optim + model
 
-    def _partition(self, rank: int, sub_group: int, key: str | None, dtype: str) -> NewTensor:
-        """New rank ``rank``'s flat tensor of ``sub_group``: the masters (``key`` None) or the optimizer state
+    def _partition(self, rank: int, sub_group: int, key: str, dtype: str) -> NewTensor:
+        """New rank ``rank``'s flat tensor of ``sub_group``: the masters (``key`` ``FP32``) or the optimizer state
         ``key`` (``dtype`` on every rank: the reader checked), as source byte ranges and zero runs."""
-        def tensor(name: str) -> SourceTensor:
-            return self.ckpt.weights[name] if key is None else self.ckpt.optimizer[name][key]
-
-        segments = flat_segments(self.layout, sub_group, rank, tensor)
+        segments = flat_segments(self.layout, sub_group, rank, functools.partial(self.ckpt.tensor, key=key))
         assert segments is not None  # the ZeRO-3 reader's tensors are all pieces
         return NewTensor(dtype, self.layout.sub_group_numel(sub_group), segments)
 
@@ -100,7 +96,7 @@ class Zero3SameRun:
             return self._partition(rank, j, k, v.dtype) if k in per_element and isinstance(v, TensorRef) else v
 
         state = new_optimizer_state(src_state, layout, carry)
-        fp32 = [self._partition(rank, j, None, "float32") for j in range(len(layout.sub_groups))]
+        fp32 = [self._partition(rank, j, FP32, "float32") for j in range(len(layout.sub_groups))]
         return pickle_structure(optim_dict(optim0, layout, state, fp32))
 
     def _build_model(self, rank: int) -> Built:

@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardkit.checkpoint.model.checkpoint import FP32 as FP32  # the fp32 master partitions' key (fp32_flat_groups)
 from shardkit.checkpoint.zero3.layout import rank_range
-
-FP32 = "fp32"
-"""Pseudo state key for the fp32 master partitions (``fp32_flat_groups``)."""
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ size (``layout_of``, ``layout_from_names`` for a live engine's) and a new rank's
 rank 0's (``optim_dict``). Arithmetic on plain data: the partitions themselves are read through the
 checkpoint model (``readers.zero3``) by the in-process resume (``ops.resume_zero3_state``), ``reshard``
 and ``convert --to zero3`` (through the ZeRO-3 writers, each new rank's flat tensor as byte ranges of the
-source plus zero padding).
+source plus zero padding); where a partition is wanted in memory (the resume, a writer's torch route),
+``read_partition`` and ``read_fragment`` read it.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from shardkit.checkpoint.model.tensors import SourceTensor, read_into
 from shardkit.checkpoint.zero3.checkpoint import ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import DEFAULT_SUB_GROUP_SIZE, client_state_keys, partition_numel, rank_range
 from shardkit.config.paths import get
 from shardkit.core.errors import CheckpointError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 #: The most data-parallel ranks a layout is planned for (the largest DeepSpeed jobs run ~10^4 ranks).
 MAX_WORLD_SIZE = 1 << 17
@@ -208,3 +213,35 @@ def optim_dict(optim0: dict[str, Any], layout: TargetLayout, state: dict[int, di
             osd[k] = v
     out = {k: v for k, v in optim0.items() if k != "optimizer_state_dict"}
     return {"optimizer_state_dict": osd, **out}
+
+
+def read_partition(layout: TargetLayout, rank: int, sub_group: int, tensor: Callable[[str], SourceTensor],
+                   dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+    """New rank ``rank``'s flat tensor of ``sub_group``: each parameter's elements of ``tensor(name)`` (its masters
+    or one optimizer state) at its offset, the padding zeroed; in ``dtype``, else the first parameter's saved one."""
+    import torch
+
+    params = layout.sub_groups[sub_group]
+    sources = [tensor(tp.source.name) for tp in params]
+    if dtype is None:
+        dtype = getattr(torch, sources[0].dtype) if sources else torch.float32
+    # empty, not zeros: every element is read below or is padding zeroed here (zero-filling gigabytes
+    # first costs a page-faulting pass of its own)
+    out = torch.empty(layout.sub_group_numel(sub_group), dtype=dtype)
+    for tp, source in zip(params, sources):
+        lo, hi = tp.rank_range(rank)
+        read_into(source, lo, out.narrow(0, tp.offset, hi - lo))
+        out.narrow(0, tp.offset + hi - lo, tp.partition_numel - (hi - lo)).zero_()
+    return out
+
+
+def read_fragment(t: SourceTensor, world_size: int, rank: int, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+    """Rank ``rank``'s ZeRO-3 fragment of the frozen parameter ``t`` at ``world_size`` ranks (``ceil(numel /
+    world_size)`` elements, the last rank's tail zero), in ``dtype``, else its saved one."""
+    import torch
+
+    pn = partition_numel(t.numel, world_size)
+    out = torch.zeros(pn, dtype=dtype or getattr(torch, t.dtype))
+    start, stop = rank_range(rank, pn, t.numel)
+    read_into(t, start, out.narrow(0, 0, stop - start))
+    return out
