@@ -53,6 +53,7 @@ from shardkit.checkpoint.ops.carried_files import (
     tag_files_not_carried,
 )
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
+from shardkit.checkpoint.ops.convert.result import WrittenCheckpoint
 from shardkit.checkpoint.ops.reshard_source import PlannedReshard
 from shardkit.checkpoint.ops.reshard_zero3 import plan_zero3_reshard
 from shardkit.checkpoint.ops.reshard_zero12 import plan_zero12_reshard, write_hashing_sources
@@ -85,44 +86,16 @@ from shardkit.storage.torch_zip import RecordData, write_torch_zip
 RESHARD = Activity("the reshard", "re-run the reshard", "publish the reshard of", "reshard another tag")
 
 
-@dataclass
-class ReshardResult:
-    """What ``reshard_checkpoint`` wrote."""
+@dataclass(kw_only=True)
+class ReshardResult(WrittenCheckpoint):
+    """What ``reshard_checkpoint`` wrote (``carried``/``not_carried``: the source root's files beside the tag)."""
 
-    output: Path
-    """The new checkpoint root (holds ``latest``)."""
-    tag: str
-    world_size: int
-    source_world_size: int
     files: list[Path]
-    bytes: int
     manifest: Path | None
-    notes: list[str] = field(default_factory=list)
-    """Things the user should know (client_state taken from rank 0 ...)."""
-    verified: str = "hash"
-    """How the source was checked before it was read: 'hash' (sizes and digests), 'sizes' (--no-verify) or
-    'none' (no manifest)."""
     copied_unchanged: bool = False
     """Same world size and sub-groups as the source: the rank files were copied byte for byte."""
-    rank: int = 0
-    """This process's share (under srun/torchrun; 0 alone)."""
-    processes: int = 1
-    """Processes that wrote the files (under srun/torchrun; 1 alone)."""
-    share_files: int = 0
-    """Files this process wrote."""
-    share_bytes: int = 0
-    """Bytes this process wrote."""
-    workers: int = 1
-    """Writer threads this process ran."""
-    launcher: str = "single process"
     ds_config: dict[str, Any] = field(default_factory=dict)
     """The DeepSpeed config the source recorded (the new rank files record it unchanged)."""
-    carried: list[str] = field(default_factory=list)
-    """Files of the source root beside the tag copied into the output root (``a -> b``: an RNG file renamed for
-    its rank), e.g. Accelerate's random_states_<process>.pkl, scheduler.bin; ``carried_files`` decides."""
-    not_carried: list[str] = field(default_factory=list)
-    """``name (why)`` for every entry of the source the output does not hold (other tags, RNG files of ranks that
-    do not exist any more, folders, links); never dropped without a word."""
 
 
 @os_errors_named("resharding the checkpoint")
