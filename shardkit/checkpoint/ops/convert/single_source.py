@@ -17,7 +17,6 @@ from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.core.errors import CheckpointError, UsageError
 from shardkit.storage.pipeline import SourceCheck, check_output_root, output_tag, verify_before_reading
 from shardkit.storage.shared_save import launch_from_env
-from shardkit.storage.verify import refuse_links_leaving
 
 
 @dataclass
@@ -62,8 +61,7 @@ def open_source(source: str | Path, output: str | Path, *, target: str, label: s
     out_tag = output_tag(tag, source, tag_dir, tag_dir.name)
     root = Path(output)
     check_output_root(root, out_tag, tag_dir, force=force)
-    checked = verify_before_reading(tag_dir, checksums=verify)
-    refuse_links_leaving(tag_dir, "convert")
+    checked = verify_before_reading(tag_dir, checksums=verify)  # also refuses a link out of it, manifest or not
     for note in checked.warnings:
         warn(note)
     ckpt = read_checkpoint(found.kind, tag_dir)

@@ -101,9 +101,7 @@ def convert_to_dcp(
     if launch.rank == 0:
         check_output_root(root, tag, source_dir, force=force)
     # sizes now; the digests of the source (this process's share) while the output is written
-    checked = verify_before_reading(source_dir, checksums=False)
-    # a folder without a manifest is not verified: a link out of it must still never be read
-    refuse_links_leaving(source_dir, "convert")
+    checked = verify_before_reading(source_dir, checksums=False)  # also refuses a link out of it, manifest or not
     verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
     if launch.rank == 0:
         for note in checked.warnings:

@@ -67,7 +67,6 @@ from shardkit.storage.request import RunRequest, source_of
 from shardkit.storage.shared_save import Launch, launch_from_env, outcome_unchanged
 from shardkit.storage.shared_tag import signatures, write_tag_shared
 from shardkit.storage.staged_save import atomic_checkpoint
-from shardkit.storage.verify import refuse_links_leaving
 
 
 @os_errors_named("converting the checkpoint")
@@ -139,11 +138,9 @@ def convert_to_zero3(
         sub_group_size = int(options["sub_group_size"])
         if sub_group_size < 1:
             raise UsageError(f"sub_group_size {sub_group_size}: must be at least 1")
-    # One process: every digest before anything is read. Several (srun/torchrun): sizes and the
-    # small files now, each process's share of the large ones' digests while the files are written.
+    # One process: every digest before anything is read. Several (srun/torchrun): sizes and the small files
+    # now, each process's share of the large ones' digests while the files are written. A link out: refused.
     checked = verify_before_reading(tag_dir, checksums=verify and not launch.distributed)
-    # a folder without a manifest is not verified: a link out of it must still never be read
-    refuse_links_leaving(tag_dir, "convert")
     if launch.rank == 0:
         for note in checked.warnings:
             if not (verify and launch.distributed and note.startswith("--no-verify")):
