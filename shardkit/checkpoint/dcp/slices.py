@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, StorageInfo, read_plain_metadata
-from shardkit.checkpoint.model.tensors import contiguous_strides
+from shardkit.checkpoint.model.tensors import Piece, SourceTensor, contiguous_strides, same_bytes
 from shardkit.core.files import open_regular, regular_fd
 from shardkit.storage.torch_load import ITEMSIZE, STORAGE_DTYPES, TensorRef
 from shardkit.storage.torch_zip import pread_exact
@@ -189,7 +189,6 @@ class DcpSlices:
         self.md = md if md is not None else read_plain_metadata(tag_dir / METADATA_NAME)
         self._chunks: dict[str, list[_Chunk] | None] = {}
         self._fds: dict[Path, int] = {}
-        self.bytes_read = 0
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -275,7 +274,6 @@ class DcpSlices:
             fd = self._fds[path] = regular_fd(path)
         data = bytearray(ref.numel * ref.itemsize)
         pread_exact(fd, memoryview(data), ref.file_offset, path, ref.key)
-        self.bytes_read += len(data)
         return bytes(data)
 
     def scalar(self, ref: TensorRef) -> float | None:
@@ -309,22 +307,13 @@ class DcpSlices:
             return False, None
 
     def same_bytes(self, a: str, b: str) -> bool | None:
-        """Tensors ``a`` and ``b`` hold the same bytes (a tied weight); None when either is not
-        directly readable. Compared 16 MiB at a time."""
+        """Tensors ``a`` and ``b`` hold the same bytes (a tied weight: ``model.tensors.same_bytes``); None
+        when either is not directly readable."""
         ca, cb, ma, mb = self.chunks(a), self.chunks(b), self.md.tensors.get(a), self.md.tensors.get(b)
         if ca is None or cb is None or ma is None or mb is None:
             return None
-        if (ma.dtype, ma.size) != (mb.dtype, mb.size):
-            return False
-        elsize, step, total = ITEMSIZE[ma.dtype], (16 * 2**20) // ITEMSIZE[ma.dtype], math.prod(ma.size)
-        for start in range(0, total, step):
-            n = min(step, total - start)
-            x, y = bytearray(n * elsize), bytearray(n * elsize)
-            self._read(a, ca, start, memoryview(x))
-            self._read(b, cb, start, memoryview(y))
-            if x != y:
-                return False
-        return True
+        return same_bytes(*(SourceTensor(key, m.dtype, m.size, [Piece(c.file, c.data_offset, c.start, c.numel) for c in cs])
+                            for key, m, cs in ((a, ma, ca), (b, mb, cb))))
 
     def read_into(self, key: str, start: int, out: "torch.Tensor") -> bool:
         """Elements ``[start, start + out.numel())`` of tensor ``key`` (flattened) into ``out``
@@ -351,4 +340,3 @@ class DcpSlices:
                 fd = self._fds[ch.file] = regular_fd(ch.file)
             dst = view[(a - start) * elsize:(b - start) * elsize]
             pread_exact(fd, dst, ch.data_offset + (a - ch.start) * elsize, ch.file, key)
-            self.bytes_read += len(dst)

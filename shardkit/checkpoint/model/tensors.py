@@ -169,21 +169,26 @@ CUT_SHORT_FIX = ("the file was cut short after it was read (a copy still running
 
 def read_into(t: SourceTensor, lo: int, out: "torch.Tensor", fix: str = CUT_SHORT_FIX) -> None:
     """Elements ``[lo, lo + out.numel())`` of ``t`` (flattened) into ``out`` (1-D, contiguous, CPU): its
-    pieces' bytes read straight into ``out`` (no intermediate buffer, which made the first ZeRO-3 resume
-    5x slower than the memory-mapped reader it replaced), read and cast where ``out`` has another dtype,
-    through ``t.load`` where a loader holds it. CheckpointError naming the file for one that ends early
-    (``fix``: what to do), and for elements no piece holds."""
+    pieces' bytes read straight into ``out`` (``read_bytes``: no intermediate buffer, which made the first
+    ZeRO-3 resume 5x slower than the memory-mapped reader it replaced), read and cast where ``out`` has
+    another dtype, through ``t.load`` where a loader holds it."""
     import torch
 
     if t.load is not None:
         out.copy_(t.load().reshape(-1)[lo:lo + out.numel()])
-        return
-    if str(out.dtype).removeprefix("torch.") != t.dtype:
+    elif str(out.dtype).removeprefix("torch.") != t.dtype:
         out.copy_(read_slice(t, lo, lo + out.numel(), fix))
-        return
-    view = memoryview(out.view(torch.uint8).numpy().data)
-    size, done = out.element_size(), 0
-    for piece in t.pieces_in(lo, lo + out.numel()):
+    else:
+        read_bytes(t, lo, memoryview(out.view(torch.uint8).numpy().data), fix)
+
+
+def read_bytes(t: SourceTensor, lo: int, view: memoryview, fix: str = CUT_SHORT_FIX) -> None:
+    """The bytes of elements ``[lo, lo + len(view) // itemsize)`` of ``t``, from its pieces into ``view`` (no
+    torch). CheckpointError naming the file for one that ends early (``fix``: what to do), and for elements
+    no piece holds."""
+    size, done = ITEMSIZE[t.dtype], 0
+    hi = lo + len(view) // size
+    for piece in t.pieces_in(lo, hi):
         at, want, got = (piece.start - lo) * size, piece.numel * size, 0
         fd = regular_fd(piece.file)
         try:
@@ -195,9 +200,27 @@ def read_into(t: SourceTensor, lo: int, out: "torch.Tensor", fix: str = CUT_SHOR
             raise CheckpointError(f"{piece.file}: ends {want - got} byte(s) before the {want} bytes of {t.name} at "
                                   f"offset {piece.offset} the layout places there: {fix}")
         done += want
-    if done != out.numel() * size:
-        raise CheckpointError(f"{t.name}: elements [{lo}, {lo + out.numel()}) are not all in the rank files' pieces "
+    if done != len(view):
+        raise CheckpointError(f"{t.name}: elements [{lo}, {hi}) are not all in the rank files' pieces "
                               "(an internal error of the ZeRO-3 layout; please report it with the folder's listing)")
+
+
+def same_bytes(a: SourceTensor, b: SourceTensor) -> bool:
+    """``a`` and ``b`` hold the same bytes (a tied weight saved under two names): the same dtype and shape,
+    every element stored and equal, compared 16 MiB at a time; False where either is empty, not fully
+    stored (its reader's refusal says so later) or held by a loader (not compared)."""
+    if ((a.dtype, a.shape) != (b.dtype, b.shape) or not a.numel or a.load is not None or b.load is not None
+            or not (a.covered() and b.covered())):
+        return False
+    size = ITEMSIZE[a.dtype]
+    step = (16 * 2**20) // size
+    for lo in range(0, a.numel, step):
+        x, y = bytearray(min(step, a.numel - lo) * size), bytearray(min(step, a.numel - lo) * size)
+        read_bytes(a, lo, memoryview(x))
+        read_bytes(b, lo, memoryview(y))
+        if x != y:
+            return False
+    return True
 
 
 def read_slice(t: SourceTensor, lo: int, hi: int, fix: str = CUT_SHORT_FIX) -> "torch.Tensor":

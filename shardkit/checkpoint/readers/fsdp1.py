@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME, DcpMetadata, read_plain_metadata
 from shardkit.checkpoint.dcp.slices import DcpSlices
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
-from shardkit.checkpoint.model.tensors import Piece, SourceTensor
+from shardkit.checkpoint.model.tensors import Piece, SourceTensor, same_bytes
 from shardkit.checkpoint.readers.dcp import dcp_tensor, dcp_tensors
 from shardkit.checkpoint.readers.deepspeed_scalars import step_value
 from shardkit.core.errors import CheckpointError
-from shardkit.core.files import open_regular
-from shardkit.storage.torch_load import ITEMSIZE, TensorRef, read_structure
+from shardkit.storage.torch_load import TensorRef, read_structure
 
 #: accelerate's ``FSDP_MODEL_NAME``/``OPTIMIZER_NAME`` (``utils/constants.py``).
 MODEL_FILE = "pytorch_model_fsdp.bin"
@@ -59,11 +58,7 @@ def read_fsdp1_sharded(model_dir: Path) -> TrainingCheckpoint:
     optim_dir = model_dir.parent / f"{_OPTIM_ROOT}_{m.group(1) if m else 0}"
     if (optim_dir / METADATA_NAME).exists():
         _read_dcp_optimizer(optim_dir, ckpt)
-        model_slices = DcpSlices(model_dir)
-        try:
-            tie_aliases(ckpt, lambda a, b: model_slices.same_bytes(f"model.{a}", f"model.{b}"))
-        finally:
-            model_slices.close()
+        tie_aliases(ckpt)
     else:
         ckpt.notes.append(f"no {optim_dir.name}/ beside {model_dir.name}/: saved without optimizer state")
     return ckpt
@@ -88,40 +83,22 @@ def read_fsdp1_full(folder: Path) -> TrainingCheckpoint:
     optim_file = folder / OPTIMIZER_FILE
     if optim_file.is_file():
         _read_full_optimizer(optim_file, ckpt)
-        tie_aliases(ckpt, lambda a, b: same_bytes(ckpt.weights[a], ckpt.weights[b]))
+        tie_aliases(ckpt)
     else:
         ckpt.notes.append(f"no {OPTIMIZER_FILE} beside {MODEL_FILE}: saved without optimizer state")
     return ckpt
 
 
-def same_bytes(a: SourceTensor, b: SourceTensor) -> bool:
-    """Two tensors stored whole (one piece each, same dtype and shape) hold the same bytes; compared
-    16 MiB at a time (FSDP's full state dict clones each parameter, so a tied one is two records)."""
-    if len(a.pieces) != 1 or len(b.pieces) != 1:
-        return False
-    pa, pb = a.pieces[0], b.pieces[0]
-    left, step = pa.numel * ITEMSIZE[a.dtype], 16 * 2**20
-    with open_regular(pa.file) as fa, open_regular(pb.file) as fb:
-        fa.seek(pa.offset)
-        fb.seek(pb.offset)
-        while left > 0:
-            n = min(step, left)
-            if fa.read(n) != fb.read(n):
-                return False
-            left -= n
-    return True
-
-
-def tie_aliases(ckpt: TrainingCheckpoint, same: Callable[[str, str], bool | None]) -> None:
+def tie_aliases(ckpt: TrainingCheckpoint) -> None:
     """Tied parameters: FSDP's state dict lists a tied parameter under each of its names while the
-    optimizer holds it once, so a name without optimizer state whose tensor is a trained parameter's
-    (the same storage in a torch.save file, the same bytes in a DCP folder) is its alias, not a frozen
-    parameter."""
+    optimizer holds it once, so a name without optimizer state whose tensor holds a trained parameter's
+    bytes (``model.tensors.same_bytes``: FSDP's full state dict clones each parameter, so a tied one is two
+    records) is its alias, not a frozen parameter."""
     trained = [n for n in ckpt.weights if n in ckpt.optimizer]
     for name in [n for n in ckpt.weights if n not in ckpt.optimizer]:
         w = ckpt.weights[name]
         holder = next((h for h in trained if (ckpt.weights[h].shape, ckpt.weights[h].dtype) == (w.shape, w.dtype)
-                       and same(h, name)), None)
+                       and same_bytes(ckpt.weights[h], w)), None)
         if holder is not None:
             ckpt.aliases[name] = holder
             del ckpt.weights[name]

@@ -28,7 +28,7 @@ from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import step_value
 from shardkit.checkpoint.readers.dtensor_pickle import read_dtensor_file
-from shardkit.checkpoint.readers.fsdp1 import finish_optimizer, refuse_ids, same_bytes, tie_aliases, whole_tensor
+from shardkit.checkpoint.readers.fsdp1 import finish_optimizer, refuse_ids, tie_aliases, whole_tensor
 from shardkit.checkpoint.readers.sharded_tensor_pickle import ShardedRef, read_sharded_file
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef
@@ -93,7 +93,7 @@ def _read_bins(folder: Path, engine: _Engine) -> TrainingCheckpoint:
         return ckpt
     _require_ranks(engine, folder, present, world, lambda r: optim[r].name, "optimizer")
     _read_optimizer(engine, ckpt, optim)
-    tie_aliases(ckpt, lambda a, b: _same_pieces(ckpt.weights[a], ckpt.weights[b]))
+    tie_aliases(ckpt)
     return ckpt
 
 
@@ -213,15 +213,3 @@ def _read_optimizer(engine: _Engine, ckpt: TrainingCheckpoint, files: dict[int, 
                                 for key, t in merged.finish().items()}
     finish_optimizer(ckpt, files[0].parent, steps, groups or [])
 
-
-def _same_pieces(a: SourceTensor, b: SourceTensor) -> bool:
-    """Two tensors split the same way hold the same bytes (a tied parameter listed under two names)."""
-    if len(a.pieces) != len(b.pieces) or not a.pieces:
-        return False
-    for pa, pb in zip(sorted(a.pieces, key=lambda p: p.start), sorted(b.pieces, key=lambda p: p.start)):
-        if (pa.start, pa.numel) != (pb.start, pb.numel):
-            return False
-        if not same_bytes(SourceTensor(a.name, a.dtype, (pa.numel,), [Piece(pa.file, pa.offset, 0, pa.numel)]),
-                           SourceTensor(b.name, b.dtype, (pb.numel,), [Piece(pb.file, pb.offset, 0, pb.numel)])):
-            return False
-    return True
