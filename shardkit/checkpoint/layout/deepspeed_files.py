@@ -43,8 +43,6 @@ _MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _EXPERT_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _EXPERT_MODEL = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _PIPE_LAYER = re.compile(r"^layer_(\d+)-.*model_states\.pt$")
-#: ZeRO-3's per-rank model-states files: beside a ZeRO-1/2 save's one model file they mean two saves in one folder.
-_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
 #: The folder ds_to_universal writes beside the model states, and the file every parameter has there.
 UNIVERSAL_FOLDER = "zero"
 UNIVERSAL_FP32 = "fp32.pt"
@@ -69,7 +67,7 @@ def mixed_stages(tag_dir: Path, names: Iterable[str]) -> Refusal | None:
     (so every command is refused by ``support.refuse_unsupported``) and the ZeRO-1/2 reader raises it, the
     same words either way."""
     names = list(names)
-    zero3 = sorted(n for n in names if _ZERO3_MODEL_FILE.match(n))
+    zero3 = sorted(n for n in names if (m := RANK_FILE.match(n)) and m.group(4) == "model")  # ZeRO-3's per-rank ones
     # ds_to_universal of a ZeRO-3 save keeps both kinds of model file beside its zero/ atoms folder and no
     # optimizer file: one conversion's output, not two saves
     if ZERO12_MODEL_FILE not in names or not zero3 or UNIVERSAL_FOLDER in names:
