@@ -95,62 +95,52 @@ _FSDP_RESHARD = ("The Trainer resumes it at any world size as it is{how}, so the
 _HF = ("a from_pretrained folder holds full weights already and no optimizer state: from_pretrained loads it as it "
        "is, so there is nothing to {what}")
 
+#: The cells of every layout a reader takes with its optimizer state; a row overrides what differs.
+_READ = {**_TO_ZERO, "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "export": _EXPORT,
+         "plain_verify": _STRUCTURE}
+
 #: layout -> command -> what it does or why not. ``plain_verify`` is verify's cell without a manifest.
 TABLE: dict[str, dict[str, Cell]] = {
     "zero3": {
+        **_READ, "consolidate": _MASTERS,
         "reshard": _yes("new per-rank ZeRO-3 files for --world-size M, loaded by DeepSpeed's plain load_checkpoint"),
-        **_TO_ZERO,
         "convert --to zero3": _own("is a DeepSpeed ZeRO-3 checkpoint already; --to zero3 converts other formats. "
                                    "For another world size: shardkit reshard {path} --world-size N -o OUT"),
-        "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _MASTERS,
-        "export": _EXPORT, "plain_verify": _STRUCTURE,
     },
     "zero12": {
+        **_READ, "consolidate": _MASTERS,
         "reshard": _yes("new per-rank ZeRO-{stage} files for --world-size M, loaded by DeepSpeed's plain "
                         "load_checkpoint"),
         "convert --to zero1": _own(_ZERO12_ALREADY.replace("{n}", "1")),
         "convert --to zero2": _own(_ZERO12_ALREADY.replace("{n}", "2")),
-        "convert --to zero3": _TO_ZERO["convert --to zero3"],
-        "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _MASTERS,
-        "export": _EXPORT, "plain_verify": _STRUCTURE,
     },
     "zero0": {
         **{c: _guard("a DeepSpeed ZeRO-0 checkpoint (no optimizer partition files): shardkit reads ZeRO-1/2/3 "
                      "partitions. Load it with DeepSpeed and save with ZeRO-1, 2 or 3") for c in COMMANDS if c != "verify"},
     },
     "universal": {
+        **_READ, "consolidate": _MASTERS,
         "reshard": _guard("a DeepSpeed universal checkpoint needs no reshard: DeepSpeed's load_checkpoint resumes it "
                           "at any world size with checkpoint.load_universal: true. For per-rank files: convert --to "
                           "zero3 (or zero2/zero1) --world-size N"),
-        **_TO_ZERO, "convert --to fsdp2": _TO_FSDP2,
         "convert --to universal": _own("is a DeepSpeed universal checkpoint already; DeepSpeed resumes it at any "
                                        "world size as it is (checkpoint.load_universal: true), so there is nothing "
                                        "to convert"),
-        "consolidate": _MASTERS, "export": _EXPORT, "plain_verify": _STRUCTURE,
     },
     "dcp": {
+        **_READ, "consolidate": _WEIGHTS,
         "reshard": _guard(f"{_DCP_NO_RESHARD}. {_TO_DEEPSPEED}"),
-        **_TO_ZERO,
         "convert --to fsdp2": _own("is an FSDP2/DCP checkpoint already; FSDP2 loads it at any world size as it is "
                                    "(load_fsdp_checkpoint), so there is nothing to convert"),
-        "convert --to universal": _TO_UNIVERSAL, "consolidate": _WEIGHTS, "export": _EXPORT, "plain_verify": _STRUCTURE,
     },
     # accelerate's FSDP files (the Trainer's checkpoint-N), FSDP1 or FSDP2 (hf_trainer.fsdp_files)
-    "fsdp-sharded": {
-        "reshard": _own(_FSDP_RESHARD.replace("{how}", " (DCP reshards while loading)")),
-        **_TO_ZERO, "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _WEIGHTS,
-        "export": _EXPORT, "plain_verify": _STRUCTURE,
-    },
-    "fsdp-full": {
-        "reshard": _own(_FSDP_RESHARD.replace("{how}", "")),
-        **_TO_ZERO, "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _WEIGHTS,
-        "export": _EXPORT, "plain_verify": _STRUCTURE,
-    },
+    "fsdp-sharded": {**_READ, "consolidate": _WEIGHTS,
+                     "reshard": _own(_FSDP_RESHARD.replace("{how}", " (DCP reshards while loading)"))},
+    "fsdp-full": {**_READ, "consolidate": _WEIGHTS, "reshard": _own(_FSDP_RESHARD.replace("{how}", ""))},
     "fsdp-per-rank": {  # use_dcp=False: FSDP1's ShardedTensors (and FSDP2's DTensors where read_by_shardkit reads them)
+        **_READ, "consolidate": _WEIGHTS,
         "reshard": _own("each rank's own shard in its own file, which only {world} ranks can load (accelerate does "
                         "not repartition it). convert --to fsdp2 writes DCP folders that load at any world size"),
-        **_TO_ZERO, "convert --to fsdp2": _TO_FSDP2, "convert --to universal": _TO_UNIVERSAL, "consolidate": _WEIGHTS,
-        "export": _EXPORT, "plain_verify": _STRUCTURE,
     },
     # LOCAL_STATE_DICT, per-rank files of a kind no reader reads: unread_why says what they lack (or names the file
     # and the global the weights-only unpickler refused). Guarded: outside a Trainer checkpoint-N (whose own check
