@@ -93,9 +93,11 @@ def loss_scaler(optim: dict[str, Any], precision: str) -> dict[str, Any] | None:
     return kept
 
 
-def run_scalars(model_state: dict[str, Any], ds_config: dict[str, Any], *, zero_stage: int,
-                ds_version: str | None) -> dict[str, Any]:
-    """The per-run values of rank 0's model-states dict: scheduler, client state, counters, source."""
+def run_scalars(model_state: dict[str, Any], ds_config: dict[str, Any], optim: dict[str, Any], *, zero_stage: int,
+                ds_version: str | None, precision: str, **per_parameter: Any) -> dict[str, Any]:
+    """The scalars of every DeepSpeed reader: the per-run values of rank 0's model-states dict (scheduler,
+    client state, counters, source), ``per_parameter`` (``step``, ``param_groups``...) as the reader found
+    them, and the loss scaler of rank 0's optimizer dict ``optim``."""
     out: dict[str, Any] = optimizer_facts(ds_config)
     out["counters"] = {k: model_state[k] for k in ("global_steps", "global_samples", "skipped_steps")
                        if isinstance(model_state.get(k), int)}
@@ -103,7 +105,25 @@ def run_scalars(model_state: dict[str, Any], ds_config: dict[str, Any], *, zero_
         out["lr_scheduler"] = model_state["lr_scheduler"]
     out["client_state"] = {k: model_state[k] for k in client_state_keys(model_state)}
     out["source"] = {"engine": "deepspeed", "zero_stage": zero_stage, "ds_version": ds_version, "ds_config": ds_config}
+    out.update(per_parameter)
+    scaler = loss_scaler(optim, precision)
+    if scaler is not None:
+        out["loss_scaler"] = scaler
     return out
+
+
+def training_precision(config: dict[str, Any]) -> str:
+    """'bf16', 'fp16' or 'fp32': the precision the DeepSpeed config ``config`` trained in."""
+    for key in ("bf16", "fp16"):
+        section = config.get(key)
+        if isinstance(section, dict) and section.get("enabled"):
+            return key
+    return "fp32"
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    """``value`` where it is a dict, else an empty one (a parsed file's field that should be one)."""
+    return value if isinstance(value, dict) else {}
 
 
 def per_parameter_steps(names_by_group: list[list[str]], steps: list[float]) -> dict[str, float]:

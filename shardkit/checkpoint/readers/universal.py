@@ -34,7 +34,13 @@ from shardkit.checkpoint.layout.deepspeed_files import UNIVERSAL_FOLDER, UNIVERS
 from shardkit.checkpoint.layout.detect import LATEST_UNIVERSAL
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
-from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
+from shardkit.checkpoint.readers.deepspeed_scalars import (
+    as_dict,
+    per_parameter_steps,
+    run_scalars,
+    step_value,
+    training_precision,
+)
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.listing import list_folder
@@ -75,12 +81,12 @@ def read_universal(folder: Path) -> TrainingCheckpoint:
     """Describe the universal checkpoint at ``folder`` (weights, Adam moments, scalars); nothing is written."""
     zero = folder / UNIVERSAL_FOLDER
     model_files, stage3 = _model_files(folder)
-    model_state = _dict(read_structure(model_files[0]))
+    model_state = as_dict(read_structure(model_files[0]))
     _refuse_tensor_parallel(folder, model_files, model_state)
     shapes = _param_shapes(model_files[0], model_state)
     trainable = {name: shape for group in shapes for name, shape in group.items()}
-    aliases = {str(a): str(h) for a, h in _dict(model_state.get("shared_params")).items()}
-    module = _dict(model_state.get("module"))
+    aliases = {str(a): str(h) for a, h in as_dict(model_state.get("shared_params")).items()}
+    module = as_dict(model_state.get("module"))
     buffer_names = [str(n) for n in model_state.get("buffer_names") or []]
     frozen_shapes = _frozen_shapes(model_state, module, trainable, aliases, buffer_names, stage3)
     atoms = _atoms(zero, trainable, aliases, [*frozen_shapes, *buffer_names])
@@ -105,14 +111,12 @@ def read_universal(folder: Path) -> TrainingCheckpoint:
             weights[name] = _module_tensor(model_files[0], module, name)
             buffers.add(name)
 
-    optim = _dict(read_structure(zero / OPTIMIZER_FILE)) if (zero / OPTIMIZER_FILE).is_file() else {}
+    optim = as_dict(read_structure(zero / OPTIMIZER_FILE)) if (zero / OPTIMIZER_FILE).is_file() else {}
     if not optim:
         raise CheckpointError(f"{zero / OPTIMIZER_FILE}: missing or not an optimizer dict: ds_to_universal writes it "
                               "last of the tensors, so the conversion did not finish or the copy is partial. Rerun "
                               "python -m deepspeed.checkpoint.ds_to_universal into an empty folder")
-    cfg = _dict(model_state.get("ds_config"))
-    precision = ("bf16" if _dict(cfg.get("bf16")).get("enabled") else "fp16" if _dict(cfg.get("fp16")).get("enabled")
-                 else "fp32")
+    precision = training_precision(as_dict(model_state.get("ds_config")))
     stage = _stage(optim, stage3)
     world = model_state.get("dp_world_size")
     scalars = _scalars(zero, model_state, optim, shapes, step_files, stage=stage, precision=precision)
@@ -145,7 +149,7 @@ def _model_files(folder: Path) -> tuple[list[Path], bool]:
 
 def _refuse_tensor_parallel(folder: Path, model_files: list[Path], model_state: dict[str, Any]) -> None:
     """A conversion of a tensor-parallel run: its atoms are TP merges in the training code's layout."""
-    dims = _dict(model_state.get("checkpoint_parallel_dimensions"))
+    dims = as_dict(model_state.get("checkpoint_parallel_dimensions"))
     tp = max(_int(model_state.get("mp_world_size")), _int(dims.get("tp_degree")))
     mp_ranks = sorted(n for n in list_folder(folder).names if _mp_rank(n) > 0)
     if tp <= 1 and not mp_ranks:
@@ -153,7 +157,7 @@ def _refuse_tensor_parallel(folder: Path, model_files: list[Path], model_state: 
     zero = folder / UNIVERSAL_FOLDER
     merged = []
     for d in sorted(p for p in zero.iterdir() if p.is_dir()):
-        atom = _dict(read_structure(d / UNIVERSAL_FP32)) if (d / UNIVERSAL_FP32).is_file() else {}
+        atom = as_dict(read_structure(d / UNIVERSAL_FP32)) if (d / UNIVERSAL_FP32).is_file() else {}
         keys = sorted(set(atom) - {"param"})
         if keys:
             merged.append(f"{d.name} ({', '.join(keys)})")
@@ -189,7 +193,7 @@ def _frozen_shapes(model_state: dict[str, Any], module: dict[str, Any], trainabl
     """Frozen parameters: ZeRO-3's ``frozen_param_shapes``; ZeRO-1/2's module entries that are neither
     trainable, tied aliases nor buffers (ZeRO-1 records no frozen_param_shapes; the module holds them whole)."""
     if stage3:
-        return {str(n): tuple(s) for n, s in _dict(model_state.get("frozen_param_shapes")).items()}
+        return {str(n): tuple(s) for n, s in as_dict(model_state.get("frozen_param_shapes")).items()}
     return {n: tuple(t.shape) for n, t in module.items() if isinstance(t, TensorRef)
             and n not in trainable and n not in aliases and n not in buffers}
 
@@ -260,7 +264,7 @@ def _add_frozen_zero3(model_files: list[Path], shapes: dict[str, tuple[int, ...]
     """ZeRO-3 frozen parameters: each rank's fragment (``ceil(numel / world)``, the tail padded)."""
     world = len(model_files)
     for rank, path in enumerate(model_files):
-        frags = _dict(_dict(read_structure(path)).get("frozen_param_fragments")) if shapes else {}
+        frags = as_dict(as_dict(read_structure(path)).get("frozen_param_fragments")) if shapes else {}
         for name, shape in shapes.items():
             numel = math.prod(shape)
             start, stop = rank_range(rank, partition_numel(numel, world), numel)
@@ -286,7 +290,7 @@ def _scalars(zero: Path, model_state: dict[str, Any], optim: dict[str, Any], sha
              step_files: dict[str, Any], *, stage: int, precision: str) -> dict[str, Any]:
     """Steps per parameter, param groups with their parameters' names, and the run's values."""
     where = zero / OPTIMIZER_FILE
-    inner = _dict(optim.get("optimizer_state_dict"))
+    inner = as_dict(optim.get("optimizer_state_dict"))
     groups = optim.get("param_groups") or inner.get("param_groups") or []
     named_groups = []
     for g, group in enumerate(groups if isinstance(groups, list) else []):
@@ -299,18 +303,15 @@ def _scalars(zero: Path, model_state: dict[str, Any], optim: dict[str, Any], sha
     if step_files:
         steps = {n: step_value(v, str(zero / n / f"{_STEP}.pt")) for n, v in step_files.items()}
     else:  # ZeRO-3: one step per sub-group, in the optimizer dict
-        state: dict[Any, Any] = _dict(inner.get("state"))  # keyed by sub-group index
-        per_group = [step_value(_dict(state.get(j)).get(_STEP, 0), f"{where}: sub-group {j}") for j in range(len(shapes))]
+        state: dict[Any, Any] = as_dict(inner.get("state"))  # keyed by sub-group index
+        per_group = [step_value(as_dict(state.get(j)).get(_STEP, 0), f"{where}: sub-group {j}") for j in range(len(shapes))]
         steps = per_parameter_steps([list(g) for g in shapes], per_group)
-    cfg = _dict(model_state.get("ds_config"))
+    cfg = as_dict(model_state.get("ds_config"))
     ds_version = model_state.get("ds_version")
-    out = run_scalars(model_state, cfg, zero_stage=stage, ds_version=ds_version if isinstance(ds_version, str) else None)
+    out = run_scalars(model_state, cfg, optim, zero_stage=stage, precision=precision, step=steps, param_groups=named_groups,
+                      ds_version=ds_version if isinstance(ds_version, str) else None)
     out["source"]["format"] = "universal"
     out["source"]["dp_world_size"] = model_state.get("dp_world_size")
-    out.update(step=steps, param_groups=named_groups)
-    scaler = loss_scaler(optim, precision)
-    if scaler is not None:
-        out["loss_scaler"] = scaler
     return out
 
 
@@ -321,10 +322,6 @@ def _mp_rank(name: str) -> int:
     if m := _ZERO3_MODEL.match(name):
         return int(m.group(2))
     return -1
-
-
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
 
 
 def _int(value: Any) -> int:

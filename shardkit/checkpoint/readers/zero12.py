@@ -43,7 +43,14 @@ from typing import TYPE_CHECKING, Any
 from shardkit.checkpoint.layout.deepspeed_files import mixed_stages
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
-from shardkit.checkpoint.readers.deepspeed_scalars import agreed_steps, loss_scaler, per_parameter_steps, run_scalars
+from shardkit.checkpoint.readers.deepspeed_scalars import (
+    agreed_steps,
+    as_dict,
+    per_parameter_steps,
+    run_scalars,
+    training_precision,
+)
+from shardkit.checkpoint.readers.zero3 import MOE_MARKERS, contiguous_offset
 from shardkit.checkpoint.readers.zero12_place import check_group_places
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIM_FILE_PATTERN, OPTIMIZER_KEY, tensor_from_ref
 from shardkit.core.errors import CheckpointError
@@ -52,9 +59,6 @@ from shardkit.storage.torch_load import TensorRef, read_structure
 
 if TYPE_CHECKING:
     import torch
-
-#: DeepSpeed MoE expert files: expert-parallel weights outside the data-parallel rank files.
-_MOE_MARKERS = ("expp_rank_", "_expert_")
 
 
 @dataclass(frozen=True)
@@ -123,15 +127,6 @@ class OpenedZero12:
     was given ``ranks``."""
 
 
-def training_precision(config: dict[str, Any]) -> str:
-    """'bf16', 'fp16' or 'fp32': the precision the DeepSpeed config ``config`` trained in."""
-    for key in ("bf16", "fp16"):
-        section = config.get(key)
-        if isinstance(section, dict) and section.get("enabled"):
-            return key
-    return "fp32"
-
-
 def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None,
                            listing: FolderListing | None = None) -> OpenedZero12:
     """Open ``tag_dir`` (a ZeRO-1/2 tag folder); raises CheckpointError naming the file for a missing rank,
@@ -148,7 +143,7 @@ def open_zero12_checkpoint(tag_dir: Path, ranks: Collection[int] | None = None,
         if m:
             found[int(m.group(2))] = tag_dir / name
             prefixes.add(m.group(1) or "")
-        elif any(k in name for k in _MOE_MARKERS):
+        elif any(k in name for k in MOE_MARKERS):
             other.append(name)
     mixed = mixed_stages(tag_dir, names)  # the words inspect lists it with
     if mixed is not None:
@@ -380,16 +375,10 @@ def _load_with_torch(held: list[tuple[TensorRef, int, int]], dtype: str, shape: 
     return torch.cat(parts).to(getattr(torch, dtype)).reshape(shape)
 
 
-def _offset(ref: TensorRef) -> int:
-    if ref.file_offset is None or not ref.is_contiguous():
-        raise CheckpointError(f"{ref.path}: tensor {ref!r} is not stored contiguously; not a layout DeepSpeed writes")
-    return ref.file_offset
-
-
 def _add_frozen_and_buffers(model: dict[str, Any], path: Path, stage: int, shapes: list[dict[str, Any]],
                             weights: dict[str, SourceTensor]) -> tuple[set[str], set[str]]:
     """Frozen parameters and buffers into ``weights``; returns their names."""
-    module = _dict(model.get("module"))
+    module = as_dict(model.get("module"))
     fragments = model.get("frozen_param_fragments") or {}
     trainable = {n for group in shapes for n in group}
     aliases = set((model.get("shared_params") or {}).keys())
@@ -402,19 +391,19 @@ def _add_frozen_and_buffers(model: dict[str, Any], path: Path, stage: int, shape
     for name, ref in frozen_refs.items():
         if not isinstance(ref, TensorRef):
             raise CheckpointError(f"{path}: frozen parameter {name!r} is {type(ref).__name__}, not a tensor: damaged file")
-        weights[name] = SourceTensor(name, ref.dtype, ref.shape, [Piece(path, _offset(ref), 0, ref.numel)])
+        weights[name] = SourceTensor(name, ref.dtype, ref.shape, [Piece(path, contiguous_offset(ref), 0, ref.numel)])
     buffers = set()
     for name in buffer_names:
         ref = module.get(name)
         if isinstance(ref, TensorRef):
-            weights[name] = SourceTensor(name, ref.dtype, ref.shape, [Piece(path, _offset(ref), 0, ref.numel)])
+            weights[name] = SourceTensor(name, ref.dtype, ref.shape, [Piece(path, contiguous_offset(ref), 0, ref.numel)])
             buffers.add(name)
     return set(frozen_refs), buffers
 
 
 def _model_order(model: dict[str, Any], weights: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
     """``weights`` in the module's state-dict order (then anything the module does not list)."""
-    module = _dict(model.get("module"))
+    module = as_dict(model.get("module"))
     ordered = {n: weights[n] for n in module if n in weights}
     ordered.update({n: t for n, t in weights.items() if n not in ordered})
     return ordered
@@ -422,10 +411,6 @@ def _model_order(model: dict[str, Any], weights: dict[str, SourceTensor]) -> dic
 
 def _few(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:4])) + (f" ... ({len(ranks)})" if len(ranks) > 4 else "")
-
-
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
 
 
 def _scalars(model: dict[str, Any], config: dict[str, Any], stage: int, precision: str, sd: dict[str, Any],
@@ -436,9 +421,5 @@ def _scalars(model: dict[str, Any], config: dict[str, Any], stage: int, precisio
     names = [list(group) for group in shapes]
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names[g]}
               for g, group in enumerate(sd["base_optimizer_state"].get("param_groups") or [])]
-    out = run_scalars(model, config, zero_stage=stage, ds_version=model.get("ds_version"))
-    out.update(step=per_parameter_steps(names, steps), param_groups=groups, clip_grad=sd.get("clip_grad"))
-    scaler = loss_scaler(sd, precision)
-    if scaler is not None:
-        out["loss_scaler"] = scaler
-    return out
+    return run_scalars(model, config, sd, zero_stage=stage, ds_version=model.get("ds_version"), precision=precision,
+                       step=per_parameter_steps(names, steps), param_groups=groups, clip_grad=sd.get("clip_grad"))

@@ -30,7 +30,7 @@ from typing import Any, Callable, TypeVar
 
 from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, Pieces, SourceTensor
-from shardkit.checkpoint.readers.deepspeed_scalars import loss_scaler, per_parameter_steps, run_scalars, step_value
+from shardkit.checkpoint.readers.deepspeed_scalars import per_parameter_steps, run_scalars, step_value
 from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
 from shardkit.checkpoint.zero3.checkpoint import FP32, ParamSlot, Zero3Checkpoint
 from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
@@ -40,7 +40,7 @@ from shardkit.storage.torch_load import ITEMSIZE, TensorRef, read_structure
 
 #: File names DeepSpeed MoE writes beside the ZeRO files (``expp_rank_*``, ``layer_*_expert_*``):
 #: expert-parallel weights that the data-parallel rank files do not hold.
-_MOE_MARKERS = ("expp_rank_", "_expert_")
+MOE_MARKERS = ("expp_rank_", "_expert_")
 _T = TypeVar("_T")
 
 
@@ -53,7 +53,7 @@ def read_zero3(tag_dir: Path, *, lazy: bool = False) -> TrainingCheckpoint:
     files the first time one of its pieces is asked for (a process of a split run parses only the
     files its share reads; its output is staged, so a late error still loses nothing)."""
     listing = list_folder(tag_dir)  # handed on: the opener lists the folder no more (storage.listing)
-    moe = sorted(name for name in listing.names if any(m in name for m in _MOE_MARKERS))
+    moe = sorted(name for name in listing.names if any(m in name for m in MOE_MARKERS))
     if moe:
         raise CheckpointError(
             f"{tag_dir}: holds DeepSpeed MoE expert files ({', '.join(moe[:3])}): expert-parallel weights live outside "
@@ -93,7 +93,8 @@ def describe_zero3(ckpt: Zero3Checkpoint, *, lazy: bool = False,
     for name in names:
         buf = module.get(name)
         if isinstance(buf, TensorRef):
-            tensors[name] = SourceTensor(name, buf.dtype, buf.shape, [Piece(ckpt.model_files[0], _offset(buf), 0, buf.numel)])
+            tensors[name] = SourceTensor(name, buf.dtype, buf.shape,
+                                         [Piece(ckpt.model_files[0], contiguous_offset(buf), 0, buf.numel)])
             buffers.add(name)
     return TrainingCheckpoint(
         "zero3", ckpt.tag_dir, tensors, world_size=ckpt.world_size, tag=ckpt.tag, precision=ckpt.precision,
@@ -137,14 +138,14 @@ class RankFiles:
 
     def _read_optim(self, rank: int) -> dict[str, list[int]]:
         osd = self.optim0 if rank == 0 else _optimizer_dict(self._read(self.ckpt.optim_files[rank]))
-        table = {FP32: [_offset(ref) for ref in _optim_flats(self.ckpt, rank, osd)]}
+        table = {FP32: [contiguous_offset(ref) for ref in _optim_flats(self.ckpt, rank, osd)]}
         for j in range(len(self.ckpt.sub_group_numel)):
             for key, ref in _state_flats(self.ckpt, rank, osd, j).items():
                 if ref.dtype != self.state_dtypes[key]:
                     raise CheckpointError(
                         f"{self.ckpt.optim_files[rank]}: {key} of sub-group {j} is {ref.dtype}, rank 0's is "
                         f"{self.state_dtypes[key]}; the rank files come from different saves")
-                table.setdefault(key, []).append(_offset(ref))
+                table.setdefault(key, []).append(contiguous_offset(ref))
         return table
 
     def frozen(self, rank: int) -> dict[str, int]:
@@ -180,7 +181,7 @@ class RankFiles:
             if ref.dtype != self.frozen_dtypes[name]:
                 raise CheckpointError(f"{ckpt.model_files[rank]}: frozen parameter {name!r} is {ref.dtype} here but "
                                       f"{self.frozen_dtypes[name]} on rank 0; the rank files come from different saves")
-            table[name] = _offset(ref) if stop > start else 0
+            table[name] = contiguous_offset(ref) if stop > start else 0
         return table
 
 
@@ -222,12 +223,8 @@ def _scalars(ckpt: Zero3Checkpoint, optim0: dict[str, Any]) -> dict[str, Any]:
     by_sub_group = [[s.name for s in ckpt.slots if s.sub_group == j] for j in range(len(ckpt.sub_group_numel))]
     groups = [{**g, "params": [s.name for s in ckpt.slots if s.param_group == i]}
               for i, g in enumerate(ckpt.param_groups)]
-    out = run_scalars(ckpt.model_state, ckpt.ds_config, zero_stage=3, ds_version=ckpt.ds_version)
-    out.update(step=per_parameter_steps(by_sub_group, steps), param_groups=groups)
-    scaler = loss_scaler(optim0, ckpt.precision)
-    if scaler is not None:
-        out["loss_scaler"] = scaler
-    return out
+    return run_scalars(ckpt.model_state, ckpt.ds_config, optim0, zero_stage=3, ds_version=ckpt.ds_version,
+                       precision=ckpt.precision, step=per_parameter_steps(by_sub_group, steps), param_groups=groups)
 
 
 def _native(ckpt: Zero3Checkpoint, files: RankFiles) -> dict[str, Any]:
@@ -241,7 +238,8 @@ def _native(ckpt: Zero3Checkpoint, files: RankFiles) -> dict[str, Any]:
             "check_rank": lambda rank: (files.optim(rank), files.frozen(rank))}
 
 
-def _offset(ref: TensorRef) -> int:
+def contiguous_offset(ref: TensorRef) -> int:
+    """Where the contiguous tensor ``ref`` starts in its file; CheckpointError for any other (DeepSpeed writes none)."""
     if ref.file_offset is None or not ref.is_contiguous():
         raise CheckpointError(f"{ref.path}: tensor {ref!r} is not stored contiguously; not a layout DeepSpeed writes")
     return ref.file_offset
