@@ -28,9 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.checkpoint.readers.sharded_tensor_pickle import LocalShard, ShardedRef, Wrapper, rebuild_wrapper_subclass
+from shardkit.checkpoint.readers.sharded_tensor_pickle import (
+    LocalShard,
+    ShardedRef,
+    Wrapper,
+    record_class,
+    wrapper_globals,
+)
 from shardkit.core.errors import CheckpointError
-from shardkit.storage.torch_load import TensorRef, _UnsupportedTensor, read_structure, structure_globals
+from shardkit.storage.torch_load import TensorRef, _UnsupportedTensor, read_structure
 from shardkit.storage.torch_load import _rebuild_from_type_v2 as _plain_from_type
 
 _TENSOR_API = "torch.distributed.tensor"
@@ -54,38 +60,7 @@ class DTensorRef:
     """One placement stand-in per mesh dimension (``Shard``, ``Replicate``, ...)."""
 
 
-class _Record:
-    """A pickled torch.distributed object, kept as its attributes; nothing of it runs.
-
-    ``NEWOBJ`` passes the positional fields of a NamedTuple (``TensorMeta``) or a C++-backed placement;
-    ``BUILD`` sets the attributes (a dict, or dataclass slots as ``(None, dict)``)."""
-
-    def __new__(cls, *args: Any) -> Any:
-        obj = object.__new__(cls)
-        obj.__dict__["fields"] = args
-        return obj
-
-    def __setstate__(self, state: Any) -> None:
-        for part in state if isinstance(state, tuple) else (state,):
-            if isinstance(part, dict):
-                self.__dict__.update(part)
-
-    def __repr__(self) -> str:
-        # as torch shows a placement (``Shard(dim=1)``); plain values only, so a hostile file's nesting
-        # cannot recurse here
-        def plain(v: Any) -> str:
-            return repr(v) if isinstance(v, (int, float, str, type(None))) else type(v).__name__
-
-        shown = {k: v for k, v in vars(self).items() if k not in ("fields", "_hash")}
-        inner = ", ".join([*map(plain, getattr(self, "fields", ())), *(f"{k}={plain(v)}" for k, v in shown.items())])
-        return f"{type(self).__name__}({inner})"
-
-
-def _record_class(name: str) -> type[_Record]:
-    return type(name, (_Record,), {})
-
-
-_PLACEMENTS = {name: _record_class(name) for name in ("Shard", "Replicate", "Partial", "_StridedShard")}
+_PLACEMENTS = {name: record_class(name) for name in ("Shard", "Replicate", "Partial", "_StridedShard")}
 _MESH_RECORDS = {("device_mesh", "DeviceMesh"), ("_mesh_layout", "_MeshLayout"), ("_mesh_layout", "_FlatLayout")}
 _SPEC_RECORDS = ("DTensorSpec", "TensorMeta", "ShardOrderEntry")
 
@@ -123,20 +98,14 @@ def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
 
 
 def _allowed() -> dict[tuple[str, str], Any]:
-    allowed = structure_globals()
-    allowed.update({
-        ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
-        ("torch._utils", "_rebuild_wrapper_subclass"): rebuild_wrapper_subclass,
-        (_TENSOR_API, "DTensor"): _DTensorType,
-        ("torch.serialization", "_get_layout"): str,
-        ("torch", "device"): str,
-    })
+    allowed = wrapper_globals(_from_type)
+    allowed[(_TENSOR_API, "DTensor")] = _DTensorType
     for name, record in _PLACEMENTS.items():
         allowed[(f"{_TENSOR_API}.placement_types", name)] = record
     for module, name in _MESH_RECORDS:
-        allowed[(f"torch.distributed.{module}", name)] = _record_class(name)
+        allowed[(f"torch.distributed.{module}", name)] = record_class(name)
     for name in _SPEC_RECORDS:
-        allowed[(f"{_TENSOR_API}._dtensor_spec", name)] = _record_class(name)
+        allowed[(f"{_TENSOR_API}._dtensor_spec", name)] = record_class(name)
     return allowed
 
 
@@ -164,20 +133,15 @@ def as_sharded(ref: DTensorRef, where: str, rank: int) -> ShardedRef:
             f"{_RESAVE}. Nothing was written")
     rows, inner = ref.shape[0], ref.shape[1:]
     chunk = -(-rows // size) if size else 0
-
-    def extent(coord: int) -> tuple[int, int]:
-        start = min(rows, coord * chunk)
-        return start, min(rows, start + chunk) - start
-
-    start, count = extent(rank)
+    start = min(rows, rank * chunk)
+    count = min(rows, start + chunk) - start
     if tuple(ref.local.shape) != (count, *inner) or ref.local.dtype != ref.dtype:
         raise CheckpointError(
             f"{where}: rank {rank}'s local tensor is {ref.local.dtype}{list(ref.local.shape)}, where Shard(0) of the "
             f"global {ref.dtype}{list(ref.shape)} over {size} ranks gives it {ref.dtype}{[count, *inner]} (rows "
             f"{start}..{start + count}): the file is damaged. Restore it from a copy of the checkpoint")
-    everyone = tuple(((extent(c)[0], *(0 for _ in inner)), (extent(c)[1], *inner), c) for c in range(size))
     shard = LocalShard((start, *(0 for _ in inner)), (count, *inner), ref.local)
-    return ShardedRef(ref.dtype, ref.shape, (shard,), everyone, size)
+    return ShardedRef(ref.dtype, ref.shape, (shard,), size)
 
 
 def _sharded_tree(obj: Any, path: Path, keys: tuple[str, ...], rank: int) -> Any:

@@ -41,56 +41,81 @@ class LocalShard:
 
 @dataclass(frozen=True)
 class ShardedRef:
-    """A ShardedTensor as pickled by one rank: the global shape and dtype, that rank's shards, and how
-    many shards all ranks together hold (``shards_metadata``)."""
+    """A ShardedTensor as pickled by one rank: the global shape and dtype, and that rank's shards."""
 
     dtype: str
     shape: tuple[int, ...]
     local: tuple[LocalShard, ...]
-    global_shards: tuple[tuple[tuple[int, ...], tuple[int, ...], int | None], ...]
-    """Every shard of every rank: (offsets, sizes, placement rank)."""
     world_size: int | None
     """The process group's size when it was saved (``ProcessGroupState.global_world_size``)."""
 
 
-class _Record:
-    """A pickled torch.distributed object, kept as its attributes (BUILD state), nothing run."""
+class Record:
+    """A pickled torch.distributed object, kept as its attributes; nothing of it runs (``dtensor_pickle``'s
+    objects too). ``NEWOBJ`` passes the positional fields of a NamedTuple (``TensorMeta``) or a C++-backed
+    placement; ``BUILD`` sets the attributes (a dict, or dataclass slots as ``(dict or None, slot dict)``)
+    or, for a plain tuple (``TensorProperties.__getstate__``), the fields."""
 
     fields: tuple[Any, ...] = ()
 
+    def __new__(cls, *args: Any) -> Any:
+        obj = object.__new__(cls)
+        obj.__dict__["fields"] = args
+        return obj
+
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
-            vars(self).update(state[0] or {})  # dataclasses with slots pickle (dict or None, slot dict)
-            vars(self).update(state[1] or {})
-        elif isinstance(state, dict):
+        if isinstance(state, dict):
             vars(self).update(state)
-        else:  # TensorProperties.__getstate__: a plain tuple
+        elif isinstance(state, tuple) and state and all(part is None or isinstance(part, dict) for part in state):
+            for part in state:
+                vars(self).update(part or {})
+        else:
             self.fields = tuple(state) if isinstance(state, tuple) else (state,)
 
+    def __repr__(self) -> str:
+        # as torch shows a placement (``Shard(dim=1)``); plain values only, so a hostile file's nesting
+        # cannot recurse here
+        def plain(v: Any) -> str:
+            return repr(v) if isinstance(v, (int, float, str, type(None))) else type(v).__name__
 
-def _record_class(name: str) -> type[_Record]:
-    return type(name, (_Record,), {})
+        shown = {k: v for k, v in vars(self).items() if k not in ("fields", "_hash")}
+        inner = ", ".join([*map(plain, getattr(self, "fields", ())), *(f"{k}={plain(v)}" for k, v in shown.items())])
+        return f"{type(self).__name__}({inner})"
+
+
+def record_class(name: str) -> type[Record]:
+    """A ``Record`` class named as the torch class it stands in for."""
+    return type(name, (Record,), {})
 
 
 class _ShardedTensorType:
     """``ShardedTensor`` named in a pickle (the class argument of ``_rebuild_wrapper_subclass``)."""
 
-    ProcessGroupState = _record_class("ProcessGroupState")
+    ProcessGroupState = record_class("ProcessGroupState")
 
 
 @dataclass(frozen=True)
 class Wrapper:
-    """``_rebuild_wrapper_subclass``'s result: the subclass and its global dtype and size (ShardedTensor and
-    DTensor pickles both name it: ``dtensor_pickle`` uses these too)."""
+    """``_rebuild_wrapper_subclass``'s result: the subclass's global dtype and size (ShardedTensor and DTensor
+    pickles both name it: ``dtensor_pickle`` uses these too)."""
 
-    cls: Any
     dtype: str
     size: tuple[int, ...]
 
 
 def rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, storage_offset: Any, layout: Any,
                               device: Any, requires_grad: Any) -> Wrapper:
-    return Wrapper(cls, str(dtype), tuple(int(d) for d in size))
+    return Wrapper(str(dtype), tuple(int(d) for d in size))
+
+
+def wrapper_globals(from_type: Any) -> dict[tuple[str, str], Any]:
+    """``structure_globals`` with what a tensor subclass's pickle names (ShardedTensor's, DTensor's): its
+    ``_rebuild_from_type_v2`` (``from_type``), ``_rebuild_wrapper_subclass``, the layout and the device."""
+    allowed = structure_globals()
+    allowed.update({("torch._tensor", "_rebuild_from_type_v2"): from_type,
+                    ("torch._utils", "_rebuild_wrapper_subclass"): rebuild_wrapper_subclass,
+                    ("torch.serialization", "_get_layout"): str, ("torch", "device"): str})
+    return allowed
 
 
 def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
@@ -107,11 +132,9 @@ def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
         if not isinstance(tensor, TensorRef) or md is None:
             raise _UnsupportedTensor(f"a ShardedTensor's local shard holds {type(tensor).__name__}, not a tensor")
         local.append(LocalShard(tuple(md.shard_offsets), tuple(md.shard_sizes), tensor))
-    everyone = tuple((tuple(m.shard_offsets), tuple(m.shard_sizes), getattr(getattr(m, "placement", None), "_rank", None))
-                     for m in getattr(meta, "shards_metadata", []))
     size = tuple(int(d) for d in getattr(meta, "size", wrapper.size))
     world = getattr(state[2], "global_world_size", None) if len(state) > 2 else None
-    return ShardedRef(wrapper.dtype, size, tuple(local), everyone, world if isinstance(world, int) else None)
+    return ShardedRef(wrapper.dtype, size, tuple(local), world if isinstance(world, int) else None)
 
 
 def _only_process_group_state(obj: Any, name: str) -> Any:
@@ -126,15 +149,11 @@ def _mem_format(value: Any) -> int:
 
 
 def _allowed() -> dict[tuple[str, str], Any]:
-    allowed = structure_globals()
+    allowed = wrapper_globals(_from_type)
     allowed.update({
-        ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
-        ("torch._utils", "_rebuild_wrapper_subclass"): rebuild_wrapper_subclass,
         (f"{_SHARD_API}.sharded_tensor.api", "ShardedTensor"): _ShardedTensorType,
         ("__builtin__", "getattr"): _only_process_group_state,
         ("builtins", "getattr"): _only_process_group_state,
-        ("torch.serialization", "_get_layout"): str,
-        ("torch", "device"): str,
         (f"{_SHARD_API}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): _mem_format,
     })
     for module, name in ((f"{_SHARD_API}.sharded_tensor.shard", "Shard"), (f"{_SHARD_API}.metadata", "ShardMetadata"),
@@ -142,7 +161,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
                          (f"{_SHARD_API}.sharded_tensor.metadata", "ShardedTensorMetadata"),
                          (f"{_SHARD_API}.sharded_tensor.metadata", "TensorProperties"),
                          (f"{_SHARD_API}.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec")):
-        allowed[(module, name)] = _record_class(name)
+        allowed[(module, name)] = record_class(name)
     return allowed
 
 
