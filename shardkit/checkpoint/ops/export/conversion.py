@@ -29,14 +29,12 @@ onto its source tensor. The whole result is then checked against ``revert_weight
 from __future__ import annotations
 
 import math
-import os
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardkit.checkpoint.model.tensors import Piece, SourceTensor
+from shardkit.checkpoint.model.tensors import Piece, SourceTensor, read_slice
 from shardkit.core.errors import CheckpointError
-from shardkit.core.files import regular_fd
 from shardkit.storage.torch_load import ITEMSIZE
 
 if TYPE_CHECKING:
@@ -331,24 +329,5 @@ def _loaded(d: Derived, model: Any, tensors: dict[str, SourceTensor]) -> SourceT
 
 def _read(t: SourceTensor) -> torch.Tensor:
     """The whole source tensor in memory (only for a conversion that moves bytes)."""
-    import torch
-
-    if t.load is not None:
-        return t.load()
-    size = ITEMSIZE[t.dtype]
-    buf = bytearray(t.numel * size)
-    for p in t.pieces:
-        fd = regular_fd(p.file)
-        try:
-            view = memoryview(buf)[p.start * size:(p.start + p.numel) * size]
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], p.offset + done)
-                if n <= 0:
-                    raise CheckpointError(f"{p.file}: ended early reading {t.name!r} at byte {p.offset + done}: the "
-                                          "file is truncated; restore it from a good copy")
-                done += n
-        finally:
-            os.close(fd)
-    return torch.frombuffer(buf, dtype=getattr(torch, t.dtype)).reshape(t.shape)
+    return read_slice(t, 0, t.numel, "the file is truncated; restore it from a good copy").reshape(t.shape)
 

@@ -1,8 +1,8 @@
 """Write safetensors shards from ``Piece``s, streaming: the header first (computed from names,
 dtypes and shapes), then every piece to its byte offset. A piece already in the output dtype is
 copied file to file in the kernel (``os.copy_file_range``: nothing paged into this process);
-one that needs a cast is read ``CHUNK_BYTES`` at a time into one reused buffer, cast, and written.
-Memory per writer thread is one chunk and its cast, whatever the model size.
+one that needs a cast is read ``CHUNK_BYTES`` at a time (``model.tensors.read_slice``), cast, and
+written. Memory per writer thread is one chunk and its cast, whatever the model size.
 
 ``write_shards`` runs one thread per shard file (each thread owns whole files, so no two threads
 write one file); ``stop`` is checked between chunks so Ctrl-C/SIGTERM ends the writers promptly.
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardkit.checkpoint.model.tensors import SourceTensor
+from shardkit.checkpoint.model.tensors import SourceTensor, read_slice
 from shardkit.checkpoint.ops.export.shard_plan import Shard
 from shardkit.core import progress
-from shardkit.core.errors import CheckpointError, UsageError
+from shardkit.core.errors import UsageError
 from shardkit.core.files import regular_fd
 from shardkit.storage.safetensors_file import TensorEntry, copy_bytes, header_layout, write_header
 from shardkit.storage.stream import join_pool, submit_all
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 #: that a writer thread's memory stays a few tens of MB.
 CHUNK_BYTES = 16 << 20
 
+#: What a source file that ends before a piece's bytes is told to do.
+_TRUNCATED = "the file is truncated; restore it from a good copy or export another checkpoint"
 #: ``--dtype`` of export and consolidate -> the safetensors dtype of the floating-point tensors written.
 OUTPUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -113,30 +115,17 @@ def write_elements(fd: int, at: int, t: SourceTensor, out: str, sources: SourceF
     if t.load is not None:
         _write_cast(fd, at + lo * out_size, t.load().reshape(-1)[lo:hi], out)
         return 1
-    src_size = ITEMSIZE[t.dtype]
-    buf: bytearray | None = None
+    if out != t.dtype:  # a cast: CHUNK_BYTES of the source at a time, read (model.tensors.read_slice) and cast
+        per = max(1, CHUNK_BYTES // ITEMSIZE[t.dtype])
+        for start in range(lo, hi, per):
+            if stop.is_set():
+                raise Stopped()
+            _write_cast(fd, at + start * out_size, read_slice(t, start, min(hi, start + per), _TRUNCATED), out)
+        return sum(1 for _ in t.pieces_in(lo, hi))
     count = 0
     for p in t.pieces_in(lo, hi):
         count += 1
-        sfd = sources.fd(p.file)
-        if out == t.dtype:
-            copy_bytes(sfd, fd, p.numel * src_size, p.offset, at + p.start * out_size)
-            continue
-        import torch
-
-        per = max(1, CHUNK_BYTES // src_size)
-        if buf is None:
-            buf = bytearray(min(per, hi - lo) * src_size)
-        done = 0
-        while done < p.numel:
-            if stop.is_set():
-                raise Stopped()
-            n = min(per, p.numel - done)
-            view = memoryview(buf)[: n * src_size]
-            _read_exactly(sfd, view, p.offset + done * src_size, p.file)
-            cast = torch.frombuffer(view, dtype=getattr(torch, t.dtype)).to(getattr(torch, out))
-            _pwrite_all(fd, cast.view(torch.uint8).numpy().data, at + (p.start + done) * out_size)
-            done += n
+        copy_bytes(sources.fd(p.file), fd, p.numel * ITEMSIZE[t.dtype], p.offset, at + p.start * out_size)
     return count
 
 
@@ -147,16 +136,6 @@ def _write_cast(fd: int, at: int, tensor: "torch.Tensor", out: str) -> None:
     if flat.is_floating_point():
         flat = flat.to(getattr(torch, out))
     _pwrite_all(fd, flat.contiguous().view(torch.uint8).numpy().data, at)
-
-
-def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise CheckpointError(f"{path}: ended {len(view) - done} bytes early at byte {offset + done}: the file is "
-                                  "truncated; restore it from a good copy or export another checkpoint")
-        done += n
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
