@@ -81,7 +81,8 @@ def _is_tag_folder(folder: Path) -> bool:
                 for n in listing.files) or "zero" in listing.folders or ".metadata" in listing.files)
 
 
-def _leftover(name: str) -> bool:
+def is_leftover(name: str) -> bool:
+    """A staging folder, a replaced tag or a temporary file an interrupted save left (never carried)."""
     return name.startswith(STAGING_PREFIX) or REPLACED_MARK in name or (name.startswith(".") and ".tmp-" in name)
 
 
@@ -94,14 +95,12 @@ def plan_root_files(root: Path, tag: str, world_size: int) -> RootFiles:
     plans = [p for p in plans if p.copies or p.dropped or p.stray]
     out = RootFiles(root, tag, rng=plans)
     rng_names = {a for p in plans for a, _ in p.copies}
-    for p in plans:
-        out.not_carried += [f"{n} ({p.dropped_why(world_size)})" for n in p.dropped]
-        out.not_carried += [f"{n} (the one-process RNG file beside per-rank ones: not the ranks' own)" for n in p.stray]
+    out.not_carried += [line for p in plans for line in rng_not_carried(p, world_size)]
     for name in listing.names:
         if name in (LATEST_NAME, tag) or name in rng_names or any(name in p.dropped + p.stray for p in plans):
             continue
         path = root / name
-        if _leftover(name):
+        if is_leftover(name):
             out.not_carried.append(f"{name} (leftover of an interrupted save)")
         elif name in listing.links or not (name in listing.files or name in listing.folders):
             out.not_carried.append(f"{name} (a link or special file: never followed)")
@@ -120,6 +119,12 @@ def plan_root_files(root: Path, tag: str, world_size: int) -> RootFiles:
     out.copies.sort()
     out.not_carried += tag_files_not_carried(root / tag)
     return out
+
+
+def rng_not_carried(plan: RngPlan, world_size: int) -> list[str]:
+    """``name (why)`` for the RNG files ``plan`` leaves behind at ``world_size`` ranks."""
+    return [*(f"{n} ({plan.dropped_why(world_size)})" for n in plan.dropped),
+            *(f"{n} (the one-process RNG file beside per-rank ones: not the ranks' own)" for n in plan.stray)]
 
 
 def tag_files_not_carried(tag_dir: Path) -> list[str]:

@@ -24,7 +24,7 @@ from shardkit.checkpoint.hf_trainer.folder import (
 )
 from shardkit.checkpoint.hf_trainer.rng_files import RngPlan, plan_rng_files
 from shardkit.checkpoint.layout.support import refuse_unsupported
-from shardkit.checkpoint.ops.carried_files import tag_files_not_carried
+from shardkit.checkpoint.ops.carried_files import is_leftover, rng_not_carried, tag_files_not_carried
 from shardkit.checkpoint.ops.reshard import ReshardResult, reshard_checkpoint
 from shardkit.checkpoint.zero3.files import resolve_tag_dir
 from shardkit.core.errors import CheckpointError, UsageError
@@ -35,7 +35,7 @@ from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.pipeline import refuse_output_in_checkpoint
 from shardkit.storage.shared_save import launch_from_env
 from shardkit.storage.sibling_staging import remove_stale_staging, staging_folder
-from shardkit.storage.tags import LATEST_NAME, REPLACED_MARK, STAGING_PREFIX, check_tag, read_latest
+from shardkit.storage.tags import LATEST_NAME, check_tag, read_latest
 
 
 @dataclass
@@ -103,7 +103,7 @@ def _copy_trainer_files(src: Path, staged: Path, tags: set[str], rng: RngPlan) -
         name = e.name
         if name == LATEST_NAME or name in tags or name in rng_names:
             continue
-        if name.startswith(STAGING_PREFIX) or REPLACED_MARK in name or (name.startswith(".") and ".tmp-" in name):
+        if is_leftover(name):
             skipped.append(f"{name} (leftover of an interrupted save)")
         elif name.startswith(DEEPSPEED_TAG_PREFIX) and e.is_dir() and not e.is_symlink():
             skipped.append(f"{name}/ (a DeepSpeed tag '{LATEST_NAME}' does not name; never loaded)")
@@ -202,8 +202,6 @@ def reshard_trainer_checkpoint(
         notes.append(batch)
     if (src / "scheduler.pt").is_file():
         notes.append("scheduler.pt copied unchanged: the Trainer's LR scheduler counts optimizer steps, not ranks")
-    dropped = [f"{n} ({rng.dropped_why(world_size)})" for n in rng.dropped]
-    dropped += [f"{n} (the one-process RNG file beside per-rank ones: not the ranks' own)" for n in rng.stray]
     return TrainerReshardResult(folder=final, reshard=moved, copied=copied, rng=rng, notes=notes + list(r.notes),
-                                not_carried=[*skipped, *dropped, *tag_files_not_carried(src_tag_dir)])
+                                not_carried=[*skipped, *rng_not_carried(rng, world_size), *tag_files_not_carried(src_tag_dir)])
 
