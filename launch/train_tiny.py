@@ -72,10 +72,11 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Everything is done and flushed; leave without interpreter finalization. With two torchrun
-    # agents (nodes) on torch 2.13 CPU + DeepSpeed 0.19.8, a rank whose c10d store lives in the other
-    # agent aborts there in about 1 run of 3 ("terminate called without an active exception",
-    # SIGABRT, after atexit), failing a finished job; plain torchrun without shardkit does it too.
+    # Everything is done and flushed; leave without interpreter finalization. On torch 2.13 CPU +
+    # DeepSpeed 0.19.8 a finished rank aborted there in about 1 run of 3 under load ("terminate called
+    # without an active exception", SIGABRT, after atexit): DeepSpeed keeps its gloo groups alive past
+    # destroy_process_group, and a gloo worker thread freeing the last collective's tensors during
+    # finalization cannot take the GIL (docs/slurm.md has the backtrace's story).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -95,10 +95,14 @@ DS_TRAIN = textwrap.dedent(
     engine.backward(loss)
     engine.step()
     print(f"rank {engine.global_rank} trained on {socket.gethostname()}", flush=True)
-    # leave the process group before exit: gloo's threads torn down by the interpreter's exit aborted a
-    # rank now and then ("terminate called without an active exception", exit -6) after it had trained
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # Done and flushed: leave without interpreter finalization (docs/slurm.md). DeepSpeed keeps its
+    # gloo groups, so destroy_process_group does not end them; a gloo worker thread that frees the
+    # last collective's tensors after finalization began aborted the rank (-6) in 1 run of 3 under load.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
     """
 )
 
