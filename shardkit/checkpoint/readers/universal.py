@@ -41,7 +41,7 @@ from shardkit.checkpoint.readers.deepspeed_scalars import (
     step_value,
     training_precision,
 )
-from shardkit.checkpoint.zero3.layout import partition_numel, rank_range
+from shardkit.checkpoint.readers.zero3 import contiguous_offset, frozen_fragments
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.listing import list_folder
 from shardkit.storage.tags import LATEST_NAME, read_latest
@@ -262,22 +262,13 @@ def _module_tensor(path: Path, module: dict[str, Any], name: str) -> SourceTenso
 
 def _add_frozen_zero3(model_files: list[Path], shapes: dict[str, tuple[int, ...]], weights: dict[str, SourceTensor]) -> None:
     """ZeRO-3 frozen parameters: each rank's fragment (``ceil(numel / world)``, the tail padded)."""
-    world = len(model_files)
     for rank, path in enumerate(model_files):
-        frags = as_dict(as_dict(read_structure(path)).get("frozen_param_fragments")) if shapes else {}
-        for name, shape in shapes.items():
-            numel = math.prod(shape)
-            start, stop = rank_range(rank, partition_numel(numel, world), numel)
-            ref = frags.get(name)
-            if not isinstance(ref, TensorRef) or ref.numel < stop - start or ref.file_offset is None:
-                raise CheckpointError(f"{path}: frozen parameter {name!r} has no fragment of {stop - start} elements "
-                                      "(frozen_param_fragments); the file is damaged or from another save")
-            t = weights.setdefault(name, SourceTensor(name, ref.dtype, shape))
-            if t.dtype != ref.dtype:
-                raise CheckpointError(f"{path}: frozen parameter {name!r} is {ref.dtype} here but {t.dtype} on rank 0; "
-                                      "the model-states files come from different saves")
+        dtypes = {n: weights[n].dtype for n in shapes if n in weights}
+        found = frozen_fragments(path, read_structure(path) if shapes else {}, shapes, rank, len(model_files), dtypes)
+        for name, (ref, start, stop) in found.items():
+            t = weights.setdefault(name, SourceTensor(name, ref.dtype, shapes[name]))
             if stop > start:
-                t.add(Piece(path, ref.file_offset, start, stop - start))
+                t.add(Piece(path, contiguous_offset(ref), start, stop - start))
 
 
 def _stage(optim: dict[str, Any], stage3: bool) -> int:

@@ -296,7 +296,7 @@ def read_zero12(tag_dir: Path, ranks: Collection[int] | None = None,
         aliases=aliases, frozen=frozen, buffers=buffers, optimizer=optimizer, optimizer_described=True,
         scalars=scalars,
         notes=[f"ZeRO-{stage} checkpoint {tag_dir} (saved by {world} rank(s), {precision} training): fp32 masters read"
-               + ("" if every else f" from {len(parsed)} of the {world} rank files (rank(s) {_few(list(parsed))})"),
+               + ("" if every else f" from {len(parsed)} of the {world} rank files (rank(s) {few(list(parsed))})"),
                *via_torch])
 
 
@@ -409,8 +409,9 @@ def _model_order(model: dict[str, Any], weights: dict[str, SourceTensor]) -> dic
     return ordered
 
 
-def _few(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:4])) + (f" ... ({len(ranks)})" if len(ranks) > 4 else "")
+def few(items: list[Any], shown: int = 4) -> str:
+    """The first ``shown`` of ``items`` for a message (a folder may hold thousands of ranks), then how many."""
+    return ", ".join(map(str, items[:shown])) + (f" ... ({len(items)})" if len(items) > shown else "")
 
 
 def _scalars(model: dict[str, Any], config: dict[str, Any], stage: int, precision: str, sd: dict[str, Any],

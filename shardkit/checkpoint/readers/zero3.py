@@ -168,21 +168,30 @@ class RankFiles:
     def _read_frozen(self, rank: int) -> dict[str, int]:
         ckpt = self.ckpt
         state = ckpt.model_state if rank == 0 else self._read(ckpt.model_files[rank])
-        frags = state.get("frozen_param_fragments") or {} if isinstance(state, dict) else {}
-        table = {}
-        for name, shape in ckpt.frozen_param_shapes.items():
-            numel = math.prod(shape)
-            start, stop = rank_range(rank, partition_numel(numel, ckpt.world_size), numel)
-            ref = frags.get(name)
-            if not isinstance(ref, TensorRef) or ref.numel < stop - start:
-                raise CheckpointError(
-                    f"{ckpt.model_files[rank]}: frozen parameter {name!r} has no fragment of {stop - start} elements "
-                    "(frozen_param_fragments); the rank file is damaged or from another save")
-            if ref.dtype != self.frozen_dtypes[name]:
-                raise CheckpointError(f"{ckpt.model_files[rank]}: frozen parameter {name!r} is {ref.dtype} here but "
-                                      f"{self.frozen_dtypes[name]} on rank 0; the rank files come from different saves")
-            table[name] = contiguous_offset(ref) if stop > start else 0
-        return table
+        found = frozen_fragments(ckpt.model_files[rank], state, ckpt.frozen_param_shapes, rank, ckpt.world_size,
+                                 self.frozen_dtypes)
+        return {name: contiguous_offset(ref) if stop > start else 0 for name, (ref, start, stop) in found.items()}
+
+
+def frozen_fragments(path: Path, state: Any, shapes: dict[str, tuple[int, ...]], rank: int, world: int,
+                     dtypes: dict[str, str]) -> dict[str, tuple[TensorRef, int, int]]:
+    """Rank ``rank``'s fragment of each frozen parameter in ``state``, its model-states dict as parsed from ``path``
+    (the universal reader's copies too): ``(ref, start, stop)``, holding elements ``[start, stop)`` (``ceil(numel /
+    world)`` per rank, the last rank's tail padded), checked to hold them in rank 0's dtype (``dtypes``, where known)."""
+    frags = state.get("frozen_param_fragments") or {} if isinstance(state, dict) else {}
+    out = {}
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        start, stop = rank_range(rank, partition_numel(numel, world), numel)
+        ref = frags.get(name)
+        if not isinstance(ref, TensorRef) or ref.numel < stop - start:
+            raise CheckpointError(f"{path}: frozen parameter {name!r} has no fragment of {stop - start} elements "
+                                  "(frozen_param_fragments); the rank file is damaged or from another save")
+        if ref.dtype != dtypes.get(name, ref.dtype):
+            raise CheckpointError(f"{path}: frozen parameter {name!r} is {ref.dtype} here but {dtypes[name]} on rank 0; "
+                                  "the rank files come from different saves")
+        out[name] = (ref, start, stop)
+    return out
 
 
 class RankPieces(Pieces):
