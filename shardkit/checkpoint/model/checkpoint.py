@@ -25,6 +25,8 @@ from shardkit.checkpoint.model.tensors import SourceTensor, refuse_uncovered
 
 FP32 = "fp32"
 """Pseudo state key of the fp32 masters (a trainable parameter's ``weights`` entry) beside its optimizer states."""
+#: The dtype a run of each ``TrainingCheckpoint.precision`` trains its module in (what DeepSpeed's files hold it in).
+TRAINING_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass

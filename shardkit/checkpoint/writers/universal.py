@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import os
 import shutil
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.layout.deepspeed_files import UNIVERSAL_FOLDER
 from shardkit.checkpoint.layout.detect import LATEST_UNIVERSAL
-from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
+from shardkit.checkpoint.model.checkpoint import TRAINING_DTYPES, TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor, read_slice
 from shardkit.core.errors import CheckpointError
+from shardkit.platform.versions import package_version
 from shardkit.storage.atomic import atomic_save, publish_dir, signals_deferred, write_latest
 from shardkit.storage.shared_save import OWNER_NAME, claim, launch_from_env, remove_own_claim
 
@@ -45,7 +45,6 @@ OPTIMIZER_FILE = "optimizer_state.pt"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 #: The name a ZeRO-3 engine loads the model states of a universal checkpoint from (DeepSpeed 0.19.8).
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-_TRAINING_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def write_universal(ckpt: TrainingCheckpoint, root: Path, tag: str) -> Path:
@@ -142,7 +141,7 @@ def _param_groups(ckpt: TrainingCheckpoint, trainable: list[str]) -> list[tuple[
 
 def _model_states(ckpt: TrainingCheckpoint, groups: list[tuple[dict[str, Any], list[str]]], torch: Any) -> dict[str, Any]:
     """What DeepSpeed's ``_load_checkpoint`` reads from ``mp_rank_00_model_states.pt``."""
-    dtype = getattr(torch, _TRAINING_DTYPES.get(ckpt.precision, "float32"))
+    dtype = getattr(torch, TRAINING_DTYPES.get(ckpt.precision, "float32"))
     module: dict[str, Any] = {}
     for name, t in ckpt.weights.items():
         value = _load(t, None)
@@ -171,10 +170,8 @@ def _ds_version(ckpt: TrainingCheckpoint) -> str:
     version = (ckpt.scalars.get("source") or {}).get("ds_version")
     if isinstance(version, str) and version:
         return version
-    try:
-        return metadata.version("deepspeed")
-    except metadata.PackageNotFoundError:
-        return "0.19.8"  # the release this layout was read from (deepspeed/checkpoint/ds_to_universal.py)
+    # else the installed release, else the one this layout was read from (deepspeed/checkpoint/ds_to_universal.py)
+    return package_version("deepspeed") or "0.19.8"
 
 
 def _load(t: SourceTensor, dtype: "torch.dtype | None") -> "torch.Tensor":

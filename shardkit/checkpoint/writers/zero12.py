@@ -37,9 +37,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from shardkit.checkpoint.model.checkpoint import FP32, TrainingCheckpoint
+from shardkit.checkpoint.model.checkpoint import FP32, TRAINING_DTYPES, TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor, read_slice
-from shardkit.checkpoint.writers.zero3 import ADAM_STATE_KEYS, LOSS_SCALER, ZERO_STAGE, TargetOptimizer, tensor_segments
+from shardkit.checkpoint.writers.zero3 import ADAM_STATE_KEYS, LOSS_SCALER, ZERO_STAGE, DeepSpeedTarget, tensor_segments
 from shardkit.checkpoint.zero3.files import OPTIM_FILE
 from shardkit.checkpoint.zero3.layout import append_segment
 from shardkit.checkpoint.zero12.files import MODEL_FILE, OPTIMIZER_KEY, tensor_from_ref
@@ -56,7 +56,6 @@ from shardkit.storage.torch_zip import RecordData, write_torch_zip
 if TYPE_CHECKING:
     import torch
 
-_MODULE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: DeepSpeed's ``nccl_start_alignment_factor``: a group's flat buffer is padded to a multiple of this x world size.
 ALIGNMENT_FACTOR = 2
 FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
@@ -100,30 +99,18 @@ class SameRun:
 
 
 @dataclass
-class Zero12Target:
-    """The ZeRO-1/2 files to write, decided before the first one is (``ops.convert.to_zero12``)."""
+class Zero12Target(DeepSpeedTarget):
+    """The ZeRO-1/2 files to write (``ops.convert.to_zero12``, or a reshard's ``same_run``)."""
 
     stage: int
     """1 (optimizer states partitioned) or 2 (and gradients: frozen parameters are recorded)."""
     world_size: int
-    precision: str
-    """'fp32' or 'bf16' ('fp16' for a ``same_run``): the module's dtype and the optim files' names."""
-    opt: TargetOptimizer
-    groups: list[dict[str, Any]]
-    """The inner optimizer's param groups in ``opt``'s format (``params`` filled by the writer)."""
     group_params: list[list[str]]
     """Each group's trainable parameters (source names), in the flat buffer's order."""
     steps: list[int]
     """Each group's Adam step (DeepSpeed keeps one per flat partition)."""
     parameter_alignment: bool
     """``zero_optimization.parameter_alignment``: each parameter padded to 16 bytes in the flat buffer."""
-    global_steps: int
-    counters: dict[str, Any]
-    client: dict[str, Any]
-    cfg: dict[str, Any]
-    """What is recorded as ``ds_config``."""
-    names: dict[str, str]
-    """Source name -> the resuming engine's module name, where it changes."""
     clip_grad: float = 0.0
     same_run: SameRun | None = None
     """The source run's own dicts, written back key for key (the reshard); None for another run's files."""
@@ -194,9 +181,6 @@ class Zero12Files:
         if self.plain:
             return None
         return self.not_byte_ranges or "the resuming optimizer keeps step as a tensor (torch's Adam)"
-
-    def file_names(self) -> list[str]:
-        return [OPTIM_FILE.format(prefix=self.prefix, rank=r) for r in range(self.world)] + [MODEL_FILE]
 
     def optim_bytes(self) -> int:
         """About how many bytes one rank's optimizer file holds: its partitions of masters and states."""
@@ -337,7 +321,7 @@ class Zero12Files:
             model["dp_world_size"] = self.world  # engine._load_zero_checkpoint compares it with the world size
             return model
         ckpt, t = self.ckpt, self.target
-        dtype = _MODULE_DTYPE[t.precision]
+        dtype = TRAINING_DTYPES[t.precision]
         module: OrderedDict[str, Any] = OrderedDict()
         for n, src in ckpt.weights.items():
             # trainable and frozen parameters in the training dtype; buffers as saved

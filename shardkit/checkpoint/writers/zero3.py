@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from shardkit.checkpoint.model.checkpoint import FP32, TrainingCheckpoint
+from shardkit.checkpoint.model.checkpoint import FP32, TRAINING_DTYPES, TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import SourceTensor, contiguous_strides, read_slice
 from shardkit.checkpoint.writers.dcp_format import is_plain
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
@@ -73,15 +73,13 @@ class TargetOptimizer:
 
 
 @dataclass
-class Zero3Target:
-    """The ZeRO-3 files to write, decided before the first one is (``ops.convert.to_zero3_plan``)."""
+class DeepSpeedTarget:
+    """What the files of a DeepSpeed run (ZeRO-3 here, ZeRO-1/2 in ``writers.zero12``) record of the run that
+    resumes them, decided before the first one is written."""
 
     opt: TargetOptimizer
     groups: list[dict[str, Any]]
     """The inner optimizer's param groups in ``opt``'s format (``params`` filled by the writer)."""
-    layout: TargetLayout
-    sub_steps: list[tuple[int, SourceTensor | None]]
-    """Each sub-group's Adam step: the count, and the source's 0-dim record of it where there is one."""
     global_steps: int
     counters: dict[str, Any]
     """DeepSpeed's counters (and scheduler state) for the model-states files."""
@@ -90,9 +88,19 @@ class Zero3Target:
     cfg: dict[str, Any]
     """What is recorded as ``ds_config``: the given config, or a minimal one."""
     precision: str
-    """'bf16' or 'fp32': the optim files' names and the frozen fragments' dtype."""
+    """'bf16' or 'fp32' ('fp16' for a ZeRO-1/2 ``same_run``): the optim files' names and the module's dtype
+    (ZeRO-3: the frozen fragments')."""
     names: dict[str, str]
     """Source name -> the name the resuming engine's module has, where it changes (``module.``)."""
+
+
+@dataclass
+class Zero3Target(DeepSpeedTarget):
+    """The ZeRO-3 files to write (``ops.convert.to_zero3_plan``)."""
+
+    layout: TargetLayout
+    sub_steps: list[tuple[int, SourceTensor | None]]
+    """Each sub-group's Adam step: the count, and the source's 0-dim record of it where there is one."""
 
 
 def rank_file_workers(ranks: Sequence[int], byte_ranges: bool) -> int:
@@ -174,6 +182,38 @@ def fragment_segments(t: SourceTensor, rank: int, world_size: int) -> list[Segme
     return segments
 
 
+def new_flat(layout: TargetLayout, j: int, rank: int, tensor: Callable[[str], SourceTensor], dtype: str,
+             plain: bool) -> NewTensor | LazyTensor:
+    """Rank ``rank``'s flat tensor of sub-group ``j`` in ``dtype`` (both ZeRO-3 writers), produced when it is
+    written: byte ranges of the source and zero runs where ``plain`` and every slice is ``dtype`` there (copied
+    through one 1 MiB buffer, never built), else read and cast (``repartition.read_partition``)."""
+    segments = flat_segments(layout, j, rank, tensor, dtype)
+    numel = layout.sub_group_numel(j)
+    if plain and segments is not None:
+        return NewTensor(dtype, numel, segments)
+    import torch  # lazy: the torch route only
+
+    to = getattr(torch, dtype)
+    return LazyTensor(numel, to, partial(read_partition, layout, rank, j, tensor, to),
+                      segments=(lambda: segments) if segments is not None else None)
+
+
+def new_fragment(t: SourceTensor, rank: int, world_size: int, dtype: str, plain: bool) -> NewTensor | LazyTensor:
+    """Rank ``rank``'s ZeRO-3 fragment of the frozen parameter ``t`` in ``dtype`` (``ceil(numel / N)`` elements, the
+    last rank's tail zero), produced when it is written: byte ranges where ``plain`` and the source holds it in
+    ``dtype`` (a LoRA model whose weights are mostly frozen converts at the peak memory of a fully trained one),
+    else its slice read and cast (``repartition.read_fragment``)."""
+    pn = partition_numel(t.numel, world_size)
+    segments = fragment_segments(t, rank, world_size) if t.dtype == dtype else None
+    if plain and segments is not None:
+        return NewTensor(dtype, pn, segments)
+    import torch  # lazy: the torch route only
+
+    to = getattr(torch, dtype)
+    return LazyTensor(pn, to, partial(read_fragment, t, world_size, rank, to),
+                      segments=(lambda: segments) if segments is not None else None)
+
+
 def _whole_ref(t: SourceTensor, key: str) -> TensorRef | None:
     """``t`` stored whole as one piece (a buffer, an Adam step) as a record ``torch_pickle`` copies."""
     if t.load is not None or len(t.pieces) != 1 or t.dtype not in ITEMSIZE:
@@ -197,7 +237,7 @@ class RankStates:
                              "release that loads them (ds_version); install the release the resuming run uses "
                              "(pip install 'deepspeed==X') and convert again")
         self.ds_version = ds_version
-        self.module_dtype = "bfloat16" if target.precision == "bf16" else "float32"
+        self.module_dtype = TRAINING_DTYPES[target.precision]
         names = target.names
         self.name: Callable[[str], str] = lambda n: names.get(n, n)
         self.frozen = [n for n in ckpt.weights if n in ckpt.frozen]
@@ -274,7 +314,8 @@ class RankStates:
             param_shapes=self.param_shapes,
             frozen_param_shapes=OrderedDict((self.name(f), TorchSize(self.ckpt.weights[f].shape)) for f in self.frozen),
             shared_params={self.name(a): self.name(o) for a, o in self.ckpt.aliases.items()},
-            frozen_param_fragments=OrderedDict((self.name(f), self._frozen_fragment(f, rank)) for f in self.frozen),
+            frozen_param_fragments=OrderedDict((self.name(f), new_fragment(self.ckpt.weights[f], rank, n, self.module_dtype,
+                                                                           self.plain)) for f in self.frozen),
             lr_scheduler=t.counters.get("lr_scheduler"), data_sampler=None, random_ltd=None,
             skipped_steps=t.counters.get("skipped_steps", 0), global_steps=t.global_steps)
         if "global_samples" in t.counters:
@@ -292,7 +333,7 @@ class RankStates:
             count, raw = self.target.sub_steps[j]
             st: dict[str, Any] = {"step": self._step_tensor(count, raw, j) if self.opt.step_as_tensor else count}
             for key in ADAM_STATE_KEYS:
-                st[key] = self._flat(j, rank, key)
+                st[key] = new_flat(layout, j, rank, partial(self.ckpt.tensor, key=key), "float32", self.plain)
             state[j] = st
         osd = {
             # DeepSpeed's ZeroStageEnum.weights and LossScaler(1.0), written as they pickle (no import)
@@ -302,7 +343,8 @@ class RankStates:
             "overflow": False,
             "partition_count": layout.world_size,
             "optimizer_state_dict": {"state": state, "param_groups": self.groups},
-            "fp32_flat_groups": [self._flat(j, rank, FP32) for j in range(len(layout.sub_groups))],
+            "fp32_flat_groups": [new_flat(layout, j, rank, partial(self.ckpt.tensor, key=FP32), "float32", self.plain)
+                                 for j in range(len(layout.sub_groups))],
         }
         return {"optimizer_state_dict": osd, "ds_config": self.target.cfg, "ds_version": self.ds_version}
 
@@ -314,33 +356,3 @@ class RankStates:
         import torch  # lazy: the torch route only
 
         return torch.tensor(float(count), dtype=getattr(torch, raw.dtype if raw is not None else "float32"))
-
-    def _frozen_fragment(self, name: str, rank: int) -> Any:
-        """Rank ``rank``'s ZeRO-3 fragment of the frozen parameter ``name`` (``ceil(numel/N)``
-        elements in the module's dtype, the last rank's tail zero), produced only when written: byte
-        ranges where the source's dtype is the module's (a LoRA model whose weights are mostly frozen
-        converts at the peak memory of a fully trained one), else its slice read and cast."""
-        t, world = self.ckpt.weights[name], self.layout.world_size
-        pn = partition_numel(t.numel, world)
-        segments = fragment_segments(t, rank, world) if t.dtype == self.module_dtype else None
-        if self.plain and segments is not None:
-            return NewTensor(self.module_dtype, pn, segments)
-        import torch  # lazy: the torch route only
-
-        dtype = getattr(torch, self.module_dtype)
-        return LazyTensor(pn, dtype, partial(read_fragment, t, world, rank, dtype),
-                          segments=(lambda: segments) if segments is not None else None)
-
-    def _flat(self, j: int, rank: int, key: str) -> Any:
-        """Rank ``rank``'s flat ``key`` tensor of sub-group ``j``, written later: byte ranges of the
-        source and zero runs when every slice is float32 there (copied through one 1 MiB buffer,
-        never built), else read and cast when it is written (``repartition.read_partition``)."""
-        tensor = partial(self.ckpt.tensor, key=key)
-        segments = flat_segments(self.layout, j, rank, tensor, "float32")
-        numel = self.layout.sub_group_numel(j)
-        if self.plain and segments is not None:
-            return NewTensor("float32", numel, segments)
-        import torch  # lazy: the torch route only
-
-        return LazyTensor(numel, torch.float32, partial(read_partition, self.layout, rank, j, tensor, torch.float32),
-                          segments=(lambda: segments) if segments is not None else None)

@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shardkit.checkpoint.model.checkpoint import FP32, TrainingCheckpoint
-from shardkit.checkpoint.writers.zero3 import flat_segments, fragment_segments
+from shardkit.checkpoint.writers.zero3 import new_flat, new_fragment
 from shardkit.checkpoint.zero3.files import MODEL_FILE, OPTIM_FILE
-from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.checkpoint.zero3.repartition import TargetLayout, new_model_dict, new_optimizer_state, optim_dict
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import ITEMSIZE, TensorRef, TorchSize, read_structure
-from shardkit.storage.torch_pickle import NewTensor, pickle_structure
+from shardkit.storage.torch_pickle import pickle_structure
 from shardkit.storage.torch_zip import RecordData
 
 #: What a worker writes for one output file: ``data.pkl`` and the storage records, in order.
@@ -79,13 +78,6 @@ class Zero3SameRun:
         model = [OutputFile(MODEL_FILE.format(rank=r), 0, functools.partial(self._build_model, r)) for r in ranks]
         return optim + model
 
-    def _partition(self, rank: int, sub_group: int, key: str, dtype: str) -> NewTensor:
-        """New rank ``rank``'s flat tensor of ``sub_group``: the masters (``key`` ``FP32``) or the optimizer state
-        ``key`` (``dtype`` on every rank: the reader checked), as source byte ranges and zero runs."""
-        segments = flat_segments(self.layout, sub_group, rank, functools.partial(self.ckpt.tensor, key=key))
-        assert segments is not None  # the ZeRO-3 reader's tensors are all pieces
-        return NewTensor(dtype, self.layout.sub_group_numel(sub_group), segments)
-
     def _build_optim(self, rank: int) -> Built:
         layout, optim0 = self.layout, self.optim_file0
         src_state = optim0["optimizer_state_dict"]["optimizer_state_dict"].get("state") or {}
@@ -93,22 +85,19 @@ class Zero3SameRun:
         def carry(j: int, _first: int, k: str, v: Any) -> Any:
             params = layout.sub_groups[j]
             per_element = self.ckpt.optimizer.get(params[0].source.name, {}) if params else {}
-            return self._partition(rank, j, k, v.dtype) if k in per_element and isinstance(v, TensorRef) else v
+            if k not in per_element or not isinstance(v, TensorRef):
+                return v
+            # the ZeRO-3 reader's tensors are all pieces in the saved dtypes: byte ranges and zero runs, no torch
+            return new_flat(layout, j, rank, functools.partial(self.ckpt.tensor, key=k), v.dtype, True)
 
         state = new_optimizer_state(src_state, layout, carry)
-        fp32 = [self._partition(rank, j, FP32, "float32") for j in range(len(layout.sub_groups))]
+        fp32 = [new_flat(layout, j, rank, functools.partial(self.ckpt.tensor, key=FP32), "float32", True)
+                for j in range(len(layout.sub_groups))]
         return pickle_structure(optim_dict(optim0, layout, state, fp32))
 
     def _build_model(self, rank: int) -> Built:
         layout = self.layout
         # the same partitioning: this rank's own file, so its own client_state entries survive
         sd = self._model(rank) if layout.world_size == self.saved_world else self.model_state
-        return pickle_structure(new_model_dict(sd, layout, TorchSize, self.frozen, lambda n: self._frozen(n, rank)))
-
-    def _frozen(self, name: str, rank: int) -> NewTensor:
-        """New rank ``rank``'s fragment of frozen parameter ``name``: its source pieces cut at the new partition
-        size, zero-padded."""
-        t = self.ckpt.weights[name]
-        segments = fragment_segments(t, rank, self.layout.world_size)
-        assert segments is not None  # the ZeRO-3 reader's tensors are all pieces
-        return NewTensor(t.dtype, partition_numel(t.numel, self.layout.world_size), segments)
+        return pickle_structure(new_model_dict(sd, layout, TorchSize, self.frozen, lambda n: new_fragment(
+            self.ckpt.weights[n], rank, layout.world_size, self.ckpt.weights[n].dtype, True)))
