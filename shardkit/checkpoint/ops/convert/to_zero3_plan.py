@@ -48,8 +48,6 @@ _TORCH_FLAGS_MUST_BE_OFF = ("amsgrad", "maximize")
 """torch Adam flags DeepSpeed's Adam has no state or code for (amsgrad keeps max_exp_avg_sq)."""
 
 
-
-
 def read_ds_config(ds_config: str | os.PathLike[str] | dict[str, Any] | None) -> dict[str, Any] | None:
     if ds_config is None or isinstance(ds_config, dict):
         return ds_config
@@ -108,10 +106,6 @@ def check_target_config(cfg: dict[str, Any] | None) -> tuple[int, str]:
                          f"resuming run's value (DeepSpeed's default is {DEFAULT_SUB_GROUP_SIZE:.0e})")
     precision = "bf16" if get(cfg, "bf16.enabled", False) is True else "fp32"
     return int(value), precision
-
-
-#: How a manifest's ``dtype`` (shardkit writes the torch name, ``bfloat16``; a conversion from ZeRO-3
-#: writes ``bf16``/``fp16``/``fp32`` into ``extra.converted_from.precision``) reads as a precision.
 
 
 @dataclass(frozen=True)
@@ -216,7 +210,6 @@ def target_names(ckpt: TrainingCheckpoint, name_prefix: str | None, notes: list[
                           f"{mapping[keys[0]]}): the resuming engine's model is not wrapped")
         return mapping
     return {}
-
 
 
 @dataclass
