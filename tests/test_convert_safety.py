@@ -194,12 +194,8 @@ def _save_lands_after_verification(monkeypatch, root: Path) -> list[Path]:
         (root / "latest").write_text("unverified")
         return result
 
-    import shardkit.checkpoint.ops.consolidate as consolidate
-    import shardkit.checkpoint.ops.reshard as reshard
-
-    # the converters import it at module level: patch the name they call, too
-    for module in (pipeline, reshard, consolidate):
-        monkeypatch.setattr(module, "verify_before_reading", verify_then_a_save_lands)
+    # the converters call it through pipeline.check_source, which looks it up here
+    monkeypatch.setattr(pipeline, "verify_before_reading", verify_then_a_save_lands)
     return checked
 
 

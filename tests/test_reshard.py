@@ -234,7 +234,7 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
     verified against: refused, naming the file and both digests, and nothing is left behind."""
     import shutil
 
-    import shardkit.checkpoint.ops.reshard as reshard
+    import shardkit.storage.pipeline as pipeline
     from shardkit.storage.manifest import file_digest, read_manifest, seal
     from tests._corrupt import flip_a_byte
 
@@ -248,14 +248,14 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
     victim = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     verified = {e.path: e.sha256 for e in read_manifest(tag_dir).files}[victim.name]
     assert verified is not None
-    real_verify = reshard.verify_before_reading
+    real_verify = pipeline.verify_before_reading
 
     def verify_then_the_source_changes(*args, **kwargs):
         checked = real_verify(*args, **kwargs)
         flip_a_byte(victim)
         return checked
 
-    monkeypatch.setattr(reshard, "verify_before_reading", verify_then_the_source_changes)
+    monkeypatch.setattr(pipeline, "verify_before_reading", verify_then_the_source_changes)
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(victim))}: its sha256 is ([0-9a-f]{{64}}), its "
                        rf"manifest says {verified}: the file is corrupted, or was rewritten after the save.*Nothing "
@@ -264,6 +264,6 @@ def test_a_source_rewritten_after_verification_is_not_copied_under_a_new_manifes
     assert f"sha256 is {file_digest(victim, 'sha256')}," in str(caught.value)
     assert not out.exists() or os.listdir(out) == []
     # --no-verify never hashed the source, so there is nothing to compare with: copied as it is now
-    monkeypatch.setattr(reshard, "verify_before_reading", real_verify)
+    monkeypatch.setattr(pipeline, "verify_before_reading", real_verify)
     done = reshard_checkpoint(root, tmp_path / "unverified", 2, verify=False)
     assert done.copied_unchanged and (done.output / done.tag / victim.name).read_bytes() == victim.read_bytes()

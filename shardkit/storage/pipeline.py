@@ -1,5 +1,5 @@
 """The steps every checkpoint operation shares, in the order it runs them: verify the source before
-anything is unpickled (``verify_before_reading``), choose the output's tag and refuse an output
+anything is unpickled (``verify_before_reading``; ``check_source``, its digests now or while writing), choose the output's tag and refuse an output
 folder where writing would destroy something (``output_tag``, ``source_tag_as_new_tag``,
 ``check_output_root``; ``refuse_output_in_checkpoint``, the check every command's output runs), size the writer pool (``default_workers``); staging and sealing the output
 is ``staged_save.atomic_checkpoint``. Reshard, convert and consolidate (and the coming export) call these instead
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardkit.core.errors import CheckpointError, UsageError
@@ -35,6 +35,9 @@ class SourceCheck:
     """What the user should know before trusting the output."""
     manifest: Manifest | None = None
     """The manifest the files were checked against (None without one)."""
+    owed: dict[str, FileEntry] = field(default_factory=dict)
+    """Files whose digests are still to be checked, by path: hashed while the output is written
+    (``check_source(hash_now=False)``); empty when they were checked now or not asked for."""
 
 
 #: How ``source checked before reading`` reads (reshard, consolidate) for each ``SourceCheck.level``.
@@ -85,6 +88,19 @@ def verify_before_reading(tag_dir: str | os.PathLike[str], *, checksums: bool = 
         notes.append(f"--no-verify: the content digests of the {n} file(s) of {tag_dir} were not checked (their sizes were); "
                      "a corrupted file of the right size is read as is")
     return SourceCheck("hash" if checksums else "sizes", notes, report.manifest)
+
+
+def check_source(tag_dir: Path, *, verify: bool, hash_now: bool, workers: int = 1) -> SourceCheck:
+    """The source check every writing operation opens with: ``verify_before_reading``, its digests
+    now (``hash_now``) or owed (``SourceCheck.owed``) to the writer, which hashes each process's share
+    while it writes instead of every process hashing everything first. Sizes are always checked now
+    (a truncated file is refused before it is parsed). ``level`` is what the source will have been
+    checked to once the owed digests are; the --no-verify note is dropped then (the user asked for them)."""
+    checked = verify_before_reading(tag_dir, checksums=verify and hash_now, workers=workers)
+    if hash_now or not verify or checked.manifest is None:
+        return checked
+    return SourceCheck("hash", [n for n in checked.warnings if not n.startswith("--no-verify")], checked.manifest,
+                       {e.path: e for e in checked.manifest.files})
 
 
 def _hash_in_parallel(tag_dir: Path, manifest: Manifest, workers: int) -> None:

@@ -51,7 +51,7 @@ from shardkit.core.errors import ShardkitError, UsageError
 from shardkit.storage.atomic import atomic_open, disk_full_named, os_errors_named
 from shardkit.storage.dry_run import writing_starts
 from shardkit.storage.listing import list_folder, lists_source_once
-from shardkit.storage.pipeline import default_workers, verify_before_reading, warn_unverified
+from shardkit.storage.pipeline import check_source, default_workers, warn_unverified
 from shardkit.storage.request import RunRequest, source_of
 from shardkit.storage.safetensors_file import TensorEntry, header_layout, write_header
 from shardkit.storage.shared_save import Launch, launch_from_env, split_by_bytes
@@ -95,16 +95,9 @@ def consolidate_checkpoint(
     out = check_output_file(Path(output), source.tag_dir, force=force)
     n_files = len(list_folder(source.tag_dir).files)
     workers = workers or default_workers(max(1, n_files))
-    if launch.distributed:
-        # sizes now; each process hashes its share of the files beside its copy (nothing is
-        # published unless all matched), instead of every process hashing everything first
-        checked = verify_before_reading(source.tag_dir, checksums=False)
-        level = "none" if checked.manifest is None else ("hash" if verify else "sizes")
-        notes = [n for n in checked.warnings if not (verify and n.startswith("--no-verify"))]
-    else:
-        checked = verify_before_reading(source.tag_dir, checksums=verify, workers=workers)
-        level, notes = checked.level, checked.warnings
-    for note in [*source.notes, *notes] if launch.rank == 0 else []:
+    # split: each process hashes its share of the files beside its copy (nothing is published unless all matched)
+    checked = check_source(source.tag_dir, verify=verify, hash_now=not launch.distributed, workers=workers)
+    for note in [*source.notes, *checked.warnings] if launch.rank == 0 else []:
         say(note)
     # the tag folder that was verified is read, not ``checkpoint`` again: a save between the two could
     # move 'latest' to a tag nobody verified. A split run's process parses only the rank files its window
@@ -119,7 +112,7 @@ def consolidate_checkpoint(
     data = sum(e.nbytes for e in entries.values())
     stored = [n for n in tensors if n not in ckpt.aliases and n not in ckpt.buffers]
     result = ConsolidateResult(out, len(entries), sum(tensors[n].numel for n in stored), data_start + data,
-                               ckpt.world_size or 0, ckpt.tag or source.tag_dir.name, level, launcher=launch.launcher)
+                               ckpt.world_size or 0, ckpt.tag or source.tag_dir.name, checked.level, launcher=launch.launcher)
     # this process's window of the data bytes (all of them alone), cut again into one window per copier
     lo, hi = launch.rank * data // launch.world, (launch.rank + 1) * data // launch.world
     windows = [(lo + i * (hi - lo) // workers, lo + (i + 1) * (hi - lo) // workers) for i in range(workers)]
@@ -135,7 +128,7 @@ def consolidate_checkpoint(
     outcome = f"nothing written: the partial file was removed, {out} is unchanged"
     writing_starts(str(out))  # a --dry-run stops here: every check before it has passed
     if launch.distributed:
-        manifest_files = checked.manifest.files if checked.manifest is not None and verify else []
+        manifest_files = list(checked.owed.values())
         to_hash = [manifest_files[i] for i in split_by_bytes([e.size for e in manifest_files], launch.world)[launch.rank]]
         # what every process must agree on before anything is written (storage.shared_meet)
         request = RunRequest("consolidate", source_of(source.tag_dir), str(out.resolve()), None,

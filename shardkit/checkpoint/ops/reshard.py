@@ -70,9 +70,9 @@ from shardkit.storage.listing import lists_source_once
 from shardkit.storage.manifest import MANIFEST_NAME, FileEntry, Manifest
 from shardkit.storage.pipeline import (
     check_output_root,
+    check_source,
     default_workers,
     output_tag,
-    verify_before_reading,
     warn_unverified,
 )
 from shardkit.storage.request import RunRequest, source_of
@@ -161,14 +161,10 @@ def reshard_checkpoint(
         # they run it, that folder may already be in ``root``)
         check_output_root(root, tag, source_dir, force=force)
     # sizes now (a truncated file is refused before it is parsed); digests while the output is written
-    checked = verify_before_reading(source_dir, checksums=False)
-    if launch.rank == 0:
-        for note in checked.warnings:
-            if verify and note.startswith("--no-verify"):
-                continue
-            warn(note)
-    verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
-    expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
+    checked = check_source(source_dir, verify=verify, hash_now=False)
+    for note in checked.warnings if launch.rank == 0 else []:
+        warn(note)
+    verified, expected = checked.level, checked.owed
     ckpt: PlannedReshard[Any]
     if is_zero12_folder(source_dir):
         # ZeRO-1/2 (checkpoint.zero12): one partition per rank and parameter group, no sub-groups

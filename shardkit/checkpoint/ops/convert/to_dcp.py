@@ -48,8 +48,8 @@ from shardkit.storage.listing import lists_source_once
 from shardkit.storage.manifest import Manifest
 from shardkit.storage.pipeline import (
     check_output_root,
+    check_source,
     output_tag,
-    verify_before_reading,
     warn_unverified,
 )
 from shardkit.storage.request import RunRequest, source_of
@@ -101,12 +101,10 @@ def convert_to_dcp(
     if launch.rank == 0:
         check_output_root(root, tag, source_dir, force=force)
     # sizes now; the digests of the source (this process's share) while the output is written
-    checked = verify_before_reading(source_dir, checksums=False)  # also refuses a link out of it, manifest or not
-    verified = "none" if checked.manifest is None else ("hash" if verify else "sizes")
-    if launch.rank == 0:
-        for note in checked.warnings:
-            if not (verify and note.startswith("--no-verify")):
-                warn(note)
+    checked = check_source(source_dir, verify=verify, hash_now=False)  # also refuses a link out of it, manifest or not
+    verified, expected = checked.level, checked.owed
+    for note in checked.warnings if launch.rank == 0 else []:
+        warn(note)
     ckpt = read_checkpoint(found.kind, source_dir)
     files = source_files(ckpt)
     outside = sorted({f.parent for f in files if source_dir.resolve() not in f.resolve().parents})
@@ -125,7 +123,6 @@ def convert_to_dcp(
         plan.notes.append(f"read through torch, one tensor at a time (the reader found no byte ranges for them): "
                           f"{', '.join(sorted(set(loaded))[:5])}{' ...' if len(set(loaded)) > 5 else ''}")
     facts = _manifest_facts(ckpt, plan, tag, verified)
-    expected = {e.path: e for e in checked.manifest.files} if checked.manifest is not None and verify else {}
     # what every process must agree on before anything is written (storage.shared_meet)
     request = RunRequest("convert --to fsdp2", source_of(source_dir), str(root.resolve()), tag,
                          {"--no-verify": not verify,

@@ -57,10 +57,10 @@ from shardkit.storage.listing import list_folder, lists_source_once
 from shardkit.storage.manifest import FileEntry, Manifest
 from shardkit.storage.pipeline import (
     check_output_root,
+    check_source,
     check_source_digests,
     hash_beside,
     output_tag,
-    verify_before_reading,
     warn_unverified,
 )
 from shardkit.storage.request import RunRequest, source_of
@@ -140,15 +140,11 @@ def convert_to_zero3(
             raise UsageError(f"sub_group_size {sub_group_size}: must be at least 1")
     # One process: every digest before anything is read. Several (srun/torchrun): sizes and the small files
     # now, each process's share of the large ones' digests while the files are written. A link out: refused.
-    checked = verify_before_reading(tag_dir, checksums=verify and not launch.distributed)
-    if launch.rank == 0:
-        for note in checked.warnings:
-            if not (verify and launch.distributed and note.startswith("--no-verify")):
-                warn(note)
-    manifest = checked.manifest
-    expected = {e.path: e for e in manifest.files} if manifest is not None and verify and launch.distributed else {}
+    checked = check_source(tag_dir, verify=verify, hash_now=not launch.distributed)
+    for note in checked.warnings if launch.rank == 0 else []:
+        warn(note)
+    verified, expected = checked.level, checked.owed
     _check_now(tag_dir, expected, [n for n in expected if n == ".metadata"])  # every process parses it next
-    verified = checked.level if not launch.distributed or manifest is None else ("hash" if verify else "sizes")
     before = signatures(sorted(tag_dir / name for name in list_folder(tag_dir).files))
 
     ckpt = read_checkpoint(found.kind, tag_dir)
