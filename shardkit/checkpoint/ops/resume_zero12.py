@@ -41,18 +41,20 @@ from shardkit.checkpoint.ops.resume_state import (
     Zero3LoadResult,
     engine_precision,
     fit_to_current_optimizer,
+    loaded_result,
+    restore_run_state,
     run_preflight,
+    verify_manifest,
 )
-from shardkit.checkpoint.readers.zero12 import Zero12Layout, read_zero12, zero12_layout
+from shardkit.checkpoint.readers.zero12 import Zero12Layout, few, read_zero12, zero12_layout
 from shardkit.checkpoint.readers.zero12_run_state import base_optimizer_state, model_states, optim_states
 from shardkit.checkpoint.zero3.files import RANK_FILE, resolve_listed
-from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, client_state_keys
+from shardkit.checkpoint.zero3.layout import client_state_keys
 from shardkit.checkpoint.zero12.files import MODEL_FILE, is_zero12_folder
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.replace import replace_optimizer_state, summarize_moves
 from shardkit.storage.listing import FolderListing
-from shardkit.storage.manifest import MANIFEST_NAME
-from shardkit.storage.verify import check_resumable_distributed, refuse_links_leaving
+from shardkit.storage.verify import refuse_links_leaving
 
 if TYPE_CHECKING:
     import torch
@@ -117,9 +119,8 @@ def load_zero12_checkpoint(
     refuse_links_leaving(tag_dir, "load", listing)
     world = dist.get_world_size(group=opt.dp_process_group)
     rank = dist.get_rank(group=opt.dp_process_group)
-    if verify and (tag_dir / MANIFEST_NAME).is_file():
-        # every rank hashes its share of the files and all refuse a bad checkpoint with one message
-        check_resumable_distributed(tag_dir, world_size=world, engine="deepspeed", allow_reshard=True)
+    if verify:
+        verify_manifest(tag_dir, world)
     precision = engine_precision(engine)
     failure: BaseException | None = None
     try:
@@ -134,13 +135,7 @@ def load_zero12_checkpoint(
         opt.checkpoint_event_prologue()
     if module_values:
         engine.module.load_state_dict(module_values, strict=False)
-    engine.loaded_checkpoint_dp_world_size = ckpt.world_size
-    engine.loaded_checkpoint_mp_world_size = model_sd.get("mp_world_size", 1)
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and model_sd.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(model_sd["lr_scheduler"])
-    engine.global_steps = model_sd["global_steps"]
-    engine.global_samples = model_sd.get("global_samples", engine.global_steps * engine.train_batch_size())
-    engine.skipped_steps = model_sd["skipped_steps"]
+    restore_run_state(engine, model_sd, ckpt.world_size, load_lr_scheduler_states)
 
     state_list: list[Any] = [None] * world
     state_list[rank] = rank_sd
@@ -156,15 +151,8 @@ def load_zero12_checkpoint(
     if engine._optimizer_has_ckpt_event_epilogue():
         opt.checkpoint_event_epilogue()
 
-    result = Zero3LoadResult(
-        path=tag_dir, tag=tag_dir.name, saved_world_size=ckpt.world_size or 0, world_size=world,
-        client_state={k: v for k, v in model_sd.items() if k not in DEEPSPEED_MODEL_KEYS},
-        fp32_devices=[str(f.device) for f in opt.single_partition_of_fp32_groups],
-        state_devices=sorted({str(v.device) for f in opt.single_partition_of_fp32_groups
-                              for v in opt.optimizer.state.get(f, {}).values() if hasattr(v, "device")}),
-        kernel_replays=kernels,
-    )
-    result.notes.extend(_notes(ckpt, model_sd, engine, world, precision))
+    result = loaded_result(opt, opt.single_partition_of_fp32_groups, tag_dir, ckpt.world_size or 0, world, model_sd,
+                           kernels, _notes(ckpt, model_sd, engine, world, precision))
     # a client optimizer's param_group tensors stay where torch.load put them (load_checkpoint_resharded's reason)
     result.moves = replace_optimizer_state(engine.optimizer)
     if result.moves:
@@ -292,7 +280,7 @@ def _engine_shares(engine: Any, opt: Any, ckpt: TrainingCheckpoint, rank: int, w
             if name is None or name not in ckpt.weights:
                 raise CheckpointError(
                     f"parameter {name or tuple(p.shape)} (param group {g}) is trained by this engine but not in the "
-                    f"checkpoint {ckpt.folder} (its group {g} holds {_few(saved)}): not the same model. Nothing was "
+                    f"checkpoint {ckpt.folder} (its group {g} holds {few(saved, 3)}): not the same model. Nothing was "
                     "loaded; resume with the model that was saved")
             if name not in saved:
                 raise CheckpointError(
@@ -314,10 +302,6 @@ def _engine_shares(engine: Any, opt: Any, ckpt: TrainingCheckpoint, rank: int, w
                                   f"{world} partitions of {size}: a ZeRO-1/2 layout shardkit does not know")
         shares.append(_Share(g, rank * size, size, int(opt.groups_padding[g]), placed))
     return shares
-
-
-def _few(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f" ... ({len(names)})" if len(names) > 3 else "")
 
 
 def _module_values(engine: Any, ckpt: TrainingCheckpoint, strict: bool) -> dict[str, "torch.Tensor"]:
@@ -390,7 +374,7 @@ def _flat(ckpt: TrainingCheckpoint, share: _Share, key: str, dtype: "torch.dtype
             continue
         source = ckpt.tensor(name, key)
         if source.load is None and _held(source, lo - offset, hi - offset) != hi - lo:
-            # read_slice leaves zeros where no piece is: a file this rank did not parse (_source_ranks missed it)
+            # elements in a file this rank did not parse (_source_ranks missed it): named with the files parsed
             raise CheckpointError(f"{ckpt.folder}: elements [{lo - offset}, {hi - offset}) of {key} of {name} are not "
                                   f"all in the rank files this rank parsed ({ckpt.notes[0]}): an internal error; "
                                   "please report it with the folder's listing")

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.ops import resume_zero12
 from shardkit.checkpoint.ops.cpu_adam_kernel import KernelReplay, restore_cpu_adam_kernel_state
-from shardkit.checkpoint.ops.resume_state import Zero3LoadResult
+from shardkit.checkpoint.ops.resume_state import Zero3LoadResult, loaded_result, restore_run_state, verify_manifest
 from shardkit.checkpoint.ops.resume_state import engine_precision as _engine_precision
 from shardkit.checkpoint.ops.resume_state import fit_to_current_optimizer as _fit_to_current_optimizer
 from shardkit.checkpoint.ops.resume_zero3_state import model_state_for_rank, optim_state_for_rank
@@ -46,19 +46,14 @@ from shardkit.checkpoint.readers.zero3 import describe_zero3
 from shardkit.checkpoint.readers.zero3_open import open_zero3_layout
 from shardkit.checkpoint.readers.zero3_rank_values import check_rank_values
 from shardkit.checkpoint.zero3.checkpoint import Zero3Checkpoint
-from shardkit.checkpoint.zero3.layout import DEEPSPEED_MODEL_KEYS, partition_numel
+from shardkit.checkpoint.zero3.layout import partition_numel
 from shardkit.checkpoint.zero3.repartition import TargetLayout, client_state_note, layout_from_names
 from shardkit.core.deprecated import deprecated_alias
 from shardkit.core.errors import CheckpointError
 from shardkit.placement.preflight import preflight as placement_preflight
 from shardkit.placement.replace import replace_optimizer_state, summarize_moves
-from shardkit.storage.manifest import MANIFEST_NAME
 from shardkit.storage.tags import LATEST_NAME, read_latest
-from shardkit.storage.verify import (
-    check_resumable_distributed,
-    precision_naming_problem,
-    refuse_links_leaving,
-)
+from shardkit.storage.verify import precision_naming_problem, refuse_links_leaving
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -98,7 +93,7 @@ def load_checkpoint_resharded(
     # a link out of the tag folder is never read through, manifest or not (verify names it too)
     refuse_links_leaving(ckpt.tag_dir, "load", listing)
     if verify:
-        _verify_manifest(ckpt, dist.get_world_size(group=opt.dp_process_group))
+        verify_manifest(ckpt.tag_dir, dist.get_world_size(group=opt.dp_process_group))
     precision_note = _precision_note(ckpt, engine)
     layout = engine_layout(engine, ckpt)
     rank = dist.get_rank(group=opt.dp_process_group)
@@ -111,13 +106,7 @@ def load_checkpoint_resharded(
 
     model_sd = model_state_for_rank(ckpt, model, layout, rank)
     engine.load_module_state_dict(checkpoint=model_sd, strict=load_module_strict)
-    engine.loaded_checkpoint_dp_world_size = ckpt.world_size
-    engine.loaded_checkpoint_mp_world_size = model_sd.get("mp_world_size", 1)
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and model_sd.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(model_sd["lr_scheduler"])
-    engine.global_steps = model_sd["global_steps"]
-    engine.global_samples = model_sd.get("global_samples", engine.global_steps * engine.train_batch_size())
-    engine.skipped_steps = model_sd["skipped_steps"]
+    restore_run_state(engine, model_sd, ckpt.world_size, load_lr_scheduler_states)
 
     # At the saved world size this rank reads its own file: a custom optimizer's param_groups and
     # non-partition state (Prodigy's D statistics, computed from this rank's partition) are its own.
@@ -139,24 +128,9 @@ def load_checkpoint_resharded(
     if engine._optimizer_has_ckpt_event_epilogue():
         opt.checkpoint_event_epilogue()
 
-    result = Zero3LoadResult(
-        path=ckpt.tag_dir,
-        tag=ckpt.tag,
-        saved_world_size=ckpt.world_size,
-        world_size=layout.world_size,
-        client_state={k: v for k, v in model_sd.items() if k not in DEEPSPEED_MODEL_KEYS},
-        fp32_devices=[str(f.device) for f in opt.fp32_partitioned_groups_flat],
-        state_devices=sorted({str(v.device) for f in opt.fp32_partitioned_groups_flat
-                              for v in opt.optimizer.state.get(f, {}).values() if hasattr(v, "device")}),
-        kernel_replays=kernels,
-    )
-    note = client_state_note(ckpt.model_state, ckpt.world_size, layout.world_size)
-    if note:
-        result.notes.append(note)
-    if precision_note:
-        result.notes.append(precision_note)
-    if rank_values_note:
-        result.notes.append(rank_values_note)
+    result = loaded_result(opt, opt.fp32_partitioned_groups_flat, ckpt.tag_dir, ckpt.world_size, layout.world_size,
+                           model_sd, kernels, [client_state_note(ckpt.model_state, ckpt.world_size, layout.world_size),
+                                               precision_note, rank_values_note])
     # DeepSpeed places the fp32 partitions and torch's load_state_dict their state, but a client
     # optimizer's param_group tensors (prodigy-plus-schedule-free's running_d_*) stay where
     # torch.load put them, the CPU: re-place them first, or the preflight below blocks a healthy
@@ -234,16 +208,6 @@ def engine_layout(engine: Any, ckpt: Zero3Checkpoint) -> TargetLayout:
                 f"{layout.sub_group_numel(j)}; unknown ZeRO-3 layout"
             )
     return layout
-
-
-def _verify_manifest(ckpt: Zero3Checkpoint, world_size: int) -> None:
-
-    # The manifest test gives the same answer on every rank (one shared filesystem), so either all
-    # ranks enter the collective check or none does.
-    # Each rank hashes files[rank::world]: a corrupted file of the right size is refused by every
-    # rank with the same message, and the N ranks read the checkpoint once between them.
-    if (ckpt.tag_dir / MANIFEST_NAME).is_file():
-        check_resumable_distributed(ckpt.tag_dir, world_size=world_size, engine="deepspeed", allow_reshard=True)
 
 
 def _run_preflight(engine: Any) -> bool:
