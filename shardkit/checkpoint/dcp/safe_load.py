@@ -40,6 +40,7 @@ from shardkit.checkpoint.dcp.plain_metadata import (
 )
 from shardkit.core.errors import CheckpointError
 from shardkit.core.files import open_regular
+from shardkit.platform.dist import rank_world
 
 
 def _allowed_global(module: str, name: str) -> Any | None:
@@ -195,14 +196,8 @@ def load_dcp_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
             raise CheckpointError(f"rank {ours[0][0]}: {ours[0][1]}") from None
         rank, (first, _tb) = sorted(exc.failures.items())[0]
         if isinstance(first, Exception):  # an interrupt or exit inside a rank goes on as itself
-            raise _load_failure(p, rank, first, reader.reading if rank == _own_rank() else None) from None
+            raise _load_failure(p, rank, first, reader.reading if rank == rank_world()[0] else None) from None
         raise
-
-
-def _own_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _load_failure(p: Path, rank: int, first: Exception, reading: Any) -> CheckpointError:

@@ -62,8 +62,6 @@ class FsdpLayout:
     """The optimizer's files/folders (empty: saved without optimizer state)."""
     ranks: int | None
     """How many ranks wrote it, where the files tell (.distcp files, or rank files)."""
-    any_world_size: bool
-    """True when the Trainer resumes it at another world size as it is."""
 
 
 def _distcp_ranks(folder: Path) -> int | None:
@@ -88,15 +86,14 @@ def fsdp_layout(folder: Path) -> FsdpLayout | None:
         return [f"{n}/" if n in dirs else n for n in names]
 
     if model_dcp:
-        return FsdpLayout("SHARDED_STATE_DICT", shown(model_dcp), shown(optim_dcp),
-                          _distcp_ranks(dirs[model_dcp[0]]), any_world_size=True)
+        return FsdpLayout("SHARDED_STATE_DICT", shown(model_dcp), shown(optim_dcp), _distcp_ranks(dirs[model_dcp[0]]))
     if per_rank:
         return FsdpLayout(SHARDED_PER_RANK, per_rank, per_rank_optim,
-                          len({m.group(2) for n in per_rank if (m := _MODEL_PER_RANK.match(n))}), any_world_size=False)
+                          len({m.group(2) for n in per_rank if (m := _MODEL_PER_RANK.match(n))}))
     if local:
-        return FsdpLayout("LOCAL_STATE_DICT", local, shown(optim_dcp), len(local), any_world_size=False)
+        return FsdpLayout("LOCAL_STATE_DICT", local, shown(optim_dcp), len(local))
     if full:
-        return FsdpLayout("FULL_STATE_DICT", full, full_optim, None, any_world_size=True)
+        return FsdpLayout("FULL_STATE_DICT", full, full_optim, None)
     return None
 
 

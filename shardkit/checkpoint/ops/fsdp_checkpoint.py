@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit.checkpoint.dcp.plain_metadata import METADATA_NAME
 from shardkit.checkpoint.dcp.safe_load import load_dcp_state, read_dcp_metadata
+from shardkit.checkpoint.readers.zero3_rank_values import RankDisagreement, is_number
 from shardkit.checkpoint.writers.dcp import MODEL_KEY, OPTIM_KEY
 from shardkit.config.loading import config_digest
 from shardkit.core.errors import CheckpointError
@@ -57,14 +58,9 @@ def save_fsdp_checkpoint(
     in the manifest and returned by ``load_fsdp_checkpoint``. Returns the final tag directory.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     tag = tag or (f"step{step}" if step is not None else "checkpoint")
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
-    else:
-        state = {MODEL_KEY: get_model_state_dict(model)}
+    state = _state_dicts(model, optimizer)
     # Buffers named: `shardkit convert --to zero3` must tell a frozen parameter from a buffer, and
     # in a 1-rank save both are one unsplit tensor.
     buffers = [n for n, _ in model.named_buffers() if n in state[MODEL_KEY]]
@@ -74,10 +70,21 @@ def save_fsdp_checkpoint(
         per_rank = per_rank_param_group_values(optimizer)
         if per_rank:
             layout_extra[PER_RANK_GROUPS_KEY] = per_rank
-    facts = dict(step=step, dtype=_param_dtype(model), config_digest=config_digest(config), extra=layout_extra)
-    with atomic_checkpoint(root, tag, engine="fsdp2", **facts) as save:
+    with atomic_checkpoint(root, tag, engine="fsdp2", step=step, dtype=_param_dtype(model),
+                           config_digest=config_digest(config), extra=layout_extra) as save:
         dcp.save(state, checkpoint_id=str(save.path))
     return save.final
+
+
+def _state_dicts(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None") -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` from ``get_state_dict`` (sharded DTensor state keyed by parameter FQN),
+    the model's alone without an optimizer: what ``dcp.save`` writes, and the templates ``dcp.load`` fills."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {MODEL_KEY: get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
 
 
 def load_fsdp_checkpoint(
@@ -91,13 +98,7 @@ def load_fsdp_checkpoint(
     """Load a checkpoint ``save_fsdp_checkpoint`` wrote (root or tag dir) into this run's shards, at
     this run's world size (2 -> 1, 2 -> 3 ... DCP reshards). Collective. Returns the verified
     report; ``report.manifest.step`` and ``report.manifest.extra["user"]`` hold what was saved."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     _, world = rank_world()
     report = check_resumable_distributed(path, engine="fsdp2", world_size=world, checksums=checksums)
@@ -111,11 +112,7 @@ def load_fsdp_checkpoint(
     # The templates are this run's own shards: dcp.load fills them in place, reading from the
     # saved shards whatever world size wrote them. (get_state_dict also creates the optimizer's
     # state with a zero-lr step when it is empty, so there is somewhere to load into.)
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
-    else:
-        state = {MODEL_KEY: get_model_state_dict(model)}
+    state = _state_dicts(model, optimizer)
     load_dcp_state(state, report.tag_dir)  # never plain dcp.load: it unpickles .metadata unrestricted
     opts = StateDictOptions(strict=strict)
     # Separately, never set_state_dict(broadcast_from_rank0=True): that deadlocks when non-zero
@@ -178,13 +175,9 @@ def _encode(value: Any) -> tuple[str, str | None, Any] | None:
     as ``float.hex``: exact, NaN/inf included); None for anything else."""
     import torch
 
-    dtype = None
-    if torch.is_tensor(value):
-        if value.numel() != 1 or value.dtype == torch.bool or value.dtype.is_complex:
-            return None
-        dtype, value = str(value.dtype).removeprefix("torch."), value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         return None
+    dtype, value = (str(value.dtype).removeprefix("torch."), value.item()) if torch.is_tensor(value) else (None, value)
     return ("float", dtype, float(value).hex()) if isinstance(value, float) else ("int", dtype, int(value))
 
 
@@ -245,11 +238,9 @@ def restore_per_rank_param_group_values(optimizer: "torch.optim.Optimizer", per_
               for key, entry in per_rank.items()}
     if world != saved_world_size:
         if rank == 0:
-            shown = "; ".join(
-                f"param_groups[{k.split('.', 1)[0]}].{k.split('.', 1)[1]} (" + ", ".join(
-                    f"rank {r}: {_decode(e, v, None)!r}" for r, v in enumerate(e["values"][:4]))
-                + (f", ... ({len(e['values'])} ranks)" if len(e["values"]) > 4 else "") + ")"
-                for k, e in list(per_rank.items())[:8])
+            shown = "; ".join(RankDisagreement(f"param_groups[{places[k][0]}].{places[k][1]}",
+                                               [_decode(e, v, None) for v in e["values"]]).render()
+                              for k, e in list(per_rank.items())[:8])
             warnings.warn(
                 f"{where}: the {saved_world_size} saved ranks kept different values of {shown}; loading at world size "
                 f"{world}, every rank resumes with the one DCP saved (one saved rank's statistics cannot be mapped to "

@@ -58,7 +58,6 @@ def read_fsdp1_sharded(model_dir: Path) -> TrainingCheckpoint:
     optim_dir = model_dir.parent / f"{_OPTIM_ROOT}_{m.group(1) if m else 0}"
     if (optim_dir / METADATA_NAME).exists():
         _read_dcp_optimizer(optim_dir, ckpt)
-        tie_aliases(ckpt)
     else:
         ckpt.notes.append(f"no {optim_dir.name}/ beside {model_dir.name}/: saved without optimizer state")
     return ckpt
@@ -83,7 +82,6 @@ def read_fsdp1_full(folder: Path) -> TrainingCheckpoint:
     optim_file = folder / OPTIMIZER_FILE
     if optim_file.is_file():
         _read_full_optimizer(optim_file, ckpt)
-        tie_aliases(ckpt)
     else:
         ckpt.notes.append(f"no {OPTIMIZER_FILE} beside {MODEL_FILE}: saved without optimizer state")
     return ckpt
@@ -197,7 +195,8 @@ def refuse_ids(where: Path, keys: list[Any], weights: str) -> None:
 
 
 def finish_optimizer(ckpt: TrainingCheckpoint, where: Path, steps: dict[str, float], groups: list[dict[str, Any]]) -> None:
-    """Check the optimizer's entries against the weights and record the scalars."""
+    """Check the optimizer's entries against the weights, record the scalars and tie the aliases (every FSDP
+    optimizer reader ends here)."""
     for name, states in ckpt.optimizer.items():
         w = ckpt.weights.get(name)
         if w is None:
@@ -215,3 +214,4 @@ def finish_optimizer(ckpt: TrainingCheckpoint, where: Path, steps: dict[str, flo
     ckpt.frozen = {n for n in ckpt.weights if n not in named} if named else set()
     ckpt.optimizer_described = True
     ckpt.scalars.update(step=steps, param_groups=groups, source={"engine": "accelerate-fsdp", "format": ckpt.format})
+    tie_aliases(ckpt)

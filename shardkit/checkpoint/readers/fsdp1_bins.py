@@ -28,7 +28,7 @@ from shardkit.checkpoint.model.checkpoint import TrainingCheckpoint
 from shardkit.checkpoint.model.tensors import Piece, SourceTensor
 from shardkit.checkpoint.readers.deepspeed_scalars import step_value
 from shardkit.checkpoint.readers.dtensor_pickle import read_dtensor_file
-from shardkit.checkpoint.readers.fsdp1 import finish_optimizer, refuse_ids, tie_aliases, whole_tensor
+from shardkit.checkpoint.readers.fsdp1 import finish_optimizer, refuse_ids, whole_tensor
 from shardkit.checkpoint.readers.sharded_tensor_pickle import ShardedRef, read_sharded_file
 from shardkit.core.errors import CheckpointError
 from shardkit.storage.torch_load import TensorRef
@@ -93,7 +93,6 @@ def _read_bins(folder: Path, engine: _Engine) -> TrainingCheckpoint:
         return ckpt
     _require_ranks(engine, folder, present, world, lambda r: optim[r].name, "optimizer")
     _read_optimizer(engine, ckpt, optim)
-    tie_aliases(ckpt)
     return ckpt
 
 

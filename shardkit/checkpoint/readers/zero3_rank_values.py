@@ -35,7 +35,7 @@ class RankDisagreement:
     def numeric(self) -> bool:
         """Every rank holds a number (or a one-element numeric tensor): one rank's value is a state
         the optimizer really reached, so it can stand in for the others."""
-        return all(_is_number(v) for v in self.values)
+        return all(is_number(v) for v in self.values)
 
     def render(self, limit: int = 4) -> str:
         shown = ", ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(self.values[:limit]))
@@ -46,7 +46,8 @@ class RankDisagreement:
 _MISSING = object()
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """A number, or a one-element numeric tensor (what a per-rank value may be and still be kept per rank)."""
     import torch
 
     if torch.is_tensor(v):

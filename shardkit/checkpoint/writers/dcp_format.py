@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import math
 import os
 import uuid
 from collections import OrderedDict
@@ -69,10 +70,7 @@ class TensorItem:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 def itemsize(dtype: str) -> int:
@@ -161,11 +159,8 @@ class _StorageRef:
 
 def tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
     """``data.pkl`` of ``torch.save(tensor)`` for a contiguous tensor whose one record is ``data/0``."""
-    numel = 1
-    for d in shape:
-        numel *= d
     buf = io.BytesIO()
-    args: tuple[Any, ...] = (_StorageRef(dtype, numel), 0, tuple(shape), contiguous_strides(shape), False,
+    args: tuple[Any, ...] = (_StorageRef(dtype, math.prod(shape)), 0, tuple(shape), contiguous_strides(shape), False,
                              OrderedDict())
     _DcpPickler(buf, protocol=2, storage_ids=True).dump(_Reduce(torch_global("torch._utils", "_rebuild_tensor_v2"), args))
     return buf.getvalue()

@@ -60,10 +60,6 @@ class Zero3Checkpoint:
     """Rank 0's model_states dict as parsed (``TensorRef`` placeholders, buffers, counters, client state)."""
 
     @property
-    def root(self) -> Path:
-        return self.tag_dir.parent
-
-    @property
     def num_params(self) -> int:
         return sum(s.numel for s in self.slots)
 
