@@ -2,7 +2,7 @@
 a split run and the layouts nothing converts, resolve and verify the source, check the output folder,
 read the checkpoint model once, and refuse a reader that describes the weights only. Everything here
 runs before anything is written. (``--to fsdp2`` and ``--to zero3`` split across processes and hash
-the source while they write: their opening differs and stays theirs.)"""
+the source while they write: their verification differs; ``--to zero3`` shares ``locate``, the part before it.)"""
 
 from __future__ import annotations
 
@@ -52,21 +52,29 @@ def open_source(source: str | Path, output: str | Path, *, target: str, label: s
     if launch.distributed:
         raise UsageError(f"convert --to {target} runs in one process, and {launch.launcher} started {launch.world}: "
                          "run shardkit convert once, without srun/torchrun")
+    found, out_tag, root = locate(source, output, target=target, same_format=same_format, tag=tag, force=force)
+    checked = verify_before_reading(found.tag_dir, checksums=verify)  # also refuses a link out of it, manifest or not
+    for note in checked.warnings:
+        warn(note)
+    ckpt = read_checkpoint(found.kind, found.tag_dir)
+    refuse_weights_only(ckpt, found, target, f"and a {label} checkpoint needs {needs}")
+    return OpenedSource(found, out_tag, root, checked, ckpt)
+
+
+def locate(source: str | Path, output: str | Path, *, target: str, same_format: Callable[[Source], str | None],
+           tag: str | None, force: bool, rank: int = 0) -> tuple[Source, str, Path]:
+    """Where ``convert --to <target>`` reads and writes, before anything is verified or read: the source
+    (a layout nothing converts correctly, or one ``same_format`` refuses, exit 2), the output tag and root.
+    Only process ``rank`` 0 checks the output: the others write into the staging folder it claims after."""
     refuse_unsupported(source, f"convert --to {target}")  # a layout nothing converts correctly: before any tensor
     found = resolve_source(source)
     same = same_format(found)
     if same is not None:
         raise UsageError(same)
-    tag_dir = found.tag_dir
-    out_tag = output_tag(tag, source, tag_dir, tag_dir.name)
-    root = Path(output)
-    check_output_root(root, out_tag, tag_dir, force=force)
-    checked = verify_before_reading(tag_dir, checksums=verify)  # also refuses a link out of it, manifest or not
-    for note in checked.warnings:
-        warn(note)
-    ckpt = read_checkpoint(found.kind, tag_dir)
-    refuse_weights_only(ckpt, found, target, f"and a {label} checkpoint needs {needs}")
-    return OpenedSource(found, out_tag, root, checked, ckpt)
+    out_tag = output_tag(tag, source, found.tag_dir, found.tag_dir.name)
+    if rank == 0:
+        check_output_root(Path(output), out_tag, found.tag_dir, force=force)
+    return found, out_tag, Path(output)
 
 
 def refuse_weights_only(ckpt: TrainingCheckpoint, found: Source, target: str, why: str) -> None:

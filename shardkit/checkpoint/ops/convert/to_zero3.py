@@ -32,10 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from shardkit.checkpoint.layout.support import refuse_unsupported
 from shardkit.checkpoint.ops.convert.arguments import check_workers, check_world_size
 from shardkit.checkpoint.ops.convert.result import ConvertResult
-from shardkit.checkpoint.ops.convert.single_source import refuse_weights_only
+from shardkit.checkpoint.ops.convert.single_source import locate, refuse_weights_only
 from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     check_target_config,
     decide_precision,
@@ -44,7 +43,6 @@ from shardkit.checkpoint.ops.convert.to_zero3_plan import (
     source_precision,
     target_names,
 )
-from shardkit.checkpoint.ops.export.sources import resolve_source
 from shardkit.checkpoint.readers.registry import read_checkpoint
 from shardkit.checkpoint.writers.dcp_files import CONVERT
 from shardkit.checkpoint.writers.zero3 import RankStates, rank_file_workers, write_rank_files
@@ -56,11 +54,9 @@ from shardkit.storage.atomic import os_errors_named
 from shardkit.storage.listing import list_folder, lists_source_once
 from shardkit.storage.manifest import FileEntry, Manifest
 from shardkit.storage.pipeline import (
-    check_output_root,
     check_source,
     check_source_digests,
     hash_beside,
-    output_tag,
     warn_unverified,
 )
 from shardkit.storage.request import RunRequest, source_of
@@ -121,17 +117,11 @@ def convert_to_zero3(
                          "the training job")
     launch = launch or launch_from_env()
     warn = warn or warn_unverified
-    refuse_unsupported(source, "convert --to zero3")  # a layout nothing converts correctly: refused before anything is read
-    found = resolve_source(source)
+    found, tag, root = locate(source, output, target="zero3", tag=tag, force=force, rank=launch.rank,
+                              same_format=lambda f: None if f.kind != "zero3" else (
+                                  f"{f.tag_dir}: is a DeepSpeed ZeRO-3 checkpoint already; --to zero3 converts other "
+                                  f"formats. For another world size use `shardkit reshard {source} --world-size N -o OUT`"))
     tag_dir = found.tag_dir
-    if found.kind == "zero3":
-        raise UsageError(f"{tag_dir}: is a DeepSpeed ZeRO-3 checkpoint already; --to zero3 converts other formats. For "
-                         f"another world size use `shardkit reshard {source} --world-size N -o OUT`")
-    tag = output_tag(tag, source, tag_dir, tag_dir.name)
-    root = Path(output)
-    if launch.rank == 0:
-        # the others write into the staging folder process 0 claims after this check
-        check_output_root(root, tag, tag_dir, force=force)
     cfg = read_ds_config(ds_config)
     sub_group_size, precision = check_target_config(cfg)
     if options.get("sub_group_size") is not None:
