@@ -111,6 +111,13 @@ def _run_and_reap(plan: LaunchPlan, env: dict[str, str], subreaper: bool, report
         return 128 - code if code < 0 else code  # the launcher killed by a signal: as a shell reports it
     finally:
         lock_watch.stop()
+        if reports is not None:
+            # Read the reports still in flight first: a rank reports just before it exits, and the
+            # listener thread can still be reading its "failed" when the launcher's exit ends the wait.
+            # Judged before that, this node looked undecided, SIGTERM got its default action back, and
+            # the scheduler's stop of the step turned the node's exit 3 into 143 (seen on a loaded run
+            # of the two-node Slurm test: the failure line printed, then the job's ExitCode 143:0).
+            reports.close()
         decided = plan.rendezvous is not None and reports is not None and bool(reports.failures())
         for s, handler in previous.items():
             # Across nodes the scheduler stops every node's step once one node's launch has ended
