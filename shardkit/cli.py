@@ -161,7 +161,11 @@ def _close(ending: Ending, previous: object) -> None:
     ending is folded into it (143/130) before the JSON object is written, the object is written once,
     and SIGTERM's handler is put back. Raising ``Terminated`` after main returned would land in the
     interpreter's shutdown ('Exception ignored in atexit callback', exit 0); put back, a later SIGTERM
-    ends the process as it ends any program (status 143)."""
+    ends the process as it ends any program (status 143). Except where the command chose to ignore
+    SIGTERM because its status is decided (a launch node whose ranks failed their preflight, exit 3,
+    while the scheduler stops the job's other steps): that stays ignored until the process ends, since
+    put back, a SIGTERM landing in the interpreter's exit turned the node's 3 into 143 (seen under load
+    in the two-node Slurm test: the node printed its failure line, then Slurm recorded 143)."""
     import signal
 
     if previous is None or not hasattr(signal, "pthread_sigmask"):
@@ -177,7 +181,8 @@ def _close(ending: Ending, previous: object) -> None:
                 if ending.code not in (130, 143):
                     _stopped(ending, exc)
         ending.write(sys.stdout)
-        signal.signal(signal.SIGTERM, previous)  # type: ignore[arg-type]
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, previous)  # type: ignore[arg-type]
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 

@@ -6,7 +6,9 @@ SIGTERMed. A node that has decided (its ranks failed) ignores that SIGTERM, so t
 3:0. The decision was taken before the report listener had finished reading: a rank reports just
 before it exits, so the launcher's exit could end the wait while the listener thread was still in the
 middle of the "failed" line; the node then looked undecided, SIGTERM got its default action back, and
-the loaded two-node Slurm test saw ExitCode 143:0 after the node had printed its failure line.
+the loaded two-node Slurm test saw ExitCode 143:0 after the node had printed its failure line. With
+that fixed it saw 143:0 again: the CLI's last act put SIGTERM's previous handler (the default) back after
+the launch returned 3, and the SIGTERM landed in the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import textwrap
 import time
 
 from shardkit.autopreflight.launch_link import REPORT_ENV
+from shardkit.cli import _close
+from shardkit.commands._result import Ending, command_of, json_request
 from shardkit.run import launch_run
 from shardkit.run.launch_plan import LaunchPlan
 from shardkit.run.launch_reports import RankReports
@@ -62,3 +66,19 @@ def test_a_failed_report_still_being_read_when_the_launcher_exits_decides_the_no
     assert term_after == signal.SIG_IGN, (
         "the node's ranks failed, yet a SIGTERM from the scheduler would still kill it (exit 143 instead of 3): "
         f"SIGTERM's handler after the launch is {term_after!r}")
+
+
+def test_the_cli_leaves_a_decided_node_deaf_to_sigterm_until_the_process_ends():
+    words = ["launch", "--launcher", "torchrun", "train.py"]
+    ending = Ending(command_of(words), json_request(words))
+    ending.code = 3
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what the node set once its ranks' failure was read
+        _close(ending, signal.SIG_DFL)  # main()'s last act, the handler before the run being the default
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert after == signal.SIG_IGN, (
+        "main() put SIGTERM's default back after a decided launch: a SIGTERM during the interpreter's exit "
+        f"turns the node's exit 3 into 143 (handler after main: {after!r})")
